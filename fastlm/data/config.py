@@ -1,0 +1,44 @@
+"""Where training text comes from and how it is cut into packed sequences."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import Field
+
+from fastlm.config.base import ConfigModel
+
+
+class GeneratedSource(ConfigModel):
+    """A corpus the project writes itself (no downloads): templated sentences and arithmetic facts."""
+
+    type: Literal["generated"] = "generated"
+    num_documents: int = Field(4000, ge=2)
+    seed: int = 1234
+
+
+class TextSource(ConfigModel):
+    """A UTF-8 text file; documents are separated by blank lines."""
+
+    type: Literal["text"] = "text"
+    path: str
+
+
+class JsonlSource(ConfigModel):
+    """One JSON object per line: either `text_field`, or `prompt_field` + `completion_field` (SFT, prompt masked)."""
+
+    type: Literal["jsonl"] = "jsonl"
+    path: str
+    text_field: str = "text"
+    prompt_field: str | None = None
+    completion_field: str | None = None
+
+
+DataSource = Annotated[Union[GeneratedSource, TextSource, JsonlSource], Field(discriminator="type")]
+
+
+class DataConfig(ConfigModel):
+    source: DataSource = Field(default_factory=GeneratedSource)
+    seq_len: int = Field(128, ge=2, description="Tokens per packed row (documents are packed with ids).")
+    micro_batch_size: int = Field(8, ge=1)
+    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of documents held out for eval/loss.")

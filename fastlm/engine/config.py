@@ -1,0 +1,61 @@
+"""Optimizer, learning-rate schedule, training loop and distributed settings."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from fastlm.config.base import ConfigModel
+
+
+class OptimizerConfig(ConfigModel):
+    type: Literal["adamw"] = "adamw"
+    lr: float = Field(3e-3, gt=0.0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0.0)
+    weight_decay: float = Field(0.1, ge=0.0)
+    grad_clip: float | None = Field(1.0, gt=0.0, description="Max global grad norm; null disables clipping.")
+
+
+class ScheduleConfig(ConfigModel):
+    warmup_steps: int = Field(10, ge=0)
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final lr as a fraction of the peak.")
+
+
+class TrainerConfig(ConfigModel):
+    steps: int = Field(200, ge=1, description="Optimizer steps.")
+    grad_accumulation: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    eval_every: int = Field(50, ge=0, description="0 disables evaluation.")
+    eval_batches: int = Field(4, ge=1)
+    log_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(100, ge=0, description="0 writes only the final checkpoint.")
+    keep_checkpoints: int = Field(2, ge=1)
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 autocast on CUDA, fp32 on CPU.")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    nonfinite: Literal["skip_step", "stop"] = Field(
+        "skip_step", description="What to do with a non-finite loss or gradient."
+    )
+
+
+class DistributedConfig(ConfigModel):
+    data_parallel: Literal["ddp", "fsdp"] = "ddp"
+    tensor_parallel: int = Field(1, ge=1, description="Ranks sharing the vocab of the LM head.")
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+
+class RunSection(ConfigModel):
+    name: str = "fastlm"
+    output_dir: str = Field("runs/{name}", description="'{name}' is replaced by run.name.")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_name(self) -> "RunSection":
+        if not self.name or "/" in self.name:
+            raise ValueError(f"run.name {self.name!r} must be a non-empty name without '/'")
+        return self
+
+    @property
+    def directory(self) -> str:
+        return self.output_dir.replace("{name}", self.name)

@@ -1,0 +1,146 @@
+"""Loss children (discriminated by `type:`) and the monolithic loss they compose into.
+
+The math lives in ../shared/design/losses.md; this module only says what a user may configure and
+rejects combinations that no implementation can run.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import Field, model_validator
+
+from fastlm.config.base import ConfigModel
+
+
+class LossChildConfig(ConfigModel):
+    """Common to every child: weight 0 keeps the metrics and writes no gradient."""
+
+    weight: float = Field(1.0, ge=0.0, description="Multiplier of this child's loss; 0 = metrics only.")
+
+
+class CrossEntropyConfig(LossChildConfig):
+    type: Literal["cross_entropy"] = "cross_entropy"
+
+
+class ZLossConfig(LossChildConfig):
+    type: Literal["z_loss"] = "z_loss"
+    weight: float = Field(1e-4, ge=0.0)
+
+
+class _ClippedPolicyConfig(LossChildConfig):
+    eps_low: float = Field(0.2, gt=0.0, lt=1.0, description="Clip the ratio from below at 1 - eps_low.")
+    eps_high: float = Field(0.2, gt=0.0, description="Clip the ratio from above at 1 + eps_high.")
+
+
+class GRPOConfig(_ClippedPolicyConfig):
+    type: Literal["grpo"] = "grpo"
+
+
+class GSPOConfig(_ClippedPolicyConfig):
+    type: Literal["gspo"] = "gspo"
+    eps_low: float = Field(3e-4, gt=0.0, lt=1.0)
+    eps_high: float = Field(4e-4, gt=0.0)
+    normalization: Literal["sequence_mean", "length_proportional"] = Field(
+        "sequence_mean",
+        description=(
+            "sequence_mean: each document's loss once, divided by the number of documents (GSPO paper). "
+            "length_proportional: every token carries its document's loss, divided by the number of tokens."
+        ),
+    )
+
+
+class DistillationConfig(LossChildConfig):
+    type: Literal["distillation"] = "distillation"
+    temperature: float = Field(1.0, gt=0.0)
+    kl: Literal["forward", "reverse"] = Field(
+        "forward", description="forward: KL(teacher || student); reverse: KL(student || teacher)."
+    )
+    teacher_path: str | None = Field(
+        None, description="Checkpoint directory of the frozen teacher; None means the batch brings teacher logits."
+    )
+
+
+class DPOConfig(LossChildConfig):
+    type: Literal["dpo"] = "dpo"
+    beta: float = Field(0.1, gt=0.0)
+
+
+LossChild = Annotated[
+    Union[CrossEntropyConfig, ZLossConfig, GRPOConfig, GSPOConfig, DistillationConfig, DPOConfig],
+    Field(discriminator="type"),
+]
+MonolithicChild = Union[CrossEntropyConfig, ZLossConfig, GRPOConfig, GSPOConfig, DistillationConfig]
+
+# Children the fused Triton kernel covers (the label-based superposition set).
+TRITON_CHILD_TYPES: frozenset[str] = frozenset({"cross_entropy", "z_loss", "grpo", "gspo"})
+
+
+class MonolithicLossConfig(ConfigModel):
+    """The children that share one softmax, plus the numeric options of the head."""
+
+    children: dict[str, MonolithicChild]
+    use_triton: bool | None = None
+    logit_scale: float = 1.0
+    softcap: float | None = None
+    chunk_tokens: int = 4096
+
+    def of_type(self, kind: str) -> tuple[str, MonolithicChild] | None:
+        """The (name, config) of the child of this kind, if present (validation allows one per kind)."""
+        for name, child in self.children.items():
+            if child.type == kind:
+                return name, child
+        return None
+
+
+class LMHeadConfig(ConfigModel):
+    """The LM head: output projection options and the losses computed on its logits."""
+
+    losses: dict[str, LossChild] = Field(default_factory=lambda: {"cross_entropy": CrossEntropyConfig()})
+    use_triton: bool | None = Field(
+        None, description="true: require the fused kernel; null: Triton on CUDA when supported; false: compiled."
+    )
+    logit_scale: float = Field(1.0, gt=0.0, description="Logits are multiplied by this before the softmax.")
+    softcap: float | None = Field(None, gt=0.0, description="x = softcap * tanh(x / softcap) when set.")
+    chunk_tokens: int = Field(4096, ge=1, description="Tokens per chunk in the compiled path (bounds peak memory).")
+
+    @model_validator(mode="after")
+    def _check_children(self) -> "LMHeadConfig":
+        if not self.losses:
+            raise ValueError("at least one loss is needed; e.g. losses: {cross_entropy: {type: cross_entropy}}")
+        kinds: dict[str, str] = {}
+        for name, child in self.losses.items():
+            if child.type in kinds:
+                raise ValueError(
+                    f"losses '{kinds[child.type]}' and '{name}' are both of type '{child.type}'; "
+                    "keep one child of each type"
+                )
+            kinds[child.type] = name
+        if "dpo" in kinds and len(kinds) > 1:
+            others = sorted(n for n, c in self.losses.items() if c.type != "dpo")
+            raise ValueError(
+                f"dpo works on summed sequence log-probs and cannot share the softmax with {others}; "
+                "use dpo alone in losses"
+            )
+        if self.use_triton is True:
+            unsupported = sorted(f"{n} ({c.type})" for n, c in self.losses.items() if c.type not in TRITON_CHILD_TYPES)
+            if unsupported:
+                raise ValueError(
+                    f"use_triton: true, but the fused Triton kernel has no path for {unsupported}; "
+                    f"it supports {sorted(TRITON_CHILD_TYPES)}. Set use_triton: null or false"
+                )
+        return self
+
+    @property
+    def is_dpo(self) -> bool:
+        return any(child.type == "dpo" for child in self.losses.values())
+
+    def monolithic(self) -> MonolithicLossConfig:
+        """The shared-softmax part of this head (everything but DPO)."""
+        return MonolithicLossConfig(
+            children={n: c for n, c in self.losses.items() if c.type != "dpo"},
+            use_triton=self.use_triton,
+            logit_scale=self.logit_scale,
+            softcap=self.softcap,
+            chunk_tokens=self.chunk_tokens,
+        )
