@@ -116,3 +116,11 @@ class LossResult:
     loss: torch.Tensor
     losses: dict[str, torch.Tensor] = field(default_factory=dict)  # child name -> unweighted loss
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # "<child>/<metric>" -> value
+
+
+def transform_logits(logits: torch.Tensor, logit_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+    """x = s*z, or x = c*tanh(s*z/c) with a softcap: the logits every child (and the sampler) sees."""
+    scaled = logits * logit_scale if logit_scale != 1.0 else logits
+    if softcap is not None:
+        scaled = softcap * torch.tanh(scaled / softcap)
+    return scaled
