@@ -22,7 +22,4 @@ def cross_check(config: RunConfig) -> list[ConfigIssue]:
     if model.vocab_size % tp:
         issues.append(ConfigIssue("distributed.tensor_parallel", f"does not divide model.vocab_size ({model.vocab_size})",
                                   tp, hint="pick a tensor_parallel that divides the vocab (pad the vocab if needed)"))
-    if config.schedule.warmup_steps > config.trainer.steps:
-        issues.append(ConfigIssue("schedule.warmup_steps", f"longer than trainer.steps ({config.trainer.steps})",
-                                  config.schedule.warmup_steps, hint="lower warmup_steps"))
     return issues

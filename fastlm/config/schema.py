@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Any
+
+from pydantic import Field, model_validator
 
 from fastlm.config.base import ConfigModel
 from fastlm.data.config import DataConfig
@@ -20,3 +22,22 @@ class RunConfig(ConfigModel):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_variants(cls, data: Any) -> Any:
+        """A section given without `type:` means the default variant (llama model, generated data)."""
+        if isinstance(data, dict):
+            data = dict(data)
+            for section, key, default in (("model", None, "llama"), ("data", "source", "generated")):
+                node = data.get(section)
+                if key is not None:
+                    parent = node if isinstance(node, dict) else None
+                    node = parent.get(key) if parent else None
+                if isinstance(node, dict) and "type" not in node:
+                    filled = {"type": default, **node}
+                    if key is None:
+                        data[section] = filled
+                    else:
+                        data[section] = {**parent, key: filled}
+        return data

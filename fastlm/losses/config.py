@@ -6,7 +6,7 @@ rejects combinations that no implementation can run.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, model_validator
 
@@ -72,6 +72,7 @@ LossChild = Annotated[
 ]
 MonolithicChild = Union[CrossEntropyConfig, ZLossConfig, GRPOConfig, GSPOConfig, DistillationConfig]
 
+CHILD_TYPES: frozenset[str] = frozenset({"cross_entropy", "z_loss", "grpo", "gspo", "distillation", "dpo"})
 # Children the fused Triton kernel covers (the label-based superposition set).
 TRITON_CHILD_TYPES: frozenset[str] = frozenset({"cross_entropy", "z_loss", "grpo", "gspo"})
 
@@ -103,6 +104,19 @@ class LMHeadConfig(ConfigModel):
     logit_scale: float = Field(1.0, gt=0.0, description="Logits are multiplied by this before the softmax.")
     softcap: float | None = Field(None, gt=0.0, description="x = softcap * tanh(x / softcap) when set.")
     chunk_tokens: int = Field(4096, ge=1, description="Tokens per chunk in the compiled path (bounds peak memory).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _type_from_name(cls, data: Any) -> Any:
+        """`losses: {cross_entropy: {}}` needs no `type:` when the name is a type."""
+        if isinstance(data, dict) and isinstance(data.get("losses"), dict):
+            losses = {
+                name: {"type": name, **child} if isinstance(child, dict) and "type" not in child and name in CHILD_TYPES
+                else child
+                for name, child in data["losses"].items()
+            }
+            data = {**data, "losses": losses}
+        return data
 
     @model_validator(mode="after")
     def _check_children(self) -> "LMHeadConfig":

@@ -1,0 +1,83 @@
+"""`fastlm train | validate | print-config`: the one command users run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from fastlm.config.errors import ConfigError
+from fastlm.config.loader import dump_config, load_config
+from fastlm.config.schema import RunConfig
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML run config (may inherit others through `base:`)")
+    parser.add_argument("overrides", nargs="*", default=[], help="dotted.key=value overrides, values parsed as YAML")
+    parser.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="another override (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastlm", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train from a config")
+    _add_config_arguments(train)
+    train.add_argument("--dry-run", action="store_true", help="validate and report, train nothing, write nothing")
+    train.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    validate = commands.add_parser("validate", help="resolve and check a config, build the model on meta")
+    _add_config_arguments(validate)
+    show = commands.add_parser("print-config", help="print the fully resolved config as YAML")
+    _add_config_arguments(show)
+    return parser
+
+
+def describe_run(config: RunConfig) -> str:
+    """What a dry run reports: the model's size, memory estimate and the loss implementation."""
+    import torch
+
+    from fastlm.losses.dispatch import describe_implementation
+    from fastlm.models import build_model, count_parameters, estimate_memory
+
+    model = build_model(config.model, device="meta")
+    parameters = count_parameters(model)
+    memory = estimate_memory(config.model)
+    device = torch.device("cuda" if config.trainer.device != "cpu" and torch.cuda.is_available() else "cpu")
+    lines = [
+        f"model: {config.model.type}, {parameters:,} parameters ({parameters / 1e6:.2f} M)",
+        f"estimated training memory (params + grads + AdamW, fp32): {memory / 2**30:.3f} GiB",
+        f"loss: {describe_implementation(config.model.head, device)}",
+        f"run directory: {config.run.directory}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    overrides = [*args.overrides, *args.set_overrides]
+    try:
+        config = load_config(args.config, overrides)
+    except ConfigError as error:
+        print(error.render(), file=sys.stderr)
+        return 2
+    if args.command == "print-config":
+        print(dump_config(config), end="")
+        return 0
+    if args.command == "validate" or args.dry_run:
+        try:
+            report = describe_run(config)
+        except ConfigError as error:
+            print(error.render(), file=sys.stderr)
+            return 2
+        print(dump_config(config), end="")
+        print("---")
+        print(report)
+        print("config OK" + (" (dry run: nothing trained, nothing written)" if args.command == "train" else ""))
+        return 0
+    from fastlm.engine.launch import run_training
+
+    return run_training(config, resume=args.resume)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
