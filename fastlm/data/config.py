@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from fastlm.config.base import ConfigModel
 
@@ -32,6 +32,12 @@ class JsonlSource(ConfigModel):
     text_field: str = "text"
     prompt_field: str | None = None
     completion_field: str | None = None
+
+    @model_validator(mode="after")
+    def _check_fields(self) -> "JsonlSource":
+        if (self.prompt_field is None) != (self.completion_field is None):
+            raise ValueError("set both prompt_field and completion_field (SFT) or neither (plain text_field)")
+        return self
 
 
 DataSource = Annotated[Union[GeneratedSource, TextSource, JsonlSource], Field(discriminator="type")]

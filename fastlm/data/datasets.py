@@ -1,0 +1,155 @@
+"""Documents from a configured source, tokenized and packed into fixed rows with document ids.
+
+Every document becomes BOS + bytes + EOS. Documents are shuffled once by seed, split into train and
+eval, then laid end to end and cut into rows of seq_len + 1 tokens; a document crossing a row boundary
+is split, and each piece gets its own id (attention and labels never cross a piece boundary).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fastlm.data.config import DataSource, GeneratedSource, JsonlSource, TextSource
+from fastlm.data.corpus import generate_documents
+from fastlm.data.tokenizer import PAD, ByteTokenizer
+
+
+class DataError(ValueError):
+    """Bad training data; the message names the file (and line) to fix."""
+
+
+@dataclass(frozen=True)
+class Document:
+    """Token ids and, per token, whether it may be a training target (False for SFT prompts)."""
+
+    tokens: list[int]
+    target_mask: list[bool]
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """(rows, seq_len + 1) tensors: tokens, document-piece ids, and target flags (False = never a label)."""
+
+    tokens: torch.Tensor
+    document_ids: torch.Tensor
+    target_mask: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+
+def _text_document(tokenizer: ByteTokenizer, text: str) -> Document:
+    tokens = tokenizer.encode(text, bos=True, eos=True)
+    return Document(tokens, [True] * len(tokens))
+
+
+def _prompt_document(tokenizer: ByteTokenizer, prompt: str, completion: str) -> Document:
+    """BOS + prompt is never a target; the completion and EOS are."""
+    head = tokenizer.encode(prompt, bos=True)
+    tail = tokenizer.encode(completion, eos=True)
+    return Document(head + tail, [False] * len(head) + [True] * len(tail))
+
+
+def _read_text(path: Path) -> str:
+    if not path.is_file():
+        raise DataError(f"{path}: data file not found")
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise DataError(f"{path}: not valid UTF-8 at byte {error.start}") from error
+
+
+def _text_documents(source: TextSource, tokenizer: ByteTokenizer) -> list[Document]:
+    path = Path(source.path)
+    texts = [part.strip() for part in re.split(r"\n\s*\n", _read_text(path))]
+    documents = [_text_document(tokenizer, text) for text in texts if text]
+    if not documents:
+        raise DataError(f"{path}: no documents (the file is empty or only whitespace)")
+    return documents
+
+
+def _jsonl_field(record: dict, name: str, path: Path, line: int) -> str:
+    if name not in record:
+        raise DataError(f"{path} line {line}: missing field '{name}' (keys: {sorted(record)})")
+    value = record[name]
+    if not isinstance(value, str):
+        raise DataError(f"{path} line {line}: field '{name}' must be a string, got {type(value).__name__}")
+    return value
+
+
+def _jsonl_documents(source: JsonlSource, tokenizer: ByteTokenizer) -> list[Document]:
+    path = Path(source.path)
+    documents = []
+    for line_number, line in enumerate(_read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DataError(f"{path} line {line_number}: invalid JSON ({error.msg} at column {error.colno})") from error
+        if not isinstance(record, dict):
+            raise DataError(f"{path} line {line_number}: expected a JSON object, got {type(record).__name__}")
+        if source.prompt_field is not None and source.completion_field is not None:
+            prompt = _jsonl_field(record, source.prompt_field, path, line_number)
+            completion = _jsonl_field(record, source.completion_field, path, line_number)
+            documents.append(_prompt_document(tokenizer, prompt, completion))
+        else:
+            documents.append(_text_document(tokenizer, _jsonl_field(record, source.text_field, path, line_number)))
+    if not documents:
+        raise DataError(f"{path}: no documents (the file is empty)")
+    return documents
+
+
+def load_documents(source: DataSource, tokenizer: ByteTokenizer) -> list[Document]:
+    """Every document of the source, tokenized, in file (or generation) order."""
+    if isinstance(source, GeneratedSource):
+        return [_text_document(tokenizer, text) for text in generate_documents(source.num_documents, source.seed)]
+    if isinstance(source, TextSource):
+        return _text_documents(source, tokenizer)
+    if isinstance(source, JsonlSource):
+        return _jsonl_documents(source, tokenizer)
+    raise DataError(f"unknown data source type {type(source).__name__}")
+
+
+def split_documents(documents: list[Document], eval_fraction: float, seed: int) -> tuple[list[Document], list[Document]]:
+    """Shuffle by seed, hold out ceil(n * eval_fraction) documents for eval; train always keeps one."""
+    order = list(range(len(documents)))
+    random.Random(seed).shuffle(order)
+    held_out = min(math.ceil(len(documents) * eval_fraction), len(documents) - 1) if eval_fraction > 0 else 0
+    shuffled = [documents[i] for i in order]
+    return shuffled[held_out:], shuffled[:held_out]
+
+
+def pack_documents(documents: list[Document], seq_len: int) -> PackedRows:
+    """Lay documents end to end and cut rows of seq_len + 1 tokens; the last row is padded (never a target).
+
+    Piece ids are global and increasing: a new id starts at every document start and every row start.
+    """
+    if not documents:
+        raise DataError("cannot pack an empty list of documents")
+    width = seq_len + 1
+    tokens = [t for doc in documents for t in doc.tokens]
+    targets = [m for doc in documents for m in doc.target_mask]
+    doc_index = [i for i, doc in enumerate(documents) for _ in doc.tokens]
+    padding = -len(tokens) % width
+    tokens += [PAD] * padding
+    targets += [False] * padding
+    doc_index += [len(documents)] * padding
+    flat_doc = torch.tensor(doc_index, dtype=torch.int64)
+    starts = torch.ones_like(flat_doc, dtype=torch.bool)
+    starts[1:] = flat_doc[1:] != flat_doc[:-1]
+    starts[::width] = True
+    piece_ids = torch.cumsum(starts.long(), dim=0) - 1
+    return PackedRows(
+        tokens=torch.tensor(tokens, dtype=torch.int64).view(-1, width),
+        document_ids=piece_ids.view(-1, width),
+        target_mask=torch.tensor(targets, dtype=torch.bool).view(-1, width),
+    )

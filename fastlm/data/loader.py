@@ -1,0 +1,82 @@
+"""An endless, seeded, resumable stream of micro-batches over packed rows.
+
+Rows are drawn from a per-epoch permutation; a batch that runs past the end of an epoch continues in
+the next, so no row is dropped and tiny datasets still fill a batch. The state is two integers, which
+is what makes resume exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastlm.data.batch import Batch, batch_from_rows
+from fastlm.data.config import DataConfig
+from fastlm.data.datasets import PackedRows, load_documents, pack_documents, split_documents
+from fastlm.data.tokenizer import ByteTokenizer
+
+
+class BatchLoader:
+    """Yields `Batch`es of `batch_size` rows; `state_dict()` / `load_state_dict()` give exact resume."""
+
+    def __init__(self, rows: PackedRows, batch_size: int, seed: int, shuffle: bool = True):
+        if len(rows) == 0:
+            raise ValueError("BatchLoader needs at least one packed row")
+        self.rows = rows
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(len(self.rows))
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.rows), generator=generator)
+
+    def _next_index(self) -> int:
+        if self.position == len(self.rows):
+            self.epoch += 1
+            self.position = 0
+            self._order = self._permutation(self.epoch)
+        index = int(self._order[self.position])
+        self.position += 1
+        return index
+
+    def next_batch(self) -> Batch:
+        picks = torch.tensor([self._next_index() for _ in range(self.batch_size)])
+        return batch_from_rows(self.rows.tokens[picks], self.rows.document_ids[picks], self.rows.target_mask[picks])
+
+    def __iter__(self) -> "BatchLoader":
+        return self
+
+    def __next__(self) -> Batch:
+        return self.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "rows": len(self.rows)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue exactly where `state` was taken; refuse a state taken over different data."""
+        if state["rows"] != len(self.rows) or state["seed"] != self.seed:
+            raise ValueError(
+                f"loader state is for {state['rows']} rows / seed {state['seed']}, but this data has "
+                f"{len(self.rows)} rows / seed {self.seed}; the data or seed changed since the checkpoint"
+            )
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self._order = self._permutation(self.epoch)
+
+
+def build_loaders(config: DataConfig, seed: int, tokenizer: ByteTokenizer | None = None) -> tuple[BatchLoader, BatchLoader | None]:
+    """Train loader (shuffled) and eval loader (fixed order), or None for eval when nothing is held out."""
+    tokenizer = tokenizer or ByteTokenizer()
+    train_docs, eval_docs = split_documents(load_documents(config.source, tokenizer), config.eval_fraction, seed)
+    train = BatchLoader(pack_documents(train_docs, config.seq_len), config.micro_batch_size, seed)
+    evaluation = (
+        BatchLoader(pack_documents(eval_docs, config.seq_len), config.micro_batch_size, seed, shuffle=False)
+        if eval_docs
+        else None
+    )
+    return train, evaluation
