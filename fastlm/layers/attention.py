@@ -1,0 +1,97 @@
+"""Multi-head / grouped-query self-attention, always through `F.scaled_dot_product_attention`.
+
+Masking rule: with neither packed documents nor a sliding window the mask is `is_causal=True`
+(lets SDPA pick flash attention on GPU); otherwise a boolean (B, 1, S, S) mask "causal AND same
+document AND within the window" is built once per forward and shared by all layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastlm.layers.init import init_linear
+from fastlm.layers.rotary import apply_rotary
+
+Rotary = tuple[torch.Tensor, torch.Tensor]
+
+
+def attention_mask(
+    seq_len: int, positions: torch.Tensor | None, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean mask, True = may attend; None means plain causal (use `is_causal`).
+
+    `positions` (B, S) are the in-document positions of packed documents (see `document_positions`):
+    since documents are contiguous runs, key j is in query i's document iff 0 <= i - j <= positions[i].
+    The sliding window keeps the last `sliding_window` tokens including the query: i - j < window.
+    """
+    if positions is None and sliding_window is None:
+        return None
+    index = torch.arange(seq_len, device=device)
+    distance = index[:, None] - index[None, :]  # (S, S): query i, key j
+    allowed = (distance >= 0)[None]
+    if positions is not None:
+        allowed = allowed & (distance[None] <= positions[:, :, None])
+    if sliding_window is not None:
+        allowed = allowed & (distance < sliding_window)[None]
+    return allowed[:, None]
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float = 0.0
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v for q (B, Hq, S, D) and k, v (B, Hkv, S, D), Hq = g * Hkv.
+
+    The causal path passes `enable_gqa` (flash attention handles grouped heads natively); the masked
+    path repeats k/v per group first, because the memory-efficient kernel that takes a mask does not
+    accept `enable_gqa` and SDPA would fall back to the slow math kernel.
+    """
+    groups = q.shape[1] // k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=groups > 1)
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+class Attention(nn.Module):
+    """Fused qkv projection (q heads, then k heads, then v heads), optional RoPE, output projection."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        qkv_bias: bool,
+        out_bias: bool,
+        dropout: float,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = hidden_size // num_heads
+        self.dropout = dropout
+        q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
+        self.split_sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
+        self.out_proj = nn.Linear(q_size, hidden_size, bias=out_bias)
+
+    def forward(self, x: torch.Tensor, rotary: Rotary | None, mask: torch.Tensor | None) -> torch.Tensor:
+        """x (B, S, H) -> (B, S, H); rotary = (cos, sin) from `rotary_angles`, or None (GPT-2)."""
+        batch, seq_len, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        out = attend(q, k, v, mask, self.dropout if self.training else 0.0)
+        return self.out_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+    def reset_parameters(self, std: float, residual_std: float) -> None:
+        init_linear(self.qkv_proj, std)
+        init_linear(self.out_proj, residual_std)

@@ -1,0 +1,159 @@
+"""The decoder-only LM: embeddings -> pre-norm blocks -> final norm -> LM head (docs/architecture.md).
+
+One class covers both architectures; the config type picks the parts:
+GPT-2 = LayerNorm + learned positions + GELU MLP + biases; Llama = RMSNorm + RoPE + GQA + SwiGLU
+(Qwen2 adds qkv biases, Mistral a sliding window).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from fastlm.layers.attention import Attention, attention_mask
+from fastlm.layers.embedding import Embeddings, document_positions
+from fastlm.layers.mlp import GeluMLP, SwiGLUMLP
+from fastlm.layers.norm import build_norm
+from fastlm.layers.rotary import rotary_angles
+from fastlm.losses.spec import LossNormalizers, LossResult, LossTargets
+from fastlm.models.config import GPT2Config, LlamaConfig
+
+DecoderConfigType = GPT2Config | LlamaConfig
+
+
+class DecoderBlock(nn.Module):
+    """x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: DecoderConfigType) -> None:
+        super().__init__()
+        is_gpt2 = isinstance(config, GPT2Config)
+        norm_kind = "layernorm" if is_gpt2 else "rmsnorm"
+        self.attn_norm = build_norm(norm_kind, config.hidden_size, config.norm_eps)
+        self.attn = Attention(
+            config.hidden_size,
+            config.num_heads,
+            config.num_heads if is_gpt2 else config.kv_heads,
+            qkv_bias=is_gpt2 or config.qkv_bias,
+            out_bias=is_gpt2,
+            dropout=config.dropout,
+        )
+        self.mlp_norm = build_norm(norm_kind, config.hidden_size, config.norm_eps)
+        mlp_type = GeluMLP if is_gpt2 else SwiGLUMLP
+        self.mlp = mlp_type(config.hidden_size, config.ffn_size)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rotary, mask))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class DecoderLM(nn.Module):
+    """Decoder-only language model with the loss head attached (`forward` returns a `LossResult`)."""
+
+    def __init__(self, config: DecoderConfigType) -> None:
+        super().__init__()
+        from fastlm.layers.lm_head import LMHead  # lazy: the head module imports the losses stack
+
+        self.config = config
+        self.is_gpt2 = isinstance(config, GPT2Config)
+        self.embeddings = Embeddings(
+            config.vocab_size, config.hidden_size, config.max_seq_len if self.is_gpt2 else None, config.dropout
+        )
+        self.blocks = nn.ModuleList(DecoderBlock(config) for _ in range(config.num_layers))
+        self.final_norm = build_norm("layernorm" if self.is_gpt2 else "rmsnorm", config.hidden_size, config.norm_eps)
+        self.lm_head_weight = (
+            None if config.tie_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        )
+        self.head = LMHead(config.head)
+        self.init_weights()
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """(V, H) output projection: the token embedding when tied."""
+        return self.embeddings.tokens.weight if self.lm_head_weight is None else self.lm_head_weight
+
+    def init_weights(self) -> None:
+        """normal(0, init_std); residual output projections std / sqrt(2 * num_layers); norms 1, biases 0.
+
+        Call after `to_empty(device=...)` to materialise a model built on the meta device.
+        """
+        std = self.config.init_std
+        residual_std = std / math.sqrt(2 * self.config.num_layers)
+        self.embeddings.reset_parameters(std)
+        for block in self.blocks:
+            block.attn_norm.reset_parameters()
+            block.mlp_norm.reset_parameters()
+            block.attn.reset_parameters(std, residual_std)
+            block.mlp.reset_parameters(std, residual_std)
+        self.final_norm.reset_parameters()
+        if self.lm_head_weight is not None:
+            nn.init.normal_(self.lm_head_weight, mean=0.0, std=std)
+
+    def reset_parameters(self) -> None:
+        """Same as `init_weights` (the name torch's meta-device utilities look for)."""
+        self.init_weights()
+
+    def hidden_states(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, S) token ids [+ (B, S) document ids of packed rows] -> (B, S, H) after the final norm."""
+        _check_inputs(input_ids, document_ids, self.config.vocab_size)
+        seq_len = input_ids.shape[1]
+        doc_positions = None if document_ids is None else document_positions(document_ids)
+        positions = (
+            torch.arange(seq_len, device=input_ids.device)[None] if doc_positions is None else doc_positions
+        )
+        window = None if self.is_gpt2 else self.config.sliding_window
+        mask = attention_mask(seq_len, doc_positions, window, input_ids.device)
+        rotary = None if self.is_gpt2 else rotary_angles(positions, self.config.head_dim, self.config.rope_theta)
+        hidden = self.embeddings(input_ids, positions)
+        for block in self.blocks:
+            hidden = block(hidden, rotary, mask)
+        return self.final_norm(hidden)
+
+    def logits(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Raw head output z (B, S, V); `fastlm.losses.spec.transform_logits` gives what the softmax sees."""
+        return nn.functional.linear(self.hidden_states(input_ids, document_ids), self.output_weight)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: LossTargets,
+        normalizers: LossNormalizers,
+        document_ids: torch.Tensor | None = None,
+    ) -> LossResult:
+        """Hidden states flattened to (B*S, H), then the LM head computes every configured loss."""
+        hidden = self.hidden_states(input_ids, document_ids)
+        return self.head(hidden.reshape(-1, hidden.shape[-1]), self.output_weight, targets, normalizers)
+
+
+def _check_inputs(input_ids: torch.Tensor, document_ids: torch.Tensor | None, vocab_size: int) -> None:
+    """Clear errors for malformed inputs. The id range is checked on CPU only: on GPU it would cost a
+    host sync every step, and an out-of-range id there already fails loudly (device-side assert)."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+    if input_ids.device.type == "cpu" and input_ids.numel():
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"input_ids has values in [{low}, {high}] but vocab_size is {vocab_size}")
+    if document_ids is None:
+        return
+    if document_ids.shape != input_ids.shape:
+        raise ValueError(
+            f"document_ids shape {tuple(document_ids.shape)} must equal input_ids shape {tuple(input_ids.shape)}"
+        )
+    if document_ids.dtype.is_floating_point:
+        raise ValueError(f"document_ids must be an integer tensor, got {document_ids.dtype}")
+
+
+def build_model(config: DecoderConfigType, device: torch.device | str | None = None) -> DecoderLM:
+    """Build on `device` (default: torch's current default). On "meta" nothing is allocated: count the
+    parameters, or `model.to_empty(device=...)` then `model.init_weights()` to materialise."""
+    if device is None:
+        return DecoderLM(config)
+    with torch.device(device):
+        return DecoderLM(config)
