@@ -1,0 +1,242 @@
+"""The monolithic loss written once in PyTorch: one shared softmax for every child, chunked over tokens.
+
+Pass 1 (per chunk of `spec.chunk_tokens` tokens): upcast to fp32, transform the logits, and compute
+the per-token statistics (lse, new_logp, entropy; teacher lse and the KL for distillation). Then the
+eager middle (`label_children`: coefficients, the GSPO seam, losses, metrics) sees every token.
+Pass 2 (per chunk): recompute the softmax and write the gradient with respect to the raw logits,
+
+    dL/dx_tj = prob_coeff_t * p_tj - label_coeff_t * [j == y_t] + distillation term,
+
+times the chain rule of logit scaling/softcap, stored in the logits dtype.
+
+Distillation (q = softmax(teacher/T), student p untempered, coefficient k_t = w/N on unmasked tokens):
+- forward KL(q || p): d/dx_j = k_t * (p_j - q_j);
+- reverse KL(p || q) = sum_j p_j l_j with l_j = log p_j - log q_j:
+  d/dx_k = sum_j p_j (d_jk - p_k) l_j + sum_j p_j (d_jk - p_k) = p_k * (l_k - KL_t),
+  so d/dx_j = k_t * p_j * (log p_j - log q_j - KL_t).
+
+Tensor parallelism (vocab-parallel head, `group` given): the logits (and teacher logits) hold this
+rank's vocab shard, labels are global ids. Each chunk all-reduces the max (MAX), then the sums
+(sum-exp, sum exp*x, label logit, teacher sum-exp, KL cross term: SUM), so every rank sees global
+statistics and writes the gradient of its own shard.
+
+The per-chunk kernels run under `torch.compile(dynamic=True)` when `FASTLM_COMPILE` is "1", or by
+default ("auto") when the logits are on CUDA; "0" forces eager. A compile failure falls back to eager
+with a warning.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from fastlm.losses.coefficients import TokenStats, label_children
+from fastlm.losses.seam import safe_inverse
+from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets, transform_logits
+from fastlm.losses.validation import ProcessGroup, validate_loss_inputs, vocab_shard
+
+COMPILE_ENV = "FASTLM_COMPILE"
+
+
+def compile_wanted(device: torch.device) -> bool:
+    """FASTLM_COMPILE: "1" always, "0" never, "auto" (default) on CUDA only (CPU compiles are slow)."""
+    setting = os.environ.get(COMPILE_ENV, "auto").lower()
+    if setting not in ("auto", "0", "1"):
+        raise ValueError(f"{COMPILE_ENV} must be auto, 0 or 1, got {setting!r}")
+    return setting == "1" or (setting == "auto" and device.type == "cuda")
+
+
+class MaybeCompiled:
+    """An eager function plus its lazily built `torch.compile` twin; falls back to eager on failure."""
+
+    def __init__(self, function: Callable[..., torch.Tensor]) -> None:
+        self.eager = function
+        self._compiled: Callable[..., torch.Tensor] | None = None
+        self._failed = False
+
+    def __call__(self, *args: object) -> torch.Tensor:
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        if self._failed or not compile_wanted(device):
+            return self.eager(*args)
+        if self._compiled is None:
+            self._compiled = torch.compile(self.eager, dynamic=True)
+        try:
+            return self._compiled(*args)
+        except Exception as error:  # noqa: BLE001 - any backend failure means "run eager"
+            warnings.warn(f"torch.compile of {self.eager.__name__} failed ({error!r}); running eager", stacklevel=2)
+            self._failed = True
+            return self.eager(*args)
+
+
+def _upcast(tensor: torch.Tensor) -> torch.Tensor:
+    """fp32 math for 16-bit and fp32 inputs; float64 stays float64 (tests, debugging)."""
+    return tensor if tensor.dtype == torch.float64 else tensor.float()
+
+
+def _chunk_max(
+    z: torch.Tensor, teacher: torch.Tensor | None, scale: float, softcap: float | None, inv_temperature: float
+) -> torch.Tensor:
+    """(T, 1 or 2): local max of x (and of teacher/T), the first all-reduce."""
+    x = transform_logits(_upcast(z), scale, softcap)
+    if teacher is None:
+        return x.amax(-1, keepdim=True)
+    return torch.stack([x.amax(-1), (_upcast(teacher) * inv_temperature).amax(-1)], dim=-1)
+
+
+def _chunk_sums(
+    z: torch.Tensor,
+    teacher: torch.Tensor | None,
+    maxima: torch.Tensor,
+    local_label: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    inv_temperature: float,
+    reverse: bool,
+) -> torch.Tensor:
+    """(T, 3 or 5) additive sums under the global max: sum e, sum e*x, label logit[, sum e_q, KL cross term]."""
+    x = transform_logits(_upcast(z), scale, softcap)
+    e = torch.exp(x - maxima[:, :1])
+    hit = torch.arange(x.shape[-1], device=x.device) == local_label[:, None]
+    label_x = torch.where(hit, x, torch.zeros_like(x)).sum(-1)
+    sums = [e.sum(-1), (e * x).sum(-1), label_x]
+    if teacher is not None:
+        u = _upcast(teacher) * inv_temperature
+        e_q = torch.exp(u - maxima[:, 1:])
+        # reverse: sum_j p_j (x_j - u_j) * sum e; forward: sum_j q_j (u_j - x_j) * sum e_q
+        cross = (e * (x - u)).sum(-1) if reverse else (e_q * (u - x)).sum(-1)
+        sums += [e_q.sum(-1), cross]
+    return torch.stack(sums, dim=-1)
+
+
+def _chunk_grad(
+    z: torch.Tensor,
+    teacher: torch.Tensor | None,
+    local_label: torch.Tensor,
+    lse: torch.Tensor,
+    prob_coeff: torch.Tensor,
+    label_coeff: torch.Tensor,
+    teacher_lse: torch.Tensor,
+    kd_coeff: torch.Tensor,
+    kl: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    inv_temperature: float,
+    reverse: bool,
+) -> torch.Tensor:
+    """Gradient of the total loss wrt the raw logits z of one chunk, in z's dtype."""
+    x = transform_logits(_upcast(z), scale, softcap)
+    p = torch.exp(x - lse[:, None])
+    hit = torch.arange(x.shape[-1], device=x.device) == local_label[:, None]
+    grad = prob_coeff[:, None] * p - torch.where(hit, label_coeff[:, None], torch.zeros_like(p))
+    if teacher is not None:
+        log_q = _upcast(teacher) * inv_temperature - teacher_lse[:, None]
+        if reverse:
+            grad = grad + kd_coeff[:, None] * p * ((x - lse[:, None]) - log_q - kl[:, None])
+        else:
+            grad = grad + kd_coeff[:, None] * (p - torch.exp(log_q))
+    if softcap is not None:
+        grad = grad * (scale * (1.0 - (x / softcap).square()))
+    elif scale != 1.0:
+        grad = grad * scale
+    return grad.to(z.dtype)
+
+
+chunk_max = MaybeCompiled(_chunk_max)
+chunk_sums = MaybeCompiled(_chunk_sums)
+chunk_grad = MaybeCompiled(_chunk_grad)
+
+
+def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: ProcessGroup | None) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def compiled_loss(
+    logits: torch.Tensor,
+    targets: LossTargets,
+    normalizers: LossNormalizers,
+    spec: LossSpec,
+    *,
+    grad_scale: float = 1.0,
+    group: ProcessGroup | None = None,
+    compute_grad: bool = True,
+) -> tuple[LossResult, torch.Tensor | None]:
+    """Every child on one shared softmax; returns the detached result and d(loss*grad_scale)/d(logits)."""
+    mask = validate_loss_inputs(logits, targets, normalizers, spec, group)
+    with torch.no_grad():
+        return _compiled_loss(logits.detach(), targets, normalizers, spec, mask, grad_scale, group, compute_grad)
+
+
+def _compiled_loss(
+    logits: torch.Tensor,
+    targets: LossTargets,
+    normalizers: LossNormalizers,
+    spec: LossSpec,
+    mask: torch.Tensor,
+    grad_scale: float,
+    group: ProcessGroup | None,
+    compute_grad: bool,
+) -> tuple[LossResult, torch.Tensor | None]:
+    offset, _ = vocab_shard(logits, group)
+    local_label = torch.where(mask, targets.labels - offset, -1)
+    local_label = torch.where((local_label >= 0) & (local_label < logits.shape[-1]), local_label, -1)
+    distill = spec.distillation
+    teacher = targets.teacher_logits if distill is not None else None
+    inv_t = 1.0 / distill.temperature if distill is not None else 1.0
+    reverse = distill is not None and distill.reverse
+    numbers = (spec.logit_scale, spec.softcap, inv_t)
+    chunks = [slice(start, start + spec.chunk_tokens) for start in range(0, logits.shape[0], spec.chunk_tokens)]
+
+    stats = []
+    for rows in chunks:
+        chunk_teacher = None if teacher is None else teacher[rows]
+        maxima = _all_reduce(chunk_max(logits[rows], chunk_teacher, *numbers), dist.ReduceOp.MAX, group)
+        sums = chunk_sums(logits[rows], chunk_teacher, maxima, local_label[rows], *numbers, reverse)
+        stats.append(torch.cat([maxima, _all_reduce(sums, dist.ReduceOp.SUM, group)], dim=-1))
+    # columns: max[, teacher max], sum e, sum e*x, label logit[, sum e_q, KL cross term]
+    table = torch.cat(stats) if stats else logits.new_zeros((0, 4 if teacher is None else 7), dtype=torch.promote_types(logits.dtype, torch.float32))
+    sums = table[:, 1:] if teacher is None else table[:, 2:]
+    lse = table[:, 0] + torch.log(sums[:, 0])
+    token_stats = TokenStats(lse, sums[:, 2] - lse, lse - sums[:, 1] / sums[:, 0], mask)
+    children = label_children(token_stats, targets, normalizers, spec, grad_scale)
+    losses = dict(children.losses)
+
+    zero = torch.zeros((), device=logits.device)
+    teacher_lse, kl, kd_coeff = zero.expand(len(mask)), zero.expand(len(mask)), zero.expand(len(mask))
+    if distill is not None:
+        teacher_lse = table[:, 1] + torch.log(sums[:, 3])
+        cross = sums[:, 4] / (sums[:, 0] if reverse else sums[:, 3])
+        kl = cross - lse + teacher_lse if reverse else cross - teacher_lse + lse
+        kl = torch.where(mask, kl, zero)
+        per_token = safe_inverse(normalizers.tokens)
+        losses[distill.name] = kl.sum() * per_token
+        kd_coeff = mask.float() * (distill.weight * per_token * grad_scale)
+
+    weights = {child.name: child.weight for child in spec.children}
+    total = sum((weights[name] * value for name, value in losses.items()), zero)
+    result = LossResult(total, losses, children.metrics)
+    if not compute_grad:
+        return result, None
+
+    grad = torch.empty_like(logits)
+    grad_teacher = teacher if distill is not None and distill.weight != 0 else None
+    for rows in chunks:
+        grad[rows] = chunk_grad(
+            logits[rows],
+            None if grad_teacher is None else grad_teacher[rows],
+            local_label[rows],
+            lse[rows],
+            children.prob_coeff[rows],
+            children.label_coeff[rows],
+            teacher_lse[rows],
+            kd_coeff[rows],
+            kl[rows],
+            *numbers,
+            reverse,
+        )
+    return result, grad

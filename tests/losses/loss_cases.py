@@ -1,0 +1,131 @@
+"""Shared builders for the loss tests: seeded random inputs with masking, specs by short names,
+and the float64-reference comparison every fast path goes through."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from fastlm.losses.reference import _label_logp, reference_loss
+from fastlm.losses.spec import (
+    IGNORE_INDEX,
+    ClippedPolicySpec,
+    DistillationSpec,
+    GSPOSpec,
+    LossNormalizers,
+    LossResult,
+    LossSpec,
+    LossTargets,
+    WeightedSpec,
+)
+
+
+def make_spec(kinds: str, weights: dict[str, float] | None = None, **numbers: object) -> LossSpec:
+    """kinds: '+'-joined short names among ce, z, grpo, gspo, gspo_len, kd, kd_rev."""
+    weights = weights or {}
+    parts: dict[str, object] = {}
+    for kind in kinds.split("+"):
+        w = weights.get(kind, {"z": 0.1}.get(kind, 1.0))
+        if kind == "ce":
+            parts["cross_entropy"] = WeightedSpec("ce", w)
+        elif kind == "z":
+            parts["z_loss"] = WeightedSpec("z", w)
+        elif kind == "grpo":
+            parts["grpo"] = ClippedPolicySpec("grpo", w, 0.2, 0.25)
+        elif kind in ("gspo", "gspo_len"):
+            parts["gspo"] = GSPOSpec("gspo", w, 0.05, 0.08, kind == "gspo_len")
+        elif kind in ("kd", "kd_rev"):
+            parts["distillation"] = DistillationSpec("kd", w, 1.7, kind == "kd_rev")
+        else:
+            raise ValueError(kind)
+    return LossSpec(**parts, **numbers)
+
+
+def random_documents(tokens: int, generator: torch.Generator) -> torch.Tensor:
+    """Runs of 1..6 tokens with large, unsorted ids; one id reappears later (a document split in two)."""
+    ids = torch.empty(tokens, dtype=torch.int64)
+    start, pool = 0, torch.randperm(10 * tokens, generator=generator) + 7
+    run = 0
+    while start < tokens:
+        length = int(torch.randint(1, 7, (), generator=generator))
+        ids[start : start + length] = pool[run]
+        start, run = start + length, run + 1
+    ids[-2:] = ids[0]
+    return ids
+
+
+def seed_of(text: str) -> int:
+    """A seed stable across processes (str hash is salted per process)."""
+    return zlib.crc32(text.encode()) % 10_000
+
+
+def make_case(
+    seed: int,
+    tokens: int = 24,
+    vocab: int = 37,
+    dtype: torch.dtype = torch.float32,
+    masked: float = 0.3,
+    spec: LossSpec | None = None,
+) -> tuple[torch.Tensor, LossTargets, LossNormalizers]:
+    """Random logits (never zero), ~`masked` labels at -100, policy inputs near the current policy."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(tokens, vocab, generator=generator, dtype=torch.float64) * 2.0).to(dtype)
+    labels = torch.randint(0, vocab, (tokens,), generator=generator)
+    labels[torch.rand(tokens, generator=generator) < masked] = IGNORE_INDEX
+    document_ids = random_documents(tokens, generator)
+    new_logp = _label_logp(logits.double(), labels, spec.logit_scale if spec else 1.0, spec.softcap if spec else None)
+    old_logp = (new_logp + 0.3 * torch.randn(tokens, generator=generator, dtype=torch.float64)).float()
+    old_logp[labels == IGNORE_INDEX] = float("nan")  # masked tokens must never be read
+    per_document = torch.randn(int(document_ids.max()) + 1, generator=generator)
+    advantages = torch.randn(tokens, generator=generator) if spec is None or spec.gspo is None else per_document[document_ids]
+    teacher = torch.randn(tokens, vocab, generator=generator, dtype=torch.float64).to(dtype) * 1.5
+    targets = LossTargets(labels, old_logp, advantages, document_ids, teacher)
+    mask = labels != IGNORE_INDEX
+    normalizers = LossNormalizers(float(mask.sum()), float(document_ids[mask].unique().numel()))
+    return logits, targets, normalizers
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||a - b|| / ||b||. For a scalar the denominator is floored at 1 (the scale of a per-token loss
+    term): policy losses are means of O(1) terms of both signs and can cancel to ~1e-3, where fp32
+    rounding of the terms alone is ~1e-7 absolute. Tensors are floored at 1e-12 (zero reference)."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    floor = 1.0 if expected.ndim == 0 else 1e-12
+    return float((actual - expected).norm() / expected.norm().clamp(min=floor))
+
+
+def reference_with_grad(
+    logits: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec, grad_scale: float = 1.0
+) -> tuple[LossResult, torch.Tensor]:
+    """float64 reference result and d(grad_scale * loss)/d(logits) by autograd."""
+    leaf = logits.detach().double().requires_grad_(True)
+    double_targets = LossTargets(
+        targets.labels,
+        None if targets.old_logp is None else targets.old_logp.double(),
+        None if targets.advantages is None else targets.advantages.double(),
+        targets.document_ids,
+        None if targets.teacher_logits is None else targets.teacher_logits.double(),
+    )
+    result = reference_loss(leaf, double_targets, normalizers, spec)
+    (result.loss * grad_scale).backward()
+    return result, leaf.grad
+
+
+def compare(
+    name: str,
+    result: LossResult,
+    grad: torch.Tensor,
+    expected: LossResult,
+    expected_grad: torch.Tensor,
+    tolerance: float,
+) -> None:
+    """Assert every child's loss, the total and the gradient agree; print the relative errors."""
+    errors = {child: rel_err(value, expected.losses[child]) for child, value in result.losses.items()}
+    errors["total"] = rel_err(result.loss, expected.loss)
+    errors["grad"] = rel_err(grad, expected_grad)
+    print(f"{name}: " + ", ".join(f"{k}={v:.2e}" for k, v in errors.items()))
+    assert set(result.losses) == set(expected.losses)
+    assert torch.isfinite(grad).all()
+    bad = {k: v for k, v in errors.items() if not v <= tolerance}
+    assert not bad, f"{name}: relative errors above {tolerance}: {bad}"
