@@ -1,0 +1,98 @@
+"""MetricLogger: JSONL records, wandb offline run matching the JSONL, disabled wandb, rank gating, mode rules."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from fastlm.logging.config import LoggingConfig, WandbConfig
+from fastlm.logging.jsonl import read_metrics
+from fastlm.logging.logger import MetricLogger
+from fastlm.logging.progress import ProgressLine
+from fastlm.logging.wandb_sink import resolve_mode
+from wandb_records import read_wandb_run
+
+STEPS = [{"train/loss": 5.5 - i, "train/lr": 1e-3 * (i + 1), "train/tokens_per_second": 100.0 * i} for i in range(3)]
+
+
+def _log_all(logger: MetricLogger) -> None:
+    with logger:
+        for step, metrics in enumerate(STEPS, start=1):
+            logger.log(step, metrics)
+
+
+def test_jsonl_and_wandb_offline_agree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    config = LoggingConfig(wandb=WandbConfig(project="t", tags=["a"]), progress=False)
+    logger = MetricLogger(config, tmp_path, "unit", total_steps=3, run_config={"loss_implementation": "x"}, rank=0)
+    assert logger.wandb is not None and logger.wandb.mode == "offline"
+    _log_all(logger)
+
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(isinstance(r["time"], float) for r in records)
+    assert [{k: r[k] for k in STEPS[0]} for r in records] == STEPS
+
+    run_files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(run_files) == 1
+    history, wandb_config = read_wandb_run(run_files[0])
+    assert [{k: r[k] for k in STEPS[0]} | {"step": r["step"]} for r in history] == [
+        {k: r[k] for k in STEPS[0]} | {"step": r["step"]} for r in records
+    ]
+    assert wandb_config["loss_implementation"] == "x"
+
+
+def test_wandb_disabled_writes_no_wandb_dir(tmp_path: Path) -> None:
+    config = LoggingConfig(wandb=WandbConfig(enabled=False), progress=False)
+    _log_all(MetricLogger(config, tmp_path, "unit", total_steps=3, rank=0))
+    assert not (tmp_path / "wandb").exists()
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 3
+
+
+def test_only_rank_zero_writes(tmp_path: Path) -> None:
+    config = LoggingConfig(wandb=WandbConfig(enabled=False), progress=False)
+    _log_all(MetricLogger(config, tmp_path, "unit", total_steps=3, rank=1))
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_wandb_init_failure_keeps_jsonl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "no-such-mode")  # wandb rejects it at init
+    config = LoggingConfig(progress=False)
+    with pytest.warns(RuntimeWarning, match="wandb init failed"):
+        logger = MetricLogger(config, tmp_path, "unit", total_steps=3, rank=0)
+    _log_all(logger)
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 3
+
+
+def test_nonfinite_values_stay_strict_json(tmp_path: Path) -> None:
+    config = LoggingConfig(wandb=WandbConfig(enabled=False), progress=False)
+    with MetricLogger(config, tmp_path, "unit", total_steps=1, rank=0) as logger:
+        logger.log(1, {"train/loss": math.nan})
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert json.loads(line)["train/loss"] is None
+
+
+def test_mode_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    auto = WandbConfig()
+    assert resolve_mode(auto) == "offline"
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    assert resolve_mode(auto) == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert resolve_mode(auto) == "disabled"
+    assert resolve_mode(WandbConfig(mode="offline")) == "offline"
+
+
+def test_progress_line_plain_stream() -> None:
+    stream = io.StringIO()
+    progress = ProgressLine(total_steps=3, stream=stream)
+    progress.log(2, {"train/loss": 1.23456, "train/lr": 0.001, "train/tokens_per_second": 1234.0})
+    progress.log(3, {"other": 1.0})  # nothing to show: no line
+    progress.close()
+    assert stream.getvalue() == "step 2/3 | loss 1.2346 | lr 1.00e-03 | tok/s 1234\n"
