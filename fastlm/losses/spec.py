@@ -94,6 +94,9 @@ class LossTargets:
     advantages: torch.Tensor | None = None  # GRPO/GSPO: per token (GSPO: constant within a document)
     document_ids: torch.Tensor | None = None  # GSPO: int64, tokens of one document share an id
     teacher_logits: torch.Tensor | None = None  # distillation: (tokens, vocab), any float dtype
+    # DPO: (sequences,) summed log-probs under the frozen reference; sequences are document_ids in
+    # sorted order, and sequence 2k / 2k+1 are the chosen / rejected answer of pair k
+    reference_logps: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
