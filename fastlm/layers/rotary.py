@@ -21,10 +21,13 @@ def rotary_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, heads, S, D) by per-position angles cos/sin (B or 1, S, D/2); math in fp32."""
+    """Rotate x (B, heads, S, D) by per-position angles cos/sin (B or 1, S, D/2).
+
+    The math runs in at least fp32 (bf16 activations are upcast), in float64 for float64 inputs.
+    """
     half = x.shape[-1] // 2
-    x32 = x.float()
-    x1, x2 = x32[..., :half], x32[..., half:]
-    cos, sin = cos[:, None], sin[:, None]
+    compute = torch.promote_types(x.dtype, torch.float32)
+    x1, x2 = x[..., :half].to(compute), x[..., half:].to(compute)
+    cos, sin = cos[:, None].to(compute), sin[:, None].to(compute)
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return rotated.to(x.dtype)

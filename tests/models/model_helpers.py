@@ -1,0 +1,52 @@
+"""Shared helpers for the model tests (imported by name: pytest puts this folder on sys.path)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from fastlm.config.schema import RunConfig
+from fastlm.models.config import GPT2Config, LlamaConfig
+from fastlm.models.decoder import DecoderLM, build_model
+
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "presets"
+TINY_PRESETS = ("tiny-llama", "tiny-gpt2", "qwen2-tiny", "mistral-tiny")
+
+
+def load_preset(name: str) -> GPT2Config | LlamaConfig:
+    """The model section of a preset file, validated through the root schema like a real run."""
+    return RunConfig.model_validate(yaml.safe_load((PRESET_DIR / f"{name}.yaml").read_text())).model
+
+
+def make_model(config: GPT2Config | LlamaConfig, dtype: torch.dtype = torch.float64, seed: int = 0) -> DecoderLM:
+    """A CPU model in eval mode; the init is perturbed so norms and biases are not trivially 1 / 0."""
+    torch.manual_seed(seed)
+    model = build_model(config, device="cpu").to(dtype).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 1:
+                parameter.add_(0.1 * torch.randn_like(parameter))
+    return model
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| (detached)."""
+    actual, expected = actual.detach(), expected.detach()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def small_llama(**overrides: Any) -> LlamaConfig:
+    """A very small Llama config for exactness tests (float64, a few dozen tokens)."""
+    values: dict[str, Any] = dict(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                  intermediate_size=48, max_seq_len=64)
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+def small_gpt2(**overrides: Any) -> GPT2Config:
+    values: dict[str, Any] = dict(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, max_seq_len=64)
+    values.update(overrides)
+    return GPT2Config(**values)

@@ -1,0 +1,108 @@
+"""Attention against a naive float64 softmax(QK^T/sqrt(d) + mask)V, masks against loops, GQA against MHA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fastlm.layers.attention import Attention, attend, attention_mask
+from fastlm.layers.embedding import document_positions
+from model_helpers import relative_error
+
+DOCS = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 3, 3]])
+
+
+def naive_mask(document_ids: torch.Tensor | None, seq_len: int, window: int | None) -> torch.Tensor:
+    """Loop version: causal, same contiguous document, within the window (incl. the token itself)."""
+    batch = 1 if document_ids is None else document_ids.shape[0]
+    mask = torch.zeros(batch, 1, seq_len, seq_len, dtype=torch.bool)
+    for b in range(batch):
+        for i in range(seq_len):
+            for j in range(i + 1):
+                same = document_ids is None or bool((document_ids[b, j : i + 1] == document_ids[b, i]).all())
+                mask[b, 0, i, j] = same and (window is None or i - j < window)
+    return mask
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def test_document_positions_restart_per_contiguous_run() -> None:
+    ids = torch.tensor([[4, 4, 7, 7, 7, 4, 4], [1, 1, 1, 1, 1, 1, 1]])
+    expected = torch.tensor([[0, 1, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 5, 6]])
+    assert torch.equal(document_positions(ids), expected)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_attention_mask_matches_loop(with_docs: bool, window: int | None) -> None:
+    docs = DOCS if with_docs else None
+    seq_len = DOCS.shape[1]
+    positions = None if docs is None else document_positions(docs)
+    mask = attention_mask(seq_len, positions, window, torch.device("cpu"))
+    if docs is None and window is None:
+        assert mask is None  # the is_causal fast path
+        return
+    assert torch.equal(mask.expand(naive_mask(docs, seq_len, window).shape), naive_mask(docs, seq_len, window))
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("case", ["causal", "documents", "window", "documents+window"])
+def test_attend_matches_naive_float64(kv_heads: int, case: str) -> None:
+    torch.manual_seed(kv_heads)
+    batch, heads, seq_len, dim = 2, 4, DOCS.shape[1], 8
+    q = torch.randn(batch, heads, seq_len, dim, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(batch, kv_heads, seq_len, dim, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(batch, kv_heads, seq_len, dim, dtype=torch.float64, requires_grad=True)
+    docs = DOCS if "documents" in case else None
+    window = 4 if "window" in case else None
+    positions = None if docs is None else document_positions(docs)
+    mask = attention_mask(seq_len, positions, window, q.device)
+    weight = torch.randn(batch, heads, seq_len, dim, dtype=torch.float64)
+
+    out = attend(q, k, v, mask)
+    grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    ref = naive_attention(q, k, v, naive_mask(docs, seq_len, window))
+    ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
+
+    errors = [relative_error(out, ref)] + [relative_error(g, r) for g, r in zip(grads, ref_grads)]
+    print(f"attend {case} kv_heads={kv_heads}: rel err out/dq/dk/dv = {['%.2e' % e for e in errors]}")
+    assert max(errors) < 1e-12
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_gqa_equals_mha_with_repeated_kv_heads(with_docs: bool) -> None:
+    """A 4q/2kv attention equals a 4q/4kv one whose k/v projections repeat each kv head per group."""
+    torch.manual_seed(1)
+    hidden, heads, kv_heads, head_dim = 32, 4, 2, 8
+    gqa = Attention(hidden, heads, kv_heads, qkv_bias=True, out_bias=False, dropout=0.0).double()
+    mha = Attention(hidden, heads, heads, qkv_bias=True, out_bias=False, dropout=0.0).double()
+    with torch.no_grad():
+        gqa.qkv_proj.bias.normal_()
+        q_w, k_w, v_w = gqa.qkv_proj.weight.split(gqa.split_sizes)
+        q_b, k_b, v_b = gqa.qkv_proj.bias.split(gqa.split_sizes)
+
+        def repeat(t: torch.Tensor) -> torch.Tensor:
+            return t.view(kv_heads, head_dim, *t.shape[1:]).repeat_interleave(heads // kv_heads, 0).flatten(0, 1)
+
+        mha.qkv_proj.weight.copy_(torch.cat([q_w, repeat(k_w), repeat(v_w)]))
+        mha.qkv_proj.bias.copy_(torch.cat([q_b, repeat(k_b), repeat(v_b)]))
+        mha.out_proj.weight.copy_(gqa.out_proj.weight)
+    x = torch.randn(2, DOCS.shape[1], hidden, dtype=torch.float64)
+    positions = document_positions(DOCS) if with_docs else None
+    mask = attention_mask(DOCS.shape[1], positions, None, x.device)
+    error = relative_error(gqa(x, None, mask), mha(x, None, mask))
+    print(f"GQA vs repeated-kv MHA (documents={with_docs}): rel err {error:.2e}")
+    assert error < 1e-12
+
+
+def test_attention_rejects_heads_not_divisible() -> None:
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        Attention(32, 4, 3, qkv_bias=False, out_bias=False, dropout=0.0)

@@ -1,0 +1,98 @@
+"""Preset files: parse through the root schema, build on meta with the analytic parameter count, size helpers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from fastlm.models.build import count_parameters, estimate_memory, model_flops_per_token, num_parameters
+from fastlm.models.config import GPT2Config, LlamaConfig
+from fastlm.models.decoder import build_model
+from model_helpers import PRESET_DIR, TINY_PRESETS, load_preset, make_model
+
+PRESETS = sorted(path.stem for path in PRESET_DIR.glob("*.yaml"))
+
+
+def test_every_expected_preset_exists() -> None:
+    expected = {"tiny-llama", "tiny-gpt2", "gpt2-125m", "llama-350m", "llama-1b", "qwen2-tiny", "mistral-tiny"}
+    assert expected <= set(PRESETS)
+    for name in PRESETS:
+        first_line = (PRESET_DIR / f"{name}.yaml").read_text().splitlines()[0]
+        assert first_line.startswith("# "), f"{name}.yaml should start with a comment saying what it is"
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_builds_on_meta_with_analytic_count(name: str) -> None:
+    config = load_preset(name)
+    model = build_model(config, device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    assert count_parameters(model) == num_parameters(config)
+    assert estimate_memory(config) == 16 * num_parameters(config)
+
+
+def test_preset_shapes_match_their_names() -> None:
+    # GPT-2 small with vocab 50304: 124,475,904 parameters (the figure nanoGPT reports for this shape).
+    assert num_parameters(load_preset("gpt2-125m")) == 124_475_904
+    assert 0.33e9 < num_parameters(load_preset("llama-350m")) < 0.37e9
+    assert 0.95e9 < num_parameters(load_preset("llama-1b")) < 1.15e9
+    qwen, mistral = load_preset("qwen2-tiny"), load_preset("mistral-tiny")
+    assert isinstance(qwen, LlamaConfig) and qwen.qkv_bias
+    assert isinstance(mistral, LlamaConfig) and mistral.sliding_window
+    assert isinstance(load_preset("tiny-gpt2"), GPT2Config)
+
+
+def test_meta_model_materialises_with_the_documented_init() -> None:
+    config = load_preset("qwen2-tiny")
+    model = build_model(config, device="meta")
+    model.to_empty(device="cpu")
+    model.init_weights()
+    model.requires_grad_(False)
+    std, residual = config.init_std, config.init_std / math.sqrt(2 * config.num_layers)
+    block = model.blocks[0]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert abs(float(model.embeddings.tokens.weight.std()) - std) < 0.1 * std
+    assert abs(float(block.attn.qkv_proj.weight.std()) - std) < 0.1 * std
+    assert abs(float(block.attn.out_proj.weight.std()) - residual) < 0.1 * residual
+    assert abs(float(block.mlp.down_proj.weight.std()) - residual) < 0.1 * residual
+    assert torch.equal(block.attn.qkv_proj.bias, torch.zeros_like(block.attn.qkv_proj.bias))
+    assert torch.equal(model.final_norm.weight, torch.ones_like(model.final_norm.weight))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
+def test_flops_formula_matches_flop_counter(name: str) -> None:
+    """6*N_matmul: measured on the model's matmuls (norm weights and biases are elementwise, so
+    they are subtracted); the 12*L*H*S attention term: measured on an explicit QK^T / PV."""
+    config = load_preset(name)
+    model = make_model(config, dtype=torch.float32)
+    batch, seq_len = 2, 32
+    tokens = batch * seq_len
+    with FlopCounterMode(display=False) as counter:
+        model.logits(torch.randint(0, config.vocab_size, (batch, seq_len))).sum().backward()
+    elementwise = sum(p.numel() for p in model.parameters() if p.dim() == 1)
+    attention_term = 12.0 * config.num_layers * config.hidden_size * seq_len
+    matmul_term = model_flops_per_token(config, seq_len) - attention_term
+    assert counter.get_total_flops() / tokens == matmul_term - 6 * elementwise
+
+    heads, dim = config.num_heads, config.head_dim
+    q, k, v = (torch.randn(batch, heads, seq_len, dim, requires_grad=True) for _ in range(3))
+    with FlopCounterMode(display=False) as counter:
+        ((q @ k.transpose(-1, -2)).softmax(-1) @ v).sum().backward()
+    assert counter.get_total_flops() * config.num_layers / tokens == attention_term
+
+
+def test_sliding_window_caps_the_attention_flops() -> None:
+    config = load_preset("mistral-tiny")
+    window = config.sliding_window
+    unwindowed = config.model_copy(update={"sliding_window": None})
+    long = 4 * window
+    difference = model_flops_per_token(unwindowed, long) - model_flops_per_token(config, long)
+    assert difference == 12.0 * config.num_layers * config.hidden_size * (long - window)
+
+
+@pytest.mark.parametrize("name", TINY_PRESETS)
+def test_tiny_presets_are_cpu_sized(name: str) -> None:
+    config = load_preset(name)
+    assert config.vocab_size == 260 and config.num_layers == 2 and 64 <= config.hidden_size <= 128
