@@ -36,7 +36,7 @@ def describe_run(config: RunConfig) -> str:
     """What a dry run reports: the model's size, memory estimate and the loss implementation."""
     import torch
 
-    from fastlm.losses.dispatch import describe_implementation
+    from fastlm.layers.lm_head import LMHead
     from fastlm.models import build_model, count_parameters, estimate_memory
 
     model = build_model(config.model, device="meta")
@@ -46,7 +46,7 @@ def describe_run(config: RunConfig) -> str:
     lines = [
         f"model: {config.model.type}, {parameters:,} parameters ({parameters / 1e6:.2f} M)",
         f"estimated training memory (params + grads + AdamW, fp32): {memory / 2**30:.3f} GiB",
-        f"loss: {describe_implementation(config.model.head, device)}",
+        LMHead(config.model.head, device).describe(),
         f"run directory: {config.run.directory}",
     ]
     return "\n".join(lines)
