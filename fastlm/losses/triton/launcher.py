@@ -127,9 +127,7 @@ def _fused(
     return TokenStats(lse, new_logp, entropy, mask)
 
 
-def _reduce_stats(
-    launch: _Launch, mask: torch.Tensor, group: ProcessGroup | None
-) -> TokenStats:
+def _reduce_stats(launch: _Launch, mask: torch.Tensor, group: ProcessGroup | None) -> TokenStats:
     """Stats launch, then merge the shards' (max, sum-exp, label logit, shifted moment) over `group`."""
     maximum, sum_exp, label_logit, moment = (launch.vector() for _ in range(4))
     launch.run(MODE_STATS.value, (maximum, sum_exp, label_logit, moment), None)
