@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,6 +40,24 @@ def test_packed_documents_equal_documents_run_alone(kind: str) -> None:
     print(f"{kind}: packed vs alone rel err doc1 {errors[0]:.2e}, doc2 {errors[1]:.2e}")
     assert max(errors) < 1e-12
     assert relative_error(unpacked[:, 7:], hidden[:, 7:]) > 1e-3  # without ids the documents do mix
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_float32_model_matches_float64_copy(kind: str) -> None:
+    """The float32 model (the CPU training dtype) against the same weights in float64."""
+    model64 = make_model(CONFIGS[kind])
+    model32 = copy.deepcopy(model64).float()
+    tokens = torch.randint(0, 50, (2, 12))
+    document_ids = torch.tensor([[0] * 5 + [1] * 7, [2] * 12])
+    weight = torch.randn(2, 12, 50, dtype=torch.float64)
+    logits64, logits32 = model64.logits(tokens, document_ids), model32.logits(tokens, document_ids)
+    (logits64 * weight).sum().backward()
+    (logits32 * weight.float()).sum().backward()
+    errors = [relative_error(logits32.double(), logits64)] + [
+        relative_error(p32.grad.double(), p64.grad) for p32, p64 in zip(model32.parameters(), model64.parameters())
+    ]
+    print(f"{kind}: float32 vs float64 logits rel err {errors[0]:.2e}, worst grad rel err {max(errors[1:]):.2e}")
+    assert max(errors) < 1e-4
 
 
 def test_one_document_row_equals_no_document_ids() -> None:
