@@ -21,7 +21,8 @@ rank's vocab shard, labels are global ids. Each chunk all-reduces the max (MAX),
 statistics and writes the gradient of its own shard.
 
 The per-chunk kernels run under `torch.compile(dynamic=True)` when `FASTLM_COMPILE` is "1", or by
-default ("auto") when the logits are on CUDA; "0" forces eager. A compile failure falls back to eager
+default ("auto") when the logits are on CUDA; "0" forces eager. `FASTLM_COMPILE_BACKEND` picks the
+backend (default inductor). A compile failure falls back to eager
 with a warning.
 """
 
@@ -40,6 +41,7 @@ from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTarget
 from fastlm.losses.validation import ProcessGroup, validate_loss_inputs, vocab_shard
 
 COMPILE_ENV = "FASTLM_COMPILE"
+BACKEND_ENV = "FASTLM_COMPILE_BACKEND"  # torch.compile backend, default inductor ("aot_eager" compiles fast)
 
 
 def compile_wanted(device: torch.device) -> bool:
@@ -55,17 +57,18 @@ class MaybeCompiled:
 
     def __init__(self, function: Callable[..., torch.Tensor]) -> None:
         self.eager = function
-        self._compiled: Callable[..., torch.Tensor] | None = None
+        self._compiled: dict[str, Callable[..., torch.Tensor]] = {}
         self._failed = False
 
     def __call__(self, *args: object) -> torch.Tensor:
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
         if self._failed or not compile_wanted(device):
             return self.eager(*args)
-        if self._compiled is None:
-            self._compiled = torch.compile(self.eager, dynamic=True)
+        backend = os.environ.get(BACKEND_ENV, "inductor")
+        if backend not in self._compiled:
+            self._compiled[backend] = torch.compile(self.eager, dynamic=True, backend=backend)
         try:
-            return self._compiled(*args)
+            return self._compiled[backend](*args)
         except Exception as error:  # noqa: BLE001 - any backend failure means "run eager"
             warnings.warn(f"torch.compile of {self.eager.__name__} failed ({error!r}); running eager", stacklevel=2)
             self._failed = True

@@ -1,0 +1,84 @@
+"""Bad inputs raise ValueError naming the tensor, before any NaN can appear."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from loss_cases import make_case, make_spec, seed_of
+
+from fastlm.losses.compiled import compiled_loss
+from fastlm.losses.spec import LossNormalizers
+
+
+def _case(kinds: str):
+    spec = make_spec(kinds)
+    logits, targets, normalizers = make_case(seed_of("validation" + kinds), spec=spec)
+    return spec, logits, targets, normalizers
+
+
+def _first_unmasked(targets) -> int:
+    return int((targets.labels != -100).nonzero()[0, 0])
+
+
+def test_label_out_of_vocab() -> None:
+    spec, logits, targets, normalizers = _case("ce")
+    targets.labels[_first_unmasked(targets)] = logits.shape[1]
+    with pytest.raises(ValueError, match=r"targets.labels\[\d+\] = 37 is outside the vocabulary \[0, 37\)"):
+        compiled_loss(logits, targets, normalizers, spec)
+    targets.labels[_first_unmasked(targets)] = -5
+    with pytest.raises(ValueError, match="targets.labels"):
+        compiled_loss(logits, targets, normalizers, spec)
+
+
+@pytest.mark.parametrize("field", ["old_logp", "advantages"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_policy_inputs(field: str, value: float) -> None:
+    spec, logits, targets, normalizers = _case("grpo")
+    getattr(targets, field)[_first_unmasked(targets)] = value
+    with pytest.raises(ValueError, match=f"targets.{field} has a non-finite value"):
+        compiled_loss(logits, targets, normalizers, spec)
+
+
+@pytest.mark.parametrize(
+    "kinds,field,message",
+    [
+        ("grpo", "old_logp", "targets.old_logp is required"),
+        ("gspo", "advantages", "targets.advantages is required"),
+        ("gspo", "document_ids", "targets.document_ids is required"),
+        ("kd", "teacher_logits", "targets.teacher_logits is required"),
+    ],
+)
+def test_missing_inputs(kinds: str, field: str, message: str) -> None:
+    spec, logits, targets, normalizers = _case(kinds)
+    with pytest.raises(ValueError, match=message):
+        compiled_loss(logits, dataclasses.replace(targets, **{field: None}), normalizers, spec)
+
+
+def test_shape_mismatches() -> None:
+    spec, logits, targets, normalizers = _case("ce+grpo+kd")
+    with pytest.raises(ValueError, match="targets.labels must have shape"):
+        compiled_loss(logits, dataclasses.replace(targets, labels=targets.labels[:-1]), normalizers, spec)
+    with pytest.raises(ValueError, match="targets.old_logp must have shape"):
+        compiled_loss(logits, dataclasses.replace(targets, old_logp=targets.old_logp[:-1]), normalizers, spec)
+    with pytest.raises(ValueError, match="targets.teacher_logits must have the student's shape"):
+        compiled_loss(logits, dataclasses.replace(targets, teacher_logits=targets.teacher_logits[:, :-1]), normalizers, spec)
+    with pytest.raises(ValueError, match=r"logits must be \(tokens, vocab\)"):
+        compiled_loss(logits[None], targets, normalizers, spec)
+
+
+def test_bad_normalizers() -> None:
+    spec, logits, targets, _ = _case("gspo")
+    with pytest.raises(ValueError, match="normalizers.tokens"):
+        compiled_loss(logits, targets, LossNormalizers(0.0, 3.0), spec)
+    with pytest.raises(ValueError, match="normalizers.documents"):
+        compiled_loss(logits, targets, LossNormalizers(10.0, 0.0), spec)
+
+
+def test_masked_tokens_may_hold_anything() -> None:
+    """NaN old_logp and any label value are ignored where the label is -100 (make_case writes NaN there)."""
+    spec, logits, targets, normalizers = _case("grpo")
+    assert torch.isnan(targets.old_logp[targets.labels == -100]).all()
+    result, grad = compiled_loss(logits, targets, normalizers, spec)
+    assert torch.isfinite(result.loss) and torch.isfinite(grad).all()
