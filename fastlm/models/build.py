@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fastlm.models.config import GPT2Config, LlamaConfig
-
-DecoderConfigType = GPT2Config | LlamaConfig
+from fastlm.models.config import GPT2Config, LlamaConfig, ModelConfig
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -14,7 +12,7 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _layer_parameters(config: DecoderConfigType) -> int:
+def _layer_parameters(config: ModelConfig) -> int:
     """One decoder block, written out from the architecture (independent of the module code)."""
     hidden, ffn = config.hidden_size, config.ffn_size
     if isinstance(config, GPT2Config):
@@ -28,7 +26,7 @@ def _layer_parameters(config: DecoderConfigType) -> int:
     return 2 * hidden + attention + 3 * hidden * ffn  # two RMSNorm weights, SwiGLU gate/up/down
 
 
-def _embedding_parameters(config: DecoderConfigType) -> int:
+def _embedding_parameters(config: ModelConfig) -> int:
     """Token (+ learned position) embeddings and the untied output matrix, if any."""
     tokens = config.vocab_size * config.hidden_size
     positions = config.max_seq_len * config.hidden_size if isinstance(config, GPT2Config) else 0
@@ -36,13 +34,13 @@ def _embedding_parameters(config: DecoderConfigType) -> int:
     return tokens + positions + output
 
 
-def num_parameters(config: DecoderConfigType) -> int:
+def num_parameters(config: ModelConfig) -> int:
     """Analytic parameter count; must equal `count_parameters(build_model(config, "meta"))`."""
     final_norm = 2 * config.hidden_size if isinstance(config, GPT2Config) else config.hidden_size
     return config.num_layers * _layer_parameters(config) + _embedding_parameters(config) + final_norm
 
 
-def estimate_memory(config: DecoderConfigType, bytes_per_value: int = 4) -> int:
+def estimate_memory(config: ModelConfig, bytes_per_value: int = 4) -> int:
     """Bytes for parameters + gradients + AdamW's two moments, all fp32 by default (16 bytes/param).
 
     Activations are not included: they depend on batch shape, precision and recomputation.
@@ -50,7 +48,7 @@ def estimate_memory(config: DecoderConfigType, bytes_per_value: int = 4) -> int:
     return 4 * bytes_per_value * num_parameters(config)
 
 
-def model_flops_per_token(config: DecoderConfigType, seq_len: int) -> float:
+def model_flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward), PaLM appendix-B style:
 
         6 * N_matmul + 12 * num_layers * hidden_size * S_attn

@@ -18,15 +18,13 @@ from fastlm.layers.mlp import GeluMLP, SwiGLUMLP
 from fastlm.layers.norm import build_norm
 from fastlm.layers.rotary import rotary_angles
 from fastlm.losses.spec import LossNormalizers, LossResult, LossTargets
-from fastlm.models.config import GPT2Config, LlamaConfig
-
-DecoderConfigType = GPT2Config | LlamaConfig
+from fastlm.models.config import GPT2Config, ModelConfig
 
 
 class DecoderBlock(nn.Module):
     """x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: DecoderConfigType) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         is_gpt2 = isinstance(config, GPT2Config)
         norm_kind = "layernorm" if is_gpt2 else "rmsnorm"
@@ -54,7 +52,7 @@ class DecoderBlock(nn.Module):
 class DecoderLM(nn.Module):
     """Decoder-only language model with the loss head attached (`forward` returns a `LossResult`)."""
 
-    def __init__(self, config: DecoderConfigType) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         from fastlm.layers.lm_head import LMHead  # lazy: the head module imports the losses stack
 
@@ -150,7 +148,7 @@ def _check_inputs(input_ids: torch.Tensor, document_ids: torch.Tensor | None, vo
         raise ValueError(f"document_ids must be an integer tensor, got {document_ids.dtype}")
 
 
-def build_model(config: DecoderConfigType, device: torch.device | str | None = None) -> DecoderLM:
+def build_model(config: ModelConfig, device: torch.device | str | None = None) -> DecoderLM:
     """Build on `device` (default: torch's current default). On "meta" nothing is allocated: count the
     parameters, or `model.to_empty(device=...)` then `model.init_weights()` to materialise."""
     if device is None:
