@@ -49,6 +49,11 @@ class RunSection(ConfigModel):
     name: str = "fastlm"
     output_dir: str = Field("runs/{name}", description="'{name}' is replaced by run.name.")
     seed: int = 0
+    init_path: str | None = Field(
+        None,
+        description="Local HF checkpoint directory (config.json + *.safetensors) to start from; the model "
+        "section must match it (use `fastlm convert --from-hf DIR` to print the matching model YAML).",
+    )
 
     @model_validator(mode="after")
     def _check_name(self) -> "RunSection":
