@@ -1,0 +1,30 @@
+"""`fastlm train` after the config is valid: pick the trainer for the run, train, report."""
+
+from __future__ import annotations
+
+import sys
+
+from fastlm.config.schema import RunConfig
+from fastlm.engine.trainer import TrainSummary
+
+
+def run_training(config: RunConfig, resume: bool = False) -> int:
+    """Train to the end and print a one-line summary; the exit status for the CLI."""
+    from fastlm.engine.select import trainer_class_for
+
+    trainer = trainer_class_for(config)(config)
+    summary = trainer.train(resume=resume)
+    if trainer.rank in (None, 0):
+        print(describe_summary(summary), file=sys.stderr)
+    return 0
+
+
+def describe_summary(summary: TrainSummary) -> str:
+    def number(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.4f}"
+
+    return (
+        f"done: {summary.steps} steps, train/loss {number(summary.first_loss)} -> {number(summary.last_loss)}, "
+        f"eval/loss {number(summary.eval_loss)}, {summary.tokens_per_second:,.0f} tokens/s, "
+        f"{summary.skipped_steps} skipped steps; outputs in {summary.run_dir}"
+    )
