@@ -1,4 +1,4 @@
-"""`fastlm train | validate | print-config`: the one command users run."""
+"""`fastlm train | validate | print-config | convert`: the one command users run."""
 
 from __future__ import annotations
 
@@ -29,6 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(validate)
     show = commands.add_parser("print-config", help="print the fully resolved config as YAML")
     _add_config_arguments(show)
+    convert = commands.add_parser("convert", help="import / export Hugging Face checkpoints (config.json + safetensors)")
+    direction = convert.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--from-hf", metavar="DIR", help="HF checkpoint to import: prints the matching model YAML")
+    direction.add_argument("--to-hf", metavar="DIR", help="write the fastlm model given by --from as a HF checkpoint")
+    convert.add_argument("--to", metavar="DIR", help="with --from-hf: also write model.yaml + model.safetensors here")
+    convert.add_argument("--from", dest="from_fastlm", metavar="DIR",
+                         help="with --to-hf: a checkpoint (step, checkpoints or run folder) or a --to folder")
     return parser
 
 
@@ -54,6 +61,10 @@ def describe_run(config: RunConfig) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "convert":
+        from fastlm.models.hf import convert_command
+
+        return convert_command(args.from_hf, args.to, args.from_fastlm, args.to_hf)
     overrides = [*args.overrides, *args.set_overrides]
     try:
         config = load_config(args.config, overrides)

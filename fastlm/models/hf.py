@@ -249,7 +249,7 @@ def config_to_hf(config: DecoderConfigType) -> dict[str, Any]:
 
 def model_yaml(config: DecoderConfigType, init_path: str | None = None) -> str:
     """The `model:` section (head left to the run config) plus `run.init_path`, ready to paste or `base:`."""
-    document: dict[str, Any] = {"model": config.model_dump(mode="json", exclude={"head"})}
+    document: dict[str, Any] = {"model": {"type": config.type, **config.model_dump(mode="json", exclude={"head", "type"})}}
     if init_path is not None:
         document["run"] = {"init_path": init_path}
     return yaml.safe_dump(document, sort_keys=False)
@@ -496,3 +496,26 @@ def load_fastlm(source: str | Path) -> tuple[DecoderConfigType, StateDict]:
     if not weights.is_file():
         raise ConfigError(ConfigIssue("", f"{weights} is missing", source=str(path)))
     return config, load_file(str(weights), device="cpu")
+
+
+def convert_command(from_hf: str | None, to: str | None, from_fastlm: str | None, to_hf: str | None) -> int:
+    """`fastlm convert`: --from-hf DIR [--to DIR] imports (prints the model YAML), --from SRC --to-hf DIR exports."""
+    import sys
+
+    try:
+        if from_hf is not None:
+            if from_fastlm is not None:
+                raise ConfigError("--from is for --to-hf; with --from-hf use --to DIR")
+            model = import_hf(from_hf, "cpu")
+            print(model_yaml(model.config, str(Path(from_hf).resolve())), end="")
+            if to is not None:
+                print(f"# wrote {save_fastlm(model, to, str(Path(from_hf).resolve()))}", file=sys.stderr)
+            return 0
+        if from_fastlm is None or to is not None:
+            raise ConfigError("--to-hf DIR needs --from SRC (a checkpoint or a `convert --to` folder) and no --to")
+        config, state = load_fastlm(from_fastlm)
+        print(f"wrote {save_hf(config, state, to_hf)} ({hf_model_type(config)})")
+        return 0
+    except ConfigError as error:
+        print(error.render(), file=sys.stderr)
+        return 2
