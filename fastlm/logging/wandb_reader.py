@@ -1,6 +1,6 @@
-"""Read an offline wandb run file (`run-*.wandb`) back: LevelDB-style log records of protobuf `Record`s.
+"""Read an offline wandb run file (`run-*.wandb`) back without syncing: history rows and config.
 
-wandb 0.31 ships no reader for its own transaction log, so the tests parse it: a 7-byte header
+The file is wandb's transaction log (wandb 0.31 ships no public reader): a 7-byte header
 (":W&B", magic, version), then 32 KiB blocks of [crc32 (4) | length (2) | type (1) | payload] chunks,
 where type 1 is a whole record and 2/3/4 are the first/middle/last pieces of a split one.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2
@@ -43,12 +44,25 @@ def _payloads(raw: bytes) -> list[bytes]:
     return records
 
 
-def read_wandb_run(path: Path) -> tuple[list[dict[str, float]], dict[str, object]]:
+def _records(path: Path, timeout_s: float) -> list[wandb_internal_pb2.Record]:
+    """Every record, waiting (up to `timeout_s`) for the exit record: wandb's service process may still be
+    writing the file for a moment after `run.finish()` returns."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = []
+        for payload in _payloads(path.read_bytes()):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(payload)
+            records.append(record)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)
+
+
+def read_wandb_run(path: Path, timeout_s: float = 10.0) -> tuple[list[dict[str, float]], dict[str, object]]:
     """(history rows without wandb's own `_` keys, the run's config) of one offline run file."""
     history, config = [], {}
-    for payload in _payloads(path.read_bytes()):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(payload)
+    for record in _records(path, timeout_s):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             row = {}

@@ -1,0 +1,55 @@
+"""AdamW with decoupled weight decay on matrices only, and a warmup + decay learning-rate schedule.
+
+Decay is applied to parameters with two or more dimensions (linear and embedding matrices). Norm
+gains and biases are 1-D: shrinking them toward zero only fights the normalisation, so they get none.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fastlm.engine.config import OptimizerConfig, ScheduleConfig
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: >=2-D weights with `weight_decay`, 1-D params (norms, biases) without.
+
+    Tied weights appear once because `named_parameters` de-duplicates shared tensors.
+    """
+    decay, no_decay = [], []
+    for _, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            (decay if parameter.dim() >= 2 else no_decay).append(parameter)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        parameter_groups(model, config.weight_decay), lr=config.lr, betas=config.betas, eps=config.eps
+    )
+
+
+def lr_multiplier(step: int, total_steps: int, config: ScheduleConfig) -> float:
+    """Linear warmup to 1 over `warmup_steps`, then cosine/linear decay to `min_lr_ratio` at `total_steps`."""
+    if config.warmup_steps and step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.decay == "constant":
+        return 1.0
+    span = max(1, total_steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    if config.decay == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        shape = 1.0 - progress
+    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * shape
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, total_steps: int, config: ScheduleConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, config))

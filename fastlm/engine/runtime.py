@@ -1,0 +1,52 @@
+"""Process-level facts of a run: which device, which autocast, and the RNG state that resume restores."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Any
+
+import torch
+
+from fastlm.engine.config import TrainerConfig
+
+
+def select_device(config: TrainerConfig) -> torch.device:
+    """`auto` picks CUDA when present; asking for CUDA without one is an error, not a silent CPU run."""
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def autocast_dtype(config: TrainerConfig, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast for `bf16`, and for `auto` on CUDA; None means plain fp32."""
+    if config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def rng_state() -> dict[str, Any]:
+    """torch (CPU and every CUDA device) and python RNG states, in a form `torch.load(weights_only=True)` reads."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

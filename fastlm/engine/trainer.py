@@ -1,0 +1,275 @@
+"""The training loop: micro-batches -> one optimizer step with step-wide normalizers -> logs, eval, checkpoints.
+
+The step is split into overridable pieces so other engines (GRPO rollouts) can reuse the loop:
+`micro_batches()` decides what one step trains on, `forward_backward()` turns it into gradients and
+summed scalars, `optimizer_step()` clips, checks and applies them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastlm.config.checks import cross_check
+from fastlm.config.errors import ConfigError
+from fastlm.config.schema import RunConfig
+from fastlm.data.batch import Batch
+from fastlm.data.loader import build_loaders
+from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.engine.checkpoint import load_latest_checkpoint, save_checkpoint
+from fastlm.engine.optim import build_optimizer, build_scheduler
+from fastlm.engine.runtime import autocast, autocast_dtype, rng_state, seed_everything, select_device, set_rng_state
+from fastlm.logging.logger import MetricLogger
+from fastlm.losses.spec import LossNormalizers
+from fastlm.models.decoder import build_model
+
+CHECKPOINT_DIR = "checkpoints"
+
+
+class NonFiniteError(RuntimeError):
+    """Training met a non-finite loss or gradient with `trainer.nonfinite: stop`."""
+
+
+@dataclass
+class StepResult:
+    """One optimizer step, summed over its micro-batches (each LossResult is already its share of the mean)."""
+
+    loss: float
+    losses: dict[str, float]
+    metrics: dict[str, float]
+    tokens: int  # input tokens processed (throughput)
+    grad_norm: float = math.nan
+    skipped: bool = False
+
+
+@dataclass
+class TrainSummary:
+    steps: int
+    first_loss: float | None
+    last_loss: float | None
+    tokens_per_second: float
+    skipped_steps: int
+    eval_loss: float | None
+    run_dir: Path
+    losses: list[float] = field(default_factory=list)  # train/loss of every step this call ran
+
+
+def step_normalizers(batches: Iterable[Batch]) -> LossNormalizers:
+    """Unmasked labels and documents over every micro-batch of the step, counted before any forward."""
+    batches = list(batches)
+    return LossNormalizers(
+        tokens=float(sum(b.num_tokens for b in batches)), documents=float(sum(b.num_documents for b in batches))
+    )
+
+
+def _scalars(values: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {name: float(value) for name, value in values.items()}
+
+
+def _accumulate(total: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
+    for name, value in values.items():
+        total[name] = total[name] + value.detach() if name in total else value.detach()
+
+
+def loss_implementation(config: RunConfig, device: torch.device) -> str:
+    """The loss path dispatch will pick, in words (logged once to the wandb config)."""
+    from fastlm.losses.dispatch import describe_implementation, resolve_implementation
+
+    monolithic = config.model.head.monolithic()
+    if not monolithic.children:
+        return "dpo (sequence log-prob path)"
+    return describe_implementation(monolithic, resolve_implementation(monolithic, device), device)
+
+
+class Trainer:
+    """Builds everything from a `RunConfig`; `train()` runs (or resumes) to `trainer.steps`."""
+
+    def __init__(self, config: RunConfig, rank: int | None = None):
+        issues = cross_check(config)
+        if issues:
+            raise ConfigError(issues)
+        tokenizer = ByteTokenizer()
+        if tokenizer.vocab_size > config.model.vocab_size:
+            raise ConfigError(f"model.vocab_size {config.model.vocab_size} < tokenizer vocab {tokenizer.vocab_size}")
+        self.config = config
+        self.rank = rank
+        self.device = select_device(config.trainer)
+        self.amp_dtype = autocast_dtype(config.trainer, self.device)
+        seed_everything(config.run.seed)
+        self.model = build_model(config.model, device=self.device)
+        self.optimizer = build_optimizer(self.model, config.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, config.trainer.steps, config.schedule)
+        self.train_loader, eval_loader = build_loaders(config.data, config.run.seed, tokenizer)
+        self.eval_set = (
+            [eval_loader.next_batch() for _ in range(config.trainer.eval_batches)] if eval_loader is not None else []
+        )
+        self.run_dir = Path(config.run.directory)
+        self.checkpoint_dir = self.run_dir / CHECKPOINT_DIR
+        self.step = 0
+        self.skipped_steps = 0
+
+    # --- one step, in overridable pieces -------------------------------------------------------------
+    def micro_batches(self) -> list[Batch]:
+        """What this step trains on: `grad_accumulation` batches from the packed corpus."""
+        return [self.train_loader.next_batch() for _ in range(self.config.trainer.grad_accumulation)]
+
+    def forward_backward(self, batches: list[Batch]) -> StepResult:
+        """Backward every micro-batch against step-wide normalizers, so gradients add up to one big batch."""
+        normalizers = step_normalizers(batches)
+        if normalizers.tokens == 0:
+            raise ValueError("this step's micro-batches have no unmasked labels; check the data (all prompt?)")
+        loss_sum = torch.zeros((), device=self.device)
+        losses: dict[str, torch.Tensor] = {}
+        metrics: dict[str, torch.Tensor] = {}
+        for batch in batches:
+            batch = batch.to(self.device)
+            with autocast(self.device, self.amp_dtype):
+                result = self.model(batch.input_ids, batch.targets(), normalizers, batch.document_ids)
+            result.loss.backward()
+            loss_sum += result.loss.detach().float()
+            _accumulate(losses, result.losses)
+            _accumulate(metrics, result.metrics)
+        tokens = sum(b.input_ids.numel() for b in batches)
+        return StepResult(float(loss_sum), _scalars(losses), _scalars(metrics), tokens)
+
+    def optimizer_step(self, result: StepResult) -> None:
+        """Clip, then apply; a non-finite loss or gradient skips the update or stops the run."""
+        max_norm = self.config.optimizer.grad_clip or math.inf
+        result.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        if math.isfinite(result.loss) and math.isfinite(result.grad_norm):
+            self.optimizer.step()
+        elif self.config.trainer.nonfinite == "skip_step":
+            result.skipped = True
+            self.skipped_steps += 1
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            path = self.save()
+            raise NonFiniteError(
+                f"non-finite {'loss' if not math.isfinite(result.loss) else 'gradient norm'} at step {self.step + 1} "
+                f"(loss {result.loss}, grad_norm {result.grad_norm}); state before this step saved to {path}. "
+                "Lower optimizer.lr, enable optimizer.grad_clip, or set trainer.nonfinite: skip_step"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():  # a skipped first step trips torch's "scheduler before optimizer" hint
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+            self.scheduler.step()
+
+    def train_step(self) -> StepResult:
+        self.model.train()
+        result = self.forward_backward(self.micro_batches())
+        self.optimizer_step(result)
+        self.step += 1
+        return result
+
+    # --- evaluation, checkpoints ---------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Weighted total loss over the fixed held-out batches (one normaliser over all of them)."""
+        if not self.eval_set:
+            return None
+        self.model.eval()
+        normalizers = step_normalizers(self.eval_set)
+        total = torch.zeros((), device=self.device)
+        for batch in self.eval_set:
+            batch = batch.to(self.device)
+            with autocast(self.device, self.amp_dtype):
+                total += self.model(batch.input_ids, batch.targets(), normalizers, batch.document_ids).loss.float()
+        return float(total)
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "skipped_steps": self.skipped_steps,
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.train_loader.state_dict(),
+            "rng": rng_state(),
+        }
+
+    def save(self) -> Path:
+        return save_checkpoint(
+            self.checkpoint_dir,
+            self.step,
+            self.model,
+            self.optimizer,
+            self.state(),
+            self.config.model_dump(mode="json"),
+            self.config.trainer.keep_checkpoints,
+        )
+
+    def resume(self) -> None:
+        """Restore model, optimizer, schedule, data position and RNG from the newest good checkpoint."""
+        loaded = load_latest_checkpoint(self.checkpoint_dir)
+        loaded.load_model(self.model, self.device)
+        self.optimizer.load_state_dict(loaded.optimizer_state)
+        state = loaded.trainer_state
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.train_loader.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        self.skipped_steps = int(state["skipped_steps"])
+
+    # --- the loop --------------------------------------------------------------------------------------
+    def _log_record(self, result: StepResult, tokens_per_second: float) -> dict[str, float]:
+        record = {
+            "train/loss": result.loss,
+            **{f"train/loss/{name}": value for name, value in result.losses.items()},
+            **{f"train/{name}": value for name, value in result.metrics.items()},
+            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/grad_norm": result.grad_norm,
+            "train/tokens_per_second": tokens_per_second,
+            "train/step": float(self.step),
+        }
+        if self.config.trainer.nonfinite == "skip_step":
+            record["train/skipped_steps"] = float(self.skipped_steps)
+        return record
+
+    def _run_config(self) -> dict[str, Any]:
+        return {**self.config.model_dump(mode="json"), "loss_implementation": loss_implementation(self.config, self.device)}
+
+    def train(self, resume: bool = False) -> TrainSummary:
+        if resume:
+            self.resume()
+        trainer = self.config.trainer
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        losses: list[float] = []
+        eval_loss = None
+        total_tokens, start = 0, time.perf_counter()
+        window_tokens, window_start = 0, start
+        with MetricLogger(
+            self.config.logging, self.run_dir, self.config.run.name, trainer.steps, self._run_config(), self.rank
+        ) as logger:
+            while self.step < trainer.steps:
+                result = self.train_step()
+                losses.append(result.loss)
+                total_tokens += result.tokens
+                window_tokens += result.tokens
+                record: dict[str, float] = {}
+                if self.step % trainer.log_every == 0 or self.step == trainer.steps:
+                    now = time.perf_counter()
+                    record.update(self._log_record(result, window_tokens / max(now - window_start, 1e-9)))
+                    window_tokens, window_start = 0, now
+                if trainer.eval_every and (self.step % trainer.eval_every == 0 or self.step == trainer.steps):
+                    eval_loss = self.evaluate()
+                    if eval_loss is not None:
+                        record["eval/loss"] = eval_loss
+                logger.log(self.step, record)
+                if (trainer.checkpoint_every and self.step % trainer.checkpoint_every == 0) or self.step == trainer.steps:
+                    self.save()
+        elapsed = time.perf_counter() - start
+        return TrainSummary(
+            steps=self.step,
+            first_loss=losses[0] if losses else None,
+            last_loss=losses[-1] if losses else None,
+            tokens_per_second=total_tokens / max(elapsed, 1e-9),
+            skipped_steps=self.skipped_steps,
+            eval_loss=eval_loss,
+            run_dir=self.run_dir,
+            losses=losses,
+        )

@@ -1,0 +1,90 @@
+"""Trainer: the loss falls on the generated corpus, accumulation equals one big batch, non-finite handling."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from fastlm.config.schema import RunConfig
+from fastlm.engine.trainer import NonFiniteError, Trainer
+from fastlm.logging.jsonl import read_metrics
+from fastlm.logging.wandb_reader import read_wandb_run
+
+
+def test_tiny_llama_learns_and_logs(tiny_config: Callable[..., RunConfig], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    config = tiny_config(
+        "learn",
+        trainer={"steps": 30, "log_every": 5, "eval_every": 15},
+        logging={"wandb": {"enabled": True}},
+    )
+    summary = Trainer(config).train()
+    print(f"loss {summary.first_loss:.4f} -> {summary.last_loss:.4f}, eval {summary.eval_loss:.4f}")
+    assert summary.steps == 30 and len(summary.losses) == 30
+    assert summary.first_loss > 5.0  # ~ln(260) at init
+    assert summary.last_loss < summary.first_loss - 2.0
+    assert summary.eval_loss is not None and summary.eval_loss < 3.5
+
+    records = read_metrics(summary.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30]
+    expected = {"train/loss", "train/loss/cross_entropy", "train/lr", "train/grad_norm", "train/tokens_per_second",
+                "train/step", "train/skipped_steps"}
+    assert expected <= set(records[0])
+    assert "eval/loss" in records[2] and "eval/loss" not in records[0]
+    assert records[-1]["train/loss"] == summary.last_loss
+
+    (run_file,) = (summary.run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    history, wandb_config = read_wandb_run(run_file)
+    assert [row["step"] for row in history] == [r["step"] for r in records]
+    for row, record in zip(history, records):
+        assert set(row) == set(record) - {"time"}
+        assert all(row[k] == record[k] for k in row)
+    assert "loss_implementation" in wandb_config and "compiled" in str(wandb_config["loss_implementation"])
+
+
+def test_accumulation_equals_one_big_batch(tiny_config: Callable[..., RunConfig]) -> None:
+    no_clip = {"grad_clip": None}
+    accumulated = Trainer(tiny_config("acc", data={"micro_batch_size": 4}, optimizer=no_clip,
+                                      trainer={"steps": 1, "grad_accumulation": 2}))
+    big = Trainer(tiny_config("big", data={"micro_batch_size": 8}, optimizer=no_clip, trainer={"steps": 1}))
+    initial = [p.detach().clone() for p in big.model.parameters()]
+    first = accumulated.train()
+    second = big.train()
+    loss_error = abs(first.first_loss - second.first_loss) / abs(second.first_loss)
+    with torch.no_grad():
+        param_error = max(
+            float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+            for a, b in zip(accumulated.model.parameters(), big.model.parameters(), strict=True)
+        )
+    print(f"accumulation 2x4 vs 1x8: loss rel err {loss_error:.2e}, max param rel err {param_error:.2e}")
+    assert loss_error < 1e-6
+    assert param_error < 1e-6
+    assert not any(torch.equal(a, b) for a, b in zip(big.model.parameters(), initial))  # the step moved them
+
+
+def _poison(trainer: Trainer) -> None:
+    """A real non-finite state: a NaN in the final norm makes every logit (and the loss) NaN."""
+    with torch.no_grad():
+        trainer.model.final_norm.weight[0] = math.nan
+
+
+def test_nonfinite_skip_step(tiny_config: Callable[..., RunConfig]) -> None:
+    trainer = Trainer(tiny_config("skip", trainer={"steps": 3, "nonfinite": "skip_step"}))
+    _poison(trainer)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    summary = trainer.train()
+    assert summary.skipped_steps == 3
+    assert all(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip(trainer.model.parameters(), before))
+    records = read_metrics(summary.run_dir / "metrics.jsonl")
+    assert [r["train/skipped_steps"] for r in records] == [1, 2, 3]
+
+
+def test_nonfinite_stop_writes_checkpoint_and_raises(tiny_config: Callable[..., RunConfig]) -> None:
+    trainer = Trainer(tiny_config("stop", trainer={"steps": 3, "nonfinite": "stop"}))
+    _poison(trainer)
+    with pytest.raises(NonFiniteError, match="non-finite loss at step 1.*saved to"):
+        trainer.train()
+    assert (trainer.checkpoint_dir / "step-00000000" / "manifest.json").is_file()
