@@ -104,6 +104,10 @@ class Trainer:
         self.amp_dtype = autocast_dtype(config.trainer, self.device)
         seed_everything(config.run.seed)
         self.model = build_model(config.model, device=self.device)
+        if config.run.init_path is not None:  # a resume overwrites these weights with the checkpoint's
+            from fastlm.models.hf import load_hf_weights_into
+
+            load_hf_weights_into(self.model, config.run.init_path)
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.scheduler = build_scheduler(self.optimizer, config.trainer.steps, config.schedule)
         self.train_loader, eval_loader = build_loaders(config.data, config.run.seed, tokenizer)
@@ -240,21 +244,22 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         losses: list[float] = []
         eval_loss = None
-        total_tokens, start = 0, time.perf_counter()
-        window_tokens, window_start = 0, start
+        total_tokens, total_seconds = 0, 0.0  # throughput counts step time only (not eval, checkpoints, logging)
+        window_tokens, window_seconds = 0, 0.0
         with MetricLogger(
             self.config.logging, self.run_dir, self.config.run.name, trainer.steps, self._run_config(), self.rank
         ) as logger:
             while self.step < trainer.steps:
+                started = time.perf_counter()
                 result = self.train_step()
+                seconds = time.perf_counter() - started
                 losses.append(result.loss)
-                total_tokens += result.tokens
-                window_tokens += result.tokens
+                total_tokens, total_seconds = total_tokens + result.tokens, total_seconds + seconds
+                window_tokens, window_seconds = window_tokens + result.tokens, window_seconds + seconds
                 record: dict[str, float] = {}
                 if self.step % trainer.log_every == 0 or self.step == trainer.steps:
-                    now = time.perf_counter()
-                    record.update(self._log_record(result, window_tokens / max(now - window_start, 1e-9)))
-                    window_tokens, window_start = 0, now
+                    record.update(self._log_record(result, window_tokens / max(window_seconds, 1e-9)))
+                    window_tokens, window_seconds = 0, 0.0
                 if trainer.eval_every and (self.step % trainer.eval_every == 0 or self.step == trainer.steps):
                     eval_loss = self.evaluate()
                     if eval_loss is not None:
@@ -262,12 +267,11 @@ class Trainer:
                 logger.log(self.step, record)
                 if (trainer.checkpoint_every and self.step % trainer.checkpoint_every == 0) or self.step == trainer.steps:
                     self.save()
-        elapsed = time.perf_counter() - start
         return TrainSummary(
             steps=self.step,
             first_loss=losses[0] if losses else None,
             last_loss=losses[-1] if losses else None,
-            tokens_per_second=total_tokens / max(elapsed, 1e-9),
+            tokens_per_second=total_tokens / max(total_seconds, 1e-9),
             skipped_steps=self.skipped_steps,
             eval_loss=eval_loss,
             run_dir=self.run_dir,

@@ -88,3 +88,13 @@ def test_nonfinite_stop_writes_checkpoint_and_raises(tiny_config: Callable[..., 
     with pytest.raises(NonFiniteError, match="non-finite loss at step 1.*saved to"):
         trainer.train()
     assert (trainer.checkpoint_dir / "step-00000000" / "manifest.json").is_file()
+
+
+def test_init_path_starts_from_hf_weights(tiny_config: Callable[..., RunConfig], tmp_path) -> None:
+    from fastlm.models.hf import export_hf
+
+    source = Trainer(tiny_config("source", run={"seed": 7}))
+    export_hf(source.model, tmp_path / "hf")
+    started = Trainer(tiny_config("started", run={"init_path": str(tmp_path / "hf")}))
+    assert all(torch.equal(a, b) for a, b in zip(source.model.state_dict().values(),
+                                                 started.model.state_dict().values(), strict=True))
