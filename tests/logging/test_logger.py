@@ -96,3 +96,31 @@ def test_progress_line_plain_stream() -> None:
     progress.log(3, {"other": 1.0})  # nothing to show: no line
     progress.close()
     assert stream.getvalue() == "step 2/3 | loss 1.2346 | lr 1.00e-03 | tok/s 1234\n"
+
+
+def test_wandb_log_failure_warns_once_and_keeps_jsonl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = MetricLogger(LoggingConfig(progress=False), tmp_path, "unit", total_steps=3, rank=0)
+    assert logger.wandb is not None and logger.wandb.active
+    logger.wandb._run.finish()  # the run dies under us: wandb refuses further logs
+    with pytest.warns(RuntimeWarning, match="wandb log failed") as caught:
+        _log_all(logger)
+    assert len([w for w in caught if "wandb" in str(w.message)]) == 1
+    assert not logger.wandb.active
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 3
+
+
+class _Terminal(io.StringIO):
+    """An in-memory stream that reports itself as a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_line_redraws_in_place_on_a_terminal() -> None:
+    stream = _Terminal()
+    progress = ProgressLine(total_steps=2, stream=stream)
+    progress.log(1, {"train/loss": 10.0})
+    progress.log(2, {"train/loss": 2.0})
+    progress.close()
+    assert stream.getvalue() == "\rstep 1/2 | loss 10.0000\rstep 2/2 | loss 2.0000 \n"
