@@ -189,7 +189,7 @@ def _sliding_window(reader: _Reader, model_type: str, num_layers: Any) -> int | 
         return None
     if kinds == {"sliding_attention"} and window is not None:
         return window
-    key = "max_window_layers" if model_type == "qwen2" and "layer_types" not in reader.hf else "layer_types"
+    key = "max_window_layers" if model_type == "qwen2" and reader.hf.get("layer_types") is None else "layer_types"
     reader.fail(key, "fastlm applies one attention pattern (full or one sliding window) to every layer",
                 reader.hf.get(key, layer_types), "use the same attention type for all layers")
     return None
