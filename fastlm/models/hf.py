@@ -122,6 +122,7 @@ def _gpt2_fields(reader: _Reader) -> dict[str, Any]:
     reader.expect("scale_attn_weights", (True,), "attention is always scaled by 1/sqrt(head_dim)")
     reader.expect("scale_attn_by_inverse_layer_idx", (False,), "no per-layer attention scaling")
     reader.expect("add_cross_attention", (False,), "decoder-only, no cross-attention")
+    # reorder_and_upcast_attn is accepted: it only changes mixed-precision rounding, not the math
     rates = {key: reader.get(key) for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
     if len(set(rates.values())) > 1:
         reader.fail("attn_pdrop", "fastlm has one model.dropout for embeddings, residuals and attention",
@@ -205,7 +206,7 @@ def hf_model_type(config: DecoderConfigType) -> str:
     return "mistral" if config.sliding_window else "llama"
 
 
-def config_to_hf(config: DecoderConfigType) -> dict[str, Any]:
+def config_to_hf(config: DecoderConfigType, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The config.json of the HF model that computes the same logits; `ConfigError` if none does."""
     issues = []
     head = config.head
@@ -220,7 +221,8 @@ def config_to_hf(config: DecoderConfigType) -> dict[str, Any]:
     if issues:
         raise ConfigError(issues)
     model_type = hf_model_type(config)
-    common = {"architectures": [_ARCHITECTURES[model_type]], "model_type": model_type, "dtype": "float32",
+    common = {"architectures": [_ARCHITECTURES[model_type]], "model_type": model_type,
+              "dtype": str(dtype).removeprefix("torch."),
               "vocab_size": config.vocab_size, "initializer_range": config.init_std,
               "tie_word_embeddings": config.tie_embeddings,
               **{key: token for key, token in (("bos_token_id", BOS), ("eos_token_id", EOS), ("pad_token_id", PAD))
@@ -429,6 +431,8 @@ def check_matches(config: DecoderConfigType, expected: DecoderConfigType, source
 def load_hf_weights_into(model: DecoderLM, directory: str | Path) -> None:
     """Overwrite `model`'s weights with a local HF checkpoint (after checking the architectures match);
     values are cast to the model's dtype and device."""
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("load_hf_weights_into needs a materialised model; build it on a real device, not 'meta'")
     source = str(Path(directory) / CONFIG_FILE)
     expected = config_from_hf(read_hf_config(directory), source)
     check_matches(model.config, expected, source)
@@ -451,7 +455,7 @@ def import_hf(directory: str | Path, device: torch.device | str | None = None) -
 
 def save_hf(config: DecoderConfigType, state: Mapping[str, torch.Tensor], directory: str | Path) -> Path:
     """Write config.json + model.safetensors that transformers' `from_pretrained` loads."""
-    hf_config = config_to_hf(config)
+    hf_config = config_to_hf(config, next(iter(state.values())).dtype)
     tensors = to_hf_state(state, config)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

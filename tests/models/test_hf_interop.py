@@ -154,6 +154,20 @@ def test_export_reloads_with_identical_weights(kind: str, saved: Callable[..., t
         assert torch.equal(reloaded(ids).logits, reference(ids).logits)
 
 
+def test_sharded_bf16_checkpoint_imports(tmp_path: Path) -> None:
+    """Several safetensors shards plus the index, stored in bf16: loaded and cast into the fp32 model."""
+    reference = hf_model("qwen2").to(torch.bfloat16)
+    reference.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    model = import_hf(tmp_path / "sharded")
+    theirs = to_hf_state(model.state_dict(), model.config)
+    assert all(value.dtype == torch.float32 for value in theirs.values())
+    assert all(torch.equal(value, theirs[name].to(torch.bfloat16)) for name, value in reference.state_dict().items())
+    exported = export_hf(model.to(torch.bfloat16), tmp_path / "bf16")
+    assert json.loads((exported / "config.json").read_text())["dtype"] == "bfloat16"
+
+
 def test_mistral_window_is_exercised(saved: Callable[..., tuple[torch.nn.Module, Path]]) -> None:
     """SEQ > window and transformers' eager Mistral applies it: the logit comparison above covers the window."""
     windowed, directory = saved("mistral")
