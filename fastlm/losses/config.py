@@ -73,8 +73,9 @@ LossChild = Annotated[
 MonolithicChild = Union[CrossEntropyConfig, ZLossConfig, GRPOConfig, GSPOConfig, DistillationConfig]
 
 CHILD_TYPES: frozenset[str] = frozenset({"cross_entropy", "z_loss", "grpo", "gspo", "distillation", "dpo"})
-# Children the fused Triton kernel covers (the label-based superposition set).
-TRITON_CHILD_TYPES: frozenset[str] = frozenset({"cross_entropy", "z_loss", "grpo", "gspo"})
+# Children the fused Triton kernel covers: the label-based superposition set plus distillation
+# (DPO works on summed sequence log-probs, outside the shared softmax).
+TRITON_CHILD_TYPES: frozenset[str] = frozenset({"cross_entropy", "z_loss", "grpo", "gspo", "distillation"})
 
 
 class MonolithicLossConfig(ConfigModel):

@@ -1,7 +1,8 @@
 """The use_triton rules: pick one implementation per head, once, and say which.
 
 - use_triton true: Triton (config validation already rejected children without a Triton path);
-- null: Triton on CUDA when every child is in TRITON_CHILD_TYPES and triton imports, else compiled;
+- null: Triton on CUDA when every child is in TRITON_CHILD_TYPES (every monolithic child, distillation
+  included) and triton imports, else compiled;
 - false: compiled.
 """
 

@@ -103,8 +103,8 @@ def test_head_composition_rules(tmp_path: Path, losses: dict, message: str) -> N
 
 def test_use_triton_true_rejects_children_without_a_kernel(tmp_path: Path) -> None:
     config_file = write(tmp_path / "c.yaml", {"model": {"type": "llama", "head": {
-        "use_triton": True, "losses": {"kd": {"type": "distillation"}, "ce": {"type": "cross_entropy"}}}}})
-    with pytest.raises(ConfigError, match=r"no path for \['kd \(distillation\)'\]"):
+        "use_triton": True, "losses": {"pref": {"type": "dpo"}}}}})
+    with pytest.raises(ConfigError, match=r"no path for \['pref \(dpo\)'\]"):
         load_config(config_file)
 
 

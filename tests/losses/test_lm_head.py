@@ -83,7 +83,7 @@ def test_dispatch_rules() -> None:
     with_kd = LMHeadConfig.model_validate({"losses": {"ce": {"type": "cross_entropy"}, "kd": {"type": "distillation"}}}).monolithic()
     assert resolve_implementation(label_based, "cpu") == "compiled"
     assert resolve_implementation(label_based, "cuda") == "triton"
-    assert resolve_implementation(with_kd, "cuda") == "compiled"
+    assert resolve_implementation(with_kd, "cuda") == "triton"  # distillation runs in the fused kernel
     assert resolve_implementation(label_based.model_copy(update={"use_triton": True}), "cpu") == "triton"
     assert resolve_implementation(label_based.model_copy(update={"use_triton": False}), "cuda") == "compiled"
     line = describe_implementation(label_based, "triton", "cuda")

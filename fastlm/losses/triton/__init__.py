@@ -1,4 +1,4 @@
-"""Fused Triton kernel of the label-based monolithic loss (CE, z-loss, GRPO, GSPO) and its launcher.
+"""Fused Triton kernel of the monolithic loss (CE, z-loss, GRPO, GSPO, distillation) and its launcher.
 
 Importing this package imports triton: set TRITON_INTERPRET=1 before it to run on CPU.
 """

@@ -1,15 +1,31 @@
-"""The one Triton kernel of the label-based monolithic loss (CE, z-loss, GRPO; GSPO through load mode).
+"""The one Triton kernel of the monolithic loss: label-based children (CE, z-loss, GRPO; GSPO through
+load mode) and distillation, in one vocab loop.
 
 Every label-based child has a gradient of the form `prob_coeff * p_j - label_coeff * d_jy`, so one
-loss-agnostic gradient loop serves them all (see shared/design/losses.md, "Superposition"). One
-program handles one token row; math is fp32 whatever the logits dtype. Three constexpr modes share
-the body:
+loss-agnostic gradient loop serves them all (see shared/design/losses.md, "Superposition").
+Distillation (teacher u = teacher_logits / T, q = softmax(u), coefficient k = w/N) adds one
+per-element term to the same loop, with the rest folded into `prob_coeff`:
 
-- `MODE_FUSED`: online softmax stats, in-kernel coefficients (CE, z, GRPO), gradient; writes lse,
-  new_logp and entropy per token.
-- `MODE_STATS`: stats only, as mergeable pieces (max, sum-exp, label logit, shifted x-moment) so a
-  vocab-parallel group can all-reduce them; writes the label logit only where the label is in shard.
-- `MODE_GRAD`: loads lse and both coefficients per token (computed in torch) and writes the gradient.
+- forward KL(q || p): d/dx_j = k*(p_j - q_j): `prob_coeff += k`, element term `-k*q_j`;
+- reverse KL(p || q): d/dx_j = k*p_j*(log p_j - log q_j - KL) = k*p_j*((x_j - u_j) - E_p[x - u])
+  (the lse terms cancel against KL = E_p[x - u] - lse_x + lse_u): `prob_coeff -= k*E_p[x - u]`,
+  element term `k*p_j*(x_j - u_j)`.
+
+Both need full-row statistics before the first gradient element: the teacher's online softmax (max,
+sum-exp) runs in the stats pass next to the student's, plus one mergeable cross sum:
+forward `sum_j exp(u_j - max_u)*(u_j - x_j)`, reverse `sum_j exp(x_j - max_x)*(x_j - u_j)`, so
+KL = cross/sum_u - lse_u + lse_x (forward) or cross/sum_x - lse_x + lse_u (reverse).
+
+One program handles one token row; math is fp32 whatever the input dtypes. Three constexpr modes
+share the body:
+
+- `MODE_FUSED`: online softmax stats, in-kernel coefficients (CE, z, GRPO, distillation), gradient;
+  writes lse, new_logp, entropy (and the KL) per token.
+- `MODE_STATS`: stats only, as mergeable pieces (max, sum-exp, label logit, shifted x-moment; teacher
+  max, teacher sum-exp, cross sum) so a vocab-parallel group can all-reduce them; writes the label
+  logit only where the label is in shard.
+- `MODE_GRAD`: loads lse, both coefficients (and the teacher lse) per token, computed in torch, and
+  writes the gradient.
 
 Masked rows (label -100) branch around the work and write a zero gradient; no early return.
 """
@@ -45,34 +61,54 @@ def _load_x(row_ptr, offsets, n_cols, logit_scale, softcap, HAS_SOFTCAP: tl.cons
 
 
 @triton.jit
+def _load_u(teacher_row_ptr, offsets, n_cols, inv_temperature):
+    """One block of teacher logits upcast to fp32 and divided by the temperature; 0 past the row end."""
+    return tl.load(teacher_row_ptr + offsets, mask=offsets < n_cols, other=0.0).to(tl.float32) * inv_temperature
+
+
+@triton.jit
 def _block_stats(x, mask):
-    """(max, sum exp(x-max), sum exp(x-max)*(x-max)) of one block; the shift keeps entropy exact."""
+    """(max, sum exp(x-max), sum exp(x-max)*(x-max), exp(x-max)) of one block; the shift keeps entropy exact."""
     x = tl.where(mask, x, float("-inf"))
     m = tl.max(x, 0)
     shifted = tl.where(mask, x - m, 0.0)
     e = tl.where(mask, tl.exp(shifted), 0.0)
-    return m, tl.sum(e, 0), tl.sum(e * shifted, 0)
+    return m, tl.sum(e, 0), tl.sum(e * shifted, 0), e
 
 
 @triton.jit
-def _merge_stats(m1, s1, t1, m2, s2, t2):
-    """Combine two blocks' stats onto the larger max (the same rule the TP all-reduce uses)."""
+def _teacher_block_stats(u, x, e, mask, KD_REVERSE: tl.constexpr):
+    """(teacher max, sum exp(u-max_u), cross sum) of one block; `e` = exp(x - max_x) of the student."""
+    mu = tl.max(tl.where(mask, u, float("-inf")), 0)
+    e_q = tl.where(mask, tl.exp(u - mu), 0.0)
+    if KD_REVERSE:
+        cross = tl.sum(e * tl.where(mask, x - u, 0.0), 0)
+    else:
+        cross = tl.sum(e_q * tl.where(mask, u - x, 0.0), 0)
+    return mu, tl.sum(e_q, 0), cross
+
+
+@triton.jit
+def _rescale(m1, m2):
+    """The larger max and the factors exp(m_i - m) that move each side's sums onto it."""
     m = tl.maximum(m1, m2)
-    a1 = tl.exp(m1 - m)
-    a2 = tl.exp(m2 - m)
-    s = a1 * s1 + a2 * s2
-    t = a1 * (t1 + (m1 - m) * s1) + a2 * (t2 + (m2 - m) * s2)
-    return m, s, t
+    return m, tl.exp(m1 - m), tl.exp(m2 - m)
 
 
 @triton.jit
 def _store_grad(
-    grad_row_ptr, x, mask, offsets, local_label, lse, prob_coeff, label_coeff, logit_scale, softcap,
-    HAS_SOFTCAP: tl.constexpr,
+    grad_row_ptr, x, u, mask, offsets, local_label, lse, prob_coeff, label_coeff, logit_scale, softcap,
+    kd_scale, teacher_lse, HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr,
 ):
-    """grad_j = (prob_coeff*p_j - label_coeff*d_jy) * dx/dz, stored in the gradient buffer's dtype."""
+    """grad_j = (prob_coeff*p_j - label_coeff*d_jy + distillation element term) * dx/dz, stored in the
+    gradient buffer's dtype."""
     p = tl.exp(tl.where(mask, x, 0.0) - lse)
     grad = prob_coeff * p - tl.where(offsets == local_label, label_coeff, 0.0)
+    if KD_GRAD:
+        if KD_REVERSE:
+            grad += kd_scale * p * (x - u)
+        else:
+            grad -= kd_scale * tl.exp(tl.where(mask, u, 0.0) - teacher_lse)
     if HAS_SOFTCAP:
         ratio = x / softcap
         grad = grad * (logit_scale * (1.0 - ratio * ratio))
@@ -88,19 +124,26 @@ def lm_loss_kernel(
     grad_ptr,
     grad_stride,
     labels_ptr,
+    teacher_ptr,
+    teacher_stride,
     n_cols,
     vocab_start,
     logit_scale,
     softcap,
+    inv_temperature,
     out0_ptr,  # FUSED: lse; STATS: max; GRAD: lse (read)
     out1_ptr,  # FUSED: new_logp; STATS: sum-exp; GRAD: prob_coeff (read)
     out2_ptr,  # FUSED: entropy; STATS: label logit (0 off shard); GRAD: label_coeff (read)
     out3_ptr,  # STATS: sum exp(x-max)*(x-max); unused otherwise
+    kd0_ptr,  # FUSED: KL; STATS: teacher max; GRAD: teacher lse (read)
+    kd1_ptr,  # STATS: teacher sum-exp; unused otherwise
+    kd2_ptr,  # STATS: cross sum; unused otherwise
     old_logp_ptr,
     advantages_ptr,
     ce_coeff,
     z_coeff,
     grpo_coeff,
+    kd_coeff,
     eps_low,
     eps_high,
     grad_scale,
@@ -108,6 +151,9 @@ def lm_loss_kernel(
     HAS_CE: tl.constexpr,
     HAS_Z: tl.constexpr,
     HAS_GRPO: tl.constexpr,
+    HAS_KD: tl.constexpr,  # teacher statistics in this launch (FUSED, STATS)
+    KD_GRAD: tl.constexpr,  # distillation term in the gradient (FUSED, GRAD; weight != 0)
+    KD_REVERSE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
@@ -116,6 +162,7 @@ def lm_loss_kernel(
     row = tl.program_id(0).to(tl.int64)
     logits_row = logits_ptr + row * logits_stride
     grad_row = grad_ptr + row * grad_stride
+    teacher_row = teacher_ptr + row * teacher_stride
     offsets = tl.arange(0, BLOCK)
     n_blocks = tl.cdiv(n_cols, BLOCK)
     label = tl.load(labels_ptr + row)
@@ -123,17 +170,43 @@ def lm_loss_kernel(
     in_shard = (local_label >= 0) & (local_label < n_cols)
     if label != IGNORE_INDEX:
         x0, mask0 = _load_x(logits_row, offsets, n_cols, logit_scale, softcap, HAS_SOFTCAP)
+        u0 = x0
+        if HAS_KD or KD_GRAD:
+            u0 = _load_u(teacher_row, offsets, n_cols, inv_temperature)
+        teacher_lse = 0.0
+        kd_scale = kd_coeff * grad_scale
         if MODE == MODE_GRAD:
             lse = tl.load(out0_ptr + row)
             prob_coeff = tl.load(out1_ptr + row) * grad_scale
             label_coeff = tl.load(out2_ptr + row) * grad_scale
+            if KD_GRAD:
+                teacher_lse = tl.load(kd0_ptr + row)
         else:
-            m, s, t = _block_stats(x0, mask0)
+            m, s, t, e = _block_stats(x0, mask0)
+            mu = 0.0
+            su = 1.0
+            cross = 0.0
+            if HAS_KD:
+                mu, su, cross = _teacher_block_stats(u0, x0, e, mask0, KD_REVERSE)
             if not SINGLE_PASS:
                 for block in range(1, n_blocks):
-                    x, mask = _load_x(logits_row, block * BLOCK + offsets, n_cols, logit_scale, softcap, HAS_SOFTCAP)
-                    bm, bs, bt = _block_stats(x, mask)
-                    m, s, t = _merge_stats(m, s, t, bm, bs, bt)
+                    block_offsets = block * BLOCK + offsets
+                    x, mask = _load_x(logits_row, block_offsets, n_cols, logit_scale, softcap, HAS_SOFTCAP)
+                    bm, bs, bt, be = _block_stats(x, mask)
+                    new_m, a1, a2 = _rescale(m, bm)
+                    t = a1 * (t + (m - new_m) * s) + a2 * (bt + (bm - new_m) * bs)
+                    s = a1 * s + a2 * bs
+                    if HAS_KD:
+                        u = _load_u(teacher_row, block_offsets, n_cols, inv_temperature)
+                        bmu, bsu, bcross = _teacher_block_stats(u, x, be, mask, KD_REVERSE)
+                        new_mu, b1, b2 = _rescale(mu, bmu)
+                        su = b1 * su + b2 * bsu
+                        if KD_REVERSE:
+                            cross = a1 * cross + a2 * bcross
+                        else:
+                            cross = b1 * cross + b2 * bcross
+                        mu = new_mu
+                    m = new_m
             safe_label = tl.where(in_shard, local_label, 0)
             z_label = tl.load(logits_row + safe_label).to(tl.float32) * logit_scale
             if HAS_SOFTCAP:
@@ -144,6 +217,10 @@ def lm_loss_kernel(
                 tl.store(out1_ptr + row, s)
                 tl.store(out2_ptr + row, x_label)
                 tl.store(out3_ptr + row, t)
+                if HAS_KD:
+                    tl.store(kd0_ptr + row, mu)
+                    tl.store(kd1_ptr + row, su)
+                    tl.store(kd2_ptr + row, cross)
             else:
                 log_s = tl.log(s)
                 lse = m + log_s
@@ -167,22 +244,36 @@ def lm_loss_kernel(
                     policy = grpo_coeff * ratio * (gain + loss_side)
                     prob_coeff += policy
                     label_coeff += policy
+                if HAS_KD:
+                    teacher_lse = mu + tl.log(su)
+                    if KD_REVERSE:
+                        mean_gap = cross / s  # E_p[x - u]
+                        tl.store(kd0_ptr + row, mean_gap - lse + teacher_lse)
+                        if KD_GRAD:
+                            prob_coeff -= kd_coeff * mean_gap
+                    else:
+                        tl.store(kd0_ptr + row, cross / su - teacher_lse + lse)
+                        if KD_GRAD:
+                            prob_coeff += kd_coeff
                 prob_coeff = prob_coeff * grad_scale
                 label_coeff = label_coeff * grad_scale
         if COMPUTE_GRAD:
             if SINGLE_PASS:
                 _store_grad(
-                    grad_row, x0, mask0, offsets, local_label, lse, prob_coeff, label_coeff, logit_scale, softcap,
-                    HAS_SOFTCAP,
+                    grad_row, x0, u0, mask0, offsets, local_label, lse, prob_coeff, label_coeff, logit_scale, softcap,
+                    kd_scale, teacher_lse, HAS_SOFTCAP, KD_GRAD, KD_REVERSE,
                 )
             else:
                 # Backwards, so the block the stats pass touched last is still cached.
                 for step in range(0, n_blocks):
                     start = (n_blocks - 1 - step) * BLOCK
                     x, mask = _load_x(logits_row, start + offsets, n_cols, logit_scale, softcap, HAS_SOFTCAP)
+                    u = x
+                    if KD_GRAD:
+                        u = _load_u(teacher_row, start + offsets, n_cols, inv_temperature)
                     _store_grad(
-                        grad_row, x, mask, start + offsets, local_label, lse, prob_coeff, label_coeff,
-                        logit_scale, softcap, HAS_SOFTCAP,
+                        grad_row, x, u, mask, start + offsets, local_label, lse, prob_coeff, label_coeff,
+                        logit_scale, softcap, kd_scale, teacher_lse, HAS_SOFTCAP, KD_GRAD, KD_REVERSE,
                     )
     else:
         if MODE != MODE_GRAD:
@@ -192,8 +283,14 @@ def lm_loss_kernel(
             if MODE == MODE_STATS:
                 tl.store(out1_ptr + row, 1.0)
                 tl.store(out3_ptr + row, 0.0)
+                if HAS_KD:
+                    tl.store(kd0_ptr + row, 0.0)
+                    tl.store(kd1_ptr + row, 1.0)
+                    tl.store(kd2_ptr + row, 0.0)
             else:
                 tl.store(out1_ptr + row, 0.0)
+                if HAS_KD:
+                    tl.store(kd0_ptr + row, 0.0)
         if COMPUTE_GRAD:
             zeros = tl.zeros([BLOCK], dtype=grad_ptr.dtype.element_ty)
             for block in range(0, n_blocks):

@@ -1,13 +1,18 @@
-"""Launch the fused label-based loss kernel: argument assembly, the three modes, the TP all-reduce.
+"""Launch the fused loss kernel: argument assembly, the three modes, the TP all-reduce.
 
-- no tensor parallelism, no GSPO: one fused forward+backward launch (coefficients in-kernel);
-- tensor parallelism (`group`): stats launch, all-reduce of the mergeable pieces, coefficients in
-  torch (`coefficients.label_children`), grad launch;
+- no tensor parallelism, no GSPO: one fused forward+backward launch (coefficients, distillation
+  included, in-kernel);
+- tensor parallelism (`group`): stats launch, all-reduce of the mergeable pieces (student and
+  teacher), coefficients in torch (`coefficients.label_children` plus the distillation part here),
+  grad launch;
 - GSPO: stats launch, then `label_children` (which runs the GSPO seam), then the grad launch.
-Losses and metrics always come from `label_children`, so every path reports the same keys.
+Label-based losses and metrics always come from `label_children`, so every path reports the same
+keys; the distillation loss is the token sum of the per-token KL over the step's token count.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,6 +26,7 @@ from fastlm.losses.triton.kernel import MODE_FUSED, MODE_GRAD, MODE_STATS, lm_lo
 from fastlm.losses.validation import ProcessGroup, validate_loss_inputs, vocab_shard
 
 MAX_BLOCK = 32768
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _block_size(vocab: int, max_block: int) -> int:
@@ -29,38 +35,67 @@ def _block_size(vocab: int, max_block: int) -> int:
     return min(triton.next_power_of_2(vocab), max_block)
 
 
-def _num_warps(block: int) -> int:
+def default_num_warps(block: int) -> int:
     """More warps for wider blocks, so each thread keeps a bounded slice of the row in registers."""
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
-def _check_supported(logits: torch.Tensor, targets: LossTargets, spec: LossSpec) -> None:
+def _check_supported(logits: torch.Tensor, targets: LossTargets, spec: LossSpec, num_warps: int | None) -> None:
     """What this kernel cannot run, named; the shared checks live in validation.py."""
-    if spec.distillation is not None:
-        raise ValueError(
-            f"the Triton loss kernel has no path for distillation child '{spec.distillation.name}'; "
-            "use the compiled implementation (use_triton: null or false)"
-        )
     if not spec.children:
         raise ValueError("the loss spec has no children; nothing for the Triton kernel to compute")
-    if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps}")
+    if logits.dtype not in KERNEL_DTYPES:
         raise ValueError(f"logits must be float32, float16 or bfloat16 for the Triton kernel, got {logits.dtype}")
-    for name, tensor in (("labels", targets.labels), ("old_logp", targets.old_logp), ("advantages", targets.advantages)):
+    for name, tensor in (("labels", targets.labels), ("old_logp", targets.old_logp), ("advantages", targets.advantages),
+                         ("teacher_logits", targets.teacher_logits)):
         if tensor is not None and tensor.device != logits.device:
             raise ValueError(f"targets.{name} is on {tensor.device} but logits are on {logits.device}")
     if logits.ndim == 2 and logits.stride(1) != 1:
         raise ValueError(f"logits must be contiguous along the vocab dim (stride 1), got strides {logits.stride()}")
+    teacher = targets.teacher_logits
+    if spec.distillation is not None and teacher is not None and teacher.ndim == 2:
+        if teacher.dtype not in KERNEL_DTYPES:
+            raise ValueError(
+                f"targets.teacher_logits must be float32, float16 or bfloat16 for the Triton kernel, got {teacher.dtype}"
+            )
+        if teacher.stride(1) != 1:
+            raise ValueError(
+                f"targets.teacher_logits must be contiguous along the vocab dim (stride 1), got strides {teacher.stride()}"
+            )
+
+
+@dataclass
+class TeacherStats:
+    """Per-token distillation quantities (0 on masked tokens)."""
+
+    kl: torch.Tensor  # (T,) KL(q || p) or KL(p || q)
+    teacher_lse: torch.Tensor  # (T,) log sum_j exp(u_j), u = teacher / T
+    prob_coeff: torch.Tensor  # (T,) distillation part of prob_coeff: k (forward) or -k*E_p[x - u] (reverse)
 
 
 class _Launch:
     """The arguments every launch shares for one call; `run` fills in the mode-specific ones."""
 
-    def __init__(self, logits: torch.Tensor, labels: torch.Tensor, spec: LossSpec, vocab_start: int, max_block: int):
+    def __init__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        teacher: torch.Tensor | None,
+        spec: LossSpec,
+        vocab_start: int,
+        max_block: int,
+        num_warps: int | None,
+    ):
         self.logits = logits
         self.labels = labels
+        self.teacher = teacher
         self.spec = spec
         self.vocab_start = vocab_start
         self.block = _block_size(logits.shape[1], max_block)
+        self.num_warps = num_warps if num_warps is not None else default_num_warps(self.block)
+        self.kd_grad = spec.distillation is not None and spec.distillation.weight != 0
 
     def vector(self) -> torch.Tensor:
         return torch.empty(self.logits.shape[0], dtype=torch.float32, device=self.logits.device)
@@ -70,25 +105,34 @@ class _Launch:
         mode: int,
         outputs: tuple[torch.Tensor, ...],
         grad: torch.Tensor | None,
+        kd_outputs: tuple[torch.Tensor, ...] = (),
         policy: tuple[torch.Tensor, torch.Tensor] | None = None,
-        coeffs: tuple[float, float, float] = (0.0, 0.0, 0.0),
+        coeffs: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0),
         grad_scale: float = 1.0,
     ) -> None:
         spec = self.spec
         out = outputs + (outputs[0],) * (4 - len(outputs))
+        kd_out = kd_outputs + (outputs[0],) * (3 - len(kd_outputs))
         old_logp, advantages = policy if policy is not None else (out[0], out[0])
         policy_spec = spec.grpo
+        distill = spec.distillation
+        teacher = self.teacher if self.teacher is not None else self.logits
+        fused = mode == MODE_FUSED.value
         lm_loss_kernel[(self.logits.shape[0],)](
             self.logits,
             self.logits.stride(0),
             grad if grad is not None else self.logits,
             grad.stride(0) if grad is not None else 0,
             self.labels,
+            teacher,
+            teacher.stride(0),
             self.logits.shape[1],
             self.vocab_start,
             float(spec.logit_scale),
             float(spec.softcap) if spec.softcap is not None else 1.0,
+            1.0 / distill.temperature if distill is not None else 1.0,
             *out,
+            *kd_out,
             old_logp,
             advantages,
             *coeffs,
@@ -96,15 +140,24 @@ class _Launch:
             float(policy_spec.eps_high) if policy_spec is not None else 0.0,
             float(grad_scale),
             MODE=mode,
-            HAS_CE=mode == MODE_FUSED.value and spec.cross_entropy is not None,
-            HAS_Z=mode == MODE_FUSED.value and spec.z_loss is not None,
-            HAS_GRPO=mode == MODE_FUSED.value and spec.grpo is not None,
+            HAS_CE=fused and spec.cross_entropy is not None,
+            HAS_Z=fused and spec.z_loss is not None,
+            HAS_GRPO=fused and spec.grpo is not None,
+            HAS_KD=mode != MODE_GRAD.value and distill is not None,
+            KD_GRAD=mode != MODE_STATS.value and grad is not None and self.kd_grad,
+            KD_REVERSE=distill is not None and distill.reverse,
             HAS_SOFTCAP=spec.softcap is not None,
             COMPUTE_GRAD=grad is not None,
             SINGLE_PASS=self.logits.shape[1] <= self.block,
             BLOCK=self.block,
-            num_warps=_num_warps(self.block),
+            num_warps=self.num_warps,
         )
+
+
+def _kd_coeff(spec: LossSpec, normalizers: LossNormalizers) -> float:
+    """k = w/N of the distillation child (0 without one)."""
+    distill = spec.distillation
+    return distill.weight * safe_inverse(normalizers.tokens) if distill is not None else 0.0
 
 
 def _fused(
@@ -115,45 +168,71 @@ def _fused(
     mask: torch.Tensor,
     grad: torch.Tensor | None,
     grad_scale: float,
-) -> TokenStats:
-    """One launch: stats, in-kernel CE/z/GRPO coefficients and the gradient."""
+) -> tuple[TokenStats, torch.Tensor | None]:
+    """One launch: stats, in-kernel CE/z/GRPO/distillation coefficients and the gradient; (stats, KL)."""
     lse, new_logp, entropy = launch.vector(), launch.vector(), launch.vector()
+    kl = launch.vector() if spec.distillation is not None else None
     per_token = safe_inverse(normalizers.tokens)
-    coeffs = tuple(child.weight * per_token if child is not None else 0.0 for child in (spec.cross_entropy, spec.z_loss, spec.grpo))
+    label_based = (spec.cross_entropy, spec.z_loss, spec.grpo)
+    coeffs = tuple(child.weight * per_token if child is not None else 0.0 for child in label_based)
     policy = None
     if spec.grpo is not None:
         policy = (targets.old_logp.float().contiguous(), targets.advantages.float().contiguous())
-    launch.run(MODE_FUSED.value, (lse, new_logp, entropy), grad, policy, coeffs, grad_scale)
-    return TokenStats(lse, new_logp, entropy, mask)
+    launch.run(MODE_FUSED.value, (lse, new_logp, entropy), grad, (kl,) if kl is not None else (), policy,
+               (*coeffs, _kd_coeff(spec, normalizers)), grad_scale)
+    return TokenStats(lse, new_logp, entropy, mask), kl
 
 
-def _reduce_stats(launch: _Launch, mask: torch.Tensor, group: ProcessGroup | None) -> TokenStats:
-    """Stats launch, then merge the shards' (max, sum-exp, label logit, shifted moment) over `group`."""
+def _reduce_stats(
+    launch: _Launch, spec: LossSpec, normalizers: LossNormalizers, mask: torch.Tensor, group: ProcessGroup | None
+) -> tuple[TokenStats, TeacherStats | None]:
+    """Stats launch, then merge the shards' pieces over `group`: (max, sum-exp, label logit, shifted
+    moment) of the student and (max, sum-exp, cross sum) of the teacher."""
+    distill = spec.distillation
     maximum, sum_exp, label_logit, moment = (launch.vector() for _ in range(4))
-    launch.run(MODE_STATS.value, (maximum, sum_exp, label_logit, moment), None)
+    kd = tuple(launch.vector() for _ in range(3)) if distill is not None else ()
+    launch.run(MODE_STATS.value, (maximum, sum_exp, label_logit, moment), None, kd)
+    maxima = torch.stack([maximum, *kd[:1]])
+    sums = torch.stack([sum_exp, label_logit, moment, *kd[1:]])
     if group is not None:
-        local_max = maximum.clone()
-        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)
-        shift = local_max - maximum
+        local = maxima.clone()
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        shift = local - maxima
         rescale = torch.exp(shift)
-        pieces = torch.stack([sum_exp * rescale, label_logit, rescale * (moment + shift * sum_exp)])
-        dist.all_reduce(pieces, group=group)
-        sum_exp, label_logit, moment = pieces.unbind(0)
-    log_sum = torch.log(sum_exp)
-    lse = maximum + log_sum
+        parts = [sum_exp * rescale[0], label_logit, rescale[0] * (moment + shift[0] * sum_exp)]
+        if distill is not None:
+            # The cross sum is weighted by exp(x - max_x) (reverse) or exp(u - max_u) (forward).
+            parts += [kd[1] * rescale[1], kd[2] * rescale[0 if distill.reverse else 1]]
+        sums = torch.stack(parts)
+        dist.all_reduce(sums, group=group)
+    log_sum = torch.log(sums[0])
+    lse = maxima[0] + log_sum
     zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
-    return TokenStats(
+    stats = TokenStats(
         torch.where(mask, lse, zero),
-        torch.where(mask, label_logit - lse, zero),
-        torch.where(mask, log_sum - moment / sum_exp, zero),
+        torch.where(mask, sums[1] - lse, zero),
+        torch.where(mask, log_sum - sums[2] / sums[0], zero),
         mask,
     )
+    if distill is None:
+        return stats, None
+    teacher_lse = maxima[1] + torch.log(sums[3])
+    mean_gap = sums[4] / (sums[0] if distill.reverse else sums[3])  # E_p[x - u] or E_q[u - x]
+    kl = mean_gap - lse + teacher_lse if distill.reverse else mean_gap - teacher_lse + lse
+    k = _kd_coeff(spec, normalizers) if launch.kd_grad else 0.0
+    prob = -k * mean_gap if distill.reverse else torch.full_like(lse, k)
+    return stats, TeacherStats(torch.where(mask, kl, zero), torch.where(mask, teacher_lse, zero), torch.where(mask, prob, zero))
 
 
-def _result(children: LabelChildren, spec: LossSpec) -> LossResult:
+def _result(
+    children: LabelChildren, kl: torch.Tensor | None, spec: LossSpec, normalizers: LossNormalizers
+) -> LossResult:
     """loss = sum of weight * unweighted child loss (detached; the autograd Function carries the gradient)."""
-    loss = sum((child.weight * children.losses[child.name] for child in spec.children), children.prob_coeff.new_zeros(()))
-    return LossResult(loss, children.losses, children.metrics)
+    losses = dict(children.losses)
+    if spec.distillation is not None:
+        losses[spec.distillation.name] = kl.sum() * safe_inverse(normalizers.tokens)
+    loss = sum((child.weight * losses[child.name] for child in spec.children), children.prob_coeff.new_zeros(()))
+    return LossResult(loss, losses, children.metrics)
 
 
 def triton_loss(
@@ -167,23 +246,32 @@ def triton_loss(
     compute_grad: bool = True,
     inplace: bool = False,
     max_block: int = MAX_BLOCK,
+    num_warps: int | None = None,
 ) -> tuple[LossResult, torch.Tensor | None]:
-    """The label-based monolithic loss and its gradient w.r.t. the raw logits (this rank's vocab shard
-    under `group`). `inplace` overwrites `logits` with the gradient; `max_block` caps the vocab block."""
-    _check_supported(logits, targets, spec)
+    """The monolithic loss and its gradient w.r.t. the raw logits (this rank's vocab shard under
+    `group`). `inplace` overwrites `logits` with the gradient; `max_block` caps the vocab block and
+    `num_warps` overrides the per-block default (both for tuning)."""
+    _check_supported(logits, targets, spec, num_warps)
     mask = validate_loss_inputs(logits, targets, normalizers, spec, group)
     vocab_start, _ = vocab_shard(logits, group)
-    launch = _Launch(logits, targets.labels.contiguous(), spec, vocab_start, max_block)
+    teacher = targets.teacher_logits if spec.distillation is not None else None
+    launch = _Launch(logits, targets.labels.contiguous(), teacher, spec, vocab_start, max_block, num_warps)
     grad = None
     if compute_grad:
         grad = logits if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
     if group is None and spec.gspo is None:
-        stats = _fused(launch, targets, normalizers, spec, mask, grad, grad_scale)
+        stats, kl = _fused(launch, targets, normalizers, spec, mask, grad, grad_scale)
         children = label_children(stats, targets, normalizers, spec)
     else:
-        stats = _reduce_stats(launch, mask, group)
+        stats, teacher_stats = _reduce_stats(launch, spec, normalizers, mask, group)
         children = label_children(stats, targets, normalizers, spec)
+        kl = teacher_stats.kl if teacher_stats is not None else None
         if grad is not None:
-            launch.run(MODE_GRAD.value, (stats.lse, children.prob_coeff.float(), children.label_coeff.float()), grad,
-                       grad_scale=grad_scale)
-    return _result(children, spec), grad
+            prob_coeff = children.prob_coeff.float()
+            kd_out: tuple[torch.Tensor, ...] = ()
+            if teacher_stats is not None:
+                prob_coeff = prob_coeff + teacher_stats.prob_coeff
+                kd_out = (teacher_stats.teacher_lse.float().contiguous(),)
+            launch.run(MODE_GRAD.value, (stats.lse, prob_coeff, children.label_coeff.float()), grad, kd_out,
+                       coeffs=(0.0, 0.0, 0.0, _kd_coeff(spec, normalizers)), grad_scale=grad_scale)
+    return _result(children, kl, spec, normalizers), grad

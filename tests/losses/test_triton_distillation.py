@@ -1,0 +1,212 @@
+"""Distillation inside the fused Triton kernel against the float64 reference and the compiled path.
+
+Without CUDA the kernel runs on Triton's CPU interpreter (conftest sets TRITON_INTERPRET=1), so shapes
+stay tiny; `max_block=16` forces the looped multi-block path with a tail at vocab 37. Inputs come
+from loss_cases.make_case: fresh random logits and teacher logits, ~30% labels at -100 (their
+old_logp is NaN, so a masked token that is read shows up), packed documents for GSPO.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import replace
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from loss_cases import make_case, make_spec, reference_with_grad
+
+from fastlm.losses.compiled import compiled_loss
+from fastlm.losses.dispatch import monolithic_loss
+from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets
+from fastlm.losses.triton import triton_loss
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FP32_TOL = 2e-6  # observed ~1e-8..4e-7 against float64
+# Student and teacher logits rounded to 16 bits before the loss; the gradient is stored in 16 bits.
+HALF_TOL = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+BLOCKS = {"single": 32768, "looped": 16}
+
+
+def _case(kinds: str, seed: int, dtype: torch.dtype = torch.float32, teacher_dtype: torch.dtype | None = None,
+          tokens: int = 24, vocab: int = 37, **numbers: float) -> tuple[LossSpec, torch.Tensor, LossTargets, LossNormalizers]:
+    spec = make_spec(kinds, **numbers)
+    logits, targets, normalizers = make_case(seed, tokens=tokens, vocab=vocab, dtype=dtype, spec=spec)
+    teacher = targets.teacher_logits.to(teacher_dtype or dtype)
+    targets = LossTargets(*(t.to(DEVICE) for t in (targets.labels, targets.old_logp, targets.advantages,
+                                                   targets.document_ids)), teacher.to(DEVICE))
+    return spec, logits.to(DEVICE), targets, normalizers
+
+
+def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
+    return float((actual - expected).norm() / expected.norm().clamp(min=1e-12))
+
+
+def _check(label: str, result: LossResult, grad: torch.Tensor, expected: LossResult, expected_grad: torch.Tensor,
+           tol: float) -> dict[str, float]:
+    """Every child's loss, the total and the gradient within `tol` (relative); prints the errors."""
+    errors = {name: _rel(result.losses[name], value) for name, value in expected.losses.items()}
+    errors.update(total=_rel(result.loss, expected.loss), grad=_rel(grad, expected_grad))
+    print(f"{label}: relative errors " + ", ".join(f"{k}={v:.2e}" for k, v in errors.items()))
+    assert set(result.losses) == set(expected.losses)
+    assert torch.isfinite(grad).all()
+    assert max(errors.values()) < tol, errors
+    return errors
+
+
+MIXES = ["kd", "kd_rev", "ce+kd", "ce+z+kd_rev", "ce+z+grpo+kd", "grpo+z+kd_rev"]
+
+
+@pytest.mark.parametrize("block", list(BLOCKS))
+@pytest.mark.parametrize("kinds", MIXES)
+def test_fused_distillation_matches_reference(kinds: str, block: str) -> None:
+    """One fused launch (temperature 1.7, softcap + scale): loss, every child, gradient, metrics."""
+    spec, logits, targets, normalizers = _case(kinds, seed=MIXES.index(kinds), softcap=3.0, logit_scale=1.3)
+    result, grad = triton_loss(logits, targets, normalizers, spec, grad_scale=2.0, max_block=BLOCKS[block])
+    expected, expected_grad = reference_with_grad(logits, targets, normalizers, spec, grad_scale=2.0)
+    _check(f"{kinds} {block}", result, grad, expected, expected_grad, FP32_TOL)
+    compiled, compiled_grad = compiled_loss(logits, targets, normalizers, spec, grad_scale=2.0)
+    assert _rel(grad, compiled_grad) < FP32_TOL
+    assert set(result.metrics) == set(compiled.metrics)
+    for key, value in compiled.metrics.items():
+        assert abs(float(result.metrics[key] - value)) <= FP32_TOL * max(1.0, float(value.abs())), key
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 3.0])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_temperature(temperature: float, reverse: bool) -> None:
+    """Only the teacher is divided by T; plain logits (no scale, no softcap), looped blocks."""
+    spec, logits, targets, normalizers = _case("ce+kd_rev" if reverse else "ce+kd", seed=int(temperature * 10))
+    spec = replace(spec, distillation=replace(spec.distillation, temperature=temperature))
+    result, grad = triton_loss(logits, targets, normalizers, spec, max_block=16)
+    expected, expected_grad = reference_with_grad(logits, targets, normalizers, spec)
+    _check(f"T={temperature} reverse={reverse}", result, grad, expected, expected_grad, FP32_TOL)
+
+
+@pytest.mark.parametrize("teacher_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block", list(BLOCKS))
+def test_teacher_dtypes(teacher_dtype: torch.dtype, block: str) -> None:
+    """fp32 student with a 16-bit teacher: the teacher is upcast in-kernel, so fp32 accuracy holds
+    against a reference that sees the same rounded teacher values."""
+    spec, logits, targets, normalizers = _case("ce+kd_rev", seed=5, teacher_dtype=teacher_dtype)
+    result, grad = triton_loss(logits, targets, normalizers, spec, max_block=BLOCKS[block])
+    expected, expected_grad = reference_with_grad(logits, targets, normalizers, spec)
+    _check(f"teacher {teacher_dtype} {block}", result, grad, expected, expected_grad, FP32_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kinds", ["ce+z+kd", "ce+kd_rev"])
+def test_half_precision_student_and_teacher(dtype: torch.dtype, kinds: str) -> None:
+    """16-bit student and teacher, looped: the gradient comes back in the logits dtype."""
+    spec, logits, targets, normalizers = _case(kinds, seed=6, dtype=dtype)
+    result, grad = triton_loss(logits, targets, normalizers, spec, max_block=16)
+    assert grad.dtype == dtype
+    expected, expected_grad = reference_with_grad(logits, targets, normalizers, spec)
+    _check(f"{kinds} {dtype}", result, grad, expected, expected_grad, HALF_TOL[dtype])
+
+
+@pytest.mark.parametrize("kinds", ["gspo+kd", "z+gspo_len+kd_rev"])
+@pytest.mark.parametrize("block", list(BLOCKS))
+def test_gspo_with_distillation_uses_stats_and_grad_launches(kinds: str, block: str) -> None:
+    """GSPO forces stats launch -> seam -> grad launch; the teacher stats ride along."""
+    spec, logits, targets, normalizers = _case(kinds, seed=8, tokens=32, softcap=4.0)
+    result, grad = triton_loss(logits, targets, normalizers, spec, grad_scale=0.5, max_block=BLOCKS[block])
+    expected, expected_grad = reference_with_grad(logits, targets, normalizers, spec, grad_scale=0.5)
+    _check(f"{kinds} {block}", result, grad, expected, expected_grad, FP32_TOL)
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_weight_zero_distillation_logs_loss_without_gradient(reverse: bool) -> None:
+    spec, logits, targets, normalizers = _case("ce+kd_rev" if reverse else "ce+kd", seed=9)
+    spec = replace(spec, distillation=replace(spec.distillation, weight=0.0))
+    result, grad = triton_loss(logits, targets, normalizers, spec, max_block=16)
+    _, ce_grad = triton_loss(logits, targets, normalizers, LossSpec(cross_entropy=spec.cross_entropy), max_block=16)
+    expected, _ = reference_with_grad(logits, targets, normalizers, spec)
+    print(f"weight 0 reverse={reverse}: grad rel to CE-only {_rel(grad, ce_grad):.2e}, "
+          f"kd rel {_rel(result.losses['kd'], expected.losses['kd']):.2e}")
+    assert _rel(grad, ce_grad) < 1e-7
+    assert float(result.losses["kd"]) > 0.0 and _rel(result.losses["kd"], expected.losses["kd"]) < FP32_TOL
+
+
+def test_masked_rows_zero_gradient_all_masked_finite_inplace() -> None:
+    """Masked rows get exactly zero gradient; an all-masked batch gives 0, not NaN; in place is exact."""
+    spec, logits, targets, normalizers = _case("ce+kd_rev", seed=10, dtype=torch.bfloat16)
+    _, grad = triton_loss(logits, targets, normalizers, spec, max_block=16)
+    assert torch.count_nonzero(grad[targets.labels == -100]) == 0
+    buffer = logits.clone()
+    _, in_place = triton_loss(buffer, targets, normalizers, spec, max_block=16, inplace=True)
+    assert in_place.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(in_place, grad, rtol=0, atol=0)
+    all_masked = replace(targets, labels=torch.full_like(targets.labels, -100))
+    result, zero_grad = triton_loss(logits, all_masked, LossNormalizers(0.0, 0.0), spec, max_block=16)
+    assert float(result.loss) == 0.0 and float(result.losses["kd"]) == 0.0
+    assert torch.count_nonzero(zero_grad) == 0
+
+
+def test_through_dispatch_and_autograd() -> None:
+    spec, logits, targets, normalizers = _case("ce+z+kd", seed=12, softcap=3.0)
+    leaf = logits.clone().requires_grad_()
+    result = monolithic_loss(leaf, targets, normalizers, spec, "triton")
+    (result.loss * 0.5).backward()
+    expected, expected_grad = reference_with_grad(logits, targets, normalizers, spec, grad_scale=0.5)
+    _check("dispatch ce+z+kd", result, leaf.grad, expected, expected_grad, FP32_TOL)
+
+
+def test_bad_teacher_is_named() -> None:
+    spec, logits, targets, normalizers = _case("ce+kd", seed=13)
+    with pytest.raises(ValueError, match="targets.teacher_logits must be float32, float16 or bfloat16"):
+        triton_loss(logits, replace(targets, teacher_logits=targets.teacher_logits.double()), normalizers, spec)
+    strided = targets.teacher_logits.t().contiguous().t()
+    with pytest.raises(ValueError, match=r"targets.teacher_logits must be contiguous along the vocab dim"):
+        triton_loss(logits, replace(targets, teacher_logits=strided), normalizers, spec)
+    with pytest.raises(ValueError, match="targets.teacher_logits is required"):
+        triton_loss(logits, replace(targets, teacher_logits=None), normalizers, spec)
+    with pytest.raises(ValueError, match="num_warps"):
+        triton_loss(logits, targets, normalizers, spec, num_warps=3)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+TP_MIXES = {"ce+z+kd": {"softcap": 3.0}, "ce+grpo+kd_rev": {"logit_scale": 0.8}, "gspo+kd_rev": {}}
+
+
+def _tp_worker(rank: int, world: int, port: int, folder: str) -> None:
+    """One rank of a vocab-parallel head: its shard of student and teacher logits, global labels."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        saved = {}
+        for kinds, numbers in TP_MIXES.items():
+            spec, logits, targets, normalizers = _case(kinds, seed=21, tokens=32, vocab=38, **numbers)
+            shard = slice(rank * 19, (rank + 1) * 19)
+            local = replace(targets, teacher_logits=targets.teacher_logits[:, shard].contiguous())
+            result, grad = triton_loss(logits[:, shard].contiguous(), local, normalizers, spec,
+                                       group=dist.group.WORLD, max_block=16)
+            saved[kinds] = (result.loss, result.losses, result.metrics, grad)
+        torch.save(saved, os.path.join(folder, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_two_ranks(tmp_path: os.PathLike) -> None:
+    """gloo, world size 2: each rank holds 19 of 38 vocab ids (looped blocks of 16 with a tail); the
+    teacher's max, sum-exp and cross sum are all-reduced with the student's."""
+    world = 2
+    mp.spawn(_tp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for kinds, numbers in TP_MIXES.items():
+        spec, logits, targets, normalizers = _case(kinds, seed=21, tokens=32, vocab=38, **numbers)
+        expected, expected_grad = reference_with_grad(logits, targets, normalizers, spec)
+        grad = torch.cat([saved[kinds][3] for saved in ranks], dim=1)
+        for rank, saved in enumerate(ranks):
+            _check(f"TP {kinds} rank {rank}", LossResult(*saved[kinds][:3]), grad, expected, expected_grad, FP32_TOL)
