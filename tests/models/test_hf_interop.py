@@ -274,13 +274,14 @@ def test_cli_convert_both_ways(saved: Callable[..., tuple[torch.nn.Module, Path]
 
 
 def test_training_round_trip_stays_loadable(saved: Callable[..., tuple[torch.nn.Module, Path]], tmp_path: Path) -> None:
-    """HF checkpoint -> fastlm trainer (a few steps, real checkpoint) -> convert --to-hf -> transformers."""
+    """HF checkpoint -> Trainer started from run.init_path (a few steps, real checkpoint) -> convert --to-hf
+    -> transformers loads it and computes the trained model's logits."""
     from fastlm.config.schema import RunConfig
     from fastlm.engine.trainer import Trainer
 
     reference, directory = saved("qwen2")
-    section = yaml.safe_load(yaml.safe_dump({"model": config_from_hf(json.loads((directory / "config.json").read_text()))
-                                             .model_dump(mode="json", exclude={"head"})}))["model"]
+    imported = config_from_hf(json.loads((directory / "config.json").read_text()))
+    section = imported.model_dump(mode="json", exclude={"head"})
     config = RunConfig.model_validate({
         "run": {"name": "hf", "output_dir": str(tmp_path / "run"), "init_path": str(directory)},
         "model": {**section, "max_seq_len": SEQ},
@@ -289,7 +290,8 @@ def test_training_round_trip_stays_loadable(saved: Callable[..., tuple[torch.nn.
         "logging": {"wandb": {"enabled": False}, "progress": False},
     })
     trainer = Trainer(config)
-    load_hf_weights_into(trainer.model, config.run.init_path)  # the lead wires this into Trainer (run.init_path)
+    started = to_hf_state(trainer.model.state_dict(), trainer.model.config)
+    assert all(torch.equal(value, started[name]) for name, value in reference.state_dict().items())
     trainer.train()
     assert main(["convert", "--from", str(tmp_path / "run"), "--to-hf", str(tmp_path / "trained")]) == 0
     reloaded = _reload(tmp_path / "trained")
