@@ -13,6 +13,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -119,7 +120,10 @@ def load_documents(source: DataSource, tokenizer: ByteTokenizer) -> list[Documen
     raise DataError(f"unknown data source type {type(source).__name__}")
 
 
-def split_documents(documents: list[Document], eval_fraction: float, seed: int) -> tuple[list[Document], list[Document]]:
+Item = TypeVar("Item")  # a Document, or a preference pair (kept whole when split)
+
+
+def split_documents(documents: list[Item], eval_fraction: float, seed: int) -> tuple[list[Item], list[Item]]:
     """Shuffle by seed, hold out ceil(n * eval_fraction) documents for eval; train always keeps one."""
     order = list(range(len(documents)))
     random.Random(seed).shuffle(order)
