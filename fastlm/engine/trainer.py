@@ -21,7 +21,7 @@ from fastlm.config.checks import cross_check
 from fastlm.config.errors import ConfigError
 from fastlm.config.schema import RunConfig
 from fastlm.data.batch import Batch
-from fastlm.data.loader import build_loaders
+from fastlm.data.loader import BatchLoader, build_loaders
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.checkpoint import load_latest_checkpoint, save_checkpoint
 from fastlm.engine.optim import build_optimizer, build_scheduler
@@ -110,7 +110,7 @@ class Trainer:
             load_hf_weights_into(self.model, config.run.init_path)
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.scheduler = build_scheduler(self.optimizer, config.trainer.steps, config.schedule)
-        self.train_loader, eval_loader = build_loaders(config.data, config.run.seed, tokenizer)
+        self.train_loader, eval_loader = self.build_loaders(tokenizer)
         self.eval_set = (
             [eval_loader.next_batch() for _ in range(config.trainer.eval_batches)] if eval_loader is not None else []
         )
@@ -118,6 +118,10 @@ class Trainer:
         self.checkpoint_dir = self.run_dir / CHECKPOINT_DIR
         self.step = 0
         self.skipped_steps = 0
+
+    def build_loaders(self, tokenizer: ByteTokenizer) -> tuple[Any, BatchLoader | None]:
+        """The train data source (`next_batch`, `state_dict`, `load_state_dict`) and the eval loader; RL overrides it."""
+        return build_loaders(self.config.data, self.config.run.seed, tokenizer)
 
     # --- one step, in overridable pieces -------------------------------------------------------------
     def micro_batches(self) -> list[Batch]:
