@@ -40,7 +40,31 @@ class JsonlSource(ConfigModel):
         return self
 
 
-DataSource = Annotated[Union[GeneratedSource, TextSource, JsonlSource], Field(discriminator="type")]
+class PreferencesJsonlSource(ConfigModel):
+    """DPO pairs, one JSON object per line: {"prompt": str, "chosen": str, "rejected": str}."""
+
+    type: Literal["preferences_jsonl"] = "preferences_jsonl"
+    path: str
+    prompt_field: str = "prompt"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+
+
+class GeneratedPreferencesSource(ConfigModel):
+    """DPO pairs from the addition task (no downloads): chosen = the right sum, rejected = a wrong one."""
+
+    type: Literal["generated_preferences"] = "generated_preferences"
+    num_pairs: int = Field(2000, ge=2)
+    max_operand: int = Field(9, ge=1, description="Operands are drawn from [0, max_operand].")
+    seed: int = 1234
+
+
+PREFERENCE_SOURCE_TYPES: frozenset[str] = frozenset({"preferences_jsonl", "generated_preferences"})
+
+DataSource = Annotated[
+    Union[GeneratedSource, TextSource, JsonlSource, PreferencesJsonlSource, GeneratedPreferencesSource],
+    Field(discriminator="type"),
+]
 
 
 class DataConfig(ConfigModel):

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 from fastlm.data.batch import Batch, batch_from_rows
-from fastlm.data.config import DataConfig
+from fastlm.data.config import PREFERENCE_SOURCE_TYPES, DataConfig
 from fastlm.data.datasets import PackedRows, load_documents, pack_documents, split_documents
+from fastlm.data.preferences import preference_rows
 from fastlm.data.tokenizer import ByteTokenizer
 
 
@@ -48,12 +49,6 @@ class BatchLoader:
         picks = torch.tensor([self._next_index() for _ in range(self.batch_size)])
         return batch_from_rows(self.rows.tokens[picks], self.rows.document_ids[picks], self.rows.target_mask[picks])
 
-    def __iter__(self) -> "BatchLoader":
-        return self
-
-    def __next__(self) -> Batch:
-        return self.next_batch()
-
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "rows": len(self.rows)}
 
@@ -72,11 +67,12 @@ class BatchLoader:
 def build_loaders(config: DataConfig, seed: int, tokenizer: ByteTokenizer | None = None) -> tuple[BatchLoader, BatchLoader | None]:
     """Train loader (shuffled) and eval loader (fixed order), or None for eval when nothing is held out."""
     tokenizer = tokenizer or ByteTokenizer()
-    train_docs, eval_docs = split_documents(load_documents(config.source, tokenizer), config.eval_fraction, seed)
-    train = BatchLoader(pack_documents(train_docs, config.seq_len), config.micro_batch_size, seed)
-    evaluation = (
-        BatchLoader(pack_documents(eval_docs, config.seq_len), config.micro_batch_size, seed, shuffle=False)
-        if eval_docs
-        else None
-    )
+    if config.source.type in PREFERENCE_SOURCE_TYPES:  # DPO: whole pairs per row, not a document stream
+        train_rows, eval_rows = preference_rows(config, seed, tokenizer)
+    else:
+        train_docs, eval_docs = split_documents(load_documents(config.source, tokenizer), config.eval_fraction, seed)
+        train_rows = pack_documents(train_docs, config.seq_len)
+        eval_rows = pack_documents(eval_docs, config.seq_len) if eval_docs else None
+    train = BatchLoader(train_rows, config.micro_batch_size, seed)
+    evaluation = BatchLoader(eval_rows, config.micro_batch_size, seed, shuffle=False) if eval_rows is not None else None
     return train, evaluation

@@ -18,6 +18,24 @@ def sequence_logps(token_logp: torch.Tensor, sequence_index: torch.Tensor, num_s
     return token_logp.new_zeros(num_sequences).index_add(0, sequence_index, token_logp)
 
 
+def label_sequence_logps(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    document_ids: torch.Tensor,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """(sequences,) summed log-prob of the unmasked labels per sequence, in sorted document-id order.
+
+    Shared by the DPO head (policy) and the DPO trainer (frozen reference), so both sum the same way.
+    """
+    mask = labels != IGNORE_INDEX
+    _, index = torch.unique(document_ids, return_inverse=True)
+    log_probs = torch.log_softmax(transform_logits(logits.float(), logit_scale, softcap), dim=-1)
+    picked = log_probs.gather(-1, labels.clamp(min=0)[:, None])[:, 0]
+    return sequence_logps(torch.where(mask, picked, torch.zeros_like(picked)), index, int(index.max()) + 1)
+
+
 def dpo_loss(
     policy_chosen: torch.Tensor,
     policy_rejected: torch.Tensor,
@@ -51,17 +69,13 @@ def dpo_head_loss(
     """DPO from (tokens, vocab) logits: per-token label log-probs, summed per sequence, paired 2k/2k+1."""
     if targets.document_ids is None or targets.reference_logps is None:
         raise ValueError(f"dpo loss '{name}' needs targets.document_ids (sequence of each token) and targets.reference_logps")
-    mask = targets.labels != IGNORE_INDEX
-    _, index = torch.unique(targets.document_ids, return_inverse=True)
+    policy = label_sequence_logps(logits, targets.labels, targets.document_ids, logit_scale, softcap)
     count = targets.reference_logps.numel()
-    if count % 2 or int(index.max()) + 1 != count:
+    if count % 2 or policy.numel() != count:
         raise ValueError(
-            f"targets.reference_logps has {count} entries but the batch has {int(index.max()) + 1} sequences; "
+            f"targets.reference_logps has {count} entries but the batch has {policy.numel()} sequences; "
             "dpo needs one reference log-prob per sequence and an even count (chosen, rejected pairs)"
         )
-    log_probs = torch.log_softmax(transform_logits(logits.float(), logit_scale, softcap), dim=-1)
-    picked = log_probs.gather(-1, targets.labels.clamp(min=0)[:, None])[:, 0]
-    policy = sequence_logps(torch.where(mask, picked, torch.zeros_like(picked)), index, count)
     reference = targets.reference_logps.to(policy.dtype)
     losses, metrics = dpo_loss(policy[0::2], policy[1::2], reference[0::2], reference[1::2], beta)
     scale = safe_inverse(normalizers.documents)
