@@ -161,7 +161,8 @@ class Trainer:
             path = self.save()
             raise NonFiniteError(
                 f"non-finite {'loss' if not math.isfinite(result.loss) else 'gradient norm'} at step {self.step + 1} "
-                f"(loss {result.loss}, grad_norm {result.grad_norm}); state before this step saved to {path}. "
+                f"(loss {result.loss}, grad_norm {result.grad_norm}); weights and optimizer from before this step saved "
+                f"to {path} (a resume continues past this step's batches). "
                 "Lower optimizer.lr, enable optimizer.grad_clip, or set trainer.nonfinite: skip_step"
             )
         self.optimizer.zero_grad(set_to_none=True)
