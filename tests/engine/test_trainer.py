@@ -20,6 +20,7 @@ def test_tiny_llama_learns_and_logs(tiny_config: Callable[..., RunConfig], monke
         "learn",
         trainer={"steps": 30, "log_every": 5, "eval_every": 15},
         logging={"wandb": {"enabled": True}},
+        model={"head": {"losses": {"ce": {"type": "cross_entropy"}, "z": {"type": "z_loss", "weight": 1e-3}}}},
     )
     summary = Trainer(config).train()
     print(f"loss {summary.first_loss:.4f} -> {summary.last_loss:.4f}, eval {summary.eval_loss:.4f}")
@@ -30,11 +31,15 @@ def test_tiny_llama_learns_and_logs(tiny_config: Callable[..., RunConfig], monke
 
     records = read_metrics(summary.run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30]
-    expected = {"train/loss", "train/loss/cross_entropy", "train/lr", "train/grad_norm", "train/tokens_per_second",
+    expected = {"train/loss", "train/loss/ce", "train/loss/z", "train/lr", "train/grad_norm", "train/tokens_per_second",
                 "train/step", "train/skipped_steps"}
     assert expected <= set(records[0])
+    assert "train/z/lse" in records[0]  # child metrics, summed over micro-batches
     assert "eval/loss" in records[2] and "eval/loss" not in records[0]
     assert records[-1]["train/loss"] == summary.last_loss
+    for record in records:  # the total is the weighted sum of the children
+        combined = record["train/loss/ce"] + 1e-3 * record["train/loss/z"]
+        assert abs(record["train/loss"] - combined) <= 1e-6 * record["train/loss"]
 
     (run_file,) = (summary.run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     history, wandb_config = read_wandb_run(run_file)
