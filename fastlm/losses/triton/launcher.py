@@ -21,7 +21,7 @@ import triton
 
 from fastlm.losses.coefficients import LabelChildren, TokenStats, label_children
 from fastlm.losses.seam import safe_inverse
-from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets
+from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossResult, LossSpec, LossTargets
 from fastlm.losses.triton.kernel import MODE_FUSED, MODE_GRAD, MODE_STATS, lm_loss_kernel
 from fastlm.losses.validation import ProcessGroup, validate_loss_inputs, vocab_shard
 
@@ -275,3 +275,25 @@ def triton_loss(
             launch.run(MODE_GRAD.value, (stats.lse, prob_coeff, children.label_coeff.float()), grad, kd_out,
                        coeffs=(0.0, 0.0, 0.0, _kd_coeff(spec, normalizers)), grad_scale=grad_scale)
     return _result(children, kl, spec, normalizers), grad
+
+
+def fused_kernel_only(
+    logits: torch.Tensor,
+    targets: LossTargets,
+    normalizers: LossNormalizers,
+    spec: LossSpec,
+    grad: torch.Tensor,
+    *,
+    max_block: int = MAX_BLOCK,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """The single fused launch and nothing else (no validation, losses or metrics), for specs without
+    GSPO: the benchmark times it next to `triton_loss` to split kernel time from host-side work.
+    Returns the per-token lse."""
+    if spec.gspo is not None:
+        raise ValueError("fused_kernel_only has no GSPO path (GSPO needs the stats launch and the seam)")
+    _check_supported(logits, targets, spec, num_warps)
+    teacher = targets.teacher_logits if spec.distillation is not None else None
+    launch = _Launch(logits, targets.labels, teacher, spec, 0, max_block, num_warps)
+    stats, _ = _fused(launch, targets, normalizers, spec, targets.labels != IGNORE_INDEX, grad, 1.0)
+    return stats.lse

@@ -1,0 +1,44 @@
+"""tools/bench_losses.py --cpu-smoke end to end in a subprocess: every (spec, shape) row in the
+table, every implementation timed, the JSON written to $OUT, and the tune table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tools" / "bench_losses.py"
+SPECS = ("ce", "ce+z", "grpo+z", "ce+z+grpo", "gspo+z", "ce+kd")
+
+
+def _run(tmp_path: Path, *flags: str) -> str:
+    env = {**os.environ, "OUT": str(tmp_path), "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", *flags], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_cpu_smoke_table_has_every_row(tmp_path: Path) -> None:
+    out = _run(tmp_path)
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| spec")]
+    assert sorted(line.split(" | ")[0][2:] for line in rows) == sorted(SPECS)
+    for line in rows:
+        cells = line.split(" | ")
+        assert cells[1:3] == ["8", "96"] and "(" in cells[4], line  # triton timed with its x R1
+    report = json.loads((tmp_path / "bench_losses.json").read_text())
+    for row in report["rows"]:
+        expected = {"triton", "triton-inplace", "compiled", "eager"} | ({"triton-kernel"} if row["spec"] != "gspo+z" else set())
+        assert set(row["ms"]) == expected and all(t > 0 for t in row["ms"].values()), row
+        assert row["grad_rel_err_vs_compiled"] < 2e-2, row  # bf16 gradients, rounded independently
+        assert row["r1_bytes"] >= 2 * 8 * 96 * 2
+
+
+def test_cpu_smoke_tune_table(tmp_path: Path) -> None:
+    out = _run(tmp_path, "--tune")
+    rows = [line for line in out.splitlines() if line.startswith("| ce+z+grpo ")]
+    assert len(rows) == 4, out[-2000:]
+    assert len(json.loads((tmp_path / "bench_losses.json").read_text())["tune"]) == 4

@@ -1,0 +1,349 @@
+"""Benchmark forward+gradient of the monolithic LM-head loss, every implementation side by side.
+
+    python tools/bench_losses.py                # H200: all specs x tokens {4096,16384} x vocab {32000,131072}
+    python tools/bench_losses.py --tune         # sweep the kernel's block size x num_warps for one shape
+    python tools/bench_losses.py --cpu-smoke    # tiny shapes on CPU (Triton interpreted), a few seconds
+
+Implementations: triton (fresh gradient buffer), triton-inplace (gradient over the logits),
+triton-kernel (the fused launch alone, no validation/metrics: splits kernel from host time),
+compiled, eager (float32 reference + autograd) and Liger-Kernel's cross entropy (CE and CE+z through
+lse_square_scale) when `liger_kernel` imports. Logits are bf16.
+
+Timing: `triton.testing.do_bench` median (CUDA; it also flushes L2 before each call) with the inputs
+rotated among two sets; on CPU a perf_counter median. Roofline R1 = bytes of reading the logits once
+(and the teacher logits for distillation) + writing the gradient once + the per-token vectors, over
+the bandwidth of a device-to-device copy measured in this run (read + write bytes). Peak extra
+memory = `torch.cuda.max_memory_allocated` above what was allocated before the call. The last lines
+printed are a compact markdown table; the full results go to `$OUT/bench_losses.json` when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402 - TRITON_INTERPRET must be set (in main) before triton is imported
+
+from fastlm.losses.spec import (  # noqa: E402
+    ClippedPolicySpec,
+    DistillationSpec,
+    GSPOSpec,
+    LossNormalizers,
+    LossSpec,
+    LossTargets,
+    WeightedSpec,
+)
+
+CE, Z = WeightedSpec("ce", 1.0), WeightedSpec("z", 1e-4)
+GRPO = ClippedPolicySpec("grpo", 1.0, 0.2, 0.2)
+SPECS: dict[str, LossSpec] = {
+    "ce": LossSpec(cross_entropy=CE),
+    "ce+z": LossSpec(cross_entropy=CE, z_loss=Z),
+    "grpo+z": LossSpec(z_loss=Z, grpo=GRPO),
+    "ce+z+grpo": LossSpec(cross_entropy=CE, z_loss=Z, grpo=GRPO),
+    "gspo+z": LossSpec(z_loss=Z, gspo=GSPOSpec("gspo", 1.0, 3e-4, 4e-4)),
+    "ce+kd": LossSpec(cross_entropy=CE, distillation=DistillationSpec("kd", 1.0, 2.0, False)),
+}
+GPU_SHAPES = [(4096, 32000), (4096, 131072), (16384, 32000), (16384, 131072)]
+SMOKE_SHAPES = [(8, 96)]
+SETS = 2  # input sets rotated so a small case is not served from L2
+LIGER_SPECS = ("ce", "ce+z")
+TUNE_GRID = {"gpu": ((4096, 8192, 16384, 32768), (4, 8, 16, 32)), "cpu": ((32, 128), (1, 4))}
+
+
+@dataclass
+class Case:
+    """One input set: bf16 logits (and teacher), labels with 1 in 7 masked, policy inputs, documents."""
+
+    logits: torch.Tensor
+    targets: LossTargets
+    normalizers: LossNormalizers
+
+
+def make_case(tokens: int, vocab: int, seed: int, device: torch.device, teacher: bool) -> Case:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(tokens, vocab, device=device, generator=generator, dtype=torch.bfloat16)
+    labels = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
+    labels[seed % 7 :: 7] = -100
+    old_logp = -torch.rand(tokens, device=device, generator=generator) * 12.0
+    advantages = torch.randn(tokens, device=device, generator=generator)
+    document_ids = torch.arange(tokens, device=device) // 512
+    teacher_logits = (
+        torch.randn(tokens, vocab, device=device, generator=generator, dtype=torch.bfloat16) if teacher else None
+    )
+    mask = labels != -100
+    normalizers = LossNormalizers(float(mask.sum()), float(document_ids[mask].unique().numel()))
+    return Case(logits, LossTargets(labels, old_logp, advantages, document_ids, teacher_logits), normalizers)
+
+
+def roofline_bytes(case: Case, spec: LossSpec) -> int:
+    """R1 bytes: logits read once + gradient written once (+ teacher read once) + per-token vectors
+    (labels, policy inputs, document ids read; lse/new_logp/entropy written)."""
+    logits, targets = case.logits, case.targets
+    total = 2 * logits.numel() * logits.element_size() + targets.labels.numel() * targets.labels.element_size()
+    if spec.needs_policy_inputs:
+        total += sum(t.numel() * t.element_size() for t in (targets.old_logp, targets.advantages))
+    if spec.gspo is not None:
+        total += targets.document_ids.numel() * targets.document_ids.element_size()
+    if spec.distillation is not None:
+        total += targets.teacher_logits.numel() * targets.teacher_logits.element_size()
+    return total + 3 * 4 * logits.shape[0]
+
+
+class Bench:
+    """Median time and peak extra memory of a zero-argument callable on this device."""
+
+    def __init__(self, device: torch.device, rep_ms: int) -> None:
+        self.device = device
+        self.rep_ms = rep_ms
+        self.tune_blocks, self.tune_warps = TUNE_GRID["gpu" if device.type == "cuda" else "cpu"]
+
+    def time_ms(self, step: Callable[[], object]) -> float:
+        if self.device.type == "cuda":
+            from triton.testing import do_bench
+
+            return float(do_bench(step, warmup=max(10, self.rep_ms // 4), rep=self.rep_ms, return_mode="median"))
+        step()  # warm-up (interpreter / kernel caches)
+        samples = []
+        for _ in range(2):
+            start = time.perf_counter()
+            step()
+            samples.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(samples)
+
+    def peak_mib(self, step: Callable[[], object]) -> float | None:
+        """Peak allocation above what was live before one call (None on CPU)."""
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        del out
+        return peak / 2**20
+
+    def copy_gb_s(self) -> float:
+        """Device-to-device copy bandwidth, counting read + write bytes."""
+        numel = 2**28 if self.device.type == "cuda" else 2**22
+        src = torch.randn(numel, device=self.device, dtype=torch.bfloat16)
+        dst = torch.empty_like(src)
+        ms = self.time_ms(lambda: dst.copy_(src))
+        return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+
+
+def rotating(cases: list[Case], call: Callable[[Case], object]) -> Callable[[], object]:
+    """A step that runs `call` on the next input set each time."""
+    state = {"i": 0}
+
+    def step() -> object:
+        state["i"] += 1
+        return call(cases[state["i"] % len(cases)])
+
+    return step
+
+
+def load_liger() -> tuple[type | None, str]:
+    try:
+        from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
+    except Exception as error:  # noqa: BLE001 - any import failure means "not available", with the reason
+        return None, f"{type(error).__name__}: {error}"
+    return LigerCrossEntropyLoss, "ok"
+
+
+def implementations(
+    name: str, spec: LossSpec, device: torch.device, liger: type | None, tune: dict[str, int]
+) -> dict[str, Callable[[Case], object]]:
+    """implementation -> function of one input set doing forward + gradient (returns what it allocated)."""
+    from fastlm.losses.compiled import compiled_loss
+    from fastlm.losses.reference import reference_loss
+    from fastlm.losses.triton.launcher import fused_kernel_only, triton_loss
+
+    def triton(case: Case) -> object:
+        return triton_loss(case.logits, case.targets, case.normalizers, spec, **tune)
+
+    def triton_inplace(case: Case) -> object:
+        return triton_loss(case.buffer, case.targets, case.normalizers, spec, inplace=True, **tune)
+
+    def triton_kernel(case: Case) -> object:
+        return fused_kernel_only(case.buffer, case.targets, case.normalizers, spec, case.buffer, **tune)
+
+    def compiled(case: Case) -> object:
+        return compiled_loss(case.logits, case.targets, case.normalizers, spec)
+
+    def eager(case: Case) -> object:
+        z = case.logits.float().requires_grad_()
+        reference_loss(z, case.targets, case.normalizers, spec).loss.backward()
+        return z.grad
+
+    found: dict[str, Callable[[Case], object]] = {"triton": triton, "triton-inplace": triton_inplace}
+    if spec.gspo is None:
+        found["triton-kernel"] = triton_kernel
+    found.update(compiled=compiled, eager=eager)
+    if liger is not None and device.type == "cuda" and name in LIGER_SPECS:
+        # Liger writes the gradient over its input during forward, like triton-inplace.
+        module = liger(lse_square_scale=spec.z_loss.weight if spec.z_loss is not None else 0.0)
+
+        def liger_step(case: Case) -> object:
+            leaf = case.buffer.detach().requires_grad_()
+            module(leaf, case.targets.labels).backward()
+            return leaf.grad
+
+        found["liger"] = liger_step
+    return found
+
+
+def grad_error(spec: LossSpec, case: Case) -> float:
+    """Relative error of the triton gradient against the compiled one on this input set."""
+    from fastlm.losses.compiled import compiled_loss
+    from fastlm.losses.triton.launcher import triton_loss
+
+    _, grad = triton_loss(case.logits, case.targets, case.normalizers, spec)
+    _, expected = compiled_loss(case.logits, case.targets, case.normalizers, spec)
+    return float((grad.double() - expected.double()).norm() / expected.double().norm())
+
+
+def benchmark(shapes: list[tuple[int, int]], bench: Bench, copy_gb_s: float, liger: type | None) -> list[dict]:
+    rows = []
+    for tokens, vocab in shapes:
+        for name, spec in SPECS.items():
+            cases = [make_case(tokens, vocab, seed, bench.device, spec.distillation is not None) for seed in range(SETS)]
+            for case in cases:
+                case.buffer = case.logits.clone()
+            r1_bytes = roofline_bytes(cases[0], spec)
+            r1_ms = r1_bytes / (copy_gb_s * 1e9) * 1e3
+            row: dict = {"spec": name, "tokens": tokens, "vocab": vocab, "r1_bytes": r1_bytes, "r1_ms": r1_ms,
+                         "grad_rel_err_vs_compiled": grad_error(spec, cases[0]), "ms": {}, "peak_mib": {}}
+            for impl, call in implementations(name, spec, bench.device, liger, {}).items():
+                try:
+                    row["ms"][impl] = bench.time_ms(rotating(cases, call))
+                    row["peak_mib"][impl] = bench.peak_mib(lambda: call(cases[0]))
+                except torch.cuda.OutOfMemoryError:
+                    row["ms"][impl], row["peak_mib"][impl] = None, "oom"
+                    torch.cuda.empty_cache()
+            ms = row["ms"]
+            row["x_r1"] = {impl: t / r1_ms for impl, t in ms.items() if t is not None}
+            row["gb_s"] = {impl: r1_bytes / (t * 1e-3) / 1e9 for impl, t in ms.items() if t is not None}
+            row["speedup"] = {
+                other: ms[other] / ms["triton"] for other in ("compiled", "eager", "liger") if ms.get(other) and ms["triton"]
+            }
+            rows.append(row)
+            print(json.dumps({k: row[k] for k in ("spec", "tokens", "vocab", "ms", "x_r1")}, default=_round), flush=True)
+            del cases
+            if bench.device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def tune(tokens: int, vocabs: list[int], spec_name: str, bench: Bench, copy_gb_s: float) -> list[dict]:
+    """Block size x num_warps of the fused kernel (fresh-buffer triton_loss) for one spec."""
+    from fastlm.losses.triton.launcher import MAX_BLOCK, _block_size, default_num_warps
+
+    spec = SPECS[spec_name]
+    rows = []
+    for vocab in vocabs:
+        cases = [make_case(tokens, vocab, seed, bench.device, spec.distillation is not None) for seed in range(SETS)]
+        r1_ms = roofline_bytes(cases[0], spec) / (copy_gb_s * 1e9) * 1e3
+        default = _block_size(vocab, MAX_BLOCK)
+        for block in bench.tune_blocks:
+            for warps in bench.tune_warps:
+                settings = {"max_block": block, "num_warps": warps}
+                call = implementations(spec_name, spec, bench.device, None, settings)["triton"]
+                ms = bench.time_ms(rotating(cases, call))
+                is_default = _block_size(vocab, block) == default and warps == default_num_warps(default)
+                rows.append({"spec": spec_name, "tokens": tokens, "vocab": vocab, "block": block, "num_warps": warps,
+                             "ms": ms, "x_r1": ms / r1_ms, "default": is_default})
+        del cases
+    return rows
+
+
+def _round(value: object) -> object:
+    return round(value, 4) if isinstance(value, float) else str(value)
+
+
+def _cell(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def results_table(rows: list[dict], copy_gb_s: float) -> str:
+    """One line per (spec, shape): triton times with x R1, the others, speed-ups, peak memory."""
+    impls = ("triton", "triton-inplace", "triton-kernel", "compiled", "eager", "liger")
+    lines = [
+        f"copy bandwidth {copy_gb_s:.0f} GB/s (read+write); ms = median forward+gradient; (xR1) = time / roofline R1",
+        "| spec | T | V | R1 ms | triton | in-place | kernel only | compiled | eager | liger "
+        "| xcomp | xeager | xliger | grad err | peak MiB tri/inp/comp/eager/liger |",
+        "|" + "---|" * 15,
+    ]
+    for row in rows:
+        ms, x_r1, speed, peak = row["ms"], row["x_r1"], row["speedup"], row["peak_mib"]
+        timed = [f"{_cell(ms.get(i))} ({x_r1[i]:.2f})" if ms.get(i) else "-" for i in impls[:3]]
+        timed += [_cell(ms.get(i)) for i in impls[3:]]
+        peaks = "/".join(f"{p:.0f}" if isinstance(p, float) else str(p or "-") for p in (peak.get(i) for i in impls if i != "triton-kernel"))
+        lines.append(
+            f"| {row['spec']} | {row['tokens']} | {row['vocab']} | {row['r1_ms']:.3f} | " + " | ".join(timed)
+            + " | " + " | ".join(_cell(speed.get(o), 2) for o in ("compiled", "eager", "liger"))
+            + f" | {row['grad_rel_err_vs_compiled']:.1e} | {peaks} |"
+        )
+    return "\n".join(lines)
+
+
+def tune_table(rows: list[dict]) -> str:
+    lines = ["| spec | T | V | block | num_warps | ms | xR1 | default |", "|" + "---|" * 8]
+    lines += [
+        f"| {r['spec']} | {r['tokens']} | {r['vocab']} | {r['block']} | {r['num_warps']} | {r['ms']:.3f} "
+        f"| {r['x_r1']:.2f} | {'*' if r['default'] else ''} |"
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, Triton interpreted")
+    parser.add_argument("--tune", action="store_true", help="sweep block size x num_warps for one shape")
+    parser.add_argument("--tune-spec", default="ce+z+grpo", choices=list(SPECS))
+    parser.add_argument("--tune-tokens", type=int, default=8192)
+    parser.add_argument("--tune-vocab", type=int, nargs="+", default=[32000, 131072])
+    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring time per case (ms)")
+    args = parser.parse_args(argv)
+    if args.cpu_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+        os.environ.setdefault("FASTLM_COMPILE", "0")
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        parser.error("no CUDA device: use --cpu-smoke on CPU")
+    else:
+        device = torch.device("cuda")
+    bench = Bench(device, args.rep_ms)
+    copy_gb_s = bench.copy_gb_s()
+    liger, liger_status = load_liger() if device.type == "cuda" else (None, "not on CPU")
+    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; liger: {liger_status}", flush=True)
+    report: dict = {"device": str(device), "copy_gb_s": copy_gb_s, "liger": liger_status}
+    if args.tune:
+        tokens, vocabs = (8, [96]) if args.cpu_smoke else (args.tune_tokens, args.tune_vocab)
+        report["tune"] = tune(tokens, vocabs, args.tune_spec, bench, copy_gb_s)
+        table = tune_table(report["tune"])
+    else:
+        report["rows"] = benchmark(SMOKE_SHAPES if args.cpu_smoke else GPU_SHAPES, bench, copy_gb_s, liger)
+        table = results_table(report["rows"], copy_gb_s)
+    if os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / "bench_losses.json"
+        path.write_text(json.dumps(report, indent=1, default=_round))
+        print(f"wrote {path}")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
