@@ -11,6 +11,7 @@ from fastlm.data.config import DataConfig
 from fastlm.engine.config import DistributedConfig, OptimizerConfig, RunSection, ScheduleConfig, TrainerConfig
 from fastlm.logging.config import LoggingConfig
 from fastlm.models.config import LlamaConfig, ModelConfig
+from fastlm.rl.config import RLConfig
 
 
 class RunConfig(ConfigModel):
@@ -22,6 +23,7 @@ class RunConfig(ConfigModel):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    rl: RLConfig | None = Field(None, description="Set for online GRPO/GSPO on a verifiable task (see configs/grpo.yaml).")
 
     @model_validator(mode="before")
     @classmethod

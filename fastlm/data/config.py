@@ -40,6 +40,14 @@ class JsonlSource(ConfigModel):
         return self
 
 
+class OfflineRLSource(ConfigModel):
+    """Policy-gradient samples produced elsewhere, one JSON object per line (see fastlm/data/offline_rl.py):
+    {"prompt": str, "completion": str, "advantage": float, "old_logprobs": [float per completion token + EOS]}."""
+
+    type: Literal["offline_rl"] = "offline_rl"
+    path: str
+
+
 class PreferencesJsonlSource(ConfigModel):
     """DPO pairs, one JSON object per line: {"prompt": str, "chosen": str, "rejected": str}."""
 
@@ -62,7 +70,7 @@ class GeneratedPreferencesSource(ConfigModel):
 PREFERENCE_SOURCE_TYPES: frozenset[str] = frozenset({"preferences_jsonl", "generated_preferences"})
 
 DataSource = Annotated[
-    Union[GeneratedSource, TextSource, JsonlSource, PreferencesJsonlSource, GeneratedPreferencesSource],
+    Union[GeneratedSource, TextSource, JsonlSource, OfflineRLSource, PreferencesJsonlSource, GeneratedPreferencesSource],
     Field(discriminator="type"),
 ]
 

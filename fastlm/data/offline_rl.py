@@ -1,0 +1,97 @@
+"""Offline RL data: prompts, completions, advantages and old log-probs produced elsewhere (PipelineRL style).
+
+One JSON object per line:
+
+    {"prompt": "3+4=", "completion": "7", "advantage": 0.8, "old_logprobs": [-0.1, -0.02]}
+
+Tokens follow the byte tokenizer: the prompt is BOS + its UTF-8 bytes (never a target); the completion
+is its UTF-8 bytes + EOS, and `old_logprobs` has one entry per completion token, EOS included
+(len(completion.encode("utf-8")) + 1 values), each the log-prob the sampling policy gave that token.
+Every problem is reported with the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastlm.data.datasets import DataError
+from fastlm.data.tokenizer import ByteTokenizer
+
+
+@dataclass(frozen=True)
+class PolicySample:
+    """One prompt + completion with its advantage; `old_logp` per completion token (None: recompute it)."""
+
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    advantage: float
+    old_logp: list[float] | None = None
+    reward: float = 0.0
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _field(record: dict[str, Any], name: str, where: str) -> Any:
+    if name not in record:
+        raise DataError(f"{where}: missing field '{name}' (keys: {sorted(record)})")
+    return record[name]
+
+
+def parse_record(record: Any, where: str, tokenizer: ByteTokenizer) -> PolicySample:
+    """One JSON value -> PolicySample; `where` ("file line N") prefixes every error."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    prompt, completion = _field(record, "prompt", where), _field(record, "completion", where)
+    for name, value in (("prompt", prompt), ("completion", completion)):
+        if not isinstance(value, str):
+            raise DataError(f"{where}: field '{name}' must be a string, got {type(value).__name__}")
+    advantage = _field(record, "advantage", where)
+    if not _number(advantage):
+        raise DataError(f"{where}: field 'advantage' must be a finite number, got {advantage!r}")
+    logprobs = _field(record, "old_logprobs", where)
+    completion_tokens = tokenizer.encode(completion, eos=True)
+    if not isinstance(logprobs, list) or len(logprobs) != len(completion_tokens):
+        got = f"{len(logprobs)} values" if isinstance(logprobs, list) else type(logprobs).__name__
+        raise DataError(
+            f"{where}: field 'old_logprobs' must be a list of {len(completion_tokens)} numbers (the completion's "
+            f"{len(completion_tokens) - 1} UTF-8 bytes + EOS), got {got}"
+        )
+    for index, value in enumerate(logprobs):
+        if not _number(value) or value > 0:
+            raise DataError(f"{where}: old_logprobs[{index}] = {value!r} is not a finite log-probability (<= 0)")
+    return PolicySample(tokenizer.encode(prompt, bos=True), completion_tokens, float(advantage), [float(v) for v in logprobs])
+
+
+def load_offline_rl(path: str | Path, tokenizer: ByteTokenizer | None = None) -> list[PolicySample]:
+    """Every sample of the file, in order; a clear `DataError` naming file and line on the first problem."""
+    tokenizer = tokenizer or ByteTokenizer()
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: offline RL data file not found")
+    samples = []
+    with path.open(encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path} line {line_number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{where}: invalid JSON ({error.msg} at column {error.colno})") from error
+            samples.append(parse_record(record, where, tokenizer))
+    if not samples:
+        raise DataError(f"{path}: no samples (the file is empty)")
+    return samples
+
+
+def write_offline_rl(path: str | Path, records: list[dict[str, Any]]) -> None:
+    """The inverse, for producers and tests: one JSON object per line."""
+    with Path(path).open("w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record) + "\n")

@@ -1,0 +1,126 @@
+"""Prompt + completion samples -> packed rows -> Batches with old log-probs and advantages per label.
+
+Each sample is one document (BOS + prompt + completion + EOS) and is never split across rows, so a
+GSPO sequence ratio always covers a whole completion. Labels are -100 on the prompt; old_logp and the
+advantage sit on the completion's labels (the advantage is constant over a completion). Rows hold
+seq_len + 1 tokens, shifted into seq_len inputs and labels like every other batch; `batch_from_rows`
+renumbers document ids so they are unique across the flattened batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastlm.data.batch import Batch, batch_from_rows
+from fastlm.data.datasets import PackedRows
+from fastlm.data.loader import BatchLoader
+from fastlm.data.offline_rl import PolicySample
+from fastlm.data.tokenizer import PAD
+from fastlm.engine.runtime import autocast
+from fastlm.losses.spec import IGNORE_INDEX, transform_logits
+from fastlm.models.decoder import DecoderLM
+
+
+@dataclass(frozen=True)
+class PolicyRows(PackedRows):
+    """PackedRows plus token-aligned floats: entry j is the value for token j as a target (0 elsewhere)."""
+
+    old_logp: torch.Tensor
+    advantages: torch.Tensor
+
+
+def _first_fit_rows(lengths: list[int], width: int) -> list[list[int]]:
+    """Sample indices per row, in order: a sample goes into the first row with room (no splitting)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for index, length in enumerate(lengths):
+        if length > width:
+            raise ValueError(
+                f"sample {index} has {length} tokens (BOS + prompt + completion + EOS) but rows hold "
+                f"data.seq_len + 1 = {width}; raise data.seq_len or shorten the prompt / max_new_tokens"
+            )
+        slot = next((r for r, free in enumerate(room) if free >= length), None)
+        if slot is None:
+            rows.append([])
+            room.append(width)
+            slot = len(rows) - 1
+        rows[slot].append(index)
+        room[slot] -= length
+    return rows
+
+
+def pack_policy_samples(samples: list[PolicySample], seq_len: int) -> PolicyRows:
+    """Pack whole documents into rows of seq_len + 1 tokens; padding is its own document, never a target."""
+    if not samples:
+        raise ValueError("pack_policy_samples needs at least one sample")
+    width = seq_len + 1
+    layout = _first_fit_rows([len(s.prompt_tokens) + len(s.completion_tokens) for s in samples], width)
+    shape = (len(layout), width)
+    tokens = torch.full(shape, PAD, dtype=torch.int64)
+    document_ids = torch.zeros(shape, dtype=torch.int64)
+    target_mask = torch.zeros(shape, dtype=torch.bool)
+    old_logp = torch.zeros(shape, dtype=torch.float32)
+    advantages = torch.zeros(shape, dtype=torch.float32)
+    for row, members in enumerate(layout):
+        start = 0
+        for doc, index in enumerate(members):
+            sample = samples[index]
+            prompt, completion = len(sample.prompt_tokens), len(sample.completion_tokens)
+            begin, end = start + prompt, start + prompt + completion
+            tokens[row, start:end] = torch.tensor(sample.prompt_tokens + sample.completion_tokens)
+            document_ids[row, start:end] = doc
+            target_mask[row, begin:end] = True
+            advantages[row, begin:end] = sample.advantage
+            if sample.old_logp is not None:
+                old_logp[row, begin:end] = torch.tensor(sample.old_logp)
+            start = end
+        document_ids[row, start:] = len(members)  # padding
+    return PolicyRows(tokens, document_ids, target_mask, old_logp, advantages)
+
+
+def rows_to_batch(rows: PolicyRows, picks: torch.Tensor) -> Batch:
+    """The Batch of the picked rows; the floats shift with the labels (label t is token t+1)."""
+    batch = batch_from_rows(rows.tokens[picks], rows.document_ids[picks], rows.target_mask[picks])
+    masked = batch.labels == IGNORE_INDEX
+    batch.old_logp = rows.old_logp[picks][:, 1:].masked_fill(masked, 0.0).contiguous()
+    batch.advantages = rows.advantages[picks][:, 1:].masked_fill(masked, 0.0).contiguous()
+    return batch
+
+
+def split_into_batches(rows: PolicyRows, parts: int) -> list[Batch]:
+    """All rows in order, as `parts` micro-batches of near-equal row counts (one optimizer step's worth)."""
+    if len(rows) < parts:
+        raise ValueError(
+            f"the rollout packed into {len(rows)} rows, fewer than trainer.grad_accumulation = {parts} "
+            "micro-batches; raise rl.prompts_per_rollout or rl.group_size, or lower trainer.grad_accumulation"
+        )
+    return [rows_to_batch(rows, picks) for picks in torch.arange(len(rows)).tensor_split(parts)]
+
+
+class PolicyBatchLoader(BatchLoader):
+    """BatchLoader over PolicyRows: same seeded epochs and exact-resume state, Batches carry old_logp/advantages."""
+
+    rows: PolicyRows
+
+    def next_batch(self) -> Batch:
+        return rows_to_batch(self.rows, torch.tensor([self._next_index() for _ in range(self.batch_size)]))
+
+
+@torch.no_grad()
+def policy_logprobs(
+    model: DecoderLM, batch: Batch, logit_scale: float, softcap: float | None, amp_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """(B, S) log-prob of every label under the model (0 where masked): old_logp for the first update.
+
+    The same forward as training (document ids, autocast, the head's logit transform), so the first
+    update's ratio is 1 up to float rounding of the loss path's own log-softmax.
+    """
+    device = model.output_weight.device
+    with autocast(device, amp_dtype):
+        logits = model.logits(batch.input_ids.to(device), batch.document_ids.to(device))
+    logp = torch.log_softmax(transform_logits(logits.float(), logit_scale, softcap), dim=-1)
+    labels = batch.labels.to(device)
+    picked = logp.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    return picked.masked_fill(labels == IGNORE_INDEX, 0.0).cpu()

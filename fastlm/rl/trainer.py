@@ -1,0 +1,157 @@
+"""`RLTrainer`: the trainer loop with rollouts (or offline RL samples) as data and a supervised warm-up.
+
+Online (`rl:` set, any data source but offline_rl): the loader is a `RolloutLoader`; the first
+`rl.warmup_steps` steps train cross-entropy (+ the head's z_loss) on task demonstrations through a
+second head on the same weights, then the configured policy head (GRPO or GSPO) trains on rollouts.
+Offline (`data.source.type: offline_rl`): the policy head trains on the file's samples, old_logp and
+advantages as given. Rollout statistics and the greedy eval reward join the trainer's log records.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastlm.config.errors import ConfigError, ConfigIssue
+from fastlm.config.schema import RunConfig
+from fastlm.data.config import OfflineRLSource
+from fastlm.data.offline_rl import load_offline_rl
+from fastlm.data.tasks import Problem
+from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.engine.trainer import StepResult, Trainer, TrainSummary
+from fastlm.layers.lm_head import LMHead
+from fastlm.losses.config import CrossEntropyConfig, LMHeadConfig
+from fastlm.rl.config import RLConfig
+from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples
+from fastlm.rl.rollouts import RolloutLoader, build_task, evaluate_greedy
+from fastlm.rl.sampler import SamplingOptions
+
+
+SUMMARY_WINDOW = 3  # rollouts averaged at each end of the run for the reward summary
+
+
+@dataclass
+class RLSummary(TrainSummary):
+    rewards: list[float] = field(default_factory=list)  # mean reward of every rollout
+    eval_rewards: list[tuple[int, float]] = field(default_factory=list)  # (step, greedy eval reward)
+
+
+def _policy_child(config: RunConfig) -> str:
+    kinds = [c.type for c in config.model.head.losses.values() if c.type in ("grpo", "gspo")]
+    if len(kinds) != 1:
+        raise ConfigError(ConfigIssue(
+            "model.head.losses", f"an RL run needs exactly one grpo or gspo child, found {kinds or 'none'}",
+            sorted(config.model.head.losses), hint="e.g. losses: {grpo: {type: grpo}, z_loss: {type: z_loss}}",
+        ))
+    return kinds[0]
+
+
+def _check(config: RunConfig, rl: RLConfig, offline: bool) -> None:
+    _policy_child(config)
+    if offline and rl.warmup_steps:
+        raise ConfigError(ConfigIssue("rl.warmup_steps", "the supervised warm-up needs the online task, not "
+                                      "offline_rl data", rl.warmup_steps, hint="set rl.warmup_steps: 0"))
+    if rl.warmup_steps >= config.trainer.steps:
+        raise ConfigError(ConfigIssue("rl.warmup_steps", f"leaves no RL steps out of trainer.steps "
+                                      f"({config.trainer.steps})", rl.warmup_steps, hint="lower it or raise trainer.steps"))
+
+
+def warmup_head_config(head: LMHeadConfig) -> LMHeadConfig:
+    """Cross-entropy plus the policy head's z_loss (if any), same numerics (scale, softcap, path)."""
+    losses: dict[str, Any] = {"cross_entropy": CrossEntropyConfig()}
+    losses.update({name: child for name, child in head.losses.items() if child.type == "z_loss"})
+    return head.model_copy(update={"losses": losses})
+
+
+def sampling_options(rl: RLConfig, head: LMHeadConfig) -> SamplingOptions:
+    """The rollout sampler's settings; the head's logit transform so sampling sees the loss's softmax."""
+    return SamplingOptions(rl.max_new_tokens, rl.temperature, rl.top_p, logit_scale=head.logit_scale, softcap=head.softcap)
+
+
+class RLTrainer(Trainer):
+    def __init__(self, config: RunConfig, rank: int | None = None):
+        self.rl = config.rl or RLConfig()
+        self.offline = isinstance(config.data.source, OfflineRLSource)
+        _check(config, self.rl, self.offline)
+        super().__init__(config, rank)
+        self.options = sampling_options(self.rl, config.model.head)
+        self.policy_head = self.model.head
+        self.warmup_head = LMHead(warmup_head_config(config.model.head))
+        self.eval_problems: list[Problem] = []
+        if not self.offline and self.rl.eval_prompts:
+            rng = random.Random(config.run.seed + 4)
+            task = build_task(self.rl.task)
+            self.eval_problems = [task.sample(rng) for _ in range(self.rl.eval_prompts)]
+        self.eval_rewards: list[tuple[int, float]] = []
+
+    def build_loaders(self, tokenizer: ByteTokenizer) -> tuple[RolloutLoader | PolicyBatchLoader, None]:
+        data, seed = self.config.data, self.config.run.seed
+        if self.offline:
+            samples = load_offline_rl(self.config.data.source.path, tokenizer)
+            return PolicyBatchLoader(pack_policy_samples(samples, data.seq_len), data.micro_batch_size, seed), None
+        options = sampling_options(self.rl, self.config.model.head)
+        loader = RolloutLoader(self.model, self.rl, options, data.seq_len, data.micro_batch_size,
+                               self.config.trainer.grad_accumulation, seed, self.amp_dtype)
+        return loader, None
+
+    @property
+    def in_warmup(self) -> bool:
+        return self.step < self.rl.warmup_steps and not self.offline
+
+    def train_step(self) -> StepResult:
+        self.model.head = self.warmup_head if self.in_warmup else self.policy_head
+        return super().train_step()
+
+    def evaluate(self) -> float | None:
+        """No held-out loss: an RL run is judged by its greedy eval reward (logged as eval/reward)."""
+        return None
+
+    def _eval_due(self) -> bool:
+        every, steps = self.config.trainer.eval_every, self.config.trainer.steps
+        return bool(self.eval_problems) and bool(every) and (self.step % every == 0 or self.step == steps)
+
+    def _log_record(self, result: StepResult, tokens_per_second: float) -> dict[str, float]:
+        record = super()._log_record(result, tokens_per_second)
+        warmup = self.step <= self.rl.warmup_steps and not self.offline  # the step just taken
+        record["train/rl/warmup"] = float(warmup)
+        loader = self.train_loader
+        if isinstance(loader, RolloutLoader) and loader.metrics and not warmup:
+            record.update({f"train/{name}": value for name, value in loader.metrics.items()})
+            record["train/rl/rollouts"] = float(loader.rollouts)
+        if self._eval_due():
+            scores = evaluate_greedy(self.model, loader.task, self.eval_problems, self.options,
+                                     self.rl.format_reward, self.amp_dtype)
+            record["eval/reward"], record["eval/accuracy"] = scores["reward"], scores["accuracy"]
+            self.eval_rewards.append((self.step, scores["reward"]))
+        return record
+
+    def train(self, resume: bool = False) -> RLSummary:
+        summary = super().train(resume)
+        rewards = list(self.train_loader.rewards) if isinstance(self.train_loader, RolloutLoader) else []
+        result = RLSummary(**vars(summary), rewards=rewards, eval_rewards=list(self.eval_rewards))
+        if self.rank in (None, 0):
+            print(describe_rl(result), file=sys.stderr)
+        return result
+
+
+def window_means(values: list[float], window: int = SUMMARY_WINDOW) -> tuple[float, float] | None:
+    """(mean of the first `window`, mean of the last `window`) values, or None when there are none."""
+    if not values:
+        return None
+    head, tail = values[:window], values[-window:]
+    return sum(head) / len(head), sum(tail) / len(tail)
+
+
+def describe_rl(summary: RLSummary) -> str:
+    """The end-of-run lines a user reads: did reward climb?"""
+    lines = []
+    means = window_means(summary.rewards)
+    if means is not None:
+        lines.append(f"rl: {len(summary.rewards)} rollouts, train/reward {means[0]:.3f} (first {SUMMARY_WINDOW}) "
+                     f"-> {means[1]:.3f} (last {SUMMARY_WINDOW})")
+    if summary.eval_rewards:
+        (first_step, first), (last_step, last) = summary.eval_rewards[0], summary.eval_rewards[-1]
+        lines.append(f"rl: eval/reward (greedy) {first:.3f} at step {first_step} -> {last:.3f} at step {last_step}")
+    return "\n".join(lines) or "rl: offline run (no rollouts)"
