@@ -26,6 +26,7 @@ from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.checkpoint import load_latest_checkpoint, save_checkpoint
 from fastlm.engine.optim import build_optimizer, build_scheduler
 from fastlm.engine.runtime import autocast, autocast_dtype, rng_state, seed_everything, select_device, set_rng_state
+from fastlm.layers.lm_head import LMHead
 from fastlm.logging.logger import MetricLogger
 from fastlm.losses.spec import LossNormalizers
 from fastlm.models.decoder import build_model
@@ -76,16 +77,6 @@ def _scalars(values: dict[str, torch.Tensor]) -> dict[str, float]:
 def _accumulate(total: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
     for name, value in values.items():
         total[name] = total[name] + value.detach() if name in total else value.detach()
-
-
-def loss_implementation(config: RunConfig, device: torch.device) -> str:
-    """The loss path dispatch will pick, in words (logged once to the wandb config)."""
-    from fastlm.losses.dispatch import describe_implementation, resolve_implementation
-
-    monolithic = config.model.head.monolithic()
-    if not monolithic.children:
-        return "dpo (sequence log-prob path)"
-    return describe_implementation(monolithic, resolve_implementation(monolithic, device), device)
 
 
 class Trainer:
@@ -240,7 +231,8 @@ class Trainer:
         return record
 
     def _run_config(self) -> dict[str, Any]:
-        return {**self.config.model_dump(mode="json"), "loss_implementation": loss_implementation(self.config, self.device)}
+        described = LMHead(self.config.model.head, self.device).describe()  # the path dispatch picks on this device
+        return {**self.config.model_dump(mode="json"), "loss_implementation": described}
 
     def train(self, resume: bool = False) -> TrainSummary:
         if resume:
