@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastlm.config.errors import ConfigIssue
 from fastlm.config.schema import RunConfig
+from fastlm.data.config import PREFERENCE_SOURCE_TYPES
 
 BYTE_VOCAB_SIZE = 260
 
@@ -22,4 +25,32 @@ def cross_check(config: RunConfig) -> list[ConfigIssue]:
     if model.vocab_size % tp:
         issues.append(ConfigIssue("distributed.tensor_parallel", f"does not divide model.vocab_size ({model.vocab_size})",
                                   tp, hint="pick a tensor_parallel that divides the vocab (pad the vocab if needed)"))
+    issues += _frozen_model_checks(config)
+    return issues
+
+
+_CHECKPOINT_KEYS = {"distillation": "teacher_path", "dpo": "reference_path"}  # child type -> checkpoint field
+_TRAIN_TEACHER = "train that model first: fastlm train configs/tiny.yaml (writes runs/tiny/checkpoints/latest)"
+
+
+def _frozen_model_checks(config: RunConfig) -> list[ConfigIssue]:
+    """Distillation needs a teacher and DPO needs preference pairs; checkpoint paths must exist."""
+    issues: list[ConfigIssue] = []
+    source = config.data.source.type
+    for name, child in config.model.head.losses.items():
+        field = f"model.head.losses.{name}"
+        if child.type == "distillation" and child.teacher_path is None:
+            issues.append(ConfigIssue(f"{field}.teacher_path", "distillation needs a teacher, and no data source "
+                                      "brings teacher logits", None, hint="set it to a fastlm checkpoint, e.g. "
+                                      f"../runs/tiny/checkpoints/latest; {_TRAIN_TEACHER}"))
+        key = _CHECKPOINT_KEYS.get(child.type)
+        path = getattr(child, key) if key else None
+        if path is not None and not Path(path).exists():
+            issues.append(ConfigIssue(f"{field}.{key}", "checkpoint not found", path, hint=_TRAIN_TEACHER))
+    if config.model.head.is_dpo and source not in PREFERENCE_SOURCE_TYPES:
+        issues.append(ConfigIssue("data.source.type", "the dpo loss trains on preference pairs", source,
+                                  hint=f"use one of {sorted(PREFERENCE_SOURCE_TYPES)}"))
+    if source in PREFERENCE_SOURCE_TYPES and not config.model.head.is_dpo:
+        issues.append(ConfigIssue("data.source.type", "preference pairs need a dpo loss in model.head.losses", source,
+                                  hint="add losses: {dpo: {beta: 0.1}} alone, or use a text source"))
     return issues

@@ -147,6 +147,11 @@ def _verify(path: Path) -> LoadedCheckpoint:
     return LoadedCheckpoint(path, step, optimizer_state, trainer_state, manifest.get("config", {}))
 
 
+def load_checkpoint(path: Path) -> LoadedCheckpoint:
+    """One named `step-*` directory, verified (no fallback: the caller asked for this one)."""
+    return _verify(path)
+
+
 def _candidates(directory: Path) -> list[Path]:
     """The `latest` target first, then every other complete checkpoint, newest first."""
     ordered = list(reversed(_step_dirs(directory)))

@@ -64,6 +64,9 @@ class DistillationConfig(LossChildConfig):
 class DPOConfig(LossChildConfig):
     type: Literal["dpo"] = "dpo"
     beta: float = Field(0.1, gt=0.0)
+    reference_path: str | None = Field(
+        None, description="Checkpoint directory of the frozen reference; None means a copy of the initial policy."
+    )
 
 
 LossChild = Annotated[

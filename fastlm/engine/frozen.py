@@ -1,0 +1,95 @@
+"""Frozen models next to the trained one: a distillation teacher or a DPO reference.
+
+A frozen model is loaded from a fastlm checkpoint (its architecture from the checkpoint's manifest,
+so it may differ from the student's), or copied from the policy; it stays in eval mode with no
+gradients, and its logits go through its own head's logit transform.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from pydantic import TypeAdapter, ValidationError
+
+from fastlm.engine.checkpoint import (
+    LATEST_FILE,
+    CheckpointError,
+    LoadedCheckpoint,
+    load_checkpoint,
+    load_latest_checkpoint,
+)
+from fastlm.losses.spec import transform_logits
+from fastlm.models.config import ModelConfig
+from fastlm.models.decoder import DecoderLM, build_model
+
+CHECKPOINTS = "checkpoints"
+
+
+def find_checkpoint(path: str | Path, field: str) -> LoadedCheckpoint:
+    """Accepts a run dir, its `checkpoints/` dir, the `latest` pointer file, or one `step-*` dir.
+
+    `field` is the config key that named the path, for the error message.
+    """
+    path = Path(path)
+    if path.is_file() and path.name == LATEST_FILE:
+        return load_latest_checkpoint(path.parent)
+    if (path / "manifest.json").is_file():
+        return load_checkpoint(path)
+    if (path / CHECKPOINTS).is_dir():
+        return load_latest_checkpoint(path / CHECKPOINTS)
+    if path.is_dir():
+        return load_latest_checkpoint(path)
+    raise CheckpointError(
+        f"{field}: no checkpoint at {path}; train that model first (e.g. `fastlm train configs/tiny.yaml` "
+        "writes runs/tiny/checkpoints/latest) or point it at a run, checkpoints/ or step-* directory"
+    )
+
+
+def freeze(model: DecoderLM) -> DecoderLM:
+    """Eval mode (no dropout) and no parameter gradients."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_frozen_model(path: str | Path, field: str, device: torch.device) -> DecoderLM:
+    """The checkpoint's model, built from its manifest's model config, with its weights, frozen."""
+    loaded = find_checkpoint(path, field)
+    try:
+        config = TypeAdapter(ModelConfig).validate_python(loaded.config.get("model"))
+    except ValidationError as error:
+        raise CheckpointError(f"{field}: {loaded.path}/manifest.json has no valid model config ({error})") from error
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # keep the run's RNG stream
+        model = build_model(config, device=device)
+    loaded.load_model(model, device)
+    return freeze(model)
+
+
+def copy_frozen(model: torch.nn.Module, device: torch.device) -> DecoderLM:
+    """A frozen copy of `model` as it is now (e.g. the initial policy), unwrapping a DDP wrapper."""
+    source: DecoderLM = getattr(model, "module", model)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        copy = build_model(source.config, device=device)
+    copy.load_state_dict(source.state_dict())
+    return freeze(copy)
+
+
+def check_compatible(frozen: DecoderLM, trained: DecoderLM, field: str, seq_len: int) -> None:
+    """Same vocab (same tokenizer, logits of one shape) and room for the run's sequences."""
+    if frozen.config.vocab_size != trained.config.vocab_size:
+        raise CheckpointError(
+            f"{field}: the checkpoint's model.vocab_size is {frozen.config.vocab_size}, but this run's is "
+            f"{trained.config.vocab_size}; both models must share the tokenizer and vocab"
+        )
+    if frozen.config.max_seq_len < seq_len:
+        raise CheckpointError(
+            f"{field}: the checkpoint's model.max_seq_len {frozen.config.max_seq_len} is shorter than "
+            f"data.seq_len {seq_len}; lower data.seq_len"
+        )
+
+
+def frozen_logits(model: DecoderLM, input_ids: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    """(B, S, V) logits as the frozen model's softmax sees them (its own logit_scale / softcap applied)."""
+    head = model.config.head
+    return transform_logits(model.logits(input_ids, document_ids), head.logit_scale, head.softcap)
