@@ -96,13 +96,17 @@ def _rescale(m1, m2):
 
 
 @triton.jit
+def _probs(x, mask, lse):
+    return tl.exp(tl.where(mask, x, 0.0) - lse)
+
+
+@triton.jit
 def _store_grad(
-    grad_row_ptr, x, u, mask, offsets, local_label, lse, prob_coeff, label_coeff, logit_scale, softcap,
+    grad_row_ptr, x, p, u, mask, offsets, local_label, prob_coeff, label_coeff, logit_scale, softcap,
     kd_scale, teacher_lse, HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr,
 ):
     """grad_j = (prob_coeff*p_j - label_coeff*d_jy + distillation element term) * dx/dz, stored in the
-    gradient buffer's dtype."""
-    p = tl.exp(tl.where(mask, x, 0.0) - lse)
+    gradient buffer's dtype; `p` is the student softmax of this block."""
     grad = prob_coeff * p - tl.where(offsets == local_label, label_coeff, 0.0)
     if KD_GRAD:
         if KD_REVERSE:
@@ -181,6 +185,7 @@ def lm_loss_kernel(
             label_coeff = tl.load(out2_ptr + row) * grad_scale
             if KD_GRAD:
                 teacher_lse = tl.load(kd0_ptr + row)
+            p0 = _probs(x0, mask0, lse)
         else:
             m, s, t, e = _block_stats(x0, mask0)
             mu = 0.0
@@ -257,10 +262,13 @@ def lm_loss_kernel(
                             prob_coeff += kd_coeff
                 prob_coeff = prob_coeff * grad_scale
                 label_coeff = label_coeff * grad_scale
+            # One row in one block: p = exp(x - m) / sum reuses the stats pass's exponentials (one
+            # exp per element instead of two; the special-function unit is a bottleneck near R1).
+            p0 = e / s
         if COMPUTE_GRAD:
             if SINGLE_PASS:
                 _store_grad(
-                    grad_row, x0, u0, mask0, offsets, local_label, lse, prob_coeff, label_coeff, logit_scale, softcap,
+                    grad_row, x0, p0, u0, mask0, offsets, local_label, prob_coeff, label_coeff, logit_scale, softcap,
                     kd_scale, teacher_lse, HAS_SOFTCAP, KD_GRAD, KD_REVERSE,
                 )
             else:
@@ -272,7 +280,7 @@ def lm_loss_kernel(
                     if KD_GRAD:
                         u = _load_u(teacher_row, start + offsets, n_cols, inv_temperature)
                     _store_grad(
-                        grad_row, x, u, mask, start + offsets, local_label, lse, prob_coeff, label_coeff,
+                        grad_row, x, _probs(x, mask, lse), u, mask, start + offsets, local_label, prob_coeff, label_coeff,
                         logit_scale, softcap, kd_scale, teacher_lse, HAS_SOFTCAP, KD_GRAD, KD_REVERSE,
                     )
     else:
