@@ -68,6 +68,7 @@ class Case:
     logits: torch.Tensor
     targets: LossTargets
     normalizers: LossNormalizers
+    buffer: torch.Tensor | None = None  # a copy of the logits that in-place paths overwrite
 
 
 def make_case(tokens: int, vocab: int, seed: int, device: torch.device, teacher: bool) -> Case:
