@@ -60,12 +60,17 @@ def describe_run(config: RunConfig) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may also follow flags (`train c.yaml --dry-run a.b=1`), where argparse leaves them over.
+    stray = [item for item in extra if item.startswith("-") or "=" not in item]
+    if stray or (extra and args.command == "convert"):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if args.command == "convert":
         from fastlm.models.hf import convert_command
 
         return convert_command(args.from_hf, args.to, args.from_fastlm, args.to_hf)
-    overrides = [*args.overrides, *args.set_overrides]
+    overrides = [*args.overrides, *extra, *args.set_overrides]
     try:
         config = load_config(args.config, overrides)
     except ConfigError as error:

@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from fastlm.config.checks import cross_check
-from fastlm.config.errors import ConfigError, ConfigIssue
+from fastlm.config.errors import _MISSING, ConfigError, ConfigIssue
 from fastlm.config.schema import RunConfig
 
 BASE_KEY = "base"
@@ -31,7 +31,12 @@ class LayeredDict:
     sources: dict[str, str] = field(default_factory=dict)
 
     def source_of(self, path: str) -> str:
-        """The layer that set `path` or its nearest parent; defaults when nothing did."""
+        """The layers that set `path` (every layer below it, for a section), else its nearest parent's;
+        defaults when nothing did."""
+        below = [source for key, source in self.sources.items() if key.startswith(path + ".")] if path else []
+        if below:
+            exact = self.sources.get(path)
+            return ", ".join(dict.fromkeys([*([exact] if exact else []), *below]))
         parts = path.split(".") if path else []
         while parts:
             found = self.sources.get(".".join(parts))
@@ -181,6 +186,8 @@ def _to_issue(item: dict[str, Any], layered: LayeredDict) -> ConfigIssue:
     if message.startswith("Value error, "):
         message = message[len("Value error, "):]
     value = item.get("input")
+    if isinstance(value, dict):  # a whole section: the message names the fields, the dict adds noise
+        value = _MISSING
     hint = _hint_for(kind, item)
     if kind == "missing":
         return ConfigIssue(path, "required key is missing", source=source, hint=hint)
