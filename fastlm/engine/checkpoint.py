@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_file, save_model
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -73,20 +73,27 @@ def _step_dirs(directory: Path) -> list[Path]:
 def save_checkpoint(
     directory: Path,
     step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module | dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | dict[str, Any],
     trainer_state: dict[str, Any],
     config: dict[str, Any],
     keep: int,
 ) -> Path:
-    """Write step `step` atomically, point `latest` at it, and delete all but the newest `keep`."""
+    """Write step `step` atomically, point `latest` at it, and delete all but the newest `keep`.
+
+    `model` / `optimizer` may be given as their full state dicts (what a distributed run gathers on rank 0).
+    """
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / step_dir_name(step)
     temporary = directory / f".tmp-{step_dir_name(step)}-{os.getpid()}"
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir()
-    save_model(model, str(temporary / MODEL_FILE))  # shared (tied) tensors are stored once
-    torch.save(optimizer.state_dict(), temporary / OPTIMIZER_FILE)
+    if isinstance(model, torch.nn.Module):
+        save_model(model, str(temporary / MODEL_FILE))  # shared (tied) tensors are stored once
+    else:
+        save_file(model, str(temporary / MODEL_FILE))
+    optimizer_state = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    torch.save(optimizer_state, temporary / OPTIMIZER_FILE)
     torch.save(trainer_state, temporary / STATE_FILE)
     files = {name: _sha256(temporary / name) for name in (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE)}
     manifest = {"step": step, "time": time.time(), "files": files, "config": config}
@@ -113,6 +120,10 @@ class LoadedCheckpoint:
     optimizer_state: dict[str, Any]
     trainer_state: dict[str, Any]
     config: dict[str, Any]
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The full weights on CPU (a distributed resume cuts each rank's shard from them)."""
+        return load_file(str(self.path / MODEL_FILE))
 
     def load_model(self, model: torch.nn.Module, device: torch.device | str = "cpu") -> None:
         missing, unexpected = load_model(model, str(self.path / MODEL_FILE), strict=False, device=str(device))

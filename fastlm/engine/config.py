@@ -42,7 +42,10 @@ class TrainerConfig(ConfigModel):
 class DistributedConfig(ConfigModel):
     data_parallel: Literal["ddp", "fsdp"] = "ddp"
     tensor_parallel: int = Field(1, ge=1, description="Ranks sharing the vocab of the LM head.")
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl on CUDA, gloo on CPU.")
+    timeout_minutes: float = Field(
+        10.0, gt=0.0, description="Collective timeout: a rank waiting this long for a dead peer fails instead of hanging."
+    )
 
 
 class RunSection(ConfigModel):

@@ -1,15 +1,27 @@
-"""`fastlm train` after the config is valid: pick the trainer for the run, train, report."""
+"""`fastlm train` after the config is valid: pick the trainer for the run, train, report.
+
+Under torchrun (RANK / WORLD_SIZE / LOCAL_RANK set) every rank runs this inside a process group
+(fastlm/engine/distributed.py); a rank that raises prints its traceback and exits non-zero.
+"""
 
 from __future__ import annotations
 
 import sys
 
 from fastlm.config.schema import RunConfig
+from fastlm.engine.distributed import run_distributed, torchrun_env
+from fastlm.engine.runtime import select_device
 from fastlm.engine.trainer import TrainSummary
 
 
 def run_training(config: RunConfig, resume: bool = False) -> int:
     """Train to the end and print a one-line summary; the exit status for the CLI."""
+    if torchrun_env():
+        return run_distributed(lambda: _train(config, resume), config.distributed, select_device(config.trainer))
+    return _train(config, resume)
+
+
+def _train(config: RunConfig, resume: bool) -> int:
     from fastlm.engine.select import trainer_class_for
 
     trainer = trainer_class_for(config)(config)

@@ -3,6 +3,10 @@
 The step is split into overridable pieces so other engines (GRPO rollouts) can reuse the loop:
 `micro_batches()` decides what one step trains on, `forward_backward()` turns it into gradients and
 summed scalars, `optimizer_step()` clips, checks and applies them.
+
+Under torchrun (fastlm/engine/distributed.py) the same loop runs on every rank: each dp rank trains on
+its rows of the global batch, normalizers and logged scalars are summed over dp, rank 0 logs and writes
+the gathered checkpoint.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fastlm.config.checks import cross_check
 from fastlm.config.errors import ConfigError
@@ -23,7 +28,18 @@ from fastlm.config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.data.loader import BatchLoader, build_loaders
 from fastlm.data.tokenizer import ByteTokenizer
-from fastlm.engine.checkpoint import load_latest_checkpoint, save_checkpoint
+from fastlm.engine.checkpoint import load_latest_checkpoint, save_checkpoint, step_dir_name
+from fastlm.engine.distributed import (
+    RankShardLoader,
+    build_parallel,
+    clip_grad_norm,
+    full_state,
+    gradient_sync,
+    load_full_state,
+    local_device,
+    parallelize,
+    sum_over,
+)
 from fastlm.engine.optim import build_optimizer, build_scheduler
 from fastlm.engine.runtime import autocast, autocast_dtype, rng_state, seed_everything, select_device, set_rng_state
 from fastlm.layers.lm_head import LMHead
@@ -90,15 +106,18 @@ class Trainer:
         if tokenizer.vocab_size > config.model.vocab_size:
             raise ConfigError(f"model.vocab_size {config.model.vocab_size} < tokenizer vocab {tokenizer.vocab_size}")
         self.config = config
-        self.rank = rank
-        self.device = select_device(config.trainer)
+        self.device = local_device(select_device(config.trainer))
+        self.parallel = build_parallel(config.distributed, self.device)
+        self.rank = self.parallel.rank if self.parallel.distributed else rank
         self.amp_dtype = autocast_dtype(config.trainer, self.device)
-        seed_everything(config.run.seed)
+        seed_everything(config.run.seed)  # the same seed on every rank: identical initial weights
         self.model = build_model(config.model, device=self.device)
         if config.run.init_path is not None:  # a resume overwrites these weights with the checkpoint's
             from fastlm.models.hf import load_hf_weights_into
 
             load_hf_weights_into(self.model, config.run.init_path)
+        # What forward_backward calls: the DDP wrapper, or the model itself (FSDP shards it in place).
+        self.train_model = parallelize(self.model, self.parallel, self.device)
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.scheduler = build_scheduler(self.optimizer, config.trainer.steps, config.schedule)
         self.train_loader, eval_loader = self.build_loaders(tokenizer)
@@ -111,8 +130,29 @@ class Trainer:
         self.skipped_steps = 0
 
     def build_loaders(self, tokenizer: ByteTokenizer) -> tuple[Any, BatchLoader | None]:
-        """The train data source (`next_batch`, `state_dict`, `load_state_dict`) and the eval loader; RL overrides it."""
-        return build_loaders(self.config.data, self.config.run.seed, tokenizer)
+        """The train data source (`next_batch`, `state_dict`, `load_state_dict`) and the eval loader; RL overrides it.
+
+        Data parallel: batches of micro_batch_size * dp from the same seeded order, each dp rank keeping
+        its rows (rank-strided), so the global batch is the single-process batch of that size.
+        """
+        dp = self.parallel.dp_size
+        data = self.config.data
+        if dp > 1:
+            data = data.model_copy(update={"micro_batch_size": data.micro_batch_size * dp})
+        train, evaluation = build_loaders(data, self.config.run.seed, tokenizer)
+        if dp == 1:
+            return train, evaluation
+        rank = self.parallel.dp_rank
+        return RankShardLoader(train, rank, dp), None if evaluation is None else RankShardLoader(evaluation, rank, dp)
+
+    def step_normalizers(self, batches: list[Batch]) -> LossNormalizers:
+        """`step_normalizers` of this rank's batches, summed over the data-parallel ranks."""
+        local = step_normalizers(batches)
+        if self.parallel.dp_group is None:
+            return local
+        counts = {"tokens": torch.tensor(local.tokens), "documents": torch.tensor(local.documents)}
+        summed = sum_over({k: v.to(self.device) for k, v in counts.items()}, self.parallel.dp_group)
+        return LossNormalizers(tokens=float(summed["tokens"]), documents=float(summed["documents"]))
 
     # --- one step, in overridable pieces -------------------------------------------------------------
     def micro_batches(self) -> list[Batch]:
@@ -120,28 +160,37 @@ class Trainer:
         return [self.train_loader.next_batch() for _ in range(self.config.trainer.grad_accumulation)]
 
     def forward_backward(self, batches: list[Batch]) -> StepResult:
-        """Backward every micro-batch against step-wide normalizers, so gradients add up to one big batch."""
-        normalizers = step_normalizers(batches)
+        """Backward every micro-batch against step-wide normalizers, so gradients add up to one big batch.
+
+        Data parallel: each rank's loss is its share of the global mean; DDP/FSDP average gradients over
+        dp, so the backward is scaled by dp to make the reduced gradient the global sum.
+        """
+        normalizers = self.step_normalizers(batches)
         if normalizers.tokens == 0:
             raise ValueError("this step's micro-batches have no unmasked labels; check the data (all prompt?)")
+        scale = float(self.parallel.dp_size)
         loss_sum = torch.zeros((), device=self.device)
         losses: dict[str, torch.Tensor] = {}
         metrics: dict[str, torch.Tensor] = {}
-        for batch in batches:
+        for index, batch in enumerate(batches):
             batch = batch.to(self.device)
-            with autocast(self.device, self.amp_dtype):
-                result = self.model(batch.input_ids, batch.targets(), normalizers, batch.document_ids)
-            result.loss.backward()
+            with gradient_sync(self.train_model, index == len(batches) - 1):
+                with autocast(self.device, self.amp_dtype):
+                    result = self.train_model(batch.input_ids, batch.targets(), normalizers, batch.document_ids)
+                (result.loss * scale if scale != 1.0 else result.loss).backward()
             loss_sum += result.loss.detach().float()
             _accumulate(losses, result.losses)
             _accumulate(metrics, result.metrics)
-        tokens = sum(b.input_ids.numel() for b in batches)
-        return StepResult(float(loss_sum), _scalars(losses), _scalars(metrics), tokens)
+        tokens = torch.tensor(float(sum(b.input_ids.numel() for b in batches)), device=self.device)
+        group = self.parallel.dp_group
+        totals = sum_over({"loss": loss_sum, "tokens": tokens}, group)
+        losses, metrics = sum_over(losses, group), sum_over(metrics, group)
+        return StepResult(float(totals["loss"]), _scalars(losses), _scalars(metrics), int(totals["tokens"]))
 
     def optimizer_step(self, result: StepResult) -> None:
         """Clip, then apply; a non-finite loss or gradient skips the update or stops the run."""
         max_norm = self.config.optimizer.grad_clip or math.inf
-        result.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        result.grad_norm = clip_grad_norm(self.model, max_norm, self.parallel)
         if math.isfinite(result.loss) and math.isfinite(result.grad_norm):
             self.optimizer.step()
         elif self.config.trainer.nonfinite == "skip_step":
@@ -171,17 +220,17 @@ class Trainer:
     # --- evaluation, checkpoints ---------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Weighted total loss over the fixed held-out batches (one normaliser over all of them)."""
+        """Weighted total loss over the fixed held-out batches (one normaliser over all of them, and all dp ranks)."""
         if not self.eval_set:
             return None
         self.model.eval()
-        normalizers = step_normalizers(self.eval_set)
+        normalizers = self.step_normalizers(self.eval_set)
         total = torch.zeros((), device=self.device)
         for batch in self.eval_set:
             batch = batch.to(self.device)
             with autocast(self.device, self.amp_dtype):
                 total += self.model(batch.input_ids, batch.targets(), normalizers, batch.document_ids).loss.float()
-        return float(total)
+        return float(sum_over({"loss": total}, self.parallel.dp_group)["loss"])
 
     def state(self) -> dict[str, Any]:
         return {
@@ -193,21 +242,24 @@ class Trainer:
         }
 
     def save(self) -> Path:
-        return save_checkpoint(
-            self.checkpoint_dir,
-            self.step,
-            self.model,
-            self.optimizer,
-            self.state(),
-            self.config.model_dump(mode="json"),
-            self.config.trainer.keep_checkpoints,
-        )
+        """Distributed: every rank helps gather the full state, rank 0 writes it, all wait for the write."""
+        args = (self.state(), self.config.model_dump(mode="json"), self.config.trainer.keep_checkpoints)
+        if not self.parallel.distributed:
+            return save_checkpoint(self.checkpoint_dir, self.step, self.model, self.optimizer, *args)
+        model_state, optimizer_state = full_state(self.model, self.optimizer, self.parallel)
+        if self.parallel.rank == 0:
+            save_checkpoint(self.checkpoint_dir, self.step, model_state, optimizer_state, *args)
+        dist.barrier()
+        return self.checkpoint_dir / step_dir_name(self.step)
 
     def resume(self) -> None:
         """Restore model, optimizer, schedule, data position and RNG from the newest good checkpoint."""
         loaded = load_latest_checkpoint(self.checkpoint_dir)
-        loaded.load_model(self.model, self.device)
-        self.optimizer.load_state_dict(loaded.optimizer_state)
+        if self.parallel.distributed:
+            load_full_state(self.model, self.optimizer, loaded.model_state(), loaded.optimizer_state, self.parallel)
+        else:
+            loaded.load_model(self.model, self.device)
+            self.optimizer.load_state_dict(loaded.optimizer_state)
         state = loaded.trainer_state
         self.scheduler.load_state_dict(state["scheduler"])
         self.train_loader.load_state_dict(state["data"])

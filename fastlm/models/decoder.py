@@ -17,7 +17,9 @@ from fastlm.layers.embedding import Embeddings, document_positions
 from fastlm.layers.mlp import GeluMLP, SwiGLUMLP
 from fastlm.layers.norm import build_norm
 from fastlm.layers.rotary import rotary_angles
+from fastlm.layers.vocab_parallel import gather_vocab, vocab_parallel_loss
 from fastlm.losses.spec import LossNormalizers, LossResult, LossTargets
+from fastlm.losses.validation import ProcessGroup
 from fastlm.models.config import GPT2Config, ModelConfig
 
 
@@ -67,11 +69,12 @@ class DecoderLM(nn.Module):
             None if config.tie_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         )
         self.head = LMHead(config.head)
+        self.tp_group: ProcessGroup | None = None  # set by fastlm.layers.vocab_parallel.make_vocab_parallel
         self.init_weights()
 
     @property
     def output_weight(self) -> torch.Tensor:
-        """(V, H) output projection: the token embedding when tied."""
+        """(V, H) output projection: the token embedding when tied (this rank's V/tp rows when vocab-parallel)."""
         return self.embeddings.tokens.weight if self.lm_head_weight is None else self.lm_head_weight
 
     def init_weights(self) -> None:
@@ -112,8 +115,11 @@ class DecoderLM(nn.Module):
         return self.final_norm(hidden)
 
     def logits(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Raw head output z (B, S, V); `fastlm.losses.spec.transform_logits` gives what the softmax sees."""
-        return nn.functional.linear(self.hidden_states(input_ids, document_ids), self.output_weight)
+        """Raw head output z (B, S, V); `fastlm.losses.spec.transform_logits` gives what the softmax sees.
+
+        Vocab-parallel: the shards are gathered to the full vocab (inference only, no gradient)."""
+        logits = nn.functional.linear(self.hidden_states(input_ids, document_ids), self.output_weight)
+        return logits if self.tp_group is None else gather_vocab(logits, self.tp_group)
 
     def forward(
         self,
@@ -123,8 +129,10 @@ class DecoderLM(nn.Module):
         document_ids: torch.Tensor | None = None,
     ) -> LossResult:
         """Hidden states flattened to (B*S, H), then the LM head computes every configured loss."""
-        hidden = self.hidden_states(input_ids, document_ids)
-        return self.head(hidden.reshape(-1, hidden.shape[-1]), self.output_weight, targets, normalizers)
+        hidden = self.hidden_states(input_ids, document_ids).reshape(-1, self.config.hidden_size)
+        if self.tp_group is not None:
+            return vocab_parallel_loss(self.head, hidden, self.output_weight, targets, normalizers, self.tp_group)
+        return self.head(hidden, self.output_weight, targets, normalizers)
 
 
 def _check_inputs(input_ids: torch.Tensor, document_ids: torch.Tensor | None, vocab_size: int) -> None:
