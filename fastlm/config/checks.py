@@ -47,6 +47,9 @@ def _frozen_model_checks(config: RunConfig) -> list[ConfigIssue]:
         path = getattr(child, key) if key else None
         if path is not None and not Path(path).exists():
             issues.append(ConfigIssue(f"{field}.{key}", "checkpoint not found", path, hint=_TRAIN_TEACHER))
+        if key is not None and config.distributed.tensor_parallel > 1:
+            issues.append(ConfigIssue("distributed.tensor_parallel", f"the frozen model of {field} is not "
+                                      "vocab-sharded", config.distributed.tensor_parallel, hint="use 1 (data parallel only)"))
     if config.model.head.is_dpo and source not in PREFERENCE_SOURCE_TYPES:
         issues.append(ConfigIssue("data.source.type", "the dpo loss trains on preference pairs", source,
                                   hint=f"use one of {sorted(PREFERENCE_SOURCE_TYPES)}"))

@@ -226,3 +226,10 @@ def test_cross_checks_name_the_field(sections: dict, path: str, message: str) ->
     assert len(issues) == 1 and issues[0].path == path and message in issues[0].message
     with pytest.raises(ConfigError, match=message):
         DPOTrainer(RunConfig.model_validate(sections))
+
+
+def test_tensor_parallel_is_refused_for_a_frozen_reference() -> None:
+    config = RunConfig.model_validate({"model": {"head": {"losses": {"dpo": {}}}}, "distributed": {"tensor_parallel": 2},
+                                       "data": {"source": {"type": "generated_preferences"}}})
+    (issue,) = cross_check(config)
+    assert issue.path == "distributed.tensor_parallel" and "model.head.losses.dpo" in issue.message
