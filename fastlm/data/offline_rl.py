@@ -74,17 +74,20 @@ def load_offline_rl(path: str | Path, tokenizer: ByteTokenizer | None = None) ->
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: offline RL data file not found")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise DataError(f"{path}: not valid UTF-8 at byte {error.start}") from error
     samples = []
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(f"{where}: invalid JSON ({error.msg} at column {error.colno})") from error
-            samples.append(parse_record(record, where, tokenizer))
+    for line_number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path} line {line_number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DataError(f"{where}: invalid JSON ({error.msg} at column {error.colno})") from error
+        samples.append(parse_record(record, where, tokenizer))
     if not samples:
         raise DataError(f"{path}: no samples (the file is empty)")
     return samples

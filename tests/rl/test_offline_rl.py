@@ -43,6 +43,9 @@ def test_bad_records_name_file_and_line(tmp_path: Path, line: str, message: str)
 def test_missing_and_empty_files(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="offline RL data file not found"):
         load_offline_rl(tmp_path / "nope.jsonl")
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "\xe9"}\n')
+    with pytest.raises(DataError, match="not valid UTF-8 at byte 12"):
+        load_offline_rl(tmp_path / "latin1.jsonl")
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(DataError, match="no samples"):
         load_offline_rl(tmp_path / "empty.jsonl")
