@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from fastlm.config.checks import cross_check
 from fastlm.config.errors import _MISSING, ConfigError, ConfigIssue
 from fastlm.config.schema import RunConfig
+from fastlm.models.build import num_parameters
 
 BASE_KEY = "base"
 DEFAULT_SOURCE = "defaults"
@@ -159,10 +160,23 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunCo
         config = RunConfig.model_validate(layered.data)
     except ValidationError as error:
         raise ConfigError([_to_issue(item, layered) for item in error.errors()]) from None
-    issues = [replace(issue, source=layered.source_of(issue.path)) for issue in cross_check(config)]
+    found = [*cross_check(config), *_size_issues(config)]
+    issues = [replace(issue, source=layered.source_of(issue.path)) for issue in found]
     if issues:
         raise ConfigError(issues)
     return config
+
+
+MAX_PARAMETERS = 2**60  # fp64 storage of 2**60 values is 2**63 bytes: the most a torch tensor can address
+
+
+def _size_issues(config: RunConfig) -> list[ConfigIssue]:
+    """A model too large for any tensor to hold would fail inside torch (storage overflow) with a traceback."""
+    count = num_parameters(config.model)
+    if count < MAX_PARAMETERS:
+        return []
+    return [ConfigIssue("model", f"{count:.3e} parameters is more than a tensor can address ({MAX_PARAMETERS:.3e})",
+                        hint="lower model.hidden_size, model.vocab_size, model.intermediate_size or model.num_layers")]
 
 
 def _to_issue(item: dict[str, Any], layered: LayeredDict) -> ConfigIssue:
