@@ -59,6 +59,9 @@ def _merge(target: LayeredDict, layer: dict[str, Any], source: str, prefix: str 
     for key, value in layer.items():
         if not isinstance(key, str):
             raise ConfigError(ConfigIssue(f"{prefix}.{key}".strip("."), "keys must be strings", key, source))
+        if not key or "." in key:  # dotted paths address nested keys; a dot inside one key is ambiguous
+            raise ConfigError(ConfigIssue(prefix, "keys must be non-empty and contain no '.'", key, source,
+                                          hint="nest the mapping instead of writing a dotted key"))
         dotted = f"{prefix}.{key}" if prefix else key
         if isinstance(value, dict):
             if not isinstance(node.get(key), dict):

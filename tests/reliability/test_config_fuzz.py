@@ -145,3 +145,11 @@ def test_model_too_large_for_a_tensor_is_a_config_error(override: str) -> None:
     with pytest.raises(ConfigError, match="more than a tensor can address") as caught:
         load_config(None, [override])
     assert "model.hidden_size" in str(caught.value) and override in str(caught.value)
+
+
+@pytest.mark.parametrize("tree", [{".": {}}, {"model": {"a.b": 1}}, {"": {"steps": 2}}])
+def test_dotted_or_empty_yaml_keys_are_config_errors(tmp_path: Path, tree: dict) -> None:
+    """Found by the fuzzer: a key such as '.' crashed the merge with a KeyError."""
+    with pytest.raises(ConfigError, match="keys must be non-empty and contain no '.'") as caught:
+        load_config(_write(tmp_path, tree, None))
+    assert str(tmp_path / "fuzz.yaml") in str(caught.value)
