@@ -4,6 +4,11 @@ A checkpoint is written into a temporary sibling directory, every file fsynced, 
 place, so a reader sees either a complete checkpoint or none. `manifest.json` holds the sha256 of every
 file; loading verifies them and falls back to the previous complete checkpoint when one is damaged.
 Nothing is unpickled: weights are safetensors and the rest is read with `torch.load(weights_only=True)`.
+
+A writer killed mid-save leaves at most a `.tmp-*` directory (never picked, removed by the next save)
+and, if killed after the rename, a `latest` pointing one checkpoint back. Checkpoints newer than the
+one being written belong to an abandoned timeline (a resume from an older checkpoint) and are removed.
+The `fault_point` calls let crash tests kill the writer at each of these places.
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from fastlm.engine.signals import fault_point
+
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.pt"
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
 _PREFIX = "step-"
+_TEMP_PREFIXES = (".tmp-", f".{LATEST_FILE}.tmp-")
 
 
 class CheckpointError(RuntimeError):
@@ -84,9 +92,9 @@ def save_checkpoint(
     `model` / `optimizer` may be given as their full state dicts (what a distributed run gathers on rank 0).
     """
     directory.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(directory, step)
     final = directory / step_dir_name(step)
     temporary = directory / f".tmp-{step_dir_name(step)}-{os.getpid()}"
-    shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir()
     if isinstance(model, torch.nn.Module):
         save_model(model, str(temporary / MODEL_FILE))  # shared (tied) tensors are stored once
@@ -95,20 +103,35 @@ def save_checkpoint(
     optimizer_state = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     torch.save(optimizer_state, temporary / OPTIMIZER_FILE)
     torch.save(trainer_state, temporary / STATE_FILE)
+    fault_point("checkpoint_files_written")
     files = {name: _sha256(temporary / name) for name in (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE)}
     manifest = {"step": step, "time": time.time(), "files": files, "config": config}
     (temporary / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True), encoding="utf-8")
     for name in (*files, MANIFEST_FILE):
         _fsync_path(temporary / name)
     _fsync_path(temporary)
+    fault_point("checkpoint_before_rename")
     if final.exists():  # re-saving a step after a resume: the new one replaces it
         shutil.rmtree(final)
     os.rename(temporary, final)
     _fsync_path(directory)
+    fault_point("checkpoint_before_latest")
     _write_text_atomic(directory / LATEST_FILE, final.name + "\n")
     for old in _step_dirs(directory)[:-keep]:
         shutil.rmtree(old)
     return final
+
+
+def _remove_leftovers(directory: Path, step: int) -> None:
+    """Temp files of writers that died mid-save, and checkpoints past `step` (an abandoned timeline)."""
+    for path in directory.iterdir():
+        if path.name.startswith(_TEMP_PREFIXES) and path.is_dir():
+            shutil.rmtree(path)
+        elif path.name.startswith(_TEMP_PREFIXES):
+            path.unlink()
+    for path in _step_dirs(directory):
+        if int(path.name[len(_PREFIX):]) > step:
+            shutil.rmtree(path)
 
 
 @dataclass

@@ -11,7 +11,7 @@ import sys
 from fastlm.config.schema import RunConfig
 from fastlm.engine.distributed import run_distributed, torchrun_env
 from fastlm.engine.runtime import select_device
-from fastlm.engine.trainer import TrainSummary
+from fastlm.engine.trainer import NonFiniteError, TrainSummary
 
 
 def run_training(config: RunConfig, resume: bool = False) -> int:
@@ -25,7 +25,11 @@ def _train(config: RunConfig, resume: bool) -> int:
     from fastlm.engine.select import trainer_class_for
 
     trainer = trainer_class_for(config)(config)
-    summary = trainer.train(resume=resume)
+    try:
+        summary = trainer.train(resume=resume)
+    except NonFiniteError as error:  # a clear stop with a checkpoint, not a crash: no traceback
+        print(f"fastlm: {error}", file=sys.stderr)
+        return 1
     if trainer.rank in (None, 0):
         print(describe_summary(summary), file=sys.stderr)
     return 0

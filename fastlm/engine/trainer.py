@@ -12,6 +12,7 @@ the gathered checkpoint.
 from __future__ import annotations
 
 import math
+import sys
 import time
 import warnings
 from collections.abc import Iterable
@@ -42,8 +43,10 @@ from fastlm.engine.distributed import (
 )
 from fastlm.engine.optim import build_optimizer, build_scheduler
 from fastlm.engine.runtime import autocast, autocast_dtype, rng_state, seed_everything, select_device, set_rng_state
+from fastlm.engine.signals import StopRequest
 from fastlm.layers.lm_head import LMHead
-from fastlm.logging.logger import MetricLogger
+from fastlm.logging.jsonl import drop_records_after
+from fastlm.logging.logger import METRICS_FILE, MetricLogger
 from fastlm.losses.spec import LossNormalizers
 from fastlm.models.decoder import build_model
 
@@ -76,6 +79,7 @@ class TrainSummary:
     eval_loss: float | None
     run_dir: Path
     losses: list[float] = field(default_factory=list)  # train/loss of every step this call ran
+    stopped_by: str | None = None  # the signal that ended the run early (a checkpoint of `steps` was written)
 
 
 def step_normalizers(batches: Iterable[Batch]) -> LossNormalizers:
@@ -286,16 +290,28 @@ class Trainer:
         described = LMHead(self.config.model.head, self.device).describe()  # the path dispatch picks on this device
         return {**self.config.model_dump(mode="json"), "loss_implementation": described}
 
+    def _stop_requested(self, stop: StopRequest) -> bool:
+        """Every rank stops at the same step (the checkpoint gathers from all of them), if any rank was signalled."""
+        if not self.parallel.distributed:
+            return stop.requested
+        flag = torch.tensor(float(stop.requested), device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag)
+
     def train(self, resume: bool = False) -> TrainSummary:
+        """Run to `trainer.steps`; SIGTERM/SIGINT end it early after a checkpoint (see fastlm/engine/signals.py)."""
         if resume:
             self.resume()
+            if self.rank in (None, 0) and self.config.logging.jsonl:  # steps past the checkpoint are re-run
+                drop_records_after(self.run_dir / METRICS_FILE, self.step)
         trainer = self.config.trainer
+        stopped_by = None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         losses: list[float] = []
         eval_loss = None
         total_tokens, total_seconds = 0, 0.0  # throughput counts step time only (not eval, checkpoints, logging)
         window_tokens, window_seconds = 0, 0.0
-        with MetricLogger(
+        with StopRequest() as stop, MetricLogger(
             self.config.logging, self.run_dir, self.config.run.name, trainer.steps, self._run_config(), self.rank
         ) as logger:
             while self.step < trainer.steps:
@@ -314,8 +330,16 @@ class Trainer:
                     if eval_loss is not None:
                         record["eval/loss"] = eval_loss
                 logger.log(self.step, record)
-                if (trainer.checkpoint_every and self.step % trainer.checkpoint_every == 0) or self.step == trainer.steps:
-                    self.save()
+                scheduled = bool(trainer.checkpoint_every) and self.step % trainer.checkpoint_every == 0
+                stopping = self._stop_requested(stop)
+                if scheduled or stopping or self.step == trainer.steps:
+                    path = self.save()
+                if stopping and self.step < trainer.steps:
+                    stopped_by = stop.signal.name if stop.signal is not None else "a signal on another rank"
+                    if self.rank in (None, 0):
+                        print(f"fastlm: stopped by {stopped_by} after step {self.step}/{trainer.steps}; checkpoint "
+                              f"{path}; continue with --resume", file=sys.stderr, flush=True)
+                    break
         return TrainSummary(
             steps=self.step,
             first_loss=losses[0] if losses else None,
@@ -325,4 +349,5 @@ class Trainer:
             eval_loss=eval_loss,
             run_dir=self.run_dir,
             losses=losses,
+            stopped_by=stopped_by,
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -28,6 +29,31 @@ class JsonlSink:
 
     def close(self) -> None:
         self._file.close()
+
+
+def drop_records_after(path: Path, step: int) -> int:
+    """Keep the records up to `step` (a resume re-runs the later ones) and a torn last line; returns how many went.
+
+    A process killed after its last checkpoint has logged steps that the resumed run logs again; without
+    this, the file would hold two records for those steps. Rewritten atomically (temp file + rename).
+    """
+    if not path.is_file():
+        return 0
+    kept: list[str] = []
+    dropped = 0
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        if not line.endswith("\n"):  # torn by a kill mid-write: not a record
+            dropped += 1
+            continue
+        if line.strip() and json.loads(line).get("step", 0) > step:
+            dropped += 1
+            continue
+        kept.append(line)
+    if dropped:
+        temporary = path.with_name(f".{path.name}.tmp")
+        temporary.write_text("".join(kept), encoding="utf-8")
+        os.replace(temporary, path)
+    return dropped
 
 
 def read_metrics(path: Path) -> list[dict]:
