@@ -112,14 +112,22 @@ def save_checkpoint(
     _fsync_path(temporary)
     fault_point("checkpoint_before_rename")
     if final.exists():  # re-saving a step after a resume: the new one replaces it
-        shutil.rmtree(final)
+        _discard(final)
     os.rename(temporary, final)
     _fsync_path(directory)
     fault_point("checkpoint_before_latest")
     _write_text_atomic(directory / LATEST_FILE, final.name + "\n")
     for old in _step_dirs(directory)[:-keep]:
-        shutil.rmtree(old)
+        _discard(old)
     return final
+
+
+def _discard(path: Path) -> None:
+    """Delete a checkpoint directory without ever leaving a half-deleted `step-*` behind: rename it to a
+    temp name first (atomic), so a kill during the delete leaves only a `.tmp-*` that the next save removes."""
+    doomed = path.with_name(f".tmp-discard-{path.name}-{os.getpid()}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed)
 
 
 def _remove_leftovers(directory: Path, step: int) -> None:
@@ -131,7 +139,7 @@ def _remove_leftovers(directory: Path, step: int) -> None:
             path.unlink()
     for path in _step_dirs(directory):
         if int(path.name[len(_PREFIX):]) > step:
-            shutil.rmtree(path)
+            _discard(path)
 
 
 @dataclass
