@@ -65,7 +65,7 @@ def spawn(target: Callable[..., Any], *args: Any, world: int = 2) -> dict[int, A
 
 
 def train_run(config: dict[str, Any], resume: bool = False) -> dict[str, Any]:
-    """Train (in this process or on a spawned rank); losses, eval loss and this rank's rank."""
+    """Train (in this process or on a spawned rank); the per-step losses and the last eval loss."""
     from fastlm.engine.trainer import Trainer
 
     summary = Trainer(RunConfig.model_validate(config)).train(resume=resume)
