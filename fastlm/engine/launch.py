@@ -39,8 +39,9 @@ def describe_summary(summary: TrainSummary) -> str:
     def number(value: float | None) -> str:
         return "n/a" if value is None else f"{value:.4f}"
 
+    ending = "done" if summary.stopped_by is None else f"stopped early by {summary.stopped_by}"
     return (
-        f"done: {summary.steps} steps, train/loss {number(summary.first_loss)} -> {number(summary.last_loss)}, "
+        f"{ending}: {summary.steps} steps, train/loss {number(summary.first_loss)} -> {number(summary.last_loss)}, "
         f"eval/loss {number(summary.eval_loss)}, {summary.tokens_per_second:,.0f} tokens/s, "
         f"{summary.skipped_steps} skipped steps; outputs in {summary.run_dir}"
     )

@@ -26,9 +26,12 @@ from fastlm.engine.signals import FAULT_ENV
 ROOT = Path(__file__).resolve().parents[2]
 FAULT_POINTS = ("checkpoint_files_written", "checkpoint_before_rename", "checkpoint_before_latest")
 TIMEOUT_S = 180.0
+STEPS = 48  # long enough that a chain of kills (each attempt advances a few steps) never reaches the end
 
 
-def write_config(directory: Path, name: str, steps: int = 8, checkpoint_every: int = 1, keep: int = 2) -> Path:
+
+
+def write_config(directory: Path, name: str, steps: int = STEPS, checkpoint_every: int = 1, keep: int = 2) -> Path:
     """A tiny run (hidden 32, 1 layer, seq_len 32, micro-batch 4) that checkpoints every step; no wandb."""
     config = {
         "run": {"name": name, "output_dir": str(directory / "{name}"), "seed": 0},
@@ -173,7 +176,7 @@ def kill_chain(config_path: Path, plan: list[str], seed: int, max_delay_s: float
     return result
 
 
-def reference_losses(directory: Path, steps: int) -> dict[int, float]:
+def reference_losses(directory: Path, steps: int = STEPS) -> dict[int, float]:
     """An uninterrupted run of the same config: the losses every interrupted run must reproduce exactly."""
     config_path = write_config(directory, "reference", steps=steps)
     status, stderr = finish(start(config_path, resume=False))

@@ -6,15 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-from crash_harness import FAULT_POINTS, kill_chain, reference_losses, write_config
-
-STEPS = 48
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    return reference_losses(tmp_path_factory.mktemp("reference"), STEPS)
+from crash_harness import FAULT_POINTS, STEPS, kill_chain, write_config
 
 
 def test_killed_runs_resume_to_identical_losses(tmp_path: Path, reference: dict[int, float]) -> None:
