@@ -249,20 +249,22 @@ def benchmark(shapes: list[tuple[int, int]], bench: Bench, copy_gb_s: float, lig
 
 def tune(tokens: int, vocabs: list[int], spec_name: str, bench: Bench, copy_gb_s: float) -> list[dict]:
     """Block size x num_warps of the fused kernel (fresh-buffer triton_loss) for one spec."""
-    from fastlm.losses.triton.launcher import MAX_BLOCK, _block_size, default_num_warps
+    from fastlm.losses.triton.launcher import _block_size, default_max_block, default_num_warps
 
     spec = SPECS[spec_name]
     rows = []
     for vocab in vocabs:
         cases = [make_case(tokens, vocab, seed, bench.device, spec.distillation is not None) for seed in range(SETS)]
         r1_ms = roofline_bytes(cases[0], spec) / (copy_gb_s * 1e9) * 1e3
-        default = _block_size(vocab, MAX_BLOCK)
+        default = _block_size(vocab, default_max_block(spec))
         for block in bench.tune_blocks:
             for warps in bench.tune_warps:
                 settings = {"max_block": block, "num_warps": warps}
                 call = implementations(spec_name, spec, bench.device, None, settings)["triton"]
                 ms = bench.time_ms(rotating(cases, call))
-                is_default = _block_size(vocab, block) == default and warps == default_num_warps(default)
+                is_default = _block_size(vocab, block) == default and warps == default_num_warps(
+                    default, spec.distillation is not None
+                )
                 rows.append({"spec": spec_name, "tokens": tokens, "vocab": vocab, "block": block, "num_warps": warps,
                              "ms": ms, "x_r1": ms / r1_ms, "default": is_default})
         del cases

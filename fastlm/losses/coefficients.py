@@ -5,6 +5,10 @@ Every label-based child (CE, z-loss, GRPO, GSPO) has a gradient of the form
 x; this module sums the children's contributions (weight, normaliser and grad scale included) so the
 gradient-writing pass (compiled or Triton) is loss-agnostic. Masked tokens get 0; weight-0 children
 add their loss and metrics but nothing to the coefficients.
+
+This is the per-token tail after the vocab pass, so it is written for few device ops and no
+device->host sync (GSPO's `torch.unique` excepted): every input is masked once up front, and the
+token sums of all losses and metrics are reduced together (`metrics.Sums`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastlm.losses.metrics import grpo_metrics, gspo_metrics, z_loss_metrics
+from fastlm.losses.metrics import Sums, grpo_metrics, gspo_metrics, z_loss_metrics
 from fastlm.losses.seam import gspo_seam, safe_inverse
 from fastlm.losses.spec import ClippedPolicySpec, LossNormalizers, LossSpec, LossTargets
 
@@ -42,17 +46,21 @@ def grpo_terms(
     new_logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, spec: ClippedPolicySpec
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ratio r, per-token loss -min(rA, clip(r)A), slope c) with
-    c = r*(max(A,0)*[r <= 1+eps_high] + min(A,0)*[r >= 1-eps_low]); all 0 on masked tokens."""
-    delta = torch.where(mask, new_logp - old_logp, torch.zeros_like(new_logp))
-    ratio = torch.exp(delta)
-    advantage = torch.where(mask, advantages, torch.zeros_like(advantages))
+    c = r*(max(A,0)*[r <= 1+eps_high] + min(A,0)*[r >= 1-eps_low]).
+    Inputs are 0 on masked tokens, so r = 1 there and A = 0 zeroes the loss and the slope; only the
+    ratio is masked (to 0) here."""
+    ratio = torch.exp(new_logp - old_logp)
     clipped = ratio.clamp(1.0 - spec.eps_low, 1.0 + spec.eps_high)
-    token_loss = -torch.minimum(ratio * advantage, clipped * advantage)
+    token_loss = -torch.minimum(ratio * advantages, clipped * advantages)
     slope = ratio * (
-        advantage.clamp(min=0) * (ratio <= 1.0 + spec.eps_high) + advantage.clamp(max=0) * (ratio >= 1.0 - spec.eps_low)
+        advantages.clamp(min=0) * (ratio <= 1.0 + spec.eps_high) + advantages.clamp(max=0) * (ratio >= 1.0 - spec.eps_low)
     )
-    zero = torch.zeros_like(ratio)
-    return torch.where(mask, ratio, zero), torch.where(mask, token_loss, zero), torch.where(mask, slope, zero)
+    return ratio * mask, token_loss, slope
+
+
+def _masked(values: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`values` in `dtype`, 0 on masked tokens (whatever was there, NaN included)."""
+    return torch.where(mask, values.to(dtype), torch.zeros((), dtype=dtype, device=mask.device))
 
 
 def label_children(
@@ -61,39 +69,42 @@ def label_children(
     normalizers: LossNormalizers,
     spec: LossSpec,
     grad_scale: float = 1.0,
+    coefficients: bool = True,
 ) -> LabelChildren:
-    """Sum the label-based children's coefficients; compute their losses and metrics (distillation excluded)."""
+    """Sum the label-based children's coefficients; compute their losses and metrics (distillation
+    excluded). `coefficients=False` skips the coefficients (the fused kernel made its own) and
+    returns empty ones."""
     mask = stats.mask
     dtype = torch.promote_types(stats.lse.dtype, torch.float32)
-    lse = torch.where(mask, stats.lse.to(dtype), torch.zeros((), dtype=dtype, device=mask.device))
-    new_logp = torch.where(mask, stats.new_logp.to(dtype), torch.zeros((), dtype=dtype, device=mask.device))
-    entropy = stats.entropy.to(dtype)
+    lse, new_logp = _masked(stats.lse, mask, dtype), _masked(stats.new_logp, mask, dtype)
     per_token = safe_inverse(normalizers.tokens)
-    prob = torch.zeros_like(lse)
-    label = torch.zeros_like(lse)
+    empty = lse.new_zeros(0)
+    prob, label = (torch.zeros_like(lse), torch.zeros_like(lse)) if coefficients else (empty, empty)
     out = LabelChildren(prob, label)
+    sums = Sums()
     if spec.cross_entropy is not None:
         child = spec.cross_entropy
-        out.losses[child.name] = -new_logp.sum() * per_token
-        if child.weight != 0:
+        sums.add(out.losses, child.name, -new_logp, per_token)
+        if coefficients and child.weight != 0:
             weight = mask.to(dtype) * (child.weight * per_token)
             prob += weight
             label += weight
     if spec.z_loss is not None:
         child = spec.z_loss
-        out.losses[child.name] = lse.square().sum() * per_token
-        out.metrics.update(z_loss_metrics(child.name, lse, mask, normalizers))
-        if child.weight != 0:
+        sums.add(out.losses, child.name, lse.square(), per_token)
+        z_loss_metrics(sums, out.metrics, child.name, lse, normalizers)
+        if coefficients and child.weight != 0:
             prob += lse * (2.0 * child.weight * per_token)
     if spec.needs_policy_inputs:
-        old_logp = targets.old_logp.to(dtype)
-        advantages = targets.advantages.to(dtype)
+        entropy = _masked(stats.entropy, mask, dtype)
+        old_logp = _masked(targets.old_logp, mask, dtype)
+        advantages = _masked(targets.advantages, mask, dtype)
     if spec.grpo is not None:
         child = spec.grpo
         ratio, token_loss, slope = grpo_terms(new_logp, old_logp, advantages, mask, child)
-        out.losses[child.name] = token_loss.sum() * per_token
-        out.metrics.update(grpo_metrics(child, new_logp, old_logp, ratio, advantages, entropy, mask, normalizers))
-        if child.weight != 0:
+        sums.add(out.losses, child.name, token_loss, per_token)
+        grpo_metrics(sums, out.metrics, child, new_logp, old_logp, ratio, advantages, entropy, normalizers)
+        if coefficients and child.weight != 0:
             coefficient = slope * (child.weight * per_token)
             prob += coefficient
             label += coefficient
@@ -101,10 +112,14 @@ def label_children(
         child = spec.gspo
         seam = gspo_seam(new_logp, old_logp, advantages, targets.document_ids, mask, child, normalizers)
         out.losses[child.name] = seam.loss
-        out.metrics.update(gspo_metrics(child, seam, new_logp, old_logp, entropy, mask, normalizers))
-        prob += seam.coefficient
-        label += seam.coefficient
-    if grad_scale != 1.0:
+        gspo_metrics(sums, out.metrics, child, seam, new_logp, old_logp, entropy, normalizers)
+        if coefficients:
+            prob += seam.coefficient
+            label += seam.coefficient
+    sums.resolve()
+    label_based = (spec.cross_entropy, spec.z_loss, spec.grpo, spec.gspo)
+    out.losses = {child.name: out.losses[child.name] for child in label_based if child is not None}
+    if coefficients and grad_scale != 1.0:
         prob *= grad_scale
         label *= grad_scale
     return out

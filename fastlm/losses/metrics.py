@@ -4,6 +4,12 @@ Every value is additive: a sum over this call's unmasked tokens (or documents) d
 step-wide count, so the trainer sums micro-batches and all-reduces ranks to get the step mean.
 Metrics are computed for every present child, including children of weight 0.
 
+The per-token vectors handed in are already 0 on masked tokens (`coefficients.label_children`
+masks lse, new_logp, entropy, old_logp and advantages once), so no function here indexes with a
+boolean mask (a device->host sync) or re-masks. The sums are deferred into `Sums`, which reduces all
+vectors of one length and scale with a single stack + sum: the loss tail is dozens of tiny
+reductions, and on a GPU each one is a kernel launch.
+
 KL to the sampling policy uses Schulman's k3 estimator with d = old_logp - new_logp:
 `kl = exp(d) - d - 1` (>= 0, the formula TRL uses), an estimate of KL(pi_new || pi_old).
 """
@@ -16,6 +22,30 @@ from fastlm.losses.seam import GSPOSeam, safe_inverse
 from fastlm.losses.spec import ClippedPolicySpec, LossNormalizers
 
 
+class Sums:
+    """Deferred `values.sum() * scale` entries, reduced together by (length, scale) in `resolve`."""
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[int, float], list[tuple[dict[str, torch.Tensor], str, torch.Tensor]]] = {}
+
+    def add(self, into: dict[str, torch.Tensor], key: str, values: torch.Tensor, scale: float) -> None:
+        """Schedule `into[key] = values.sum() * scale` (values: a 1-d vector, bool allowed)."""
+        self._groups.setdefault((values.shape[0], scale), []).append((into, key, values))
+
+    def resolve(self) -> None:
+        """One stack + sum + scale per group; fills every scheduled key with a 0-d tensor."""
+        for (_, scale), entries in self._groups.items():
+            dtype = max((v.dtype for _, _, v in entries if v.is_floating_point()), key=_float_rank, default=torch.float32)
+            totals = torch.stack([values.to(dtype) for _, _, values in entries]).sum(dim=1) * scale
+            for (into, key, _), total in zip(entries, totals.unbind()):
+                into[key] = total
+        self._groups.clear()
+
+
+def _float_rank(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits
+
+
 def k3_kl(new_logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate exp(old-new) - (old-new) - 1."""
     delta = old_logp - new_logp
@@ -23,79 +53,55 @@ def k3_kl(new_logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
 
 
 def clip_fractions(
-    prefix: str, ratio: torch.Tensor, advantage: torch.Tensor, eps_low: float, eps_high: float, scale: float
-) -> dict[str, torch.Tensor]:
-    """TRL's clip ratios: low = ratio below 1-eps_low with A<0, high = above 1+eps_high with A>0."""
+    sums: Sums, into: dict[str, torch.Tensor], prefix: str, ratio: torch.Tensor, advantage: torch.Tensor,
+    eps_low: float, eps_high: float, scale: float,
+) -> None:
+    """TRL's clip ratios: low = ratio below 1-eps_low with A<0, high = above 1+eps_high with A>0
+    (entries with A = 0, e.g. masked tokens, count in neither)."""
     low = (ratio < 1.0 - eps_low) & (advantage < 0)
     high = (ratio > 1.0 + eps_high) & (advantage > 0)
-    return {
-        f"{prefix}/clip_ratio/low_mean": low.sum().to(ratio.dtype) * scale,
-        f"{prefix}/clip_ratio/high_mean": high.sum().to(ratio.dtype) * scale,
-        f"{prefix}/clip_ratio/region_mean": (low | high).sum().to(ratio.dtype) * scale,
-    }
-
-
-def _token_mean(values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    return torch.where(mask, values, torch.zeros_like(values)).sum() * scale
+    sums.add(into, f"{prefix}/clip_ratio/low_mean", low, scale)
+    sums.add(into, f"{prefix}/clip_ratio/high_mean", high, scale)
+    sums.add(into, f"{prefix}/clip_ratio/region_mean", low | high, scale)
 
 
 def token_policy_metrics(
-    name: str,
-    new_logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    entropy: torch.Tensor,
-    mask: torch.Tensor,
-    normalizers: LossNormalizers,
-) -> dict[str, torch.Tensor]:
+    sums: Sums, into: dict[str, torch.Tensor], name: str, new_logp: torch.Tensor, old_logp: torch.Tensor,
+    entropy: torch.Tensor, normalizers: LossNormalizers,
+) -> None:
     """Per-token diagnostics shared by GRPO and GSPO: new_logp, entropy and kl, token means."""
     scale = safe_inverse(normalizers.tokens)
-    return {
-        f"{name}/new_logp": _token_mean(new_logp, mask, scale),
-        f"{name}/entropy": _token_mean(entropy, mask, scale),
-        f"{name}/kl": _token_mean(k3_kl(new_logp, old_logp), mask, scale),
-    }
+    sums.add(into, f"{name}/new_logp", new_logp, scale)
+    sums.add(into, f"{name}/entropy", entropy, scale)
+    sums.add(into, f"{name}/kl", k3_kl(new_logp, old_logp), scale)
 
 
 def grpo_metrics(
-    spec: ClippedPolicySpec,
-    new_logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    entropy: torch.Tensor,
-    mask: torch.Tensor,
+    sums: Sums, into: dict[str, torch.Tensor], spec: ClippedPolicySpec, new_logp: torch.Tensor,
+    old_logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, entropy: torch.Tensor,
     normalizers: LossNormalizers,
-) -> dict[str, torch.Tensor]:
-    """GRPO: everything is a token mean over the step's unmasked tokens."""
+) -> None:
+    """GRPO: everything is a token mean over the step's unmasked tokens (`ratio` is 0 on masked ones)."""
     scale = safe_inverse(normalizers.tokens)
-    return {
-        **token_policy_metrics(spec.name, new_logp, old_logp, entropy, mask, normalizers),
-        f"{spec.name}/ratio": _token_mean(ratio, mask, scale),
-        f"{spec.name}/advantage": _token_mean(advantages, mask, scale),
-        **clip_fractions(spec.name, ratio[mask], advantages[mask], spec.eps_low, spec.eps_high, scale),
-    }
+    token_policy_metrics(sums, into, spec.name, new_logp, old_logp, entropy, normalizers)
+    sums.add(into, f"{spec.name}/ratio", ratio, scale)
+    sums.add(into, f"{spec.name}/advantage", advantages, scale)
+    clip_fractions(sums, into, spec.name, ratio, advantages, spec.eps_low, spec.eps_high, scale)
 
 
 def gspo_metrics(
-    spec: ClippedPolicySpec,
-    seam: GSPOSeam,
-    new_logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    entropy: torch.Tensor,
-    mask: torch.Tensor,
-    normalizers: LossNormalizers,
-) -> dict[str, torch.Tensor]:
+    sums: Sums, into: dict[str, torch.Tensor], spec: ClippedPolicySpec, seam: GSPOSeam, new_logp: torch.Tensor,
+    old_logp: torch.Tensor, entropy: torch.Tensor, normalizers: LossNormalizers,
+) -> None:
     """GSPO: per-token new_logp/entropy/kl; ratio, advantage and clip ratios are document means."""
     scale = safe_inverse(normalizers.documents)
-    return {
-        **token_policy_metrics(spec.name, new_logp, old_logp, entropy, mask, normalizers),
-        f"{spec.name}/ratio": seam.ratio.sum() * scale,
-        f"{spec.name}/advantage": seam.advantage.sum() * scale,
-        f"{spec.name}/num_documents": seam.ratio.new_tensor(float(seam.ratio.numel())),
-        **clip_fractions(spec.name, seam.ratio, seam.advantage, spec.eps_low, spec.eps_high, scale),
-    }
+    token_policy_metrics(sums, into, spec.name, new_logp, old_logp, entropy, normalizers)
+    sums.add(into, f"{spec.name}/ratio", seam.ratio, scale)
+    sums.add(into, f"{spec.name}/advantage", seam.advantage, scale)
+    into[f"{spec.name}/num_documents"] = seam.ratio.new_tensor(float(seam.ratio.numel()))
+    clip_fractions(sums, into, spec.name, seam.ratio, seam.advantage, spec.eps_low, spec.eps_high, scale)
 
 
-def z_loss_metrics(name: str, lse: torch.Tensor, mask: torch.Tensor, normalizers: LossNormalizers) -> dict[str, torch.Tensor]:
+def z_loss_metrics(sums: Sums, into: dict[str, torch.Tensor], name: str, lse: torch.Tensor, normalizers: LossNormalizers) -> None:
     """z-loss: the mean log-partition, the quantity it pushes towards 0."""
-    return {f"{name}/lse": _token_mean(lse, mask, safe_inverse(normalizers.tokens))}
+    sums.add(into, f"{name}/lse", lse, safe_inverse(normalizers.tokens))

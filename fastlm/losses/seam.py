@@ -7,6 +7,11 @@ code, and resume with a per-token coefficient that superposes with the other lab
 Documents are grouped by id value (ids need not be contiguous or sorted, and a row may hold several
 documents); ids must therefore be unique across the flattened batch. Masked tokens belong to no
 document, and a document without unmasked tokens does not exist.
+
+Synchronisation: `torch.unique` must read its output size back from the device, and that is the one
+sync the seam costs; no boolean-mask indexing (each one is a sync too). Masked tokens are mapped to a
+sentinel id below every real id, prepended once so it is always unique's bin 0, which is dropped.
+Masked tokens land in bin 0, so the per-document sums need no mask (and ignore NaN there).
 """
 
 from __future__ import annotations
@@ -47,13 +52,11 @@ def gspo_seam(
     """sequence_mean: loss = sum_i loss_i / documents, c_t = w*s_i*A_i/|i|/documents (unclipped active);
     length_proportional: loss = sum_i |i|*loss_i / tokens, c_t = w*s_i*A_i/tokens (|i| cancels)."""
     dtype = torch.promote_types(new_logp.dtype, torch.float32)
-    _, inverse = torch.unique(document_ids[mask], return_inverse=True)
-    count = int(inverse.max()) + 1 if inverse.numel() else 0
-    zeros = new_logp.new_zeros(count, dtype=dtype)
-    delta = (new_logp[mask] - old_logp[mask]).to(dtype)
-    lengths = zeros.index_add(0, inverse, torch.ones_like(delta))
-    ratio = torch.exp(zeros.index_add(0, inverse, delta) / lengths)
-    advantage = zeros.index_add(0, inverse, advantages[mask].to(dtype)) / lengths
+    inverse, count = _document_index(document_ids, mask)
+    bins = new_logp.new_zeros(count + 1, dtype=dtype)
+    lengths = bins.index_add(0, inverse, mask.to(dtype))[1:]
+    ratio = torch.exp(bins.index_add(0, inverse, (new_logp - old_logp).to(dtype))[1:] / lengths)
+    advantage = bins.index_add(0, inverse, advantages.to(dtype))[1:] / lengths
     clipped = ratio.clamp(1.0 - spec.eps_low, 1.0 + spec.eps_high)
     document_loss = -torch.minimum(ratio * advantage, clipped * advantage)
     # The unclipped term is the active min (and carries the gradient) exactly where:
@@ -67,7 +70,20 @@ def gspo_seam(
         scale = safe_inverse(normalizers.documents)
         loss = document_loss.sum() * scale
         per_document = slope / lengths * (spec.weight * scale)
-    coefficient = new_logp.new_zeros(new_logp.shape, dtype=dtype)
     if spec.weight != 0:
-        coefficient[mask] = per_document[inverse]
+        coefficient = torch.cat([bins[:1], per_document])[inverse]  # bin 0 (masked tokens) gets 0
+    else:
+        coefficient = new_logp.new_zeros(new_logp.shape, dtype=dtype)
     return GSPOSeam(ratio, advantage, lengths, document_loss, loss, coefficient)
+
+
+def _document_index(document_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(per-token bin: 0 for masked tokens, 1 + rank of the document id otherwise; number of present
+    documents). The only device->host sync is unique's output size."""
+    ids = document_ids.to(torch.int64)
+    if ids.numel() == 0:
+        return ids, 0
+    sentinel = (ids.min() - 1).view(1)
+    keys = torch.cat([sentinel, torch.where(mask, ids, sentinel)])
+    uniques, inverse = torch.unique(keys, sorted=True, return_inverse=True)
+    return inverse[1:], uniques.numel() - 1

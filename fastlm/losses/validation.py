@@ -1,7 +1,10 @@
 """Input checks shared by every loss implementation: bad tensors fail loudly, never as a silent NaN.
 
-Each check names the offending tensor and says what was expected. The checks read a few values back
-from the device (label range, finiteness), which costs one synchronisation per call.
+Each check names the offending tensor and says what was expected. The value checks (label range,
+finiteness of the policy inputs, whether any token is unmasked) are folded into one small flag tensor
+read back with a single `.tolist()`: exactly one device->host synchronisation per call on the happy
+path (the detailed message is built only when a flag is set). Zero syncs would leave out-of-range
+labels to a device-side assert, which poisons the CUDA context and names no tensor, so we keep one.
 """
 
 from __future__ import annotations
@@ -33,14 +36,14 @@ def _check_per_token(name: str, tensor: torch.Tensor | None, tokens: int, needed
     return tensor
 
 
-def _check_finite(name: str, tensor: torch.Tensor, mask: torch.Tensor) -> None:
+def _raise_non_finite(name: str, tensor: torch.Tensor, mask: torch.Tensor) -> None:
+    """Error path only: locate the first unmasked NaN/inf of `tensor` (extra syncs are fine here)."""
     bad = ~torch.isfinite(tensor) & mask
-    if bool(bad.any()):
-        index = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"targets.{name} has a non-finite value ({float(tensor[index])}) at unmasked token {index}; "
-            f"{int(bad.sum())} unmasked tokens are NaN/inf"
-        )
+    index = int(bad.nonzero()[0, 0])
+    raise ValueError(
+        f"targets.{name} has a non-finite value ({float(tensor[index])}) at unmasked token {index}; "
+        f"{int(bad.sum())} unmasked tokens are NaN/inf"
+    )
 
 
 def validate_loss_inputs(
@@ -62,39 +65,65 @@ def validate_loss_inputs(
     if labels.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"targets.labels must be int64 (or int32), got {labels.dtype}")
     _, vocab = vocab_shard(logits, group)
+    if normalizers.tokens < 0:
+        raise ValueError(f"normalizers.tokens must be > 0 when tokens are unmasked, got {normalizers.tokens}")
     mask = labels != IGNORE_INDEX
     out_of_range = mask & ((labels < 0) | (labels >= vocab))
-    if bool(out_of_range.any()):
+    policy_inputs = _check_policy_inputs(targets, spec, tokens)
+    _check_documents(targets, spec, tokens)
+    _check_teacher(logits, targets, spec, group)
+    # One read-back for every value check: [labels out of range, any token unmasked, per policy input non-finite].
+    flags = [out_of_range.any(), mask.any()]
+    flags += [(~torch.isfinite(tensor) & mask).any() for _, tensor in policy_inputs]
+    bad_labels, has_tokens, *non_finite = torch.stack(flags).tolist()
+    if bad_labels:
         index = int(out_of_range.nonzero()[0, 0])
         raise ValueError(
             f"targets.labels[{index}] = {int(labels[index])} is outside the vocabulary [0, {vocab}) "
             f"and is not the ignore index {IGNORE_INDEX}"
         )
-    has_tokens = bool(mask.any())
-    if normalizers.tokens < 0 or (has_tokens and normalizers.tokens == 0):
+    if has_tokens and normalizers.tokens == 0:
         raise ValueError(f"normalizers.tokens must be > 0 when tokens are unmasked, got {normalizers.tokens}")
+    for (name, tensor), bad in zip(policy_inputs, non_finite):
+        if bad:
+            _raise_non_finite(name, tensor, mask)
+    gspo = spec.gspo
+    if gspo is not None and not gspo.length_proportional and normalizers.documents <= 0 and has_tokens:
+        raise ValueError(f"normalizers.documents must be > 0 for gspo sequence_mean, got {normalizers.documents}")
+    return mask
+
+
+def _check_policy_inputs(targets: LossTargets, spec: LossSpec, tokens: int) -> list[tuple[str, torch.Tensor]]:
+    """Shape and dtype of old_logp / advantages when a policy child needs them; [(name, tensor)]."""
     policy = [child.name for child in (spec.grpo, spec.gspo) if child is not None]
-    if policy:
-        for name in ("old_logp", "advantages"):
-            tensor = _check_per_token(name, getattr(targets, name), tokens, f"policy loss {policy}")
-            if not tensor.is_floating_point():
-                raise ValueError(f"targets.{name} must be a float tensor, got {tensor.dtype}")
-            _check_finite(name, tensor, mask)
+    if not policy:
+        return []
+    found = []
+    for name in ("old_logp", "advantages"):
+        tensor = _check_per_token(name, getattr(targets, name), tokens, f"policy loss {policy}")
+        if not tensor.is_floating_point():
+            raise ValueError(f"targets.{name} must be a float tensor, got {tensor.dtype}")
+        found.append((name, tensor))
+    return found
+
+
+def _check_documents(targets: LossTargets, spec: LossSpec, tokens: int) -> None:
     if spec.gspo is not None:
         ids = _check_per_token("document_ids", targets.document_ids, tokens, f"gspo loss '{spec.gspo.name}'")
         if ids.is_floating_point():
             raise ValueError(f"targets.document_ids must be an integer tensor, got {ids.dtype}")
-        if not spec.gspo.length_proportional and normalizers.documents <= 0 and has_tokens:
-            raise ValueError(f"normalizers.documents must be > 0 for gspo sequence_mean, got {normalizers.documents}")
-    if spec.distillation is not None:
-        teacher = targets.teacher_logits
-        if teacher is None:
-            raise ValueError(f"targets.teacher_logits is required by distillation loss '{spec.distillation.name}' but is None")
-        if teacher.shape != logits.shape:
-            raise ValueError(
-                f"targets.teacher_logits must have the student's shape {tuple(logits.shape)} "
-                f"(same tokens, same vocab{' shard' if group is not None else ''}), got {tuple(teacher.shape)}"
-            )
-        if not teacher.is_floating_point():
-            raise ValueError(f"targets.teacher_logits must be a float tensor, got {teacher.dtype}")
-    return mask
+
+
+def _check_teacher(logits: torch.Tensor, targets: LossTargets, spec: LossSpec, group: ProcessGroup | None) -> None:
+    if spec.distillation is None:
+        return
+    teacher = targets.teacher_logits
+    if teacher is None:
+        raise ValueError(f"targets.teacher_logits is required by distillation loss '{spec.distillation.name}' but is None")
+    if teacher.shape != logits.shape:
+        raise ValueError(
+            f"targets.teacher_logits must have the student's shape {tuple(logits.shape)} "
+            f"(same tokens, same vocab{' shard' if group is not None else ''}), got {tuple(teacher.shape)}"
+        )
+    if not teacher.is_floating_point():
+        raise ValueError(f"targets.teacher_logits must be a float tensor, got {teacher.dtype}")
