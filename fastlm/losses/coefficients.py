@@ -59,8 +59,9 @@ def grpo_terms(
 
 
 def _masked(values: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`values` in `dtype`, 0 on masked tokens (whatever was there, NaN included)."""
-    return torch.where(mask, values.to(dtype), torch.zeros((), dtype=dtype, device=mask.device))
+    """`values` in `dtype`, 0 on masked tokens (whatever was there, NaN included); a Python 0 is no
+    extra device tensor (a fill launch on CUDA)."""
+    return torch.where(mask, values.to(dtype), 0.0)
 
 
 def label_children(
