@@ -29,6 +29,16 @@ class Batch:
             if value is not None and tuple(value.shape[:2]) != shape:
                 raise ValueError(f"Batch.{item.name} has shape {tuple(value.shape)}, expected {shape} leading dims")
 
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Ids outside the vocab crash the embedding (a CUDA device assert on GPU); name the tensor instead."""
+        for name, values in (("input_ids", self.input_ids), ("labels", self.labels[self.labels != IGNORE_INDEX])):
+            bad = values[(values < 0) | (values >= vocab_size)]
+            if bad.numel():
+                raise ValueError(
+                    f"Batch.{name} holds token id {int(bad[0])} outside 0..{vocab_size - 1} (model.vocab_size "
+                    f"{vocab_size}; {bad.numel()} such ids in this batch): the data does not match the model's vocab"
+                )
+
     @property
     def num_tokens(self) -> int:
         """Unmasked labels: the share of the step's token normaliser this batch brings."""

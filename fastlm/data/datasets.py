@@ -3,6 +3,10 @@
 Every document becomes BOS + bytes + EOS. Documents are shuffled once by seed, split into train and
 eval, then laid end to end and cut into rows of seq_len + 1 tokens; a document crossing a row boundary
 is split, and each piece gets its own id (attention and labels never cross a piece boundary).
+
+Hostile files fail early with the file and line: invalid UTF-8 or JSON, missing or non-string fields,
+empty documents, and prompt + completion records too long for one row (a split would train the
+completion without its prompt). Long plain-text documents are split across rows by design.
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ class Document:
 
     tokens: list[int]
     target_mask: list[bool]
+    origin: str = ""  # "file line N", for errors found after loading (packing)
+
+    @property
+    def is_prompted(self) -> bool:
+        """Part of it is never a target (an SFT prompt): it must fit one row to keep its context."""
+        return not all(self.target_mask)
 
 
 @dataclass(frozen=True)
@@ -46,16 +56,16 @@ class PackedRows:
         return self.tokens.shape[0]
 
 
-def _text_document(tokenizer: ByteTokenizer, text: str) -> Document:
+def _text_document(tokenizer: ByteTokenizer, text: str, origin: str = "") -> Document:
     tokens = tokenizer.encode(text, bos=True, eos=True)
-    return Document(tokens, [True] * len(tokens))
+    return Document(tokens, [True] * len(tokens), origin)
 
 
-def _prompt_document(tokenizer: ByteTokenizer, prompt: str, completion: str) -> Document:
+def _prompt_document(tokenizer: ByteTokenizer, prompt: str, completion: str, origin: str = "") -> Document:
     """BOS + prompt is never a target; the completion and EOS are."""
     head = tokenizer.encode(prompt, bos=True)
     tail = tokenizer.encode(completion, eos=True)
-    return Document(head + tail, [False] * len(head) + [True] * len(tail))
+    return Document(head + tail, [False] * len(head) + [True] * len(tail), origin)
 
 
 def _read_text(path: Path) -> str:
@@ -65,7 +75,8 @@ def _read_text(path: Path) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise DataError(f"{path}: not valid UTF-8 at byte {error.start}") from error
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise DataError(f"{path} line {line}: not valid UTF-8 at byte {error.start}") from error
 
 
 def _text_documents(source: TextSource, tokenizer: ByteTokenizer) -> list[Document]:
@@ -77,12 +88,14 @@ def _text_documents(source: TextSource, tokenizer: ByteTokenizer) -> list[Docume
     return documents
 
 
-def _jsonl_field(record: dict, name: str, path: Path, line: int) -> str:
+def _jsonl_field(record: dict, name: str, path: Path, line: int, allow_empty: bool = False) -> str:
     if name not in record:
         raise DataError(f"{path} line {line}: missing field '{name}' (keys: {sorted(record)})")
     value = record[name]
     if not isinstance(value, str):
         raise DataError(f"{path} line {line}: field '{name}' must be a string, got {type(value).__name__}")
+    if not allow_empty and not value.strip():
+        raise DataError(f"{path} line {line}: field '{name}' is empty (an empty document trains on nothing)")
     return value
 
 
@@ -98,12 +111,14 @@ def _jsonl_documents(source: JsonlSource, tokenizer: ByteTokenizer) -> list[Docu
             raise DataError(f"{path} line {line_number}: invalid JSON ({error.msg} at column {error.colno})") from error
         if not isinstance(record, dict):
             raise DataError(f"{path} line {line_number}: expected a JSON object, got {type(record).__name__}")
+        origin = f"{path} line {line_number}"
         if source.prompt_field is not None and source.completion_field is not None:
-            prompt = _jsonl_field(record, source.prompt_field, path, line_number)
+            prompt = _jsonl_field(record, source.prompt_field, path, line_number, allow_empty=True)
             completion = _jsonl_field(record, source.completion_field, path, line_number)
-            documents.append(_prompt_document(tokenizer, prompt, completion))
+            documents.append(_prompt_document(tokenizer, prompt, completion, origin))
         else:
-            documents.append(_text_document(tokenizer, _jsonl_field(record, source.text_field, path, line_number)))
+            text = _jsonl_field(record, source.text_field, path, line_number)
+            documents.append(_text_document(tokenizer, text, origin))
     if not documents:
         raise DataError(f"{path}: no documents (the file is empty)")
     return documents
@@ -140,6 +155,13 @@ def pack_documents(documents: list[Document], seq_len: int) -> PackedRows:
     if not documents:
         raise DataError("cannot pack an empty list of documents")
     width = seq_len + 1
+    for document in documents:
+        if document.is_prompted and len(document.tokens) > width:
+            raise DataError(
+                f"{document.origin or 'a prompted document'}: prompt + completion is {len(document.tokens)} tokens "
+                f"(with BOS/EOS), more than one row of data.seq_len + 1 = {width}; splitting it would train the "
+                "completion without its prompt. Raise data.seq_len (and model.max_seq_len) or shorten the record"
+            )
     tokens = [t for doc in documents for t in doc.tokens]
     targets = [m for doc in documents for m in doc.target_mask]
     doc_index = [i for i, doc in enumerate(documents) for _ in doc.tokens]

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from fastlm.engine.signals import fault_point
@@ -182,6 +183,8 @@ def _verify(path: Path) -> LoadedCheckpoint:
         if _sha256(file) != digest:
             raise CheckpointError(f"{file}: sha256 mismatch (file is corrupt or was modified)")
     try:
+        with safe_open(str(path / MODEL_FILE), framework="pt"):  # the header parses: a hostile file fails here
+            pass
         optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
         trainer_state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unpickling failure means an unusable file

@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 
 from fastlm.config.schema import RunConfig
+from fastlm.data.datasets import DataError
+from fastlm.engine.checkpoint import CheckpointError
 from fastlm.engine.distributed import run_distributed, torchrun_env
 from fastlm.engine.runtime import select_device
 from fastlm.engine.trainer import NonFiniteError, TrainSummary
@@ -24,10 +26,10 @@ def run_training(config: RunConfig, resume: bool = False) -> int:
 def _train(config: RunConfig, resume: bool) -> int:
     from fastlm.engine.select import trainer_class_for
 
-    trainer = trainer_class_for(config)(config)
     try:
+        trainer = trainer_class_for(config)(config)
         summary = trainer.train(resume=resume)
-    except NonFiniteError as error:  # a clear stop with a checkpoint, not a crash: no traceback
+    except (NonFiniteError, DataError, CheckpointError) as error:  # the message says what to fix: no traceback
         print(f"fastlm: {error}", file=sys.stderr)
         return 1
     if trainer.rank in (None, 0):

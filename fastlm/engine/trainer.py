@@ -177,6 +177,7 @@ class Trainer:
         losses: dict[str, torch.Tensor] = {}
         metrics: dict[str, torch.Tensor] = {}
         for index, batch in enumerate(batches):
+            batch.check_token_ids(self.config.model.vocab_size)  # on the host, before the embedding could assert
             batch = batch.to(self.device)
             with gradient_sync(self.train_model, index == len(batches) - 1):
                 with autocast(self.device, self.amp_dtype):

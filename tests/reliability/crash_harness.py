@@ -31,12 +31,13 @@ STEPS = 48  # long enough that a chain of kills (each attempt advances a few ste
 
 
 
-def write_config(directory: Path, name: str, steps: int = STEPS, checkpoint_every: int = 1, keep: int = 2) -> Path:
+def write_config(directory: Path, name: str, steps: int = STEPS, checkpoint_every: int = 1, keep: int = 2,
+                 source: dict | None = None) -> Path:
     """A tiny run (hidden 32, 1 layer, seq_len 32, micro-batch 4) that checkpoints every step; no wandb."""
     config = {
         "run": {"name": name, "output_dir": str(directory / "{name}"), "seed": 0},
         "model": {"type": "llama", "hidden_size": 32, "num_layers": 1, "num_heads": 2, "max_seq_len": 32},
-        "data": {"source": {"type": "generated", "num_documents": 200}, "seq_len": 32, "micro_batch_size": 4},
+        "data": {"source": source or {"type": "generated", "num_documents": 200}, "seq_len": 32, "micro_batch_size": 4},
         "optimizer": {"lr": 1e-2},
         "schedule": {"warmup_steps": 2},
         "trainer": {"steps": steps, "log_every": 1, "eval_every": 0, "checkpoint_every": checkpoint_every,
