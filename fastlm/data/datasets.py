@@ -17,7 +17,8 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from collections.abc import Iterator
+from typing import Any, TypeVar
 
 import torch
 
@@ -99,9 +100,9 @@ def _jsonl_field(record: dict, name: str, path: Path, line: int, allow_empty: bo
     return value
 
 
-def _jsonl_documents(source: JsonlSource, tokenizer: ByteTokenizer) -> list[Document]:
-    path = Path(source.path)
-    documents = []
+def jsonl_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every non-blank line; bad UTF-8, bad JSON or a non-object line is a
+    `DataError` naming the file and line. Shared by every JSONL reader (documents, pairs, offline RL)."""
     for line_number, line in enumerate(_read_text(path).splitlines(), start=1):
         if not line.strip():
             continue
@@ -111,6 +112,13 @@ def _jsonl_documents(source: JsonlSource, tokenizer: ByteTokenizer) -> list[Docu
             raise DataError(f"{path} line {line_number}: invalid JSON ({error.msg} at column {error.colno})") from error
         if not isinstance(record, dict):
             raise DataError(f"{path} line {line_number}: expected a JSON object, got {type(record).__name__}")
+        yield line_number, record
+
+
+def _jsonl_documents(source: JsonlSource, tokenizer: ByteTokenizer) -> list[Document]:
+    path = Path(source.path)
+    documents = []
+    for line_number, record in jsonl_records(path):
         origin = f"{path} line {line_number}"
         if source.prompt_field is not None and source.completion_field is not None:
             prompt = _jsonl_field(record, source.prompt_field, path, line_number, allow_empty=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastlm.data.datasets import DataError
+from fastlm.data.datasets import DataError, jsonl_records
 from fastlm.data.tokenizer import ByteTokenizer
 
 
@@ -74,20 +74,7 @@ def load_offline_rl(path: str | Path, tokenizer: ByteTokenizer | None = None) ->
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: offline RL data file not found")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as error:
-        raise DataError(f"{path}: not valid UTF-8 at byte {error.start}") from error
-    samples = []
-    for line_number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path} line {line_number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DataError(f"{where}: invalid JSON ({error.msg} at column {error.colno})") from error
-        samples.append(parse_record(record, where, tokenizer))
+    samples = [parse_record(record, f"{path} line {number}", tokenizer) for number, record in jsonl_records(path)]
     if not samples:
         raise DataError(f"{path}: no samples (the file is empty)")
     return samples

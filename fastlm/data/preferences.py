@@ -9,7 +9,6 @@ as masked tokens (a separate padding id would count as an extra sequence).
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,7 +23,7 @@ from fastlm.data.datasets import (
     PackedRows,
     _jsonl_field,
     _prompt_document,
-    _read_text,
+    jsonl_records,
     split_documents,
 )
 from fastlm.data.tasks import AdditionTask
@@ -54,15 +53,7 @@ def read_preference_jsonl(source: PreferencesJsonlSource, tokenizer: ByteTokeniz
     """One pair per non-empty line; every problem names the file and line."""
     path = Path(source.path)
     pairs = []
-    for line_number, line in enumerate(_read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DataError(f"{path} line {line_number}: invalid JSON ({error.msg} at column {error.colno})") from error
-        if not isinstance(record, dict):
-            raise DataError(f"{path} line {line_number}: expected a JSON object, got {type(record).__name__}")
+    for line_number, record in jsonl_records(path):
         prompt, chosen, rejected = (
             _jsonl_field(record, name, path, line_number)
             for name in (source.prompt_field, source.chosen_field, source.rejected_field)
