@@ -44,6 +44,7 @@ def write_config(directory: Path, name: str, steps: int = STEPS, checkpoint_ever
                     "keep_checkpoints": keep, "device": "cpu"},
         "logging": {"wandb": {"enabled": False}, "progress": False},
     }
+    directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
     return path
@@ -135,29 +136,36 @@ class ChainResult:
     losses: dict[int, float] = field(default_factory=dict)
 
 
-def _pointer(config_path: Path) -> str | None:
+def checkpoint_step(config_path: Path) -> int:
+    """The step `latest` names (0 before the first checkpoint)."""
     latest = run_dir(config_path) / "checkpoints" / LATEST_FILE
-    return latest.read_text(encoding="utf-8") if latest.is_file() else None
+    return int(latest.read_text(encoding="utf-8").strip().split("-")[1]) if latest.is_file() else 0
 
 
-def kill_chain(config_path: Path, plan: list[str], seed: int, max_delay_s: float,
+def kill_chain(config_path: Path, plan: list[str], seed: int, max_delay_s: float = 0.1,
                startup_s: float = 3.0) -> ChainResult:
     """Run the plan, then resume to the end and return the per-step losses. Each entry is one attempt:
 
     - a fault point (`name@n`): the process SIGKILLs itself the n-th time it reaches that point;
-    - "random": SIGKILL a seeded random delay (up to `max_delay_s`) after the attempt's first checkpoint
-      (so every attempt makes progress and the kill lands anywhere in training or checkpoint writing);
+    - "random": wait until the attempt has checkpointed 1-3 new steps (seeded), then SIGKILL after a random
+      delay of up to `max_delay_s`: anywhere in a step, its logging, or its checkpoint write;
     - "startup": SIGKILL a random delay (up to `startup_s`) after launch: imports, resume, JSONL cleanup.
+
+    The plan must start with "random" (it waits for a first checkpoint: a run killed before it has nothing
+    to resume). Waiting on checkpoints rather than wall-clock time keeps the kills spread over the run
+    whatever the machine's load.
     """
+    if plan and plan[0] != "random":
+        raise ValueError(f"a kill chain starts with 'random' (it makes the first checkpoint), got {plan[0]!r}")
     rng = random.Random(seed)
     result = ChainResult()
     for how in plan:
         resume = has_checkpoint(config_path)
         fault = how if how not in ("random", "startup") else None
-        before = _pointer(config_path)
+        target = checkpoint_step(config_path) + rng.randint(1, 3)
         process = start(config_path, resume, fault)
         if how == "random":
-            wait_for(lambda: _pointer(config_path) not in (None, before), process, "a new checkpoint")
+            wait_for(lambda: checkpoint_step(config_path) >= target, process, f"a checkpoint of step {target}")
             time.sleep(rng.uniform(0.0, max_delay_s))
         elif how == "startup":
             time.sleep(rng.uniform(0.0, startup_s))

@@ -13,7 +13,7 @@ def test_killed_runs_resume_to_identical_losses(tmp_path: Path, reference: dict[
     plan = ["random", f"{FAULT_POINTS[0]}@2", "startup", f"{FAULT_POINTS[1]}@2", "random", f"{FAULT_POINTS[2]}@2",
             "random", "random"]
     config = write_config(tmp_path, "killed", steps=STEPS)
-    result = kill_chain(config, plan, seed=0, max_delay_s=0.5)
+    result = kill_chain(config, plan, seed=0)
     assert len(result.kills) == len(plan)
     for kill in result.kills:
         print(f"{kill.how}: checkpoint {kill.checkpoint_step}, {kill.logged_before_kill} steps logged, "
