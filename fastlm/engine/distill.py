@@ -18,15 +18,6 @@ from fastlm.data.batch import Batch
 from fastlm.engine.frozen import check_compatible, frozen_logits, load_frozen_model
 from fastlm.engine.runtime import autocast
 from fastlm.engine.trainer import Trainer
-from fastlm.losses.config import DistillationConfig
-
-
-def distillation_child(config: RunConfig) -> tuple[str, DistillationConfig] | None:
-    """(name, config) of the head's distillation child, if any (validation allows at most one)."""
-    for name, child in config.model.head.losses.items():
-        if isinstance(child, DistillationConfig):
-            return name, child
-    return None
 
 
 class DistillationTrainer(Trainer):
@@ -34,7 +25,7 @@ class DistillationTrainer(Trainer):
 
     def __init__(self, config: RunConfig, rank: int | None = None):
         super().__init__(config, rank)
-        found = distillation_child(config)
+        found = config.model.head.child_of_type("distillation")
         if found is None or found[1].teacher_path is None:
             raise ValueError("DistillationTrainer needs a distillation loss with teacher_path in model.head.losses")
         name, child = found

@@ -19,16 +19,7 @@ from fastlm.data.preferences import PreferenceBatch
 from fastlm.engine.frozen import check_compatible, copy_frozen, frozen_logits, load_frozen_model
 from fastlm.engine.runtime import autocast
 from fastlm.engine.trainer import Trainer
-from fastlm.losses.config import DPOConfig
 from fastlm.losses.dpo import label_sequence_logps
-
-
-def dpo_child(config: RunConfig) -> tuple[str, DPOConfig] | None:
-    """(name, config) of the head's DPO child, if any (validation keeps it alone in losses)."""
-    for name, child in config.model.head.losses.items():
-        if isinstance(child, DPOConfig):
-            return name, child
-    return None
 
 
 class DPOTrainer(Trainer):
@@ -36,7 +27,7 @@ class DPOTrainer(Trainer):
 
     def __init__(self, config: RunConfig, rank: int | None = None):
         super().__init__(config, rank)
-        found = dpo_child(config)
+        found = config.model.head.child_of_type("dpo")
         if found is None:
             raise ValueError("DPOTrainer needs a dpo loss in model.head.losses")
         name, child = found

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastlm.config.schema import RunConfig
-from fastlm.engine.distill import DistillationTrainer, distillation_child
+from fastlm.engine.distill import DistillationTrainer
 from fastlm.engine.dpo import DPOTrainer
 from fastlm.engine.trainer import Trainer
 
@@ -17,7 +17,7 @@ def trainer_class_for(config: RunConfig) -> type[Trainer]:
         return RLTrainer
     if config.model.head.is_dpo:
         return DPOTrainer
-    distill = distillation_child(config)
+    distill = config.model.head.child_of_type("distillation")
     if distill is not None and distill[1].teacher_path is not None:
         return DistillationTrainer
     return Trainer

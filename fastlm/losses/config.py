@@ -90,13 +90,6 @@ class MonolithicLossConfig(ConfigModel):
     softcap: float | None = None
     chunk_tokens: int = 4096
 
-    def of_type(self, kind: str) -> tuple[str, MonolithicChild] | None:
-        """The (name, config) of the child of this kind, if present (validation allows one per kind)."""
-        for name, child in self.children.items():
-            if child.type == kind:
-                return name, child
-        return None
-
 
 class LMHeadConfig(ConfigModel):
     """The LM head: output projection options and the losses computed on its logits."""
@@ -148,6 +141,13 @@ class LMHeadConfig(ConfigModel):
                     f"it supports {sorted(TRITON_CHILD_TYPES)}. Set use_triton: null or false"
                 )
         return self
+
+    def child_of_type(self, kind: str) -> tuple[str, LossChildConfig] | None:
+        """The (name, config) of the child of this type, if present (validation allows one per type)."""
+        for name, child in self.losses.items():
+            if child.type == kind:
+                return name, child
+        return None
 
     @property
     def is_dpo(self) -> bool:
