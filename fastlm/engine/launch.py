@@ -42,8 +42,9 @@ def describe_summary(summary: TrainSummary) -> str:
         return "n/a" if value is None else f"{value:.4f}"
 
     ending = "done" if summary.stopped_by is None else f"stopped early by {summary.stopped_by}"
+    evaluated = "" if summary.eval_loss is None else f"eval/loss {number(summary.eval_loss)}, "  # RL runs have none
     return (
         f"{ending}: {summary.steps} steps, train/loss {number(summary.first_loss)} -> {number(summary.last_loss)}, "
-        f"eval/loss {number(summary.eval_loss)}, {summary.tokens_per_second:,.0f} tokens/s, "
+        f"{evaluated}{summary.tokens_per_second:,.0f} tokens/s, "
         f"{summary.skipped_steps} skipped steps; outputs in {summary.run_dir}"
     )

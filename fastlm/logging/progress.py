@@ -7,7 +7,8 @@ from typing import TextIO
 
 
 class ProgressLine:
-    """Shows step/total, loss, lr and tokens/s for every log call that carries a training loss."""
+    """Shows step/total, loss, eval loss, RL rewards (train/reward, greedy eval/reward), lr and tokens/s,
+    each when the log call carries it."""
 
     def __init__(self, total_steps: int, stream: TextIO | None = None):
         self.total_steps = total_steps
@@ -20,6 +21,8 @@ class ProgressLine:
         for key, label, fmt in (
             ("train/loss", "loss", ".4f"),
             ("eval/loss", "eval", ".4f"),
+            ("train/reward", "reward", ".3f"),
+            ("eval/reward", "eval reward", ".3f"),
             ("train/lr", "lr", ".2e"),
             ("train/tokens_per_second", "tok/s", ".0f"),
         ):

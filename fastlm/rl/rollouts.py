@@ -7,6 +7,13 @@ supervised micro-batches of task demonstrations, then rollouts. A rollout is pac
 times before the next is drawn. old_logp is recomputed with the training forward right after sampling,
 before the first update on the rollout (not the sampler's own log-probs, which include temperature
 and top-p), so the first update's ratio is 1 up to rounding.
+
+Data parallel (`RolloutShard`): `rl.prompts_per_rollout` is per dp rank, like `data.micro_batch_size`,
+so a global rollout holds `prompts_per_rollout * dp` prompts. Every rank draws the whole global prompt
+list from the same seeded stream and keeps its block (rank r: prompts r*P .. r*P + P - 1), and samples
+with its own generator (seed + 3 + SEED_STRIDE * r), so no two ranks train on the same completions. The
+per-completion rewards, lengths and stop flags are all-gathered: advantages (the batch std included)
+and rollout metrics are those of the global rollout, identical on every rank. dp = 1 is the plain run.
 """
 
 from __future__ import annotations
@@ -16,11 +23,14 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fastlm.data.batch import Batch
 from fastlm.data.offline_rl import PolicySample
 from fastlm.data.tasks import AdditionTask, Problem, ReverseTask, Task, demonstrations, score
 from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.engine.distributed import RankShardLoader
+from fastlm.losses.validation import ProcessGroup
 from fastlm.models.decoder import DecoderLM
 from fastlm.rl.advantages import group_advantages, rollout_metrics
 from fastlm.rl.config import AdditionTaskConfig, RLConfig, TaskConfig
@@ -28,6 +38,7 @@ from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples, policy_log
 from fastlm.rl.sampler import Completion, SamplingOptions, sample_completions
 
 TOKENIZER = ByteTokenizer()
+SEED_STRIDE = 1_000_003  # between the sampling seeds of dp ranks (a prime: runs with nearby seeds never share one)
 
 
 def build_task(config: TaskConfig) -> Task:
@@ -40,6 +51,39 @@ def completion_text(completion: Completion) -> str:
     """The answer text before the stop token; other special tokens stay visible (so they cost reward)."""
     body = completion.tokens[:-1] if completion.stopped else completion.tokens
     return TOKENIZER.decode(body, skip_special=False)
+
+
+@dataclass(frozen=True)
+class RolloutShard:
+    """This process's share of a data-parallel rollout: dp rank `index` of `count`, gathering over `group`
+    on `device` (nccl needs CUDA tensors). The default is the whole rollout in one process."""
+
+    index: int = 0
+    count: int = 1
+    group: ProcessGroup | None = None
+    device: torch.device = torch.device("cpu")
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Every dp rank's `values` (same shape on each), concatenated along dim 0 in dp-rank order."""
+        if self.group is None:
+            return values
+        local = values.to(self.device).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.count)]
+        dist.all_gather(parts, local, group=self.group)
+        return torch.cat(parts).to(values.device)
+
+    def gather_objects(self, value: Any) -> list[Any]:
+        """Every dp rank's picklable `value`, in dp-rank order (checkpoint state)."""
+        if self.group is None:
+            return [value]
+        gathered: list[Any] = [None] * self.count
+        dist.all_gather_object(gathered, value, group=self.group)
+        return gathered
+
+    def block(self, values: list[Any]) -> list[Any]:
+        """This rank's contiguous block of a list that holds every rank's share in dp-rank order."""
+        size = len(values) // self.count
+        return values[self.index * size : (self.index + 1) * size]
 
 
 @dataclass
@@ -56,26 +100,31 @@ def draw_rollout(
     options: SamplingOptions,
     generator: torch.Generator,
     amp_dtype: torch.dtype | None = None,
+    shard: RolloutShard = RolloutShard(),
 ) -> Rollout:
-    """G completions per problem, scored and group-normalised (prompt-major order)."""
+    """G completions per problem of this rank, scored and group-normalised (prompt-major order).
+
+    Advantages and metrics come from the global rollout (every rank's rewards, see the module docstring);
+    the samples are this rank's.
+    """
     group = config.group_size
     prompts = [TOKENIZER.encode(p.prompt, bos=True) for p in problems for _ in range(group)]
     completions = sample_completions(model, prompts, options, generator, amp_dtype)
-    rewards = torch.tensor(
+    local = torch.tensor(
         [
-            score(task, problems[i // group], completion_text(c), c.stopped, config.format_reward)
+            [score(task, problems[i // group], completion_text(c), c.stopped, config.format_reward),
+             len(c.tokens), float(c.stopped)]
             for i, c in enumerate(completions)
         ],
         dtype=torch.float64,
     )
+    rewards, lengths, stopped = shard.gather(local).unbind(1)
     advantages = group_advantages(rewards, group, config.scale_rewards, config.advantage_eps)
     samples = [
         PolicySample(prompt, c.tokens, float(a), None, float(r))
-        for prompt, c, a, r in zip(prompts, completions, advantages.tolist(), rewards.tolist())
+        for prompt, c, a, r in zip(prompts, completions, shard.block(advantages.tolist()), local[:, 0].tolist())
     ]
-    lengths = torch.tensor([len(c.tokens) for c in completions])
-    stopped = torch.tensor([c.stopped for c in completions])
-    return Rollout(samples, rollout_metrics(rewards, advantages, lengths, stopped, group))
+    return Rollout(samples, rollout_metrics(rewards, advantages, lengths, stopped.bool(), group))
 
 
 @torch.no_grad()
@@ -110,6 +159,7 @@ class RolloutLoader:
         grad_accumulation: int,
         seed: int,
         amp_dtype: torch.dtype | None = None,
+        shard: RolloutShard = RolloutShard(),
     ):
         self.model = model
         self.config = config
@@ -117,18 +167,21 @@ class RolloutLoader:
         self.seq_len = seq_len
         self.grad_accumulation = grad_accumulation
         self.amp_dtype = amp_dtype
+        self.shard = shard
+        self.seed = seed
         self.task = build_task(config.task)
         self.warmup_batches = config.warmup_steps * grad_accumulation
-        self.demos: PolicyBatchLoader | None = None
+        self.demos: PolicyBatchLoader | RankShardLoader | None = None
         if config.warmup_steps:
             shown = demonstrations(self.task, config.warmup_demonstrations, config.warmup_noise, seed + 1)
             samples = [
                 PolicySample(TOKENIZER.encode(p.prompt, bos=True), TOKENIZER.encode(p.answer, eos=True), 0.0)
                 for p in shown
             ]
-            self.demos = PolicyBatchLoader(pack_policy_samples(samples, seq_len), micro_batch_size, seed)
+            self.demos = rank_rows(PolicyBatchLoader(pack_policy_samples(samples, seq_len),
+                                                     micro_batch_size * shard.count, seed), shard)
         self.prompt_rng = random.Random(seed + 2)
-        self.generator = torch.Generator().manual_seed(seed + 3)
+        self.generator = torch.Generator().manual_seed(self.sampling_seed())
         self.drawn = 0
         self.batches: list[Batch] = []
         self.position = 0
@@ -140,10 +193,16 @@ class RolloutLoader:
     def in_warmup(self) -> bool:
         return self.drawn < self.warmup_batches
 
+    def sampling_seed(self, rollouts: int = 0) -> int:
+        """This dp rank's sampling seed; `rollouts` > 0 re-seeds a resumed run past the rollouts already drawn."""
+        return self.seed + 3 + SEED_STRIDE * self.shard.index + rollouts
+
     def next_rollout(self) -> None:
         """Sample, score and pack a fresh rollout; old_logp from the training forward of the packed batch."""
-        problems = [self.task.sample(self.prompt_rng) for _ in range(self.config.prompts_per_rollout)]
-        rollout = draw_rollout(self.model, self.task, problems, self.config, self.options, self.generator, self.amp_dtype)
+        count = self.config.prompts_per_rollout * self.shard.count
+        problems = self.shard.block([self.task.sample(self.prompt_rng) for _ in range(count)])
+        rollout = draw_rollout(self.model, self.task, problems, self.config, self.options, self.generator,
+                               self.amp_dtype, self.shard)
         batches = split_into_batches(pack_policy_samples(rollout.samples, self.seq_len), self.grad_accumulation)
         for batch in batches:
             batch.old_logp = policy_logprobs(
@@ -168,27 +227,43 @@ class RolloutLoader:
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything resume needs, the current rollout included (plain tensors and numbers only)."""
+        """Everything resume needs, the current rollout included (plain tensors and numbers only).
+
+        Collective under data parallelism: `ranks` holds every dp rank's generator and in-flight rollout
+        (rank 0 writes the checkpoint); the rest is the same on every rank.
+        """
         version, internal, gauss = self.prompt_rng.getstate()
+        own = {"batches": [_batch_state(b) for b in self.batches], "generator": self.generator.get_state()}
         return {
             "drawn": self.drawn,
             "position": self.position,
             "rollouts": self.rollouts,
-            "batches": [_batch_state(b) for b in self.batches],
+            "ranks": self.shard.gather_objects(own),
             "metrics": dict(self.metrics),
             "rewards": list(self.rewards),
             "prompt_rng": [version, list(internal), gauss],
-            "generator": self.generator.get_state(),
             "demos": self.demos.state_dict() if self.demos is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint from another dp size drops the in-flight rollout (a fresh one is drawn next) and
+        re-seeds sampling past the rollouts drawn; the same dp size resumes exactly."""
         self.drawn, self.position, self.rollouts = int(state["drawn"]), int(state["position"]), int(state["rollouts"])
-        self.batches = [Batch(**tensors) for tensors in state["batches"]]
         self.metrics = {k: float(v) for k, v in state["metrics"].items()}
         self.rewards = [float(v) for v in state["rewards"]]
         version, internal, gauss = state["prompt_rng"]
         self.prompt_rng.setstate((version, tuple(internal), gauss))
-        self.generator.set_state(state["generator"])
+        ranks = state["ranks"]
+        if len(ranks) == self.shard.count:
+            self.batches = [Batch(**tensors) for tensors in ranks[self.shard.index]["batches"]]
+            self.generator.set_state(ranks[self.shard.index]["generator"])
+        else:
+            self.batches = []
+            self.generator.manual_seed(self.sampling_seed(self.rollouts))
         if self.demos is not None and state["demos"] is not None:
             self.demos.load_state_dict(state["demos"])
+
+
+def rank_rows(loader: PolicyBatchLoader, shard: RolloutShard) -> PolicyBatchLoader | RankShardLoader:
+    """This dp rank's rows of a loader built with micro_batch_size * dp (the base trainer's data mapping)."""
+    return loader if shard.count == 1 else RankShardLoader(loader, shard.index, shard.count)

@@ -5,6 +5,9 @@ Online (`rl:` set, any data source but offline_rl): the loader is a `RolloutLoad
 second head on the same weights, then the configured policy head (GRPO or GSPO) trains on rollouts.
 Offline (`data.source.type: offline_rl`): the policy head trains on the file's samples, old_logp and
 advantages as given. Rollout statistics and the greedy eval reward join the trainer's log records.
+RL steps run at `rl.lr_scale` times the scheduled lr (the warm-up's lr suits cross-entropy, not the
+noisier policy gradient). Data parallel: each dp rank samples its own share of the rollout
+(fastlm/rl/rollouts.py), warm-up and offline batches are rank-strided like the base trainer's.
 """
 
 from __future__ import annotations
@@ -14,18 +17,22 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.config.schema import RunConfig
 from fastlm.data.config import OfflineRLSource
 from fastlm.data.offline_rl import load_offline_rl
 from fastlm.data.tasks import Problem
 from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.engine.distributed import RankShardLoader
+from fastlm.engine.optim import lr_multiplier
 from fastlm.engine.trainer import StepResult, Trainer, TrainSummary
 from fastlm.layers.lm_head import LMHead
 from fastlm.losses.config import CrossEntropyConfig, LMHeadConfig
 from fastlm.rl.config import RLConfig
 from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples
-from fastlm.rl.rollouts import RolloutLoader, build_task, evaluate_greedy
+from fastlm.rl.rollouts import RolloutLoader, RolloutShard, build_task, evaluate_greedy, rank_rows
 from fastlm.rl.sampler import SamplingOptions
 
 
@@ -70,12 +77,24 @@ def sampling_options(rl: RLConfig, head: LMHeadConfig) -> SamplingOptions:
     return SamplingOptions(rl.max_new_tokens, rl.temperature, rl.top_p, logit_scale=head.logit_scale, softcap=head.softcap)
 
 
+def rl_scheduler(optimizer: torch.optim.Optimizer, config: RunConfig, rl: RLConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """The run's schedule times `rl.lr_scale` from the first RL step on (step `rl.warmup_steps`; 0 offline)."""
+    steps, schedule, first_rl = config.trainer.steps, config.schedule, rl.warmup_steps
+
+    def multiplier(step: int) -> float:
+        return lr_multiplier(step, steps, schedule) * (rl.lr_scale if step >= first_rl else 1.0)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+
+
 class RLTrainer(Trainer):
     def __init__(self, config: RunConfig, rank: int | None = None):
         self.rl = config.rl or RLConfig()
         self.offline = isinstance(config.data.source, OfflineRLSource)
         _check(config, self.rl, self.offline)
         super().__init__(config, rank)
+        # Replaces the base schedule before any step; base_lrs stay the optimizer's initial lr.
+        self.scheduler = rl_scheduler(self.optimizer, config, self.rl)
         self.options = sampling_options(self.rl, config.model.head)
         self.policy_head = self.model.head
         self.warmup_head = LMHead(warmup_head_config(config.model.head))
@@ -86,14 +105,16 @@ class RLTrainer(Trainer):
             self.eval_problems = [task.sample(rng) for _ in range(self.rl.eval_prompts)]
         self.eval_rewards: list[tuple[int, float]] = []
 
-    def build_loaders(self, tokenizer: ByteTokenizer) -> tuple[RolloutLoader | PolicyBatchLoader, None]:
-        data, seed = self.config.data, self.config.run.seed
+    def build_loaders(self, tokenizer: ByteTokenizer) -> tuple[RolloutLoader | PolicyBatchLoader | RankShardLoader, None]:
+        data, seed, parallel = self.config.data, self.config.run.seed, self.parallel
+        shard = RolloutShard(parallel.dp_rank, parallel.dp_size, parallel.dp_group, self.device)
         if self.offline:
             samples = load_offline_rl(self.config.data.source.path, tokenizer)
-            return PolicyBatchLoader(pack_policy_samples(samples, data.seq_len), data.micro_batch_size, seed), None
+            rows = pack_policy_samples(samples, data.seq_len)
+            return rank_rows(PolicyBatchLoader(rows, data.micro_batch_size * shard.count, seed), shard), None
         options = sampling_options(self.rl, self.config.model.head)
         loader = RolloutLoader(self.model, self.rl, options, data.seq_len, data.micro_batch_size,
-                               self.config.trainer.grad_accumulation, seed, self.amp_dtype)
+                               self.config.trainer.grad_accumulation, seed, self.amp_dtype, shard)
         return loader, None
 
     @property
