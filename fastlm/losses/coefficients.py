@@ -8,7 +8,9 @@ add their loss and metrics but nothing to the coefficients.
 
 This is the per-token tail after the vocab pass, so it is written for few device ops and no
 device->host sync (GSPO's `torch.unique` excepted): every input is masked once up front, and the
-token sums of all losses and metrics are reduced together (`metrics.Sums`).
+token sums of all losses and metrics are reduced together (`metrics.Sums`). The fused Triton kernel
+skips it: it writes the same per-token terms into one buffer laid out by `fused_layout`, and
+`reduce_fused` turns that into the result with a single sum over tokens.
 """
 
 from __future__ import annotations
@@ -17,9 +19,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastlm.losses.metrics import Sums, grpo_metrics, gspo_metrics, z_loss_metrics
+from fastlm.losses.metrics import (
+    GRPO_METRICS,
+    Z_LOSS_METRICS,
+    Sums,
+    grpo_metrics,
+    gspo_metrics,
+    metric_key,
+    z_loss_metrics,
+)
 from fastlm.losses.seam import gspo_seam, safe_inverse
-from fastlm.losses.spec import ClippedPolicySpec, LossNormalizers, LossSpec, LossTargets
+from fastlm.losses.spec import (
+    ClippedPolicySpec,
+    DistillationSpec,
+    LossNormalizers,
+    LossResult,
+    LossSpec,
+    LossTargets,
+    WeightedSpec,
+)
+from fastlm.losses.validation import value_flag_count
 
 
 @dataclass
@@ -70,23 +89,20 @@ def label_children(
     normalizers: LossNormalizers,
     spec: LossSpec,
     grad_scale: float = 1.0,
-    coefficients: bool = True,
 ) -> LabelChildren:
     """Sum the label-based children's coefficients; compute their losses and metrics (distillation
-    excluded). `coefficients=False` skips the coefficients (the fused kernel made its own) and
-    returns empty ones."""
+    excluded)."""
     mask = stats.mask
     dtype = torch.promote_types(stats.lse.dtype, torch.float32)
     lse, new_logp = _masked(stats.lse, mask, dtype), _masked(stats.new_logp, mask, dtype)
     per_token = safe_inverse(normalizers.tokens)
-    empty = lse.new_zeros(0)
-    prob, label = (torch.zeros_like(lse), torch.zeros_like(lse)) if coefficients else (empty, empty)
+    prob, label = torch.zeros_like(lse), torch.zeros_like(lse)
     out = LabelChildren(prob, label)
     sums = Sums()
     if spec.cross_entropy is not None:
         child = spec.cross_entropy
         sums.add(out.losses, child.name, -new_logp, per_token)
-        if coefficients and child.weight != 0:
+        if child.weight != 0:
             weight = mask.to(dtype) * (child.weight * per_token)
             prob += weight
             label += weight
@@ -94,7 +110,7 @@ def label_children(
         child = spec.z_loss
         sums.add(out.losses, child.name, lse.square(), per_token)
         z_loss_metrics(sums, out.metrics, child.name, lse, normalizers)
-        if coefficients and child.weight != 0:
+        if child.weight != 0:
             prob += lse * (2.0 * child.weight * per_token)
     if spec.needs_policy_inputs:
         entropy = _masked(stats.entropy, mask, dtype)
@@ -105,7 +121,7 @@ def label_children(
         ratio, token_loss, slope = grpo_terms(new_logp, old_logp, advantages, mask, child)
         sums.add(out.losses, child.name, token_loss, per_token)
         grpo_metrics(sums, out.metrics, child, new_logp, old_logp, ratio, advantages, entropy, normalizers)
-        if coefficients and child.weight != 0:
+        if child.weight != 0:
             coefficient = slope * (child.weight * per_token)
             prob += coefficient
             label += coefficient
@@ -114,13 +130,61 @@ def label_children(
         seam = gspo_seam(new_logp, old_logp, advantages, targets.document_ids, mask, child, normalizers)
         out.losses[child.name] = seam.loss
         gspo_metrics(sums, out.metrics, child, seam, new_logp, old_logp, entropy, normalizers)
-        if coefficients:
-            prob += seam.coefficient
-            label += seam.coefficient
+        prob += seam.coefficient
+        label += seam.coefficient
     sums.resolve()
     label_based = (spec.cross_entropy, spec.z_loss, spec.grpo, spec.gspo)
     out.losses = {child.name: out.losses[child.name] for child in label_based if child is not None}
-    if coefficients and grad_scale != 1.0:
+    if grad_scale != 1.0:
         prob *= grad_scale
         label *= grad_scale
     return out
+
+
+@dataclass(frozen=True)
+class FusedLayout:
+    """Rows of the fused kernel's (K, T) per-token buffer. Each present child has a group starting at
+    its row (-1 when absent): its loss, then its metrics in `metrics` order (z: Z_LOSS_METRICS, grpo:
+    GRPO_METRICS); then the weighted total; all of these already divided by the step's token count.
+    Rows from `flags` on are the unscaled value-check counts (validation.value_flags order)."""
+
+    ce: int
+    z: int
+    grpo: int
+    kd: int
+    total: int
+    flags: int
+    rows: int
+    keys: tuple[tuple[bool, str], ...]  # (is a loss, result key) of each row before `total`
+
+
+def fused_layout(spec: LossSpec) -> FusedLayout:
+    """The row table shared by the launcher (kernel constexprs) and `reduce_fused` (result keys)."""
+    if spec.gspo is not None:
+        raise ValueError("the fused kernel has no GSPO terms (GSPO runs the stats launch and the seam)")
+    keys: list[tuple[bool, str]] = []
+
+    def group(child: WeightedSpec | ClippedPolicySpec | DistillationSpec | None, metrics: tuple[str, ...]) -> int:
+        if child is None:
+            return -1
+        keys.append((True, child.name))
+        keys.extend((False, metric_key(child.name, name)) for name in metrics)
+        return len(keys) - 1 - len(metrics)
+
+    rows = (
+        group(spec.cross_entropy, ()),
+        group(spec.z_loss, Z_LOSS_METRICS),
+        group(spec.grpo, GRPO_METRICS),
+        group(spec.distillation, ()),
+    )
+    total = len(keys)
+    return FusedLayout(*rows, total, total + 1, total + 1 + value_flag_count(spec), tuple(keys))
+
+
+def reduce_fused(terms: torch.Tensor, layout: FusedLayout) -> tuple[LossResult, torch.Tensor]:
+    """(loss, losses and metrics; value-check counts) from the kernel's term buffer: one sum over T."""
+    totals = terms.sum(dim=1)
+    values = totals.unbind()
+    losses = {key: value for (is_loss, key), value in zip(layout.keys, values) if is_loss}
+    metrics = {key: value for (is_loss, key), value in zip(layout.keys, values) if not is_loss}
+    return LossResult(values[layout.total], losses, metrics), totals[layout.flags :]

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from fastlm.losses.coefficients import TokenStats, label_children
 from fastlm.losses.seam import safe_inverse
 from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets, transform_logits
-from fastlm.losses.validation import ProcessGroup, validate_loss_inputs, vocab_shard
+from fastlm.losses.validation import ProcessGroup, check_inputs, raise_on_bad_values, value_flags, vocab_shard
 
 COMPILE_ENV = "FASTLM_COMPILE"
 BACKEND_ENV = "FASTLM_COMPILE_BACKEND"  # torch.compile backend, default inductor ("aot_eager" compiles fast)
@@ -169,10 +169,14 @@ def compiled_loss(
     group: ProcessGroup | None = None,
     compute_grad: bool = True,
 ) -> tuple[LossResult, torch.Tensor | None]:
-    """Every child on one shared softmax; returns the detached result and d(loss*grad_scale)/d(logits)."""
-    mask = validate_loss_inputs(logits, targets, normalizers, spec, group)
+    """Every child on one shared softmax; returns the detached result and d(loss*grad_scale)/d(logits).
+    The value checks are read back last, after everything is enqueued (validation.py)."""
+    check_inputs(logits, targets, normalizers, spec, group)
+    mask, counts = value_flags(logits, targets, spec, group)
     with torch.no_grad():
-        return _compiled_loss(logits.detach(), targets, normalizers, spec, mask, grad_scale, group, compute_grad)
+        out = _compiled_loss(logits.detach(), targets, normalizers, spec, mask, grad_scale, group, compute_grad)
+    raise_on_bad_values(counts, logits, targets, normalizers, spec, group)
+    return out
 
 
 def _compiled_loss(

@@ -46,34 +46,40 @@ def _float_rank(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits
 
 
+# Metric names (the part after "<child>/"), in one place: the torch tail below and the fused Triton
+# kernel's per-token rows (coefficients.fused_layout, kernel.py, same order) both use these tuples.
+Z_LOSS_METRICS = ("lse",)
+TOKEN_POLICY_METRICS = ("new_logp", "entropy", "kl")  # token means, GRPO and GSPO
+RATIO_METRICS = ("ratio", "advantage", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+GRPO_METRICS = TOKEN_POLICY_METRICS + RATIO_METRICS  # all token means
+
+
+def metric_key(child: str, metric: str) -> str:
+    return f"{child}/{metric}"
+
+
+def _add_all(
+    sums: Sums, into: dict[str, torch.Tensor], child: str, names: tuple[str, ...], values: tuple[torch.Tensor, ...],
+    scale: float,
+) -> None:
+    for name, value in zip(names, values, strict=True):
+        sums.add(into, metric_key(child, name), value, scale)
+
+
 def k3_kl(new_logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate exp(old-new) - (old-new) - 1."""
     delta = old_logp - new_logp
     return torch.expm1(delta) - delta
 
 
-def clip_fractions(
-    sums: Sums, into: dict[str, torch.Tensor], prefix: str, ratio: torch.Tensor, advantage: torch.Tensor,
-    eps_low: float, eps_high: float, scale: float,
-) -> None:
-    """TRL's clip ratios: low = ratio below 1-eps_low with A<0, high = above 1+eps_high with A>0
-    (entries with A = 0, e.g. masked tokens, count in neither)."""
+def _ratio_values(
+    ratio: torch.Tensor, advantage: torch.Tensor, eps_low: float, eps_high: float
+) -> tuple[torch.Tensor, ...]:
+    """The RATIO_METRICS vectors. TRL's clip ratios: low = ratio below 1-eps_low with A<0, high =
+    above 1+eps_high with A>0 (entries with A = 0, e.g. masked tokens, count in neither)."""
     low = (ratio < 1.0 - eps_low) & (advantage < 0)
     high = (ratio > 1.0 + eps_high) & (advantage > 0)
-    sums.add(into, f"{prefix}/clip_ratio/low_mean", low, scale)
-    sums.add(into, f"{prefix}/clip_ratio/high_mean", high, scale)
-    sums.add(into, f"{prefix}/clip_ratio/region_mean", low | high, scale)
-
-
-def token_policy_metrics(
-    sums: Sums, into: dict[str, torch.Tensor], name: str, new_logp: torch.Tensor, old_logp: torch.Tensor,
-    entropy: torch.Tensor, normalizers: LossNormalizers,
-) -> None:
-    """Per-token diagnostics shared by GRPO and GSPO: new_logp, entropy and kl, token means."""
-    scale = safe_inverse(normalizers.tokens)
-    sums.add(into, f"{name}/new_logp", new_logp, scale)
-    sums.add(into, f"{name}/entropy", entropy, scale)
-    sums.add(into, f"{name}/kl", k3_kl(new_logp, old_logp), scale)
+    return ratio, advantage, low, high, low | high
 
 
 def grpo_metrics(
@@ -82,11 +88,8 @@ def grpo_metrics(
     normalizers: LossNormalizers,
 ) -> None:
     """GRPO: everything is a token mean over the step's unmasked tokens (`ratio` is 0 on masked ones)."""
-    scale = safe_inverse(normalizers.tokens)
-    token_policy_metrics(sums, into, spec.name, new_logp, old_logp, entropy, normalizers)
-    sums.add(into, f"{spec.name}/ratio", ratio, scale)
-    sums.add(into, f"{spec.name}/advantage", advantages, scale)
-    clip_fractions(sums, into, spec.name, ratio, advantages, spec.eps_low, spec.eps_high, scale)
+    values = (new_logp, entropy, k3_kl(new_logp, old_logp), *_ratio_values(ratio, advantages, spec.eps_low, spec.eps_high))
+    _add_all(sums, into, spec.name, GRPO_METRICS, values, safe_inverse(normalizers.tokens))
 
 
 def gspo_metrics(
@@ -94,14 +97,13 @@ def gspo_metrics(
     old_logp: torch.Tensor, entropy: torch.Tensor, normalizers: LossNormalizers,
 ) -> None:
     """GSPO: per-token new_logp/entropy/kl; ratio, advantage and clip ratios are document means."""
-    scale = safe_inverse(normalizers.documents)
-    token_policy_metrics(sums, into, spec.name, new_logp, old_logp, entropy, normalizers)
-    sums.add(into, f"{spec.name}/ratio", seam.ratio, scale)
-    sums.add(into, f"{spec.name}/advantage", seam.advantage, scale)
-    into[f"{spec.name}/num_documents"] = seam.ratio.new_tensor(float(seam.ratio.numel()))
-    clip_fractions(sums, into, spec.name, seam.ratio, seam.advantage, spec.eps_low, spec.eps_high, scale)
+    token_values = (new_logp, entropy, k3_kl(new_logp, old_logp))
+    _add_all(sums, into, spec.name, TOKEN_POLICY_METRICS, token_values, safe_inverse(normalizers.tokens))
+    document_values = _ratio_values(seam.ratio, seam.advantage, spec.eps_low, spec.eps_high)
+    _add_all(sums, into, spec.name, RATIO_METRICS, document_values, safe_inverse(normalizers.documents))
+    into[metric_key(spec.name, "num_documents")] = seam.ratio.new_tensor(float(seam.ratio.numel()))
 
 
 def z_loss_metrics(sums: Sums, into: dict[str, torch.Tensor], name: str, lse: torch.Tensor, normalizers: LossNormalizers) -> None:
     """z-loss: the mean log-partition, the quantity it pushes towards 0."""
-    sums.add(into, f"{name}/lse", lse, safe_inverse(normalizers.tokens))
+    _add_all(sums, into, name, Z_LOSS_METRICS, (lse,), safe_inverse(normalizers.tokens))

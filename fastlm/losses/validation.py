@@ -1,10 +1,20 @@
 """Input checks shared by every loss implementation: bad tensors fail loudly, never as a silent NaN.
 
-Each check names the offending tensor and says what was expected. The value checks (label range,
-finiteness of the policy inputs, whether any token is unmasked) are folded into one small flag tensor
-read back with a single `.tolist()`: exactly one device->host synchronisation per call on the happy
-path (the detailed message is built only when a flag is set). Zero syncs would leave out-of-range
-labels to a device-side assert, which poisons the CUDA context and names no tensor, so we keep one.
+Each check names the offending tensor and says what was expected. Two stages, so the one
+device->host synchronisation a call needs comes last and host and device work overlap:
+
+- `check_inputs` (before any launch): shapes, dtypes, presence and the normaliser's sign; host only;
+- the value checks (labels in range, any token unmasked, old_logp / advantages finite on unmasked
+  tokens) are a small device tensor of counts, `[labels out of range, unmasked tokens]` plus
+  `[non-finite old_logp, non-finite advantages]` with a policy child: `value_flags` builds it with
+  torch ops, the fused Triton kernel writes the same counts itself. The implementation enqueues its
+  whole computation, then `raise_on_bad_values` reads the counts once at the very end and raises the
+  named error (the detailed message, with its extra syncs, is built only on failure). Kernels are
+  memory-safe for any label value and for NaN policy inputs; what they produce then is discarded.
+
+Zero syncs would leave out-of-range labels to a device-side assert (which poisons the CUDA context
+and names no tensor) or to silent garbage, so we keep exactly one. An in-place gradient has already
+overwritten the logits when the error is raised.
 """
 
 from __future__ import annotations
@@ -36,8 +46,18 @@ def _check_per_token(name: str, tensor: torch.Tensor | None, tokens: int, needed
     return tensor
 
 
+POLICY_INPUTS = ("old_logp", "advantages")
+
+
+def value_flag_count(spec: LossSpec) -> int:
+    """Length of the value-check counts: labels out of range, unmasked tokens (+ one per policy input)."""
+    return 2 + (len(POLICY_INPUTS) if spec.needs_policy_inputs else 0)
+
+
 def _raise_non_finite(name: str, tensor: torch.Tensor, mask: torch.Tensor) -> None:
-    """Error path only: locate the first unmasked NaN/inf of `tensor` (extra syncs are fine here)."""
+    """Error path only: locate the first unmasked NaN/inf of `tensor` as float32, the precision the
+    fast paths compute in (extra syncs are fine here)."""
+    tensor = tensor.float()
     bad = ~torch.isfinite(tensor) & mask
     index = int(bad.nonzero()[0, 0])
     raise ValueError(
@@ -46,14 +66,14 @@ def _raise_non_finite(name: str, tensor: torch.Tensor, mask: torch.Tensor) -> No
     )
 
 
-def validate_loss_inputs(
+def check_inputs(
     logits: torch.Tensor,
     targets: LossTargets,
     normalizers: LossNormalizers,
     spec: LossSpec,
     group: ProcessGroup | None = None,
-) -> torch.Tensor:
-    """Raise `ValueError` naming the bad tensor; return the boolean mask of unmasked tokens."""
+) -> None:
+    """Host-only checks (no device op, no sync); raise `ValueError` naming the bad tensor or field."""
     if logits.ndim != 2:
         raise ValueError(f"logits must be (tokens, vocab), got shape {tuple(logits.shape)}")
     if not logits.is_floating_point():
@@ -64,47 +84,63 @@ def validate_loss_inputs(
         raise ValueError(f"targets.labels must have shape ({tokens},) to match logits {tuple(logits.shape)}, got {tuple(labels.shape)}")
     if labels.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"targets.labels must be int64 (or int32), got {labels.dtype}")
-    _, vocab = vocab_shard(logits, group)
     if normalizers.tokens < 0:
         raise ValueError(f"normalizers.tokens must be > 0 when tokens are unmasked, got {normalizers.tokens}")
-    mask = labels != IGNORE_INDEX
-    out_of_range = mask & ((labels < 0) | (labels >= vocab))
-    policy_inputs = _check_policy_inputs(targets, spec, tokens)
+    _check_policy_inputs(targets, spec, tokens)
     _check_documents(targets, spec, tokens)
     _check_teacher(logits, targets, spec, group)
-    # One read-back for every value check: [labels out of range, any token unmasked, per policy input non-finite].
-    flags = [out_of_range.any(), mask.any()]
-    flags += [(~torch.isfinite(tensor) & mask).any() for _, tensor in policy_inputs]
-    bad_labels, has_tokens, *non_finite = torch.stack(flags).tolist()
+
+
+def value_flags(
+    logits: torch.Tensor, targets: LossTargets, spec: LossSpec, group: ProcessGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask of unmasked tokens, the value-check counts) as device ops, no sync."""
+    _, vocab = vocab_shard(logits, group)
+    labels = targets.labels
+    mask = labels != IGNORE_INDEX
+    counts = [(mask & ((labels < 0) | (labels >= vocab))).sum(), mask.sum()]
+    if spec.needs_policy_inputs:
+        counts += [(~torch.isfinite(getattr(targets, name).float()) & mask).sum() for name in POLICY_INPUTS]
+    return mask, torch.stack(counts)
+
+
+def raise_on_bad_values(
+    counts: torch.Tensor,
+    logits: torch.Tensor,
+    targets: LossTargets,
+    normalizers: LossNormalizers,
+    spec: LossSpec,
+    group: ProcessGroup | None = None,
+) -> None:
+    """The call's one device->host read: `counts` (from `value_flags` or the fused kernel); raise
+    `ValueError` naming the first bad tensor or field."""
+    bad_labels, tokens, *non_finite = counts.tolist()
+    labels = targets.labels
+    mask = labels != IGNORE_INDEX
     if bad_labels:
-        index = int(out_of_range.nonzero()[0, 0])
+        _, vocab = vocab_shard(logits, group)
+        index = int((mask & ((labels < 0) | (labels >= vocab))).nonzero()[0, 0])
         raise ValueError(
             f"targets.labels[{index}] = {int(labels[index])} is outside the vocabulary [0, {vocab}) "
             f"and is not the ignore index {IGNORE_INDEX}"
         )
-    if has_tokens and normalizers.tokens == 0:
+    if tokens and normalizers.tokens == 0:
         raise ValueError(f"normalizers.tokens must be > 0 when tokens are unmasked, got {normalizers.tokens}")
-    for (name, tensor), bad in zip(policy_inputs, non_finite):
+    for name, bad in zip(POLICY_INPUTS, non_finite):
         if bad:
-            _raise_non_finite(name, tensor, mask)
+            _raise_non_finite(name, getattr(targets, name), mask)
     gspo = spec.gspo
-    if gspo is not None and not gspo.length_proportional and normalizers.documents <= 0 and has_tokens:
+    if gspo is not None and not gspo.length_proportional and normalizers.documents <= 0 and tokens:
         raise ValueError(f"normalizers.documents must be > 0 for gspo sequence_mean, got {normalizers.documents}")
-    return mask
 
 
-def _check_policy_inputs(targets: LossTargets, spec: LossSpec, tokens: int) -> list[tuple[str, torch.Tensor]]:
-    """Shape and dtype of old_logp / advantages when a policy child needs them; [(name, tensor)]."""
+def _check_policy_inputs(targets: LossTargets, spec: LossSpec, tokens: int) -> None:
+    """Shape and dtype of old_logp / advantages when a policy child needs them."""
     policy = [child.name for child in (spec.grpo, spec.gspo) if child is not None]
-    if not policy:
-        return []
-    found = []
-    for name in ("old_logp", "advantages"):
+    for name in POLICY_INPUTS if policy else ():
         tensor = _check_per_token(name, getattr(targets, name), tokens, f"policy loss {policy}")
         if not tensor.is_floating_point():
             raise ValueError(f"targets.{name} must be a float tensor, got {tensor.dtype}")
-        found.append((name, tensor))
-    return found
 
 
 def _check_documents(targets: LossTargets, spec: LossSpec, tokens: int) -> None:

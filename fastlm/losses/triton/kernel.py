@@ -20,7 +20,11 @@ One program handles one token row; math is fp32 whatever the input dtypes. Three
 share the body:
 
 - `MODE_FUSED`: online softmax stats, in-kernel coefficients (CE, z, GRPO, distillation), gradient;
-  writes lse, new_logp, entropy (and the KL) per token.
+  writes every per-token term the losses and metrics need into one (K, T) fp32 buffer, already
+  scaled by 1/tokens, so the whole loss tail is one sum over T (`coefficients.fused_layout` gives the
+  rows: each present child's loss then its metrics, the weighted total, then the unscaled
+  value-check counts of validation.py: label out of range, unmasked, non-finite old_logp /
+  advantage). Out-of-range labels read no logit (masked load) and only raise that count.
 - `MODE_STATS`: stats only, as mergeable pieces (max, sum-exp, label logit, shifted x-moment; teacher
   max, teacher sum-exp, cross sum) so a vocab-parallel group can all-reduce them; writes the label
   logit only where the label is in shard.
@@ -96,6 +100,70 @@ def _rescale(m1, m2):
 
 
 @triton.jit
+def _expm1(d):
+    """exp(d) - 1 without cancellation near 0 (Kahan: (u - 1) * d / log u with u = exp(d))."""
+    u = tl.exp(d)
+    near = (u - 1.0) * d / tl.log(tl.where(u == 1.0, 2.0, u))
+    return tl.where(u == 1.0, d, tl.where(tl.abs(d) < 0.5, near, u - 1.0))
+
+
+@triton.jit
+def _non_finite(v):
+    return ((v != v) | (tl.abs(v) == float("inf"))).to(tl.float32)
+
+
+@triton.jit
+def _store_term(terms_ptr, index, n_tokens, row, value):
+    """Row `index` of the (K, T) term buffer at token `row`."""
+    tl.store(terms_ptr + index * n_tokens + row, value)
+
+
+@triton.jit
+def _store_terms(
+    terms_ptr, row, n_tokens, lse, new_logp, entropy, in_vocab, old_logp_ptr, advantages_ptr, kl_kd, ce_weight,
+    z_weight, grpo_weight, kd_weight, token_scale, eps_low, eps_high, ROW_CE: tl.constexpr, ROW_Z: tl.constexpr,
+    ROW_GRPO: tl.constexpr, ROW_KD: tl.constexpr, ROW_TOTAL: tl.constexpr, ROW_FLAGS: tl.constexpr,
+):
+    """The per-token terms of an unmasked row (order: coefficients.fused_layout / metrics.GRPO_METRICS),
+    scaled by `token_scale`; then the value-check counts, unscaled."""
+    total = 0.0
+    if ROW_CE >= 0:
+        _store_term(terms_ptr, ROW_CE, n_tokens, row, -new_logp * token_scale)
+        total -= ce_weight * new_logp
+    if ROW_Z >= 0:
+        _store_term(terms_ptr, ROW_Z, n_tokens, row, lse * lse * token_scale)
+        _store_term(terms_ptr, ROW_Z + 1, n_tokens, row, lse * token_scale)
+        total += z_weight * lse * lse
+    if ROW_GRPO >= 0:
+        old_logp = tl.load(old_logp_ptr + row).to(tl.float32)
+        advantage = tl.load(advantages_ptr + row).to(tl.float32)
+        ratio = tl.exp(new_logp - old_logp)
+        clipped = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
+        token_loss = -tl.minimum(ratio * advantage, clipped * advantage)
+        delta = old_logp - new_logp
+        low = ((ratio < 1.0 - eps_low) & (advantage < 0.0)).to(tl.float32)
+        high = ((ratio > 1.0 + eps_high) & (advantage > 0.0)).to(tl.float32)
+        _store_term(terms_ptr, ROW_GRPO, n_tokens, row, token_loss * token_scale)
+        _store_term(terms_ptr, ROW_GRPO + 1, n_tokens, row, new_logp * token_scale)
+        _store_term(terms_ptr, ROW_GRPO + 2, n_tokens, row, entropy * token_scale)
+        _store_term(terms_ptr, ROW_GRPO + 3, n_tokens, row, (_expm1(delta) - delta) * token_scale)  # k3 KL
+        _store_term(terms_ptr, ROW_GRPO + 4, n_tokens, row, ratio * token_scale)
+        _store_term(terms_ptr, ROW_GRPO + 5, n_tokens, row, advantage * token_scale)
+        _store_term(terms_ptr, ROW_GRPO + 6, n_tokens, row, low * token_scale)
+        _store_term(terms_ptr, ROW_GRPO + 7, n_tokens, row, high * token_scale)
+        _store_term(terms_ptr, ROW_GRPO + 8, n_tokens, row, tl.maximum(low, high) * token_scale)
+        total += grpo_weight * token_loss
+        _store_term(terms_ptr, ROW_FLAGS + 2, n_tokens, row, _non_finite(old_logp))
+        _store_term(terms_ptr, ROW_FLAGS + 3, n_tokens, row, _non_finite(advantage))
+    if ROW_KD >= 0:
+        _store_term(terms_ptr, ROW_KD, n_tokens, row, kl_kd * token_scale)
+        total += kd_weight * kl_kd
+    _store_term(terms_ptr, ROW_TOTAL, n_tokens, row, total * token_scale)
+    _store_term(terms_ptr, ROW_FLAGS, n_tokens, row, 1.0 - in_vocab.to(tl.float32))
+    _store_term(terms_ptr, ROW_FLAGS + 1, n_tokens, row, 1.0)
+
+
+@triton.jit
 def _probs(x, mask, lse):
     return tl.exp(tl.where(mask, x, 0.0) - lse)
 
@@ -135,26 +203,31 @@ def lm_loss_kernel(
     logit_scale,
     softcap,
     inv_temperature,
-    out0_ptr,  # FUSED: lse; STATS: max; GRAD: lse (read)
-    out1_ptr,  # FUSED: new_logp; STATS: sum-exp; GRAD: prob_coeff (read)
-    out2_ptr,  # FUSED: entropy; STATS: label logit (0 off shard); GRAD: label_coeff (read)
+    out0_ptr,  # FUSED: the (K, T) term buffer; STATS: max; GRAD: lse (read)
+    out1_ptr,  # STATS: sum-exp; GRAD: prob_coeff (read); unused in FUSED
+    out2_ptr,  # STATS: label logit (0 off shard); GRAD: label_coeff (read); unused in FUSED
     out3_ptr,  # STATS: sum exp(x-max)*(x-max); unused otherwise
-    kd0_ptr,  # FUSED: KL; STATS: teacher max; GRAD: teacher lse (read)
+    kd0_ptr,  # STATS: teacher max; GRAD: teacher lse (read); unused in FUSED
     kd1_ptr,  # STATS: teacher sum-exp; unused otherwise
     kd2_ptr,  # STATS: cross sum; unused otherwise
     old_logp_ptr,
     advantages_ptr,
-    ce_coeff,
-    z_coeff,
-    grpo_coeff,
-    kd_coeff,
+    ce_weight,
+    z_weight,
+    grpo_weight,
+    kd_weight,
+    token_scale,  # 1 / tokens of the step (0 when none)
     eps_low,
     eps_high,
     grad_scale,
     MODE: tl.constexpr,
-    HAS_CE: tl.constexpr,
-    HAS_Z: tl.constexpr,
-    HAS_GRPO: tl.constexpr,
+    ROW_CE: tl.constexpr,  # FUSED: first term row of each child, -1 when absent (coefficients.fused_layout)
+    ROW_Z: tl.constexpr,
+    ROW_GRPO: tl.constexpr,
+    ROW_KD: tl.constexpr,
+    ROW_TOTAL: tl.constexpr,
+    ROW_FLAGS: tl.constexpr,
+    N_TERMS: tl.constexpr,  # K, rows of the term buffer
     HAS_KD: tl.constexpr,  # teacher statistics in this launch (FUSED, STATS)
     KD_GRAD: tl.constexpr,  # distillation term in the gradient (FUSED, GRAD; weight != 0)
     KD_REVERSE: tl.constexpr,
@@ -164,6 +237,7 @@ def lm_loss_kernel(
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    n_tokens = tl.num_programs(0).to(tl.int64)
     logits_row = logits_ptr + row * logits_stride
     grad_row = grad_ptr + row * grad_stride
     teacher_row = teacher_ptr + row * teacher_stride
@@ -178,6 +252,7 @@ def lm_loss_kernel(
         if HAS_KD or KD_GRAD:
             u0 = _load_u(teacher_row, offsets, n_cols, inv_temperature)
         teacher_lse = 0.0
+        kd_coeff = kd_weight * token_scale
         kd_scale = kd_coeff * grad_scale
         if MODE == MODE_GRAD:
             lse = tl.load(out0_ptr + row)
@@ -212,8 +287,8 @@ def lm_loss_kernel(
                             cross = b1 * cross + b2 * bcross
                         mu = new_mu
                     m = new_m
-            safe_label = tl.where(in_shard, local_label, 0)
-            z_label = tl.load(logits_row + safe_label).to(tl.float32) * logit_scale
+            # Masked load: a label outside this shard (or outside the vocabulary) reads nothing.
+            z_label = tl.load(logits_row + local_label, mask=in_shard, other=0.0).to(tl.float32) * logit_scale
             if HAS_SOFTCAP:
                 z_label = softcap * _tanh(z_label / softcap)
             x_label = tl.where(in_shard, z_label, 0.0)
@@ -230,36 +305,39 @@ def lm_loss_kernel(
                 log_s = tl.log(s)
                 lse = m + log_s
                 new_logp = x_label - lse
-                tl.store(out0_ptr + row, lse)
-                tl.store(out1_ptr + row, new_logp)
-                tl.store(out2_ptr + row, log_s - t / s)
                 # In-kernel coefficients: the minimal copy of coefficients.py that fusion forces.
                 prob_coeff = 0.0
                 label_coeff = 0.0
-                if HAS_CE:
-                    prob_coeff += ce_coeff
-                    label_coeff += ce_coeff
-                if HAS_Z:
-                    prob_coeff += 2.0 * z_coeff * lse
-                if HAS_GRPO:
+                if ROW_CE >= 0:
+                    prob_coeff += ce_weight * token_scale
+                    label_coeff += ce_weight * token_scale
+                if ROW_Z >= 0:
+                    prob_coeff += 2.0 * z_weight * token_scale * lse
+                if ROW_GRPO >= 0:
                     advantage = tl.load(advantages_ptr + row).to(tl.float32)
                     ratio = tl.exp(new_logp - tl.load(old_logp_ptr + row).to(tl.float32))
                     gain = tl.where(ratio <= 1.0 + eps_high, tl.maximum(advantage, 0.0), 0.0)
                     loss_side = tl.where(ratio >= 1.0 - eps_low, tl.minimum(advantage, 0.0), 0.0)
-                    policy = grpo_coeff * ratio * (gain + loss_side)
+                    policy = grpo_weight * token_scale * ratio * (gain + loss_side)
                     prob_coeff += policy
                     label_coeff += policy
+                kl_kd = 0.0
                 if HAS_KD:
                     teacher_lse = mu + tl.log(su)
                     if KD_REVERSE:
                         mean_gap = cross / s  # E_p[x - u]
-                        tl.store(kd0_ptr + row, mean_gap - lse + teacher_lse)
+                        kl_kd = mean_gap - lse + teacher_lse
                         if KD_GRAD:
                             prob_coeff -= kd_coeff * mean_gap
                     else:
-                        tl.store(kd0_ptr + row, cross / su - teacher_lse + lse)
+                        kl_kd = cross / su - teacher_lse + lse
                         if KD_GRAD:
                             prob_coeff += kd_coeff
+                _store_terms(
+                    out0_ptr, row, n_tokens, lse, new_logp, log_s - t / s, in_shard, old_logp_ptr, advantages_ptr,
+                    kl_kd, ce_weight, z_weight, grpo_weight, kd_weight, token_scale, eps_low, eps_high,
+                    ROW_CE, ROW_Z, ROW_GRPO, ROW_KD, ROW_TOTAL, ROW_FLAGS,
+                )
                 prob_coeff = prob_coeff * grad_scale
                 label_coeff = label_coeff * grad_scale
             # One row in one block: p = exp(x - m) / sum reuses the stats pass's exponentials (one
@@ -284,21 +362,19 @@ def lm_loss_kernel(
                         logit_scale, softcap, kd_scale, teacher_lse, HAS_SOFTCAP, KD_GRAD, KD_REVERSE,
                     )
     else:
-        if MODE != MODE_GRAD:
-            # Neutral, finite values: a masked row contributes nothing and never makes a NaN.
+        # Neutral, finite values: a masked row contributes nothing and never makes a NaN.
+        if MODE == MODE_STATS:
             tl.store(out0_ptr + row, 0.0)
+            tl.store(out1_ptr + row, 1.0)
             tl.store(out2_ptr + row, 0.0)
-            if MODE == MODE_STATS:
-                tl.store(out1_ptr + row, 1.0)
-                tl.store(out3_ptr + row, 0.0)
-                if HAS_KD:
-                    tl.store(kd0_ptr + row, 0.0)
-                    tl.store(kd1_ptr + row, 1.0)
-                    tl.store(kd2_ptr + row, 0.0)
-            else:
-                tl.store(out1_ptr + row, 0.0)
-                if HAS_KD:
-                    tl.store(kd0_ptr + row, 0.0)
+            tl.store(out3_ptr + row, 0.0)
+            if HAS_KD:
+                tl.store(kd0_ptr + row, 0.0)
+                tl.store(kd1_ptr + row, 1.0)
+                tl.store(kd2_ptr + row, 0.0)
+        if MODE == MODE_FUSED:
+            for index in tl.static_range(N_TERMS):
+                _store_term(out0_ptr, index, n_tokens, row, 0.0)
         if COMPUTE_GRAD:
             zeros = tl.zeros([BLOCK], dtype=grad_ptr.dtype.element_ty)
             for block in range(0, n_blocks):

@@ -6,8 +6,14 @@
   teacher), coefficients in torch (`coefficients.label_children` plus the distillation part here),
   grad launch;
 - GSPO: stats launch, then `label_children` (which runs the GSPO seam), then the grad launch.
-Label-based losses and metrics always come from `label_children`, so every path reports the same
-keys; the distillation loss is the token sum of the per-token KL over the step's token count.
+The fused launch writes every per-token loss/metric term into one buffer laid out by
+`coefficients.fused_layout` (same keys as `label_children`, which the other two cases use), so its
+whole tail is one sum. The distillation loss is the token sum of the per-token KL over the step's
+token count.
+
+Validation: host checks before any launch; the value checks (validation.py) are counted on the device
+(by the fused kernel itself, else by `value_flags`) and read back once, after everything is enqueued,
+so the host never waits for the GPU before the end of the call.
 """
 
 from __future__ import annotations
@@ -19,11 +25,11 @@ import torch.distributed as dist
 
 import triton
 
-from fastlm.losses.coefficients import LabelChildren, TokenStats, label_children
+from fastlm.losses.coefficients import FusedLayout, LabelChildren, TokenStats, fused_layout, label_children, reduce_fused
 from fastlm.losses.seam import safe_inverse
-from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossResult, LossSpec, LossTargets
+from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets
 from fastlm.losses.triton.kernel import MODE_FUSED, MODE_GRAD, MODE_STATS, lm_loss_kernel
-from fastlm.losses.validation import ProcessGroup, validate_loss_inputs, vocab_shard
+from fastlm.losses.validation import ProcessGroup, check_inputs, raise_on_bad_values, value_flags, vocab_shard
 
 MAX_BLOCK = 32768
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -123,9 +129,12 @@ class _Launch:
         grad: torch.Tensor | None,
         kd_outputs: tuple[torch.Tensor, ...] = (),
         policy: tuple[torch.Tensor, torch.Tensor] | None = None,
-        coeffs: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0),
+        token_scale: float = 0.0,
         grad_scale: float = 1.0,
+        layout: FusedLayout | None = None,
     ) -> None:
+        """`layout` (FUSED only) places the per-token terms; the children's weights and `token_scale`
+        (1/tokens) make the in-kernel coefficients (FUSED) and the distillation one (GRAD)."""
         spec = self.spec
         out = outputs + (outputs[0],) * (4 - len(outputs))
         kd_out = kd_outputs + (outputs[0],) * (3 - len(kd_outputs))
@@ -133,7 +142,8 @@ class _Launch:
         policy_spec = spec.grpo
         distill = spec.distillation
         teacher = self.teacher if self.teacher is not None else self.logits
-        fused = mode == MODE_FUSED.value
+        weights = (spec.cross_entropy, spec.z_loss, spec.grpo, distill)
+        rows = (layout.ce, layout.z, layout.grpo, layout.kd, layout.total, layout.flags, layout.rows) if layout else (-1,) * 7
         lm_loss_kernel[(self.logits.shape[0],)](
             self.logits,
             self.logits.stride(0),
@@ -151,14 +161,13 @@ class _Launch:
             *kd_out,
             old_logp,
             advantages,
-            *coeffs,
+            *(float(child.weight) if child is not None else 0.0 for child in weights),
+            float(token_scale),
             float(policy_spec.eps_low) if policy_spec is not None else 0.0,
             float(policy_spec.eps_high) if policy_spec is not None else 0.0,
             float(grad_scale),
             MODE=mode,
-            HAS_CE=fused and spec.cross_entropy is not None,
-            HAS_Z=fused and spec.z_loss is not None,
-            HAS_GRPO=fused and spec.grpo is not None,
+            **dict(zip(("ROW_CE", "ROW_Z", "ROW_GRPO", "ROW_KD", "ROW_TOTAL", "ROW_FLAGS", "N_TERMS"), rows)),
             HAS_KD=mode != MODE_GRAD.value and distill is not None,
             KD_GRAD=mode != MODE_STATS.value and grad is not None and self.kd_grad,
             KD_REVERSE=distill is not None and distill.reverse,
@@ -176,27 +185,17 @@ def _kd_coeff(spec: LossSpec, normalizers: LossNormalizers) -> float:
     return distill.weight * safe_inverse(normalizers.tokens) if distill is not None else 0.0
 
 
-def _fused(
-    launch: _Launch,
-    targets: LossTargets,
-    normalizers: LossNormalizers,
-    spec: LossSpec,
-    mask: torch.Tensor,
-    grad: torch.Tensor | None,
-    grad_scale: float,
-) -> tuple[TokenStats, torch.Tensor | None]:
-    """One launch: stats, in-kernel CE/z/GRPO/distillation coefficients and the gradient; (stats, KL)."""
-    lse, new_logp, entropy = launch.vector(), launch.vector(), launch.vector()
-    kl = launch.vector() if spec.distillation is not None else None
-    per_token = safe_inverse(normalizers.tokens)
-    label_based = (spec.cross_entropy, spec.z_loss, spec.grpo)
-    coeffs = tuple(child.weight * per_token if child is not None else 0.0 for child in label_based)
+def _fused_terms(
+    launch: _Launch, targets: LossTargets, normalizers: LossNormalizers, grad: torch.Tensor | None, grad_scale: float
+) -> tuple[torch.Tensor, FusedLayout]:
+    """One launch: stats, in-kernel coefficients, the gradient and the (K, T) per-token term buffer."""
+    layout = fused_layout(launch.spec)
+    terms = torch.empty((layout.rows, launch.logits.shape[0]), dtype=torch.float32, device=launch.logits.device)
     policy = None
-    if spec.grpo is not None:
+    if launch.spec.grpo is not None:
         policy = (targets.old_logp.float().contiguous(), targets.advantages.float().contiguous())
-    launch.run(MODE_FUSED.value, (lse, new_logp, entropy), grad, (kl,) if kl is not None else (), policy,
-               (*coeffs, _kd_coeff(spec, normalizers)), grad_scale)
-    return TokenStats(lse, new_logp, entropy, mask), kl
+    launch.run(MODE_FUSED.value, (terms,), grad, (), policy, safe_inverse(normalizers.tokens), grad_scale, layout)
+    return terms, layout
 
 
 def _reduce_stats(
@@ -269,7 +268,7 @@ def triton_loss(
     (default `default_max_block(spec)`) and `num_warps` overrides the per-block default (both for
     tuning)."""
     _check_supported(logits, targets, spec, num_warps)
-    mask = validate_loss_inputs(logits, targets, normalizers, spec, group)
+    check_inputs(logits, targets, normalizers, spec, group)
     vocab_start, _ = vocab_shard(logits, group)
     teacher = targets.teacher_logits if spec.distillation is not None else None
     launch = _Launch(logits, targets.labels.contiguous(), teacher, spec, vocab_start, max_block, num_warps)
@@ -277,9 +276,9 @@ def triton_loss(
     if compute_grad:
         grad = logits if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
     if group is None and spec.gspo is None:
-        stats, kl = _fused(launch, targets, normalizers, spec, mask, grad, grad_scale)
-        children = label_children(stats, targets, normalizers, spec, coefficients=False)
+        result, counts = reduce_fused(*_fused_terms(launch, targets, normalizers, grad, grad_scale))
     else:
+        mask, counts = value_flags(logits, targets, spec, group)
         stats, teacher_stats = _reduce_stats(launch, spec, normalizers, mask, group)
         children = label_children(stats, targets, normalizers, spec)
         kl = teacher_stats.kl if teacher_stats is not None else None
@@ -290,8 +289,10 @@ def triton_loss(
                 prob_coeff = prob_coeff + teacher_stats.prob_coeff
                 kd_out = (teacher_stats.teacher_lse.float().contiguous(),)
             launch.run(MODE_GRAD.value, (stats.lse, prob_coeff, children.label_coeff.float()), grad, kd_out,
-                       coeffs=(0.0, 0.0, 0.0, _kd_coeff(spec, normalizers)), grad_scale=grad_scale)
-    return _result(children, kl, spec, normalizers), grad
+                       token_scale=safe_inverse(normalizers.tokens), grad_scale=grad_scale)
+        result = _result(children, kl, spec, normalizers)
+    raise_on_bad_values(counts, logits, targets, normalizers, spec, group)
+    return result, grad
 
 
 def fused_kernel_only(
@@ -304,13 +305,11 @@ def fused_kernel_only(
     max_block: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """The single fused launch and nothing else (no validation, losses or metrics), for specs without
-    GSPO: the benchmark times it next to `triton_loss` to split kernel time from host-side work.
-    Returns the per-token lse."""
-    if spec.gspo is not None:
-        raise ValueError("fused_kernel_only has no GSPO path (GSPO needs the stats launch and the seam)")
+    """The single fused launch and nothing else (no validation, no reduction of the terms), for specs
+    without GSPO: the benchmark times it next to `triton_loss` to split kernel time from host-side
+    work. Returns the (K, T) per-token term buffer."""
     _check_supported(logits, targets, spec, num_warps)
     teacher = targets.teacher_logits if spec.distillation is not None else None
     launch = _Launch(logits, targets.labels, teacher, spec, 0, max_block, num_warps)
-    stats, _ = _fused(launch, targets, normalizers, spec, targets.labels != IGNORE_INDEX, grad, 1.0)
-    return stats.lse
+    terms, _ = _fused_terms(launch, targets, normalizers, grad, 1.0)
+    return terms
