@@ -24,7 +24,10 @@ def _with_wandb(config_path: Path) -> None:
 
 
 def _start(config_path: Path, wandb_mode: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "WANDB_MODE": wandb_mode, "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
+    # Without WANDB_SERVICE the child starts its own wandb service (with it, wandb would attach to a
+    # service an earlier in-process test left running in pytest, and there would be no child to kill).
+    inherited = {key: value for key, value in os.environ.items() if key != "WANDB_SERVICE"}
+    env = {**inherited, "WANDB_MODE": wandb_mode, "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-m", "fastlm", "train", str(config_path)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
