@@ -1,11 +1,11 @@
 """Benchmark forward+gradient of the monolithic LM-head loss, every implementation side by side.
 
     python tools/bench_losses.py                # H200: all specs x tokens {4096,16384} x vocab {32000,131072}
-    python tools/bench_losses.py --tune         # sweep the kernel's block size x num_warps for one shape
+    python tools/bench_losses.py --tune         # block size x num_warps sweep (CE, CE+z+GRPO; T=16384, V=32000/131072)
     python tools/bench_losses.py --cpu-smoke    # tiny shapes on CPU (Triton interpreted), a few seconds
 
 Implementations: triton (fresh gradient buffer), triton-inplace (gradient over the logits),
-triton-kernel (the fused launch alone, no validation/metrics: splits kernel from host time),
+triton-kernel (the fused launch alone: gradient and per-token terms, no validation, reduction or read-back),
 compiled, eager (float32 reference + autograd) and Liger-Kernel's cross entropy (CE and CE+z through
 lse_square_scale) when `liger_kernel` imports. Logits are bf16.
 
@@ -58,7 +58,12 @@ GPU_SHAPES = [(4096, 32000), (4096, 131072), (16384, 32000), (16384, 131072)]
 SMOKE_SHAPES = [(8, 96)]
 SETS = 2  # input sets rotated so a small case is not served from L2
 LIGER_SPECS = ("ce", "ce+z")
-TUNE_GRID = {"gpu": ((4096, 8192, 16384, 32768), (4, 8, 16, 32)), "cpu": ((32, 128), (1, 4))}
+# Small looped blocks are in the sweep on purpose: at V=32000 the rows in flight (132 SMs x a few CTAs
+# x 64 KB of bf16) fit in the H200's 60 MB L2, so the second (gradient) pass of a looped kernel may
+# re-read from L2 and beat the single 32768 block, which holds the whole row in registers.
+TUNE_GRID = {"gpu": ((2048, 4096, 8192, 16384, 32768), (4, 8, 16, 32)), "cpu": ((32, 128), (1, 4))}
+TUNE_SPECS = ["ce", "ce+z+grpo"]
+TUNE_REP_MS = 40  # do_bench time per point: 80 points x 2 columns stay near a minute with the compiles
 
 
 @dataclass
@@ -247,28 +252,65 @@ def benchmark(shapes: list[tuple[int, int]], bench: Bench, copy_gb_s: float, lig
     return rows
 
 
-def tune(tokens: int, vocabs: list[int], spec_name: str, bench: Bench, copy_gb_s: float) -> list[dict]:
-    """Block size x num_warps of the fused kernel (fresh-buffer triton_loss) for one spec."""
+def tune(tokens: int, vocabs: list[int], spec_names: list[str], bench: Bench, copy_gb_s: float) -> list[dict]:
+    """Block size x num_warps of the fused kernel: the full `triton_loss` (fresh buffer) and the kernel
+    alone (`fused_kernel_only`), so the tail does not hide the kernel's differences."""
     from fastlm.losses.triton.launcher import _block_size, default_max_block, default_num_warps
 
-    spec = SPECS[spec_name]
     rows = []
-    for vocab in vocabs:
-        cases = [make_case(tokens, vocab, seed, bench.device, spec.distillation is not None) for seed in range(SETS)]
-        r1_ms = roofline_bytes(cases[0], spec) / (copy_gb_s * 1e9) * 1e3
-        default = _block_size(vocab, default_max_block(spec))
-        for block in bench.tune_blocks:
-            for warps in bench.tune_warps:
-                settings = {"max_block": block, "num_warps": warps}
-                call = implementations(spec_name, spec, bench.device, None, settings)["triton"]
-                ms = bench.time_ms(rotating(cases, call))
-                is_default = _block_size(vocab, block) == default and warps == default_num_warps(
-                    default, spec.distillation is not None
-                )
-                rows.append({"spec": spec_name, "tokens": tokens, "vocab": vocab, "block": block, "num_warps": warps,
-                             "ms": ms, "x_r1": ms / r1_ms, "default": is_default})
-        del cases
+    for spec_name in spec_names:
+        spec = SPECS[spec_name]
+        for vocab in vocabs:
+            cases = [make_case(tokens, vocab, seed, bench.device, spec.distillation is not None) for seed in range(SETS)]
+            for case in cases:
+                case.buffer = case.logits.clone()
+            r1_ms = roofline_bytes(cases[0], spec) / (copy_gb_s * 1e9) * 1e3
+            default = _block_size(vocab, default_max_block(spec))
+            default_warps = default_num_warps(default, spec.distillation is not None)
+            points = []
+            for block in bench.tune_blocks:
+                for warps in bench.tune_warps:
+                    calls = implementations(spec_name, spec, bench.device, None, {"max_block": block, "num_warps": warps})
+                    ms = bench.time_ms(rotating(cases, calls["triton"]))
+                    kernel = bench.time_ms(rotating(cases, calls["triton-kernel"])) if "triton-kernel" in calls else None
+                    points.append({
+                        "spec": spec_name, "tokens": tokens, "vocab": vocab, "block": _block_size(vocab, block),
+                        "num_warps": warps, "ms": ms, "x_r1": ms / r1_ms, "kernel_ms": kernel,
+                        "kernel_x_r1": kernel / r1_ms if kernel is not None else None,
+                        "default": _block_size(vocab, block) == default and warps == default_warps, "best_kernel": False,
+                    })
+            timed = [p for p in points if p["kernel_ms"] is not None]
+            if timed:
+                min(timed, key=lambda p: p["kernel_ms"])["best_kernel"] = True
+            rows += points
+            del cases
+            if bench.device.type == "cuda":
+                torch.cuda.empty_cache()
     return rows
+
+
+def suggest_defaults(rows: list[dict]) -> list[dict]:
+    """Per vocab: the (block, num_warps) with the lowest geometric mean over specs of kernel-only time
+    / that spec's best kernel-only time (1.0 = best for every spec), next to the current default's."""
+    suggestions = []
+    for vocab in sorted({r["vocab"] for r in rows}):
+        timed = [r for r in rows if r["vocab"] == vocab and r["kernel_ms"] is not None]
+        best = {spec: min(r["kernel_ms"] for r in timed if r["spec"] == spec) for spec in {r["spec"] for r in timed}}
+        scores: dict[tuple[int, int], list[float]] = {}
+        defaults: dict[tuple[int, int], bool] = {}
+        for r in timed:
+            point = (r["block"], r["num_warps"])
+            scores.setdefault(point, []).append(r["kernel_ms"] / best[r["spec"]])
+            defaults[point] = defaults.get(point, False) or r["default"]
+        geo = {p: statistics.geometric_mean(v) for p, v in scores.items() if len(v) == len(best)}
+        if not geo:
+            continue
+        chosen = min(geo, key=geo.get)
+        default = next((p for p, is_default in defaults.items() if is_default), None)
+        suggestions.append({"vocab": vocab, "block": chosen[0], "num_warps": chosen[1], "score": geo[chosen],
+                            "default": default, "default_score": geo.get(default) if default else None,
+                            "specs": sorted(best)})
+    return suggestions
 
 
 def _round(value: object) -> object:
@@ -301,24 +343,35 @@ def results_table(rows: list[dict], copy_gb_s: float) -> str:
     return "\n".join(lines)
 
 
-def tune_table(rows: list[dict]) -> str:
-    lines = ["| spec | T | V | block | num_warps | ms | xR1 | default |", "|" + "---|" * 8]
+def tune_table(rows: list[dict], suggestions: list[dict]) -> str:
+    """Both columns per point (`*` current default, `best` = fastest kernel alone), then the suggestions."""
+    lines = ["| spec | T | V | block | num_warps | triton ms | xR1 | kernel only ms | xR1 | default | best kernel |",
+             "|" + "---|" * 11]
     lines += [
         f"| {r['spec']} | {r['tokens']} | {r['vocab']} | {r['block']} | {r['num_warps']} | {r['ms']:.3f} "
-        f"| {r['x_r1']:.2f} | {'*' if r['default'] else ''} |"
+        f"| {r['x_r1']:.2f} | {_cell(r['kernel_ms'])} | {_cell(r['kernel_x_r1'], 2)} | {'*' if r['default'] else ''} "
+        f"| {'best' if r['best_kernel'] else ''} |"
         for r in rows
     ]
+    for pick in suggestions:
+        current = f"{pick['default'][0]}/{pick['default'][1]} at {pick['default_score']:.3f}" if pick["default"] else "not swept"
+        lines.append(
+            f"suggested default V={pick['vocab']}: max_block {pick['block']}, num_warps {pick['num_warps']} "
+            f"(kernel only, geo-mean over {', '.join(pick['specs'])} of time / each spec's best: {pick['score']:.3f}; "
+            f"current {current})"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, Triton interpreted")
-    parser.add_argument("--tune", action="store_true", help="sweep block size x num_warps for one shape")
-    parser.add_argument("--tune-spec", default="ce+z+grpo", choices=list(SPECS))
-    parser.add_argument("--tune-tokens", type=int, default=8192)
+    parser.add_argument("--tune", action="store_true", help="sweep block size x num_warps (full call and kernel alone)")
+    parser.add_argument("--tune-spec", nargs="+", default=TUNE_SPECS, choices=list(SPECS))
+    parser.add_argument("--tune-tokens", type=int, default=16384)
     parser.add_argument("--tune-vocab", type=int, nargs="+", default=[32000, 131072])
-    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring time per case (ms)")
+    parser.add_argument("--rep-ms", type=int, default=None,
+                        help=f"do_bench measuring time per case (ms); default 100, {TUNE_REP_MS} with --tune")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -328,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no CUDA device: use --cpu-smoke on CPU")
     else:
         device = torch.device("cuda")
-    bench = Bench(device, args.rep_ms)
+    bench = Bench(device, args.rep_ms or (TUNE_REP_MS if args.tune else 100))
     copy_gb_s = bench.copy_gb_s()
     liger, liger_status = load_liger() if device.type == "cuda" else (None, "not on CPU")
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; liger: {liger_status}", flush=True)
@@ -336,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tune:
         tokens, vocabs = (8, [96]) if args.cpu_smoke else (args.tune_tokens, args.tune_vocab)
         report["tune"] = tune(tokens, vocabs, args.tune_spec, bench, copy_gb_s)
-        table = tune_table(report["tune"])
+        report["suggested"] = suggest_defaults(report["tune"])
+        table = tune_table(report["tune"], report["suggested"])
     else:
         report["rows"] = benchmark(SMOKE_SHAPES if args.cpu_smoke else GPU_SHAPES, bench, copy_gb_s, liger)
         table = results_table(report["rows"], copy_gb_s)

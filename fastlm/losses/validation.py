@@ -116,10 +116,9 @@ def raise_on_bad_values(
     `ValueError` naming the first bad tensor or field."""
     bad_labels, tokens, *non_finite = counts.tolist()
     labels = targets.labels
-    mask = labels != IGNORE_INDEX
     if bad_labels:
         _, vocab = vocab_shard(logits, group)
-        index = int((mask & ((labels < 0) | (labels >= vocab))).nonzero()[0, 0])
+        index = int(((labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab))).nonzero()[0, 0])
         raise ValueError(
             f"targets.labels[{index}] = {int(labels[index])} is outside the vocabulary [0, {vocab}) "
             f"and is not the ignore index {IGNORE_INDEX}"
@@ -128,7 +127,7 @@ def raise_on_bad_values(
         raise ValueError(f"normalizers.tokens must be > 0 when tokens are unmasked, got {normalizers.tokens}")
     for name, bad in zip(POLICY_INPUTS, non_finite):
         if bad:
-            _raise_non_finite(name, getattr(targets, name), mask)
+            _raise_non_finite(name, getattr(targets, name), labels != IGNORE_INDEX)
     gspo = spec.gspo
     if gspo is not None and not gspo.length_proportional and normalizers.documents <= 0 and tokens:
         raise ValueError(f"normalizers.documents must be > 0 for gspo sequence_mean, got {normalizers.documents}")

@@ -38,7 +38,13 @@ def test_cpu_smoke_table_has_every_row(tmp_path: Path) -> None:
 
 
 def test_cpu_smoke_tune_table(tmp_path: Path) -> None:
+    """Both default specs x 2 blocks x 2 warps, each point timed in full and kernel only; one best
+    kernel point per spec and one suggested default."""
     out = _run(tmp_path, "--tune")
-    rows = [line for line in out.splitlines() if line.startswith("| ce+z+grpo ")]
-    assert len(rows) == 4, out[-2000:]
-    assert len(json.loads((tmp_path / "bench_losses.json").read_text())["tune"]) == 4
+    rows = [line for line in out.splitlines() if line.startswith(("| ce+z+grpo ", "| ce "))]
+    assert len(rows) == 8, out[-2000:]
+    report = json.loads((tmp_path / "bench_losses.json").read_text())
+    assert len(report["tune"]) == 8 and all(r["ms"] > 0 and r["kernel_ms"] > 0 for r in report["tune"])
+    assert sorted(r["spec"] for r in report["tune"] if r["best_kernel"]) == ["ce", "ce+z+grpo"]
+    assert [line for line in out.splitlines() if line.startswith("suggested default V=96: max_block ")], out[-2000:]
+    assert len(report["suggested"]) == 1 and report["suggested"][0]["score"] >= 1.0
