@@ -58,6 +58,12 @@ class RunSection(ConfigModel):
         "section must match it (use `fastlm convert --from-hf DIR` to print the matching model YAML).",
     )
 
+    overwrite: bool = Field(
+        False,
+        description="Start over in a run directory that holds an earlier run (its checkpoints and "
+        "metrics.jsonl are removed first). Without it a fresh run refuses such a directory; --resume continues it.",
+    )
+
     @model_validator(mode="after")
     def _check_name(self) -> "RunSection":
         if not self.name or "/" in self.name:

@@ -12,6 +12,7 @@ the gathered checkpoint.
 from __future__ import annotations
 
 import math
+import shutil
 import sys
 import time
 import warnings
@@ -29,7 +30,7 @@ from fastlm.config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.data.loader import BatchLoader, build_loaders
 from fastlm.data.tokenizer import ByteTokenizer
-from fastlm.engine.checkpoint import load_latest_checkpoint, save_checkpoint, step_dir_name
+from fastlm.engine.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint, step_dir_name
 from fastlm.engine.distributed import (
     RankShardLoader,
     build_parallel,
@@ -299,12 +300,35 @@ class Trainer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag)
 
+    def _claim_run_dir(self) -> None:
+        """A fresh run never mixes with an earlier run's checkpoints or metrics: refuse such a directory,
+        or clear them first with `run.overwrite: true` (rank 0 clears, every rank checks first)."""
+        earlier = [path for path in (self.checkpoint_dir, self.run_dir / METRICS_FILE)
+                   if path.is_file() or (path.is_dir() and any(path.iterdir()))]
+        if not earlier:
+            return
+        if not self.config.run.overwrite:
+            raise CheckpointError(
+                f"run directory {self.run_dir} already holds an earlier run ({', '.join(p.name for p in earlier)}); "
+                "continue it with --resume, choose another run.name, or pass run.overwrite=true to start over"
+            )
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed:
+            dist.barrier()
+        if self.rank in (None, 0):
+            shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
+            (self.run_dir / METRICS_FILE).unlink(missing_ok=True)
+        if distributed:
+            dist.barrier()
+
     def train(self, resume: bool = False) -> TrainSummary:
         """Run to `trainer.steps`; SIGTERM/SIGINT end it early after a checkpoint (see fastlm/engine/signals.py)."""
         if resume:
             self.resume()
             if self.rank in (None, 0) and self.config.logging.jsonl:  # steps past the checkpoint are re-run
                 drop_records_after(self.run_dir / METRICS_FILE, self.step)
+        else:
+            self._claim_run_dir()
         trainer = self.config.trainer
         stopped_by = None
         self.run_dir.mkdir(parents=True, exist_ok=True)

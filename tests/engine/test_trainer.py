@@ -103,3 +103,23 @@ def test_init_path_starts_from_hf_weights(tiny_config: Callable[..., RunConfig],
     started = Trainer(tiny_config("started", run={"init_path": str(tmp_path / "hf")}))
     assert all(torch.equal(a, b) for a, b in zip(source.model.state_dict().values(),
                                                  started.model.state_dict().values(), strict=True))
+
+
+def test_fresh_run_refuses_an_earlier_runs_directory_unless_overwrite(tmp_path: Path) -> None:
+    """Running again without --resume must not append to the old metrics or prune its checkpoints."""
+    from fastlm.config.loader import load_config
+    from fastlm.engine.checkpoint import CheckpointError
+
+    overrides = [f"run.output_dir={tmp_path}/run", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
+                 "model.num_kv_heads=1", "model.intermediate_size=64", "data.seq_len=16", "data.micro_batch_size=2",
+                 "data.source.num_documents=40", "trainer.steps=2", "trainer.eval_every=0", "logging.wandb.enabled=false",
+                 "logging.progress=false", "schedule.warmup_steps=0"]
+    Trainer(load_config(None, overrides)).train()
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    before = metrics.read_text()
+    with pytest.raises(CheckpointError, match="already holds an earlier run .*--resume.*run.overwrite=true"):
+        Trainer(load_config(None, overrides)).train()
+    assert metrics.read_text() == before
+    summary = Trainer(load_config(None, [*overrides, "run.overwrite=true"])).train()
+    assert summary.steps == 2
+    assert len(metrics.read_text().splitlines()) == len(before.splitlines())
