@@ -26,7 +26,7 @@ POLICY_METRICS = {"new_logp", "entropy", "kl", "ratio", "advantage", "clip_ratio
 def tiny_run(name: str, tmp_path: Path, *extra: str) -> RunConfig:
     """The shipped config, shortened: fewer warm-up and RL steps, small rollouts, wandb offline."""
     overrides = [
-        f"run.output_dir={tmp_path}/{{name}}", "trainer.steps=90",
+        f"run.output_dir={tmp_path}/{{name}}", "trainer.steps=110",
         "rl.eval_prompts=25", "trainer.log_every=1", "trainer.eval_every=30", "logging.progress=false",
         "logging.wandb.enabled=true", "logging.wandb.mode=offline", *extra,
     ]
