@@ -305,6 +305,9 @@ class Trainer:
         or clear them first with `run.overwrite: true` (rank 0 clears, every rank checks first)."""
         earlier = [path for path in (self.checkpoint_dir, self.run_dir / METRICS_FILE)
                    if path.is_file() or (path.is_dir() and any(path.iterdir()))]
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed:  # every rank looks before any rank writes (rank 0 creates metrics.jsonl next)
+            dist.barrier()
         if not earlier:
             return
         if not self.config.run.overwrite:
@@ -312,9 +315,6 @@ class Trainer:
                 f"run directory {self.run_dir} already holds an earlier run ({', '.join(p.name for p in earlier)}); "
                 "continue it with --resume, choose another run.name, or pass run.overwrite=true to start over"
             )
-        distributed = dist.is_available() and dist.is_initialized()
-        if distributed:
-            dist.barrier()
         if self.rank in (None, 0):
             shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
             (self.run_dir / METRICS_FILE).unlink(missing_ok=True)
