@@ -265,8 +265,8 @@ def tune(tokens: int, vocabs: list[int], spec_names: list[str], bench: Bench, co
             for case in cases:
                 case.buffer = case.logits.clone()
             r1_ms = roofline_bytes(cases[0], spec) / (copy_gb_s * 1e9) * 1e3
-            default = _block_size(vocab, default_max_block(spec))
-            default_warps = default_num_warps(default, spec.distillation is not None)
+            default = _block_size(vocab, default_max_block())
+            default_warps = default_num_warps(default)
             points = []
             for block in bench.tune_blocks:
                 for warps in bench.tune_warps:

@@ -41,24 +41,22 @@ def _block_size(vocab: int, max_block: int) -> int:
     return min(triton.next_power_of_2(vocab), max_block)
 
 
-DISTILLATION_BLOCK = 4096
+DEFAULT_BLOCK = 4096
 
 
-def default_max_block(spec: LossSpec) -> int:
-    """Distillation keeps two fp32 rows (student and teacher) live per block: a single 32768 block
-    spills registers (H200, T=8192: V=32000 8.67 ms at 32768/16 warps vs 1.01 ms at 4096/4;
-    V=131072 3.92 vs 3.56 ms), so it loops over 4096-wide blocks. Label-based children keep one
-    32768 block (single pass up to V=32768)."""
-    return DISTILLATION_BLOCK if spec.distillation is not None else MAX_BLOCK
+def default_max_block() -> int:
+    """4096-wide vocab blocks for every spec (H200 sweep, T=16384, kernel alone, run 8 of
+    docs/benchmarks.md): a row wider than the block is read twice, but the rows in flight fit in L2,
+    so the second read is an L2 hit, and small blocks keep registers low and occupancy high. CE+z+GRPO:
+    V=32000 0.784 ms at 4096/4 vs 0.869 ms single-pass 32768/16; V=131072 3.22 vs 3.69 ms. With
+    distillation (two live fp32 rows) a 32768 block spills badly (V=32000, T=8192: 8.67 vs 1.01 ms)."""
+    return DEFAULT_BLOCK
 
 
-def default_num_warps(block: int, distillation: bool = False) -> int:
-    """More warps for wider blocks, so each thread keeps a bounded slice of the row in registers.
-    With distillation (two live rows) one warp per 1024 columns, at least 4: the best of each
-    block size in the H200 ce+kd sweep (4096/4, 8192/8, 16384/16, 32768/32)."""
-    if distillation:
-        return min(32, max(4, block // 1024))
-    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+def default_num_warps(block: int) -> int:
+    """One warp per 1024 columns, at least 4 (4096/4, 8192/8, 16384/16, 32768/32): the best warps of
+    each block size in the H200 sweeps, label-based and distillation alike."""
+    return min(32, max(4, block // 1024))
 
 
 def _check_supported(logits: torch.Tensor, targets: LossTargets, spec: LossSpec, num_warps: int | None) -> None:
@@ -114,9 +112,8 @@ class _Launch:
         self.teacher = teacher
         self.spec = spec
         self.vocab_start = vocab_start
-        self.block = _block_size(logits.shape[1], max_block if max_block is not None else default_max_block(spec))
-        distillation = spec.distillation is not None
-        self.num_warps = num_warps if num_warps is not None else default_num_warps(self.block, distillation)
+        self.block = _block_size(logits.shape[1], max_block if max_block is not None else default_max_block())
+        self.num_warps = num_warps if num_warps is not None else default_num_warps(self.block)
         self.kd_grad = spec.distillation is not None and spec.distillation.weight != 0
 
     def vector(self) -> torch.Tensor:
@@ -265,7 +262,7 @@ def triton_loss(
 ) -> tuple[LossResult, torch.Tensor | None]:
     """The monolithic loss and its gradient w.r.t. the raw logits (this rank's vocab shard under
     `group`). `inplace` overwrites `logits` with the gradient; `max_block` caps the vocab block
-    (default `default_max_block(spec)`) and `num_warps` overrides the per-block default (both for
+    (default `default_max_block()`) and `num_warps` overrides the per-block default (both for
     tuning)."""
     _check_supported(logits, targets, spec, num_warps)
     check_inputs(logits, targets, normalizers, spec, group)
