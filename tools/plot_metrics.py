@@ -57,6 +57,8 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
         for key, (steps, values) in found.items():
             axis.plot(steps, values, label=key, marker="." if len(steps) < 30 else None)
         axis.set_title(title)
+        if title == "loss per child":  # children differ by orders of magnitude (z_loss ~ lse^2) and GRPO goes negative
+            axis.set_yscale("symlog", linthresh=0.1)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7, loc="best")
     axes[-1, 0].set_xlabel("step")

@@ -26,7 +26,24 @@ def cross_check(config: RunConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue("distributed.tensor_parallel", f"does not divide model.vocab_size ({model.vocab_size})",
                                   tp, hint="pick a tensor_parallel that divides the vocab (pad the vocab if needed)"))
     issues += _frozen_model_checks(config)
+    issues += _init_checkpoint_checks(config)
     return issues
+
+
+def _init_checkpoint_checks(config: RunConfig) -> list[ConfigIssue]:
+    """`run.init_path` must be a HF checkpoint whose architecture the model section describes exactly,
+    so `fastlm validate` fails before any work instead of the trainer failing at load time."""
+    if config.run.init_path is None:
+        return []
+    from fastlm.config.errors import ConfigError
+    from fastlm.models.hf import check_matches, config_from_hf, read_hf_config
+
+    try:
+        check_matches(config.model, config_from_hf(read_hf_config(config.run.init_path)), config.run.init_path)
+    except ConfigError as error:
+        return [issue if issue.path.startswith("model.") else ConfigIssue("run.init_path", str(issue), config.run.init_path)
+                for issue in error.issues]
+    return []
 
 
 _CHECKPOINT_KEYS = {"distillation": "teacher_path", "dpo": "reference_path"}  # child type -> checkpoint field

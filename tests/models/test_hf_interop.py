@@ -302,3 +302,19 @@ def test_training_round_trip_stays_loadable(saved: Callable[..., tuple[torch.nn.
         diff = float((trainer.model.logits(ids) - reloaded(ids).logits).abs().max())
     print(f"trained weights moved by up to {moved:.3e}; trained fastlm vs reloaded HF logits max abs diff {diff:.2e}")
     assert moved > 1e-4 and diff < 1e-4
+
+
+def test_validate_checks_the_model_section_against_init_path(saved: Callable[..., tuple[torch.nn.Module, Path]],
+                                                              tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`fastlm validate` fails before any work when run.init_path's architecture differs from the model."""
+    _, directory = saved("mistral")
+    assert main(["convert", "--from-hf", str(directory), "--to", str(tmp_path / "fastlm")]) == 0
+    capsys.readouterr()
+    model_yaml = tmp_path / "fastlm" / "model.yaml"
+    assert main(["validate", str(model_yaml), "data.seq_len=16", "model.head.losses={cross_entropy: {}}"]) == 0
+    capsys.readouterr()
+    assert main(["validate", str(model_yaml), "data.seq_len=16", "model.num_layers=3"]) == 2
+    err = capsys.readouterr().err
+    assert "model.num_layers: does not match the checkpoint, which has 2" in err and "fastlm convert --from-hf" in err
+    assert main(["validate", str(model_yaml), "data.seq_len=16", f"run.init_path={tmp_path / 'nowhere'}"]) == 2
+    assert "run.init_path" in capsys.readouterr().err
