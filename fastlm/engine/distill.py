@@ -32,16 +32,12 @@ class DistillationTrainer(Trainer):
         field = f"model.head.losses.{name}.teacher_path"
         self.teacher = load_frozen_model(child.teacher_path, field, self.device)
         check_compatible(self.teacher, self.model, field, config.data.seq_len)
-        self.eval_set = [self.with_teacher(batch) for batch in self.eval_set]
 
     @torch.no_grad()
-    def with_teacher(self, batch: Batch) -> Batch:
-        """The batch on the run's device with `teacher_logits` (B, S, V) filled in."""
-        batch = batch.to(self.device)
+    def prepare(self, batch: Batch) -> Batch:
+        """The micro-batch on the run's device with `teacher_logits` (B, S, V) filled in; computed per
+        micro-batch (train and eval), so only one micro-batch's teacher logits are alive at a time."""
+        batch = super().prepare(batch)
         with autocast(self.device, self.amp_dtype):
             teacher_logits = frozen_logits(self.teacher, batch.input_ids, batch.document_ids)
         return replace(batch, teacher_logits=teacher_logits)
-
-    def micro_batches(self) -> list[Batch]:
-        """The step's batches, each with its teacher logits (held until the step's backward is done)."""
-        return [self.with_teacher(batch) for batch in super().micro_batches()]

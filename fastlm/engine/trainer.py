@@ -164,6 +164,11 @@ class Trainer:
         """What this step trains on: `grad_accumulation` batches from the packed corpus."""
         return [self.train_loader.next_batch() for _ in range(self.config.trainer.grad_accumulation)]
 
+    def prepare(self, batch: Batch) -> Batch:
+        """One micro-batch, on the device, just before its forward: the hook for per-batch extras
+        (a teacher's logits) so they live for one micro-batch, not the whole step."""
+        return batch.to(self.device)
+
     def forward_backward(self, batches: list[Batch]) -> StepResult:
         """Backward every micro-batch against step-wide normalizers, so gradients add up to one big batch.
 
@@ -179,7 +184,7 @@ class Trainer:
         metrics: dict[str, torch.Tensor] = {}
         for index, batch in enumerate(batches):
             batch.check_token_ids(self.config.model.vocab_size)  # on the host, before the embedding could assert
-            batch = batch.to(self.device)
+            batch = self.prepare(batch)
             with gradient_sync(self.train_model, index == len(batches) - 1):
                 with autocast(self.device, self.amp_dtype):
                     result = self.train_model(batch.input_ids, batch.targets(), normalizers, batch.document_ids)
@@ -233,7 +238,7 @@ class Trainer:
         normalizers = self.step_normalizers(self.eval_set)
         total = torch.zeros((), device=self.device)
         for batch in self.eval_set:
-            batch = batch.to(self.device)
+            batch = self.prepare(batch)
             with autocast(self.device, self.amp_dtype):
                 total += self.model(batch.input_ids, batch.targets(), normalizers, batch.document_ids).loss.float()
         return float(sum_over({"loss": total}, self.parallel.dp_group)["loss"])
