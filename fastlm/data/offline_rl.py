@@ -30,7 +30,6 @@ class PolicySample:
     completion_tokens: list[int]
     advantage: float
     old_logp: list[float] | None = None
-    reward: float = 0.0
 
 
 def _number(value: Any) -> bool:

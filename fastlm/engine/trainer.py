@@ -67,7 +67,6 @@ class StepResult:
     metrics: dict[str, float]
     tokens: int  # input tokens processed (throughput)
     grad_norm: float = math.nan
-    skipped: bool = False
 
 
 @dataclass
@@ -205,7 +204,6 @@ class Trainer:
         if math.isfinite(result.loss) and math.isfinite(result.grad_norm):
             self.optimizer.step()
         elif self.config.trainer.nonfinite == "skip_step":
-            result.skipped = True
             self.skipped_steps += 1
         else:
             self.optimizer.zero_grad(set_to_none=True)

@@ -121,8 +121,8 @@ def draw_rollout(
     rewards, lengths, stopped = shard.gather(local).unbind(1)
     advantages = group_advantages(rewards, group, config.scale_rewards, config.advantage_eps)
     samples = [
-        PolicySample(prompt, c.tokens, float(a), None, float(r))
-        for prompt, c, a, r in zip(prompts, completions, shard.block(advantages.tolist()), local[:, 0].tolist())
+        PolicySample(prompt, c.tokens, float(a))
+        for prompt, c, a in zip(prompts, completions, shard.block(advantages.tolist()))
     ]
     return Rollout(samples, rollout_metrics(rewards, advantages, lengths, stopped.bool(), group))
 
