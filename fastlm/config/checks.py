@@ -7,8 +7,9 @@ from pathlib import Path
 from fastlm.config.errors import ConfigIssue
 from fastlm.config.schema import RunConfig
 from fastlm.data.config import PREFERENCE_SOURCE_TYPES
+from fastlm.data.tokenizer import ByteTokenizer
 
-BYTE_VOCAB_SIZE = 260
+BYTE_VOCAB_SIZE = ByteTokenizer().vocab_size
 
 
 def cross_check(config: RunConfig) -> list[ConfigIssue]:

@@ -106,9 +106,7 @@ class Trainer:
         issues = cross_check(config)
         if issues:
             raise ConfigError(issues)
-        tokenizer = ByteTokenizer()
-        if tokenizer.vocab_size > config.model.vocab_size:
-            raise ConfigError(f"model.vocab_size {config.model.vocab_size} < tokenizer vocab {tokenizer.vocab_size}")
+        tokenizer = ByteTokenizer()  # cross_check has already checked model.vocab_size covers it
         self.config = config
         self.device = local_device(select_device(config.trainer))
         self.parallel = build_parallel(config.distributed, self.device)
