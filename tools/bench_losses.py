@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402 - TRITON_INTERPRET must be set (in main) before triton is imported
 
+from fastlm.losses.validation import deferred_value_checks  # noqa: E402
 from fastlm.losses.spec import (  # noqa: E402
     ClippedPolicySpec,
     DistillationSpec,
@@ -61,9 +63,9 @@ LIGER_SPECS = ("ce", "ce+z")
 # Small looped blocks are in the sweep on purpose: at V=32000 the rows in flight (132 SMs x a few CTAs
 # x 64 KB of bf16) fit in the H200's 60 MB L2, so the second (gradient) pass of a looped kernel may
 # re-read from L2 and beat the single 32768 block, which holds the whole row in registers.
-TUNE_GRID = {"gpu": ((2048, 4096, 8192, 16384, 32768), (4, 8, 16, 32)), "cpu": ((32, 128), (1, 4))}
+TUNE_GRID = {"gpu": ((2048, 4096, 8192, 16384), (4, 8, 16)), "cpu": ((32, 128), (1, 4))}
 TUNE_SPECS = ["ce", "ce+z+grpo"]
-TUNE_REP_MS = 40  # do_bench time per point: 80 points x 2 columns stay near a minute with the compiles
+TUNE_REP_MS = 40  # do_bench time per point: 12 points per (spec, vocab), compiles included, well under a minute
 
 
 @dataclass
@@ -193,7 +195,7 @@ def implementations(
         reference_loss(z, case.targets, case.normalizers, spec).loss.backward()
         return z.grad
 
-    found: dict[str, Callable[[Case], object]] = {"triton": triton, "triton-inplace": triton_inplace}
+    found: dict[str, Callable[[Case], object]] = {"triton": triton, "triton-deferred": triton, "triton-inplace": triton_inplace}
     if spec.gspo is None:
         found["triton-kernel"] = triton_kernel
     found.update(compiled=compiled, eager=eager)
@@ -233,7 +235,10 @@ def benchmark(shapes: list[tuple[int, int]], bench: Bench, copy_gb_s: float, lig
                          "grad_rel_err_vs_compiled": grad_error(spec, cases[0]), "ms": {}, "peak_mib": {}}
             for impl, call in implementations(name, spec, bench.device, liger, {}).items():
                 try:
-                    row["ms"][impl] = bench.time_ms(rotating(cases, call))
+                    # "-deferred": the value checks of every timed call are read back after the timing, as
+                    # the trainer reads them once per step (validation.deferred_value_checks).
+                    with deferred_value_checks() if impl.endswith("-deferred") else nullcontext():
+                        row["ms"][impl] = bench.time_ms(rotating(cases, call))
                     row["peak_mib"][impl] = bench.peak_mib(lambda: call(cases[0]))
                 except torch.cuda.OutOfMemoryError:
                     row["ms"][impl], row["peak_mib"][impl] = None, "oom"
@@ -253,8 +258,8 @@ def benchmark(shapes: list[tuple[int, int]], bench: Bench, copy_gb_s: float, lig
 
 
 def tune(tokens: int, vocabs: list[int], spec_names: list[str], bench: Bench, copy_gb_s: float) -> list[dict]:
-    """Block size x num_warps of the fused kernel: the full `triton_loss` (fresh buffer) and the kernel
-    alone (`fused_kernel_only`), so the tail does not hide the kernel's differences."""
+    """Block size x num_warps of the fused launch alone (`fused_kernel_only`): the host tail is the same
+    at every point, so it would only add noise."""
     from fastlm.losses.triton.launcher import _block_size, default_max_block, default_num_warps
 
     rows = []
@@ -265,23 +270,20 @@ def tune(tokens: int, vocabs: list[int], spec_names: list[str], bench: Bench, co
             for case in cases:
                 case.buffer = case.logits.clone()
             r1_ms = roofline_bytes(cases[0], spec) / (copy_gb_s * 1e9) * 1e3
-            default = _block_size(vocab, default_max_block())
-            default_warps = default_num_warps(default)
+            default = _block_size(vocab, default_max_block(vocab, spec.distillation is not None))
+            default_point = (default, default_num_warps(default))
             points = []
             for block in bench.tune_blocks:
                 for warps in bench.tune_warps:
                     calls = implementations(spec_name, spec, bench.device, None, {"max_block": block, "num_warps": warps})
-                    ms = bench.time_ms(rotating(cases, calls["triton"]))
-                    kernel = bench.time_ms(rotating(cases, calls["triton-kernel"])) if "triton-kernel" in calls else None
+                    kernel = bench.time_ms(rotating(cases, calls["triton-kernel"]))
+                    point = (_block_size(vocab, block), warps)
                     points.append({
-                        "spec": spec_name, "tokens": tokens, "vocab": vocab, "block": _block_size(vocab, block),
-                        "num_warps": warps, "ms": ms, "x_r1": ms / r1_ms, "kernel_ms": kernel,
-                        "kernel_x_r1": kernel / r1_ms if kernel is not None else None,
-                        "default": _block_size(vocab, block) == default and warps == default_warps, "best_kernel": False,
+                        "spec": spec_name, "tokens": tokens, "vocab": vocab, "block": point[0], "num_warps": warps,
+                        "kernel_ms": kernel, "kernel_x_r1": kernel / r1_ms, "default": point == default_point,
+                        "best_kernel": False,
                     })
-            timed = [p for p in points if p["kernel_ms"] is not None]
-            if timed:
-                min(timed, key=lambda p: p["kernel_ms"])["best_kernel"] = True
+            min(points, key=lambda p: p["kernel_ms"])["best_kernel"] = True
             rows += points
             del cases
             if bench.device.type == "cuda":
@@ -294,7 +296,7 @@ def suggest_defaults(rows: list[dict]) -> list[dict]:
     / that spec's best kernel-only time (1.0 = best for every spec), next to the current default's."""
     suggestions = []
     for vocab in sorted({r["vocab"] for r in rows}):
-        timed = [r for r in rows if r["vocab"] == vocab and r["kernel_ms"] is not None]
+        timed = [r for r in rows if r["vocab"] == vocab]
         best = {spec: min(r["kernel_ms"] for r in timed if r["spec"] == spec) for spec in {r["spec"] for r in timed}}
         scores: dict[tuple[int, int], list[float]] = {}
         defaults: dict[tuple[int, int], bool] = {}
@@ -323,18 +325,19 @@ def _cell(value: float | None, digits: int = 3) -> str:
 
 def results_table(rows: list[dict], copy_gb_s: float) -> str:
     """One line per (spec, shape): triton times with x R1, the others, speed-ups, peak memory."""
-    impls = ("triton", "triton-inplace", "triton-kernel", "compiled", "eager", "liger")
+    impls = ("triton", "triton-deferred", "triton-inplace", "triton-kernel", "compiled", "eager", "liger")
     lines = [
         f"copy bandwidth {copy_gb_s:.0f} GB/s (read+write); ms = median forward+gradient; (xR1) = time / roofline R1",
-        "| spec | T | V | R1 ms | triton | in-place | kernel only | compiled | eager | liger "
+        "| spec | T | V | R1 ms | triton | deferred checks | in-place | kernel only | compiled | eager | liger "
         "| xcomp | xeager | xliger | grad err | peak MiB tri/inp/comp/eager/liger |",
-        "|" + "---|" * 15,
+        "|" + "---|" * 16,
     ]
     for row in rows:
         ms, x_r1, speed, peak = row["ms"], row["x_r1"], row["speedup"], row["peak_mib"]
-        timed = [f"{_cell(ms.get(i))} ({x_r1[i]:.2f})" if ms.get(i) else "-" for i in impls[:3]]
-        timed += [_cell(ms.get(i)) for i in impls[3:]]
-        peaks = "/".join(f"{p:.0f}" if isinstance(p, float) else str(p or "-") for p in (peak.get(i) for i in impls if i != "triton-kernel"))
+        timed = [f"{_cell(ms.get(i))} ({x_r1[i]:.2f})" if ms.get(i) else "-" for i in impls[:4]]
+        timed += [_cell(ms.get(i)) for i in impls[4:]]
+        peaks = "/".join(f"{p:.0f}" if isinstance(p, float) else str(p or "-")
+                         for p in (peak.get(i) for i in impls if i not in ("triton-kernel", "triton-deferred")))
         lines.append(
             f"| {row['spec']} | {row['tokens']} | {row['vocab']} | {row['r1_ms']:.3f} | " + " | ".join(timed)
             + " | " + " | ".join(_cell(speed.get(o), 2) for o in ("compiled", "eager", "liger"))
@@ -344,21 +347,19 @@ def results_table(rows: list[dict], copy_gb_s: float) -> str:
 
 
 def tune_table(rows: list[dict], suggestions: list[dict]) -> str:
-    """Both columns per point (`*` current default, `best` = fastest kernel alone), then the suggestions."""
-    lines = ["| spec | T | V | block | num_warps | triton ms | xR1 | kernel only ms | xR1 | default | best kernel |",
-             "|" + "---|" * 11]
+    """The kernel alone per point (`*` current default, `best` = fastest), then the suggestions."""
+    lines = ["| spec | T | V | block | num_warps | kernel only ms | xR1 | default | best |", "|" + "---|" * 9]
     lines += [
-        f"| {r['spec']} | {r['tokens']} | {r['vocab']} | {r['block']} | {r['num_warps']} | {r['ms']:.3f} "
-        f"| {r['x_r1']:.2f} | {_cell(r['kernel_ms'])} | {_cell(r['kernel_x_r1'], 2)} | {'*' if r['default'] else ''} "
-        f"| {'best' if r['best_kernel'] else ''} |"
+        f"| {r['spec']} | {r['tokens']} | {r['vocab']} | {r['block']} | {r['num_warps']} "
+        f"| {r['kernel_ms']:.3f} | {r['kernel_x_r1']:.2f} | {'*' if r['default'] else ''} | {'best' if r['best_kernel'] else ''} |"
         for r in rows
     ]
     for pick in suggestions:
-        current = f"{pick['default'][0]}/{pick['default'][1]} at {pick['default_score']:.3f}" if pick["default"] else "not swept"
+        current = "/".join(map(str, pick["default"])) + f" at {pick['default_score']:.3f}" if pick["default"] else "not swept"
         lines.append(
             f"suggested default V={pick['vocab']}: max_block {pick['block']}, num_warps {pick['num_warps']} "
-            f"(kernel only, geo-mean over {', '.join(pick['specs'])} of time / each spec's best: {pick['score']:.3f}; "
-            f"current {current})"
+            f"(kernel only, geo-mean over {', '.join(pick['specs'])} of time / each spec's best: "
+            f"{pick['score']:.3f}; current {current})"
         )
     return "\n".join(lines)
 

@@ -49,6 +49,7 @@ from fastlm.layers.lm_head import LMHead
 from fastlm.logging.jsonl import drop_records_after
 from fastlm.logging.logger import METRICS_FILE, MetricLogger
 from fastlm.losses.spec import LossNormalizers
+from fastlm.losses.validation import deferred_value_checks
 from fastlm.models.decoder import build_model
 
 CHECKPOINT_DIR = "checkpoints"
@@ -179,16 +180,17 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         losses: dict[str, torch.Tensor] = {}
         metrics: dict[str, torch.Tensor] = {}
-        for index, batch in enumerate(batches):
-            batch.check_token_ids(self.config.model.vocab_size)  # on the host, before the embedding could assert
-            batch = self.prepare(batch)
-            with gradient_sync(self.train_model, index == len(batches) - 1):
-                with autocast(self.device, self.amp_dtype):
-                    result = self.train_model(batch.input_ids, batch.targets(), normalizers, batch.document_ids)
-                (result.loss * scale if scale != 1.0 else result.loss).backward()
-            loss_sum += result.loss.detach().float()
-            _accumulate(losses, result.losses)
-            _accumulate(metrics, result.metrics)
+        with deferred_value_checks():  # one read-back of the loss input checks per step, before the update
+            for index, batch in enumerate(batches):
+                batch.check_token_ids(self.config.model.vocab_size)  # on the host, before the embedding could assert
+                batch = self.prepare(batch)
+                with gradient_sync(self.train_model, index == len(batches) - 1):
+                    with autocast(self.device, self.amp_dtype):
+                        result = self.train_model(batch.input_ids, batch.targets(), normalizers, batch.document_ids)
+                    (result.loss * scale if scale != 1.0 else result.loss).backward()
+                loss_sum += result.loss.detach().float()
+                _accumulate(losses, result.losses)
+                _accumulate(metrics, result.metrics)
         tokens = torch.tensor(float(sum(b.input_ids.numel() for b in batches)), device=self.device)
         group = self.parallel.dp_group
         totals = sum_over({"loss": loss_sum, "tokens": tokens}, group)
@@ -233,10 +235,11 @@ class Trainer:
         self.model.eval()
         normalizers = self.step_normalizers(self.eval_set)
         total = torch.zeros((), device=self.device)
-        for batch in self.eval_set:
-            batch = self.prepare(batch)
-            with autocast(self.device, self.amp_dtype):
-                total += self.model(batch.input_ids, batch.targets(), normalizers, batch.document_ids).loss.float()
+        with deferred_value_checks():
+            for batch in self.eval_set:
+                batch = self.prepare(batch)
+                with autocast(self.device, self.amp_dtype):
+                    total += self.model(batch.input_ids, batch.targets(), normalizers, batch.document_ids).loss.float()
         return float(sum_over({"loss": total}, self.parallel.dp_group)["loss"])
 
     def state(self) -> dict[str, Any]:

@@ -14,10 +14,16 @@ device->host synchronisation a call needs comes last and host and device work ov
 
 Zero syncs would leave out-of-range labels to a device-side assert (which poisons the CUDA context
 and names no tensor) or to silent garbage, so we keep exactly one. An in-place gradient has already
-overwritten the logits when the error is raised.
+overwritten the logits when the error is raised. Inside `deferred_value_checks()` (the trainer's
+step) the read moves to the end of the block: one sync per step instead of one per call.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -104,6 +110,39 @@ def value_flags(
     return mask, torch.stack(counts)
 
 
+@dataclass
+class ValueCheck:
+    """One call's value-check counts (still on the device) and what naming a failure needs."""
+
+    counts: torch.Tensor
+    vocab: int  # global vocabulary size
+    targets: LossTargets
+    normalizers: LossNormalizers
+    spec: LossSpec
+
+    def raise_if_bad(self, counts: list[float]) -> None:
+        """Raise `ValueError` naming the first bad tensor or field, from the counts read back."""
+        bad_labels, tokens, *non_finite = counts
+        labels = self.targets.labels
+        if bad_labels:
+            index = int(((labels != IGNORE_INDEX) & ((labels < 0) | (labels >= self.vocab))).nonzero()[0, 0])
+            raise ValueError(
+                f"targets.labels[{index}] = {int(labels[index])} is outside the vocabulary [0, {self.vocab}) "
+                f"and is not the ignore index {IGNORE_INDEX}"
+            )
+        if tokens and self.normalizers.tokens == 0:
+            raise ValueError(f"normalizers.tokens must be > 0 when tokens are unmasked, got {self.normalizers.tokens}")
+        for name, bad in zip(POLICY_INPUTS, non_finite):
+            if bad:
+                _raise_non_finite(name, getattr(self.targets, name), labels != IGNORE_INDEX)
+        gspo = self.spec.gspo
+        if gspo is not None and not gspo.length_proportional and self.normalizers.documents <= 0 and tokens:
+            raise ValueError(f"normalizers.documents must be > 0 for gspo sequence_mean, got {self.normalizers.documents}")
+
+
+_PENDING: ContextVar[list[ValueCheck] | None] = ContextVar("fastlm_pending_value_checks", default=None)
+
+
 def raise_on_bad_values(
     counts: torch.Tensor,
     logits: torch.Tensor,
@@ -112,25 +151,35 @@ def raise_on_bad_values(
     spec: LossSpec,
     group: ProcessGroup | None = None,
 ) -> None:
-    """The call's one device->host read: `counts` (from `value_flags` or the fused kernel); raise
-    `ValueError` naming the first bad tensor or field."""
-    bad_labels, tokens, *non_finite = counts.tolist()
-    labels = targets.labels
-    if bad_labels:
-        _, vocab = vocab_shard(logits, group)
-        index = int(((labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab))).nonzero()[0, 0])
-        raise ValueError(
-            f"targets.labels[{index}] = {int(labels[index])} is outside the vocabulary [0, {vocab}) "
-            f"and is not the ignore index {IGNORE_INDEX}"
-        )
-    if tokens and normalizers.tokens == 0:
-        raise ValueError(f"normalizers.tokens must be > 0 when tokens are unmasked, got {normalizers.tokens}")
-    for name, bad in zip(POLICY_INPUTS, non_finite):
-        if bad:
-            _raise_non_finite(name, getattr(targets, name), labels != IGNORE_INDEX)
-    gspo = spec.gspo
-    if gspo is not None and not gspo.length_proportional and normalizers.documents <= 0 and tokens:
-        raise ValueError(f"normalizers.documents must be > 0 for gspo sequence_mean, got {normalizers.documents}")
+    """The call's one device->host read of `counts` (from `value_flags` or the fused kernel), then the
+    named `ValueError`; inside `deferred_value_checks()` the read waits for the block's end instead."""
+    check = ValueCheck(counts, vocab_shard(logits, group)[1], targets, normalizers, spec)
+    pending = _PENDING.get()
+    if pending is None:
+        check.raise_if_bad(counts.tolist())
+    else:
+        pending.append(check)
+
+
+@contextmanager
+def deferred_value_checks() -> Iterator[None]:
+    """Read the value checks of every loss call in the block back once, when it ends, and raise the
+    first failure then: no host sync per call, so the host queues the next launch while the GPU works.
+    The trainer wraps a step's forward/backward passes in it: the error still comes before the
+    optimizer step, so bad input changes no weight. Nothing is read if the block raises."""
+    pending: list[ValueCheck] = []
+    token = _PENDING.set(pending)
+    try:
+        yield
+    finally:
+        _PENDING.reset(token)
+    if pending:
+        values = torch.cat([check.counts.reshape(-1).float() for check in pending]).tolist()
+        start = 0
+        for check in pending:
+            size = check.counts.numel()
+            check.raise_if_bad(values[start : start + size])
+            start += size
 
 
 def _check_policy_inputs(targets: LossTargets, spec: LossSpec, tokens: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from fastlm.config.schema import RunConfig
+from fastlm.data.batch import Batch
 from fastlm.engine.trainer import NonFiniteError, Trainer
 from fastlm.logging.jsonl import read_metrics
 from fastlm.logging.wandb_reader import read_wandb_run
@@ -93,6 +95,27 @@ def test_nonfinite_stop_writes_checkpoint_and_raises(tiny_config: Callable[..., 
     with pytest.raises(NonFiniteError, match="non-finite loss at step 1.*saved to"):
         trainer.train()
     assert (trainer.checkpoint_dir / "step-00000000" / "manifest.json").is_file()
+
+
+class _LateBadLabel(Trainer):
+    """A label outside the vocabulary that appears after the host check (in the per-micro-batch hook),
+    so only the loss's own value checks can catch it."""
+
+    def prepare(self, batch: Batch) -> Batch:
+        batch = super().prepare(batch)
+        labels = batch.labels.clone()
+        flat = labels.reshape(-1)
+        flat[int((flat != -100).nonzero()[0, 0])] = self.config.model.vocab_size
+        return dataclasses.replace(batch, labels=labels)
+
+
+def test_loss_value_checks_are_read_once_per_step_and_before_the_update(tiny_config: Callable[..., RunConfig]) -> None:
+    trainer = _LateBadLabel(tiny_config("late-bad", trainer={"steps": 2, "grad_accumulation": 2}))
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(ValueError, match=r"targets.labels\[\d+\] = 260 is outside the vocabulary"):
+        trainer.train()
+    assert trainer.step == 0
+    assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), before))  # no optimizer step ran
 
 
 def test_init_path_starts_from_hf_weights(tiny_config: Callable[..., RunConfig], tmp_path) -> None:

@@ -10,6 +10,7 @@ from loss_cases import make_case, make_spec, seed_of
 
 from fastlm.losses.compiled import compiled_loss
 from fastlm.losses.spec import LossNormalizers
+from fastlm.losses.validation import deferred_value_checks
 
 
 def _case(kinds: str):
@@ -82,3 +83,33 @@ def test_masked_tokens_may_hold_anything() -> None:
     assert torch.isnan(targets.old_logp[targets.labels == -100]).all()
     result, grad = compiled_loss(logits, targets, normalizers, spec)
     assert torch.isfinite(result.loss) and torch.isfinite(grad).all()
+
+
+def test_deferred_checks_raise_at_block_end_naming_the_first_bad_call() -> None:
+    """Inside `deferred_value_checks` a bad call returns; the block's end reads every call's counts
+    once and raises the first failure (the trainer puts that before the optimizer step)."""
+    spec, logits, targets, normalizers = _case("grpo")
+    bad = dataclasses.replace(targets, advantages=targets.advantages.clone())
+    bad.advantages[_first_unmasked(targets)] = float("nan")
+    reached_end = False
+    with pytest.raises(ValueError, match="targets.advantages has a non-finite value"):
+        with deferred_value_checks():
+            compiled_loss(logits, targets, normalizers, spec)
+            compiled_loss(logits, bad, normalizers, spec)  # no raise yet
+            compiled_loss(logits, targets, normalizers, spec)
+            reached_end = True
+    assert reached_end
+    with deferred_value_checks():  # good calls only: nothing raised, and the next call checks at once again
+        result, _ = compiled_loss(logits, targets, normalizers, spec)
+    assert torch.isfinite(result.loss)
+    with pytest.raises(ValueError, match="targets.advantages"):
+        compiled_loss(logits, bad, normalizers, spec)
+
+
+def test_deferred_checks_leave_an_exception_from_the_block_alone() -> None:
+    spec, logits, targets, normalizers = _case("ce")
+    targets.labels[_first_unmasked(targets)] = logits.shape[1]
+    with pytest.raises(RuntimeError, match="from the block"):
+        with deferred_value_checks():
+            compiled_loss(logits, targets, normalizers, spec)
+            raise RuntimeError("from the block")

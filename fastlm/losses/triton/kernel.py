@@ -44,6 +44,8 @@ MODE_FUSED = tl.constexpr(0)
 MODE_STATS = tl.constexpr(1)
 MODE_GRAD = tl.constexpr(2)
 IGNORE_INDEX = tl.constexpr(-100)
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -55,48 +57,90 @@ def _tanh(u):
 
 
 @triton.jit
-def _load_x(row_ptr, offsets, n_cols, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
-    """One vocab block upcast to fp32 and transformed: x = s*z or c*tanh(s*z/c); 0 past the row end."""
-    mask = offsets < n_cols
-    x = tl.load(row_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * logit_scale
+def _transform(z, x_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """Raw logits -> x*log2(e), x = s*z or c*tanh(s*z/c) (`x_scale` = s*log2(e), or s/c with a softcap)."""
     if HAS_SOFTCAP:
-        x = softcap * _tanh(x / softcap)
-    return x, mask
+        return (softcap * LOG2E) * _tanh(z * x_scale)
+    return z * x_scale
 
 
 @triton.jit
-def _load_u(teacher_row_ptr, offsets, n_cols, inv_temperature):
-    """One block of teacher logits upcast to fp32 and divided by the temperature; 0 past the row end."""
-    return tl.load(teacher_row_ptr + offsets, mask=offsets < n_cols, other=0.0).to(tl.float32) * inv_temperature
-
-
-@triton.jit
-def _block_stats(x, mask):
-    """(max, sum exp(x-max), sum exp(x-max)*(x-max), exp(x-max)) of one block; the shift keeps entropy exact."""
-    x = tl.where(mask, x, float("-inf"))
-    m = tl.max(x, 0)
-    shifted = tl.where(mask, x - m, 0.0)
-    e = tl.where(mask, tl.exp(shifted), 0.0)
-    return m, tl.sum(e, 0), tl.sum(e * shifted, 0), e
-
-
-@triton.jit
-def _teacher_block_stats(u, x, e, mask, KD_REVERSE: tl.constexpr):
-    """(teacher max, sum exp(u-max_u), cross sum) of one block; `e` = exp(x - max_x) of the student."""
-    mu = tl.max(tl.where(mask, u, float("-inf")), 0)
-    e_q = tl.where(mask, tl.exp(u - mu), 0.0)
-    if KD_REVERSE:
-        cross = tl.sum(e * tl.where(mask, x - u, 0.0), 0)
+def _load_x2(row_ptr, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
+             EVICTION: tl.constexpr):
+    """One vocab block of the transformed logits in base-2 units, x2 = x*log2(e), fp32; -inf past the
+    row end (MASKED: only the row's last, partial block pays for the bounds check). `x_scale` is
+    logit_scale*log2(e) (logit_scale/softcap with a softcap)."""
+    if MASKED:
+        z = tl.load(row_ptr + offsets, mask=offsets < n_cols, other=float("-inf"), eviction_policy=EVICTION)
     else:
-        cross = tl.sum(e_q * tl.where(mask, u - x, 0.0), 0)
-    return mu, tl.sum(e_q, 0), cross
+        z = tl.load(row_ptr + offsets, eviction_policy=EVICTION)
+    x2 = _transform(z.to(tl.float32), x_scale, softcap, HAS_SOFTCAP)
+    if HAS_SOFTCAP and MASKED:
+        x2 = tl.where(offsets < n_cols, x2, float("-inf"))
+    return x2
 
 
 @triton.jit
-def _rescale(m1, m2):
-    """The larger max and the factors exp(m_i - m) that move each side's sums onto it."""
-    m = tl.maximum(m1, m2)
-    return m, tl.exp(m1 - m), tl.exp(m2 - m)
+def _load_u2(teacher_row_ptr, offsets, n_cols, u_scale, MASKED: tl.constexpr, EVICTION: tl.constexpr):
+    """One block of teacher logits / temperature in base-2 units (`u_scale` = log2(e)/T); -inf past the end."""
+    if MASKED:
+        u = tl.load(teacher_row_ptr + offsets, mask=offsets < n_cols, other=float("-inf"), eviction_policy=EVICTION)
+    else:
+        u = tl.load(teacher_row_ptr + offsets, eviction_policy=EVICTION)
+    return u.to(tl.float32) * u_scale
+
+
+@triton.jit
+def _fold(v, ACC: tl.constexpr):
+    """Sum a block down to ACC lanes: element j joins lane j % ACC. With ACC = the elements one pass of
+    the CTA's vector loads covers, each lane lives in one thread, so these are in-thread adds (no
+    shuffle); the accumulators stay vectors across blocks and are reduced across threads once per row."""
+    return tl.sum(tl.reshape(v, (v.shape[0] // ACC, ACC)), 0)
+
+
+@triton.jit
+def _block_stats(
+    x2, u2, m, s, t, mu, su, cross, MASKED: tl.constexpr, NEED_MOMENT: tl.constexpr, HAS_KD: tl.constexpr,
+    KD_REVERSE: tl.constexpr, ACC: tl.constexpr,
+):
+    """Merge one block into the running stats (base 2): max m, s = sum 2^(x2-m), t = sum 2^(x2-m)*(x2-m)
+    (entropy's shifted moment, exact for peaked rows); teacher max mu, su = sum 2^(u2-mu), cross = the
+    KL cross sum (forward: weights 2^(u2-mu) on u2-x2; reverse: 2^(x2-m) on x2-u2). The sums are ACC-lane
+    vectors; they are rescaled only on blocks that raise a max. Returns the new state and 2^(x2-m)."""
+    block_max = tl.max(x2, 0)
+    if block_max > m:
+        rescale = tl.exp2(m - block_max)  # 0 on the first block (m = -inf, sums 0)
+        if NEED_MOMENT:
+            t = rescale * (t + tl.maximum(m - block_max, -3.0e38) * s)
+        s = s * rescale
+        if HAS_KD and KD_REVERSE:
+            cross = cross * rescale
+        m = block_max
+    shifted = x2 - m
+    e = tl.exp2(shifted)
+    s += _fold(e, ACC)
+    if NEED_MOMENT:
+        if MASKED:  # past the row end e = 0 but shifted = -inf
+            shifted = tl.where(x2 > float("-inf"), shifted, 0.0)
+        t += _fold(e * shifted, ACC)
+    if HAS_KD:
+        teacher_max = tl.max(u2, 0)
+        if teacher_max > mu:
+            rescale_u = tl.exp2(mu - teacher_max)
+            su = su * rescale_u
+            if not KD_REVERSE:
+                cross = cross * rescale_u
+            mu = teacher_max
+        e_q = tl.exp2(u2 - mu)
+        su += _fold(e_q, ACC)
+        gap = x2 - u2
+        if MASKED:
+            gap = tl.where(x2 > float("-inf"), gap, 0.0)
+        if KD_REVERSE:
+            cross += _fold(e * gap, ACC)
+        else:
+            cross -= _fold(e_q * gap, ACC)
+    return m, s, t, mu, su, cross, e
 
 
 @triton.jit
@@ -164,29 +208,41 @@ def _store_terms(
 
 
 @triton.jit
-def _probs(x, mask, lse):
-    return tl.exp(tl.where(mask, x, 0.0) - lse)
+def _grad(p, x2, u2, prob_coeff, kd_coeff, teacher_lse2, label_term, inv_softcap2, HAS_SOFTCAP: tl.constexpr,
+          KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr):
+    """d loss / d z for a block (or the label element, `label_term` != 0) from the student softmax p.
+    The coefficients already carry grad_scale and logit_scale (and ln 2 for the reverse-KL term), so
+    without a softcap this is one multiply per element: (prob_coeff*p - label_term + kd term) * dx/dz."""
+    grad = prob_coeff * p - label_term
+    if KD_GRAD:
+        if KD_REVERSE:
+            grad += kd_coeff * p * (x2 - u2)
+        else:
+            grad -= kd_coeff * tl.exp2(u2 - teacher_lse2)
+    if HAS_SOFTCAP:
+        ratio = x2 * inv_softcap2  # x / c
+        grad = grad * (1.0 - ratio * ratio)
+    return grad
 
 
 @triton.jit
-def _store_grad(
-    grad_row_ptr, x, p, u, mask, offsets, local_label, prob_coeff, label_coeff, logit_scale, softcap,
-    kd_scale, teacher_lse, HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr,
+def _store_grad_block(
+    grad_row_ptr, logits_row_ptr, teacher_row_ptr, offsets, n_cols, x_scale, softcap, u_scale, lse2, teacher_lse2,
+    prob_coeff, kd_coeff, inv_softcap2, HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
-    """grad_j = (prob_coeff*p_j - label_coeff*d_jy + distillation element term) * dx/dz, stored in the
-    gradient buffer's dtype; `p` is the student softmax of this block."""
-    grad = prob_coeff * p - tl.where(offsets == local_label, label_coeff, 0.0)
+    """Second pass over one block (the stats pass read it, so it is likely in L2: evict it now)."""
+    x2 = _load_x2(logits_row_ptr, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, MASKED, "evict_first")
+    u2 = x2
     if KD_GRAD:
-        if KD_REVERSE:
-            grad += kd_scale * p * (x - u)
-        else:
-            grad -= kd_scale * tl.exp(tl.where(mask, u, 0.0) - teacher_lse)
-    if HAS_SOFTCAP:
-        ratio = x / softcap
-        grad = grad * (logit_scale * (1.0 - ratio * ratio))
+        u2 = _load_u2(teacher_row_ptr, offsets, n_cols, u_scale, MASKED, "evict_first")
+    grad = _grad(tl.exp2(x2 - lse2), x2, u2, prob_coeff, kd_coeff, teacher_lse2, 0.0, inv_softcap2, HAS_SOFTCAP,
+                 KD_GRAD, KD_REVERSE)
+    value = grad.to(grad_row_ptr.dtype.element_ty)
+    if MASKED:
+        tl.store(grad_row_ptr + offsets, value, mask=offsets < n_cols, cache_modifier=".cs")
     else:
-        grad = grad * logit_scale
-    tl.store(grad_row_ptr + offsets, grad.to(grad_row_ptr.dtype.element_ty), mask=mask)
+        tl.store(grad_row_ptr + offsets, value, cache_modifier=".cs")
 
 
 @triton.jit
@@ -198,6 +254,7 @@ def lm_loss_kernel(
     labels_ptr,
     teacher_ptr,
     teacher_stride,
+    n_rows,
     n_cols,
     vocab_start,
     logit_scale,
@@ -235,72 +292,84 @@ def lm_loss_kernel(
     COMPUTE_GRAD: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
     BLOCK: tl.constexpr,
+    ACC: tl.constexpr,  # lanes of the running sums (one per thread)
 ):
+    # Base-2 units inside (exp2 is one instruction); natural units in and out.
+    x_scale = logit_scale / softcap if HAS_SOFTCAP else logit_scale * LOG2E
+    u_scale = inv_temperature * LOG2E
+    inv_softcap2 = LN2 / softcap
+    offsets = tl.arange(0, BLOCK)
+    n_full = n_cols // BLOCK  # blocks without a bounds check
+    has_tail = n_full * BLOCK < n_cols
+    kd_coeff = kd_weight * token_scale
+    grad_coeff = grad_scale * logit_scale  # d(loss)/dx -> d(loss)/dz (times 1 - (x/c)^2 with a softcap)
     row = tl.program_id(0).to(tl.int64)
-    n_tokens = tl.num_programs(0).to(tl.int64)
     logits_row = logits_ptr + row * logits_stride
     grad_row = grad_ptr + row * grad_stride
     teacher_row = teacher_ptr + row * teacher_stride
-    offsets = tl.arange(0, BLOCK)
-    n_blocks = tl.cdiv(n_cols, BLOCK)
     label = tl.load(labels_ptr + row)
     local_label = label - vocab_start
     in_shard = (local_label >= 0) & (local_label < n_cols)
     if label != IGNORE_INDEX:
-        x0, mask0 = _load_x(logits_row, offsets, n_cols, logit_scale, softcap, HAS_SOFTCAP)
-        u0 = x0
-        if HAS_KD or KD_GRAD:
-            u0 = _load_u(teacher_row, offsets, n_cols, inv_temperature)
-        teacher_lse = 0.0
-        kd_coeff = kd_weight * token_scale
-        kd_scale = kd_coeff * grad_scale
+        if SINGLE_PASS:  # the whole row stays in registers for both passes
+            x2 = _load_x2(logits_row, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, True, "evict_first")
+            u2 = x2
+            if HAS_KD or KD_GRAD:
+                u2 = _load_u2(teacher_row, offsets, n_cols, u_scale, True, "evict_first")
+        # Masked load: a label outside this shard (or outside the vocabulary) reads nothing. Read
+        # before any gradient store: an in-place gradient overwrites the logits.
+        z_label = tl.load(logits_row + local_label, mask=in_shard, other=0.0).to(tl.float32)
+        x2_label = tl.where(in_shard, _transform(z_label, x_scale, softcap, HAS_SOFTCAP), 0.0)
+        teacher_lse2 = 0.0
         if MODE == MODE_GRAD:
             lse = tl.load(out0_ptr + row)
-            prob_coeff = tl.load(out1_ptr + row) * grad_scale
-            label_coeff = tl.load(out2_ptr + row) * grad_scale
+            prob_coeff = tl.load(out1_ptr + row)
+            label_coeff = tl.load(out2_ptr + row)
             if KD_GRAD:
-                teacher_lse = tl.load(kd0_ptr + row)
-            p0 = _probs(x0, mask0, lse)
+                teacher_lse2 = tl.load(kd0_ptr + row) * LOG2E
         else:
-            m, s, t, e = _block_stats(x0, mask0)
-            mu = 0.0
-            su = 1.0
-            cross = 0.0
-            if HAS_KD:
-                mu, su, cross = _teacher_block_stats(u0, x0, e, mask0, KD_REVERSE)
-            if not SINGLE_PASS:
-                for block in range(1, n_blocks):
+            m = float("-inf")
+            s = tl.zeros([ACC], dtype=tl.float32)
+            t = tl.zeros([ACC], dtype=tl.float32)
+            mu = float("-inf")
+            su = tl.zeros([ACC], dtype=tl.float32)
+            cross = tl.zeros([ACC], dtype=tl.float32)
+            need_moment = MODE == MODE_STATS or ROW_GRPO >= 0
+            if SINGLE_PASS:
+                m, s, t, mu, su, cross, e = _block_stats(
+                    x2, u2, m, s, t, mu, su, cross, True, need_moment, HAS_KD, KD_REVERSE, ACC)
+            else:
+                for block in range(0, n_full):
                     block_offsets = block * BLOCK + offsets
-                    x, mask = _load_x(logits_row, block_offsets, n_cols, logit_scale, softcap, HAS_SOFTCAP)
-                    bm, bs, bt, be = _block_stats(x, mask)
-                    new_m, a1, a2 = _rescale(m, bm)
-                    t = a1 * (t + (m - new_m) * s) + a2 * (bt + (bm - new_m) * bs)
-                    s = a1 * s + a2 * bs
+                    x2 = _load_x2(logits_row, block_offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, False,
+                                  "evict_last")
+                    u2 = x2
                     if HAS_KD:
-                        u = _load_u(teacher_row, block_offsets, n_cols, inv_temperature)
-                        bmu, bsu, bcross = _teacher_block_stats(u, x, be, mask, KD_REVERSE)
-                        new_mu, b1, b2 = _rescale(mu, bmu)
-                        su = b1 * su + b2 * bsu
-                        if KD_REVERSE:
-                            cross = a1 * cross + a2 * bcross
-                        else:
-                            cross = b1 * cross + b2 * bcross
-                        mu = new_mu
-                    m = new_m
-            # Masked load: a label outside this shard (or outside the vocabulary) reads nothing.
-            z_label = tl.load(logits_row + local_label, mask=in_shard, other=0.0).to(tl.float32) * logit_scale
-            if HAS_SOFTCAP:
-                z_label = softcap * _tanh(z_label / softcap)
-            x_label = tl.where(in_shard, z_label, 0.0)
+                        u2 = _load_u2(teacher_row, block_offsets, n_cols, u_scale, False, "evict_last")
+                    m, s, t, mu, su, cross, e = _block_stats(
+                        x2, u2, m, s, t, mu, su, cross, False, need_moment, HAS_KD, KD_REVERSE, ACC)
+                if has_tail:
+                    block_offsets = n_full * BLOCK + offsets
+                    x2 = _load_x2(logits_row, block_offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, True,
+                                  "evict_last")
+                    u2 = x2
+                    if HAS_KD:
+                        u2 = _load_u2(teacher_row, block_offsets, n_cols, u_scale, True, "evict_last")
+                    m, s, t, mu, su, cross, e = _block_stats(
+                        x2, u2, m, s, t, mu, su, cross, True, need_moment, HAS_KD, KD_REVERSE, ACC)
+            s = tl.sum(s, 0)
+            t = tl.sum(t, 0) * LN2  # natural units from here on
+            m = m * LN2
+            x_label = x2_label * LN2
             if MODE == MODE_STATS:
                 tl.store(out0_ptr + row, m)
                 tl.store(out1_ptr + row, s)
                 tl.store(out2_ptr + row, x_label)
                 tl.store(out3_ptr + row, t)
                 if HAS_KD:
-                    tl.store(kd0_ptr + row, mu)
-                    tl.store(kd1_ptr + row, su)
-                    tl.store(kd2_ptr + row, cross)
+                    tl.store(kd0_ptr + row, mu * LN2)
+                    tl.store(kd1_ptr + row, tl.sum(su, 0))
+                    tl.store(kd2_ptr + row, tl.sum(cross, 0) * LN2)
             else:
                 log_s = tl.log(s)
                 lse = m + log_s
@@ -323,44 +392,62 @@ def lm_loss_kernel(
                     label_coeff += policy
                 kl_kd = 0.0
                 if HAS_KD:
-                    teacher_lse = mu + tl.log(su)
+                    teacher_lse = (mu + tl.log2(tl.sum(su, 0))) * LN2
+                    teacher_lse2 = teacher_lse * LOG2E
+                    cross_sum = tl.sum(cross, 0) * LN2
                     if KD_REVERSE:
-                        mean_gap = cross / s  # E_p[x - u]
+                        mean_gap = cross_sum / s  # E_p[x - u]
                         kl_kd = mean_gap - lse + teacher_lse
                         if KD_GRAD:
                             prob_coeff -= kd_coeff * mean_gap
                     else:
-                        kl_kd = cross / su - teacher_lse + lse
+                        kl_kd = cross_sum / tl.sum(su, 0) - teacher_lse + lse
                         if KD_GRAD:
                             prob_coeff += kd_coeff
                 _store_terms(
-                    out0_ptr, row, n_tokens, lse, new_logp, log_s - t / s, in_shard, old_logp_ptr, advantages_ptr,
+                    out0_ptr, row, n_rows, lse, new_logp, log_s - t / s, in_shard, old_logp_ptr, advantages_ptr,
                     kl_kd, ce_weight, z_weight, grpo_weight, kd_weight, token_scale, eps_low, eps_high,
                     ROW_CE, ROW_Z, ROW_GRPO, ROW_KD, ROW_TOTAL, ROW_FLAGS,
                 )
-                prob_coeff = prob_coeff * grad_scale
-                label_coeff = label_coeff * grad_scale
-            # One row in one block: p = exp(x - m) / sum reuses the stats pass's exponentials (one
-            # exp per element instead of two; the special-function unit is a bottleneck near R1).
-            p0 = e / s
         if COMPUTE_GRAD:
+            lse2 = lse * LOG2E
+            prob_coeff = prob_coeff * grad_coeff
+            label_coeff = label_coeff * grad_coeff
+            kd_grad_coeff = kd_coeff * grad_coeff * (LN2 if KD_REVERSE else 1.0)
             if SINGLE_PASS:
-                _store_grad(
-                    grad_row, x0, p0, u0, mask0, offsets, local_label, prob_coeff, label_coeff, logit_scale, softcap,
-                    kd_scale, teacher_lse, HAS_SOFTCAP, KD_GRAD, KD_REVERSE,
-                )
+                # One row in one block: p = 2^(x2 - m) / s reuses the stats pass's exponentials.
+                if MODE == MODE_GRAD:
+                    p = tl.exp2(x2 - lse2)
+                else:
+                    p = e * (1.0 / s)
+                grad = _grad(p, x2, u2, prob_coeff, kd_grad_coeff, teacher_lse2, 0.0, inv_softcap2,
+                             HAS_SOFTCAP, KD_GRAD, KD_REVERSE)
+                tl.store(grad_row + offsets, grad.to(grad_ptr.dtype.element_ty), mask=offsets < n_cols,
+                         cache_modifier=".cs")
             else:
-                # Backwards, so the block the stats pass touched last is still cached.
-                for step in range(0, n_blocks):
-                    start = (n_blocks - 1 - step) * BLOCK
-                    x, mask = _load_x(logits_row, start + offsets, n_cols, logit_scale, softcap, HAS_SOFTCAP)
-                    u = x
-                    if KD_GRAD:
-                        u = _load_u(teacher_row, start + offsets, n_cols, inv_temperature)
-                    _store_grad(
-                        grad_row, x, _probs(x, mask, lse), u, mask, start + offsets, local_label, prob_coeff, label_coeff,
-                        logit_scale, softcap, kd_scale, teacher_lse, HAS_SOFTCAP, KD_GRAD, KD_REVERSE,
+                # Backwards, so the blocks the stats pass read last are the first re-read (L2 hits).
+                if has_tail:
+                    _store_grad_block(
+                        grad_row, logits_row, teacher_row, n_full * BLOCK + offsets, n_cols, x_scale, softcap,
+                        u_scale, lse2, teacher_lse2, prob_coeff, kd_grad_coeff, inv_softcap2, HAS_SOFTCAP,
+                        KD_GRAD, KD_REVERSE, True,
                     )
+                for step in range(0, n_full):
+                    _store_grad_block(
+                        grad_row, logits_row, teacher_row, (n_full - 1 - step) * BLOCK + offsets, n_cols, x_scale,
+                        softcap, u_scale, lse2, teacher_lse2, prob_coeff, kd_grad_coeff, inv_softcap2,
+                        HAS_SOFTCAP, KD_GRAD, KD_REVERSE, False,
+                    )
+            if in_shard:
+                # The label's element: the blocks above left out -label_coeff; rewrite it once the
+                # whole CTA's block stores are done (the barrier orders them before this one).
+                tl.debug_barrier()
+                u2_label = x2_label
+                if KD_GRAD:
+                    u2_label = _load_u2(teacher_row + local_label, 0, 1, u_scale, False, "evict_first")
+                label_grad = _grad(tl.exp2(x2_label - lse2), x2_label, u2_label, prob_coeff, kd_grad_coeff,
+                                   teacher_lse2, label_coeff, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE)
+                tl.store(grad_row + local_label, label_grad.to(grad_ptr.dtype.element_ty))
     else:
         # Neutral, finite values: a masked row contributes nothing and never makes a NaN.
         if MODE == MODE_STATS:
@@ -374,8 +461,11 @@ def lm_loss_kernel(
                 tl.store(kd2_ptr + row, 0.0)
         if MODE == MODE_FUSED:
             for index in tl.static_range(N_TERMS):
-                _store_term(out0_ptr, index, n_tokens, row, 0.0)
+                _store_term(out0_ptr, index, n_rows, row, 0.0)
         if COMPUTE_GRAD:
             zeros = tl.zeros([BLOCK], dtype=grad_ptr.dtype.element_ty)
-            for block in range(0, n_blocks):
-                tl.store(grad_row + block * BLOCK + offsets, zeros, mask=block * BLOCK + offsets < n_cols)
+            for block in range(0, n_full):
+                tl.store(grad_row + block * BLOCK + offsets, zeros, cache_modifier=".cs")
+            if has_tail:
+                tail = n_full * BLOCK + offsets
+                tl.store(grad_row + tail, zeros, mask=tail < n_cols, cache_modifier=".cs")

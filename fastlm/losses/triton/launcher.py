@@ -41,22 +41,20 @@ def _block_size(vocab: int, max_block: int) -> int:
     return min(triton.next_power_of_2(vocab), max_block)
 
 
-DEFAULT_BLOCK = 4096
-
-
-def default_max_block() -> int:
-    """4096-wide vocab blocks for every spec (H200 sweep, T=16384, kernel alone, run 8 of
-    docs/benchmarks.md): a row wider than the block is read twice, but the rows in flight fit in L2,
-    so the second read is an L2 hit, and small blocks keep registers low and occupancy high. CE+z+GRPO:
-    V=32000 0.784 ms at 4096/4 vs 0.869 ms single-pass 32768/16; V=131072 3.22 vs 3.69 ms. With
-    distillation (two live fp32 rows) a 32768 block spills badly (V=32000, T=8192: 8.67 vs 1.01 ms)."""
-    return DEFAULT_BLOCK
+def default_max_block(vocab: int, distillation: bool = False) -> int:
+    """Label-based children: a quarter of the row per block, 16384 at most (8192 at V=32000, 16384 at
+    V=131072: the fastest points of the H200 sweep, docs/benchmarks.md entry 11); a row of at most
+    4096 columns is one block. With distillation (two live rows per block) 4096."""
+    if distillation:
+        return 4096
+    if vocab <= 4096:
+        return triton.next_power_of_2(vocab)
+    return min(16384, triton.next_power_of_2(triton.cdiv(vocab, 4)))
 
 
 def default_num_warps(block: int) -> int:
-    """One warp per 1024 columns, at least 4 (4096/4, 8192/8, 16384/16, 32768/32): the best warps of
-    each block size in the H200 sweeps, label-based and distillation alike."""
-    return min(32, max(4, block // 1024))
+    """One warp per 2048 columns, at least 4 (8192/4, 16384/8: the sweep's best for each block)."""
+    return min(32, max(4, block // 2048))
 
 
 def _check_supported(logits: torch.Tensor, targets: LossTargets, spec: LossSpec, num_warps: int | None) -> None:
@@ -65,6 +63,9 @@ def _check_supported(logits: torch.Tensor, targets: LossTargets, spec: LossSpec,
         raise ValueError("the loss spec has no children; nothing for the Triton kernel to compute")
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps}")
+    if not spec.logit_scale > 0 or (spec.softcap is not None and not spec.softcap > 0):
+        # The kernel takes the block max on the raw logits: the transform must be increasing.
+        raise ValueError(f"logit_scale and softcap must be > 0, got {spec.logit_scale} and {spec.softcap}")
     if logits.dtype not in KERNEL_DTYPES:
         raise ValueError(f"logits must be float32, float16 or bfloat16 for the Triton kernel, got {logits.dtype}")
     for name, tensor in (("labels", targets.labels), ("old_logp", targets.old_logp), ("advantages", targets.advantages),
@@ -112,7 +113,9 @@ class _Launch:
         self.teacher = teacher
         self.spec = spec
         self.vocab_start = vocab_start
-        self.block = _block_size(logits.shape[1], max_block if max_block is not None else default_max_block())
+        if max_block is None:
+            max_block = default_max_block(logits.shape[1], spec.distillation is not None)
+        self.block = _block_size(logits.shape[1], max_block)
         self.num_warps = num_warps if num_warps is not None else default_num_warps(self.block)
         self.kd_grad = spec.distillation is not None and spec.distillation.weight != 0
 
@@ -149,6 +152,7 @@ class _Launch:
             self.labels,
             teacher,
             teacher.stride(0),
+            self.logits.shape[0],
             self.logits.shape[1],
             self.vocab_start,
             float(spec.logit_scale),
@@ -172,6 +176,7 @@ class _Launch:
             COMPUTE_GRAD=grad is not None,
             SINGLE_PASS=self.logits.shape[1] <= self.block,
             BLOCK=self.block,
+            ACC=min(self.block, 32 * self.num_warps * (16 // self.logits.element_size())),
             num_warps=self.num_warps,
         )
 
@@ -262,7 +267,7 @@ def triton_loss(
 ) -> tuple[LossResult, torch.Tensor | None]:
     """The monolithic loss and its gradient w.r.t. the raw logits (this rank's vocab shard under
     `group`). `inplace` overwrites `logits` with the gradient; `max_block` caps the vocab block
-    (default `default_max_block()`) and `num_warps` overrides the per-block default (both for
+    (default `default_max_block(vocab)`) and `num_warps` overrides the per-block default (both for
     tuning)."""
     _check_supported(logits, targets, spec, num_warps)
     check_inputs(logits, targets, normalizers, spec, group)
