@@ -53,22 +53,25 @@ def test_tiny_llama_learns_and_logs(tiny_config: Callable[..., RunConfig], monke
 
 
 def test_accumulation_equals_one_big_batch(tiny_config: Callable[..., RunConfig]) -> None:
+    """2 micro-batches of 4 give the loss and the gradient of one batch of 8 (summation order aside).
+    Gradients are compared, not the weights after AdamW: its first step is ~lr*sign(g), which turns
+    float32 reordering noise on near-zero gradient entries into lr-sized differences."""
     no_clip = {"grad_clip": None}
     accumulated = Trainer(tiny_config("acc", data={"micro_batch_size": 4}, optimizer=no_clip,
                                       trainer={"steps": 1, "grad_accumulation": 2}))
     big = Trainer(tiny_config("big", data={"micro_batch_size": 8}, optimizer=no_clip, trainer={"steps": 1}))
-    initial = [p.detach().clone() for p in big.model.parameters()]
-    first = accumulated.train()
-    second = big.train()
-    loss_error = abs(first.first_loss - second.first_loss) / abs(second.first_loss)
-    with torch.no_grad():
-        param_error = max(
-            float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
-            for a, b in zip(accumulated.model.parameters(), big.model.parameters(), strict=True)
-        )
-    print(f"accumulation 2x4 vs 1x8: loss rel err {loss_error:.2e}, max param rel err {param_error:.2e}")
+    first = accumulated.forward_backward(accumulated.micro_batches())
+    second = big.forward_backward(big.micro_batches())
+    loss_error = abs(first.loss - second.loss) / abs(second.loss)
+    grad_error = max(
+        float((a.grad - b.grad).abs().max() / b.grad.abs().max())
+        for a, b in zip(accumulated.model.parameters(), big.model.parameters(), strict=True)
+    )
+    print(f"accumulation 2x4 vs 1x8: loss rel err {loss_error:.2e}, max grad rel err (per tensor) {grad_error:.2e}")
     assert loss_error < 1e-6
-    assert param_error < 1e-6
+    assert grad_error < 1e-5
+    initial = [p.detach().clone() for p in big.model.parameters()]
+    big.optimizer_step(second)
     assert not any(torch.equal(a, b) for a, b in zip(big.model.parameters(), initial))  # the step moved them
 
 
