@@ -65,33 +65,29 @@ def _transform(z, x_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _load_logits(row_ptr, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
-                 EVICTION: tl.constexpr):
-    """One vocab block as (v, scale) with x*log2(e) = v*scale in fp32; -inf past the row end (MASKED:
-    only the row's last, partial block pays for the bounds check). Without a softcap v is the raw
-    block and scale = logit_scale*log2(e), so the max is taken before scaling and each shift is one
-    fused multiply-add; with one, v is transformed (`x_scale` = logit_scale/softcap) and scale = 1."""
+def _load_x2(row_ptr, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
+             EVICTION: tl.constexpr):
+    """One vocab block of the transformed logits in base-2 units, x2 = x*log2(e), fp32; -inf past the
+    row end (MASKED: only the row's last, partial block pays for the bounds check). `x_scale` is
+    logit_scale*log2(e) (logit_scale/softcap with a softcap)."""
     if MASKED:
         z = tl.load(row_ptr + offsets, mask=offsets < n_cols, other=float("-inf"), eviction_policy=EVICTION)
     else:
         z = tl.load(row_ptr + offsets, eviction_policy=EVICTION)
-    z = z.to(tl.float32)
-    if HAS_SOFTCAP:
-        x2 = _transform(z, x_scale, softcap, HAS_SOFTCAP)
-        if MASKED:
-            x2 = tl.where(offsets < n_cols, x2, float("-inf"))
-        return x2, 1.0
-    return z, x_scale
+    x2 = _transform(z.to(tl.float32), x_scale, softcap, HAS_SOFTCAP)
+    if HAS_SOFTCAP and MASKED:
+        x2 = tl.where(offsets < n_cols, x2, float("-inf"))
+    return x2
 
 
 @triton.jit
-def _load_teacher(teacher_row_ptr, offsets, n_cols, MASKED: tl.constexpr, EVICTION: tl.constexpr):
-    """One block of raw teacher logits in fp32 (times `u_scale` = log2(e)/T: u*log2(e)); -inf past the end."""
+def _load_u2(teacher_row_ptr, offsets, n_cols, u_scale, MASKED: tl.constexpr, EVICTION: tl.constexpr):
+    """One block of teacher logits / temperature in base-2 units (`u_scale` = log2(e)/T); -inf past the end."""
     if MASKED:
         u = tl.load(teacher_row_ptr + offsets, mask=offsets < n_cols, other=float("-inf"), eviction_policy=EVICTION)
     else:
         u = tl.load(teacher_row_ptr + offsets, eviction_policy=EVICTION)
-    return u.to(tl.float32)
+    return u.to(tl.float32) * u_scale
 
 
 @triton.jit
@@ -104,15 +100,14 @@ def _fold(v, ACC: tl.constexpr):
 
 @triton.jit
 def _block_stats(
-    v, x_scale, w, u_scale, m, s, t, mu, su, cross, MASKED: tl.constexpr, NEED_MOMENT: tl.constexpr,
-    HAS_KD: tl.constexpr, KD_REVERSE: tl.constexpr, ACC: tl.constexpr,
+    x2, u2, m, s, t, mu, su, cross, MASKED: tl.constexpr, NEED_MOMENT: tl.constexpr, HAS_KD: tl.constexpr,
+    KD_REVERSE: tl.constexpr, ACC: tl.constexpr,
 ):
-    """Merge one block into the running stats (base 2; x2 = v*x_scale, u2 = w*u_scale, both scales > 0):
-    max m, s = sum 2^(x2-m), t = sum 2^(x2-m)*(x2-m) (entropy's shifted moment, exact for peaked rows);
-    teacher max mu, su = sum 2^(u2-mu), cross = the KL cross sum (forward: weights 2^(u2-mu) on u2-x2;
-    reverse: 2^(x2-m) on x2-u2). The sums are ACC-lane vectors, rescaled only on blocks that raise a
-    max. Returns the new state and 2^(x2-m)."""
-    block_max = tl.max(v, 0) * x_scale
+    """Merge one block into the running stats (base 2): max m, s = sum 2^(x2-m), t = sum 2^(x2-m)*(x2-m)
+    (entropy's shifted moment, exact for peaked rows); teacher max mu, su = sum 2^(u2-mu), cross = the
+    KL cross sum (forward: weights 2^(u2-mu) on u2-x2; reverse: 2^(x2-m) on x2-u2). The sums are ACC-lane
+    vectors; they are rescaled only on blocks that raise a max. Returns the new state and 2^(x2-m)."""
+    block_max = tl.max(x2, 0)
     if block_max > m:
         rescale = tl.exp2(m - block_max)  # 0 on the first block (m = -inf, sums 0)
         if NEED_MOMENT:
@@ -121,26 +116,26 @@ def _block_stats(
         if HAS_KD and KD_REVERSE:
             cross = cross * rescale
         m = block_max
-    shifted = v * x_scale - m
+    shifted = x2 - m
     e = tl.exp2(shifted)
     s += _fold(e, ACC)
     if NEED_MOMENT:
         if MASKED:  # past the row end e = 0 but shifted = -inf
-            shifted = tl.where(v > float("-inf"), shifted, 0.0)
+            shifted = tl.where(x2 > float("-inf"), shifted, 0.0)
         t += _fold(e * shifted, ACC)
     if HAS_KD:
-        teacher_max = tl.max(w, 0) * u_scale
+        teacher_max = tl.max(u2, 0)
         if teacher_max > mu:
             rescale_u = tl.exp2(mu - teacher_max)
             su = su * rescale_u
             if not KD_REVERSE:
                 cross = cross * rescale_u
             mu = teacher_max
-        e_q = tl.exp2(w * u_scale - mu)
+        e_q = tl.exp2(u2 - mu)
         su += _fold(e_q, ACC)
-        gap = v * x_scale - w * u_scale
+        gap = x2 - u2
         if MASKED:
-            gap = tl.where(v > float("-inf"), gap, 0.0)
+            gap = tl.where(x2 > float("-inf"), gap, 0.0)
         if KD_REVERSE:
             cross += _fold(e * gap, ACC)
         else:
@@ -237,11 +232,10 @@ def _store_grad_block(
     MASKED: tl.constexpr,
 ):
     """Second pass over one block (the stats pass read it, so it is likely in L2: evict it now)."""
-    v, v_scale = _load_logits(logits_row_ptr, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, MASKED, "evict_first")
-    x2 = v * v_scale
+    x2 = _load_x2(logits_row_ptr, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, MASKED, "evict_first")
     u2 = x2
     if KD_GRAD:
-        u2 = _load_teacher(teacher_row_ptr, offsets, n_cols, MASKED, "evict_first") * u_scale
+        u2 = _load_u2(teacher_row_ptr, offsets, n_cols, u_scale, MASKED, "evict_first")
     grad = _grad(tl.exp2(x2 - lse2), x2, u2, prob_coeff, kd_coeff, teacher_lse2, 0.0, inv_softcap2, HAS_SOFTCAP,
                  KD_GRAD, KD_REVERSE)
     value = grad.to(grad_row_ptr.dtype.element_ty)
@@ -318,10 +312,10 @@ def lm_loss_kernel(
     in_shard = (local_label >= 0) & (local_label < n_cols)
     if label != IGNORE_INDEX:
         if SINGLE_PASS:  # the whole row stays in registers for both passes
-            v, v_scale = _load_logits(logits_row, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, True, "evict_first")
-            w = v
+            x2 = _load_x2(logits_row, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, True, "evict_first")
+            u2 = x2
             if HAS_KD or KD_GRAD:
-                w = _load_teacher(teacher_row, offsets, n_cols, True, "evict_first")
+                u2 = _load_u2(teacher_row, offsets, n_cols, u_scale, True, "evict_first")
         # Masked load: a label outside this shard (or outside the vocabulary) reads nothing. Read
         # before any gradient store: an in-place gradient overwrites the logits.
         z_label = tl.load(logits_row + local_label, mask=in_shard, other=0.0).to(tl.float32)
@@ -343,28 +337,26 @@ def lm_loss_kernel(
             need_moment = MODE == MODE_STATS or ROW_GRPO >= 0
             if SINGLE_PASS:
                 m, s, t, mu, su, cross, e = _block_stats(
-                    v, v_scale, w, u_scale, m, s, t, mu, su, cross, True, need_moment, HAS_KD, KD_REVERSE, ACC)
+                    x2, u2, m, s, t, mu, su, cross, True, need_moment, HAS_KD, KD_REVERSE, ACC)
             else:
                 for block in range(0, n_full):
                     block_offsets = block * BLOCK + offsets
-                    v, v_scale = _load_logits(logits_row, block_offsets, n_cols, x_scale, softcap, HAS_SOFTCAP,
-                                              False, "evict_last")
-                    w = v
+                    x2 = _load_x2(logits_row, block_offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, False,
+                                  "evict_last")
+                    u2 = x2
                     if HAS_KD:
-                        w = _load_teacher(teacher_row, block_offsets, n_cols, False, "evict_last")
+                        u2 = _load_u2(teacher_row, block_offsets, n_cols, u_scale, False, "evict_last")
                     m, s, t, mu, su, cross, e = _block_stats(
-                        v, v_scale, w, u_scale, m, s, t, mu, su, cross, False, need_moment, HAS_KD, KD_REVERSE,
-                        ACC)
+                        x2, u2, m, s, t, mu, su, cross, False, need_moment, HAS_KD, KD_REVERSE, ACC)
                 if has_tail:
                     block_offsets = n_full * BLOCK + offsets
-                    v, v_scale = _load_logits(logits_row, block_offsets, n_cols, x_scale, softcap, HAS_SOFTCAP,
-                                              True, "evict_last")
-                    w = v
+                    x2 = _load_x2(logits_row, block_offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, True,
+                                  "evict_last")
+                    u2 = x2
                     if HAS_KD:
-                        w = _load_teacher(teacher_row, block_offsets, n_cols, True, "evict_last")
+                        u2 = _load_u2(teacher_row, block_offsets, n_cols, u_scale, True, "evict_last")
                     m, s, t, mu, su, cross, e = _block_stats(
-                        v, v_scale, w, u_scale, m, s, t, mu, su, cross, True, need_moment, HAS_KD, KD_REVERSE,
-                        ACC)
+                        x2, u2, m, s, t, mu, su, cross, True, need_moment, HAS_KD, KD_REVERSE, ACC)
             s = tl.sum(s, 0)
             t = tl.sum(t, 0) * LN2  # natural units from here on
             m = m * LN2
@@ -424,8 +416,6 @@ def lm_loss_kernel(
             kd_grad_coeff = kd_coeff * grad_coeff * (LN2 if KD_REVERSE else 1.0)
             if SINGLE_PASS:
                 # One row in one block: p = 2^(x2 - m) / s reuses the stats pass's exponentials.
-                x2 = v * v_scale
-                u2 = w * u_scale
                 if MODE == MODE_GRAD:
                     p = tl.exp2(x2 - lse2)
                 else:
@@ -454,7 +444,7 @@ def lm_loss_kernel(
                 tl.debug_barrier()
                 u2_label = x2_label
                 if KD_GRAD:
-                    u2_label = _load_teacher(teacher_row + local_label, 0, 1, False, "evict_first") * u_scale
+                    u2_label = _load_u2(teacher_row + local_label, 0, 1, u_scale, False, "evict_first")
                 label_grad = _grad(tl.exp2(x2_label - lse2), x2_label, u2_label, prob_coeff, kd_grad_coeff,
                                    teacher_lse2, label_coeff, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE)
                 tl.store(grad_row + local_label, label_grad.to(grad_ptr.dtype.element_ty))
