@@ -16,8 +16,13 @@ sum-exp) runs in the stats pass next to the student's, plus one mergeable cross 
 forward `sum_j exp(u_j - max_u)*(u_j - x_j)`, reverse `sum_j exp(x_j - max_x)*(x_j - u_j)`, so
 KL = cross/sum_u - lse_u + lse_x (forward) or cross/sum_x - lse_x + lse_u (reverse).
 
-One program handles one token row; math is fp32 whatever the input dtypes. Three constexpr modes
-share the body:
+One program handles one token row; math is fp32 whatever the input dtypes, in base 2 inside (x*log2 e,
+so each exponential is one `exp2`) and natural units at the interface. The row is walked in blocks:
+every block but the last is read without a bounds check, running sums are per-thread vectors
+(rescaled only when a block raises the max, reduced across threads once per row), and the gradient
+pass walks backwards with evict-first loads so the re-read mostly hits L2. The gradient blocks leave
+out the label term; the label element is rewritten once at the end (after a barrier, from a logit
+read before any store, so in-place gradients are safe). Three constexpr modes share the body:
 
 - `MODE_FUSED`: online softmax stats, in-kernel coefficients (CE, z, GRPO, distillation), gradient;
   writes every per-token term the losses and metrics need into one (K, T) fp32 buffer, already

@@ -13,7 +13,8 @@ token count.
 
 Validation: host checks before any launch; the value checks (validation.py) are counted on the device
 (by the fused kernel itself, else by `value_flags`) and read back once, after everything is enqueued,
-so the host never waits for the GPU before the end of the call.
+so the host never waits for the GPU before the end of the call (inside
+`validation.deferred_value_checks()`, not before the end of that block).
 """
 
 from __future__ import annotations
