@@ -186,13 +186,14 @@ def test_accumulation_equals_one_big_batch(tmp_path: Path) -> None:
         for a, b in zip(accumulated.model.parameters(), big.model.parameters(), strict=True):
             a.add_(0.05 * torch.randn_like(a))
             b.copy_(a)
-    first, second = accumulated.train_step(), big.train_step()
+    # Gradients, not weights after AdamW's sign-like first step (which amplifies reordering noise).
+    first = accumulated.forward_backward(accumulated.micro_batches())
+    second = big.forward_backward(big.micro_batches())
     loss_error = abs(first.loss - second.loss) / abs(second.loss)
-    with torch.no_grad():
-        param_error = max(float((a - b).abs().max() / b.abs().max())
-                          for a, b in zip(accumulated.model.parameters(), big.model.parameters(), strict=True))
-    print(f"dpo accumulation 2x4 vs 1x8: loss rel err {loss_error:.2e}, max param rel err {param_error:.2e}")
-    assert loss_error < 1e-6 and param_error < 1e-6
+    trained = [(a, b) for a, b in zip(accumulated.model.parameters(), big.model.parameters(), strict=True) if b.grad is not None]
+    grad_error = max(float((a.grad - b.grad).abs().max() / b.grad.abs().max()) for a, b in trained)
+    print(f"dpo accumulation 2x4 vs 1x8: loss rel err {loss_error:.2e}, max grad rel err (per tensor) {grad_error:.2e}")
+    assert trained and loss_error < 1e-6 and grad_error < 1e-5
 
 
 def test_reference_is_the_initial_policy_across_resume_or_a_checkpoint(tmp_path: Path) -> None:
