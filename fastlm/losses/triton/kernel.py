@@ -138,9 +138,11 @@ def _block_stats(
             mu = teacher_max
         e_q = tl.exp2(u2 - mu)
         su += _fold(e_q, ACC)
-        gap = x2 - u2
-        if MASKED:
-            gap = tl.where(x2 > float("-inf"), gap, 0.0)
+        if MASKED:  # no -inf - -inf past the row end
+            valid = x2 > float("-inf")
+            gap = tl.where(valid, x2, 0.0) - tl.where(valid, u2, 0.0)
+        else:
+            gap = x2 - u2
         if KD_REVERSE:
             cross += _fold(e * gap, ACC)
         else:
@@ -241,6 +243,9 @@ def _store_grad_block(
     u2 = x2
     if KD_GRAD:
         u2 = _load_u2(teacher_row_ptr, offsets, n_cols, u_scale, MASKED, "evict_first")
+    if MASKED:  # finite past the row end (those columns are not stored): no inf*0 in the softcap/KD terms
+        x2 = tl.where(offsets < n_cols, x2, 0.0)
+        u2 = tl.where(offsets < n_cols, u2, 0.0)
     grad = _grad(tl.exp2(x2 - lse2), x2, u2, prob_coeff, kd_coeff, teacher_lse2, 0.0, inv_softcap2, HAS_SOFTCAP,
                  KD_GRAD, KD_REVERSE)
     value = grad.to(grad_row_ptr.dtype.element_ty)
@@ -425,6 +430,8 @@ def lm_loss_kernel(
                     p = tl.exp2(x2 - lse2)
                 else:
                     p = e * (1.0 / s)
+                x2 = tl.where(offsets < n_cols, x2, 0.0)  # finite past the row end, as in _store_grad_block
+                u2 = tl.where(offsets < n_cols, u2, 0.0)
                 grad = _grad(p, x2, u2, prob_coeff, kd_grad_coeff, teacher_lse2, 0.0, inv_softcap2,
                              HAS_SOFTCAP, KD_GRAD, KD_REVERSE)
                 tl.store(grad_row + offsets, grad.to(grad_ptr.dtype.element_ty), mask=offsets < n_cols,
