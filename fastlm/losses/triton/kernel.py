@@ -70,16 +70,22 @@ def _transform(z, x_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _load_block(row_ptr, offsets, n_cols, MASKED: tl.constexpr, EVICTION: tl.constexpr):
+    """One block of a row upcast to fp32; -inf past the row end (MASKED: only the row's last, partial
+    block pays for the bounds check)."""
+    if MASKED:
+        values = tl.load(row_ptr + offsets, mask=offsets < n_cols, other=float("-inf"), eviction_policy=EVICTION)
+    else:
+        values = tl.load(row_ptr + offsets, eviction_policy=EVICTION)
+    return values.to(tl.float32)
+
+
+@triton.jit
 def _load_x2(row_ptr, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
              EVICTION: tl.constexpr):
-    """One vocab block of the transformed logits in base-2 units, x2 = x*log2(e), fp32; -inf past the
-    row end (MASKED: only the row's last, partial block pays for the bounds check). `x_scale` is
-    logit_scale*log2(e) (logit_scale/softcap with a softcap)."""
-    if MASKED:
-        z = tl.load(row_ptr + offsets, mask=offsets < n_cols, other=float("-inf"), eviction_policy=EVICTION)
-    else:
-        z = tl.load(row_ptr + offsets, eviction_policy=EVICTION)
-    x2 = _transform(z.to(tl.float32), x_scale, softcap, HAS_SOFTCAP)
+    """One vocab block of the transformed logits in base-2 units, x2 = x*log2(e); -inf past the row end.
+    `x_scale` is logit_scale*log2(e) (logit_scale/softcap with a softcap)."""
+    x2 = _transform(_load_block(row_ptr, offsets, n_cols, MASKED, EVICTION), x_scale, softcap, HAS_SOFTCAP)
     if HAS_SOFTCAP and MASKED:
         x2 = tl.where(offsets < n_cols, x2, float("-inf"))
     return x2
@@ -88,11 +94,7 @@ def _load_x2(row_ptr, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP: tl.constex
 @triton.jit
 def _load_u2(teacher_row_ptr, offsets, n_cols, u_scale, MASKED: tl.constexpr, EVICTION: tl.constexpr):
     """One block of teacher logits / temperature in base-2 units (`u_scale` = log2(e)/T); -inf past the end."""
-    if MASKED:
-        u = tl.load(teacher_row_ptr + offsets, mask=offsets < n_cols, other=float("-inf"), eviction_policy=EVICTION)
-    else:
-        u = tl.load(teacher_row_ptr + offsets, eviction_policy=EVICTION)
-    return u.to(tl.float32) * u_scale
+    return _load_block(teacher_row_ptr, offsets, n_cols, MASKED, EVICTION) * u_scale
 
 
 @triton.jit
@@ -148,6 +150,22 @@ def _block_stats(
         else:
             cross -= _fold(e_q * gap, ACC)
     return m, s, t, mu, su, cross, e
+
+
+@triton.jit
+def _merge_block(
+    logits_row_ptr, teacher_row_ptr, offsets, n_cols, x_scale, softcap, u_scale, m, s, t, mu, su, cross,
+    HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, NEED_MOMENT: tl.constexpr, HAS_KD: tl.constexpr,
+    KD_REVERSE: tl.constexpr, ACC: tl.constexpr,
+):
+    """First pass over one block of a looped row: load it (asking L2 to keep it for the second pass)
+    and merge it into the running stats."""
+    x2 = _load_x2(logits_row_ptr, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, MASKED, "evict_last")
+    u2 = x2
+    if HAS_KD:
+        u2 = _load_u2(teacher_row_ptr, offsets, n_cols, u_scale, MASKED, "evict_last")
+    m, s, t, mu, su, cross, _ = _block_stats(x2, u2, m, s, t, mu, su, cross, MASKED, NEED_MOMENT, HAS_KD, KD_REVERSE, ACC)
+    return m, s, t, mu, su, cross
 
 
 @triton.jit
@@ -350,23 +368,13 @@ def lm_loss_kernel(
                     x2, u2, m, s, t, mu, su, cross, True, need_moment, HAS_KD, KD_REVERSE, ACC)
             else:
                 for block in range(0, n_full):
-                    block_offsets = block * BLOCK + offsets
-                    x2 = _load_x2(logits_row, block_offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, False,
-                                  "evict_last")
-                    u2 = x2
-                    if HAS_KD:
-                        u2 = _load_u2(teacher_row, block_offsets, n_cols, u_scale, False, "evict_last")
-                    m, s, t, mu, su, cross, e = _block_stats(
-                        x2, u2, m, s, t, mu, su, cross, False, need_moment, HAS_KD, KD_REVERSE, ACC)
+                    m, s, t, mu, su, cross = _merge_block(
+                        logits_row, teacher_row, block * BLOCK + offsets, n_cols, x_scale, softcap, u_scale, m, s, t,
+                        mu, su, cross, HAS_SOFTCAP, False, need_moment, HAS_KD, KD_REVERSE, ACC)
                 if has_tail:
-                    block_offsets = n_full * BLOCK + offsets
-                    x2 = _load_x2(logits_row, block_offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, True,
-                                  "evict_last")
-                    u2 = x2
-                    if HAS_KD:
-                        u2 = _load_u2(teacher_row, block_offsets, n_cols, u_scale, True, "evict_last")
-                    m, s, t, mu, su, cross, e = _block_stats(
-                        x2, u2, m, s, t, mu, su, cross, True, need_moment, HAS_KD, KD_REVERSE, ACC)
+                    m, s, t, mu, su, cross = _merge_block(
+                        logits_row, teacher_row, n_full * BLOCK + offsets, n_cols, x_scale, softcap, u_scale, m, s, t,
+                        mu, su, cross, HAS_SOFTCAP, True, need_moment, HAS_KD, KD_REVERSE, ACC)
             s = tl.sum(s, 0)
             t = tl.sum(t, 0) * LN2  # natural units from here on
             m = m * LN2
