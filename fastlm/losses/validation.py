@@ -112,18 +112,21 @@ def value_flags(
 
 @dataclass
 class ValueCheck:
-    """One call's value-check counts (still on the device) and what naming a failure needs."""
+    """One call's value-check counts (still on the device) and what naming a failure needs: the
+    per-token inputs only, so a deferred check keeps no (tokens, vocab) tensor such as teacher logits alive."""
 
     counts: torch.Tensor
     vocab: int  # global vocabulary size
-    targets: LossTargets
+    labels: torch.Tensor
+    old_logp: torch.Tensor | None
+    advantages: torch.Tensor | None
     normalizers: LossNormalizers
     spec: LossSpec
 
     def raise_if_bad(self, counts: list[float]) -> None:
         """Raise `ValueError` naming the first bad tensor or field, from the counts read back."""
         bad_labels, tokens, *non_finite = counts
-        labels = self.targets.labels
+        labels = self.labels
         if bad_labels:
             index = int(((labels != IGNORE_INDEX) & ((labels < 0) | (labels >= self.vocab))).nonzero()[0, 0])
             raise ValueError(
@@ -134,7 +137,7 @@ class ValueCheck:
             raise ValueError(f"normalizers.tokens must be > 0 when tokens are unmasked, got {self.normalizers.tokens}")
         for name, bad in zip(POLICY_INPUTS, non_finite):
             if bad:
-                _raise_non_finite(name, getattr(self.targets, name), labels != IGNORE_INDEX)
+                _raise_non_finite(name, getattr(self, name), labels != IGNORE_INDEX)
         gspo = self.spec.gspo
         if gspo is not None and not gspo.length_proportional and self.normalizers.documents <= 0 and tokens:
             raise ValueError(f"normalizers.documents must be > 0 for gspo sequence_mean, got {self.normalizers.documents}")
@@ -153,7 +156,8 @@ def raise_on_bad_values(
 ) -> None:
     """The call's one device->host read of `counts` (from `value_flags` or the fused kernel), then the
     named `ValueError`; inside `deferred_value_checks()` the read waits for the block's end instead."""
-    check = ValueCheck(counts, vocab_shard(logits, group)[1], targets, normalizers, spec)
+    check = ValueCheck(counts, vocab_shard(logits, group)[1], targets.labels, targets.old_logp, targets.advantages,
+                       normalizers, spec)
     pending = _PENDING.get()
     if pending is None:
         check.raise_if_bad(counts.tolist())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -113,3 +115,15 @@ def test_deferred_checks_leave_an_exception_from_the_block_alone() -> None:
         with deferred_value_checks():
             compiled_loss(logits, targets, normalizers, spec)
             raise RuntimeError("from the block")
+
+
+def test_deferred_check_keeps_no_teacher_logits_alive() -> None:
+    """A step's pending checks hold per-token inputs only: each micro-batch's (tokens, vocab) teacher
+    logits can be freed before the step ends (the trainer makes them per micro-batch for that reason)."""
+    spec, logits, targets, normalizers = _case("ce+kd")
+    teacher = weakref.ref(targets.teacher_logits)
+    with deferred_value_checks():
+        compiled_loss(logits, targets, normalizers, spec)
+        del targets
+        gc.collect()
+        assert teacher() is None
