@@ -282,7 +282,6 @@ def lm_loss_kernel(
     labels_ptr,
     teacher_ptr,
     teacher_stride,
-    n_rows,
     n_cols,
     vocab_start,
     logit_scale,
@@ -332,6 +331,7 @@ def lm_loss_kernel(
     kd_coeff = kd_weight * token_scale
     grad_coeff = grad_scale * logit_scale  # d(loss)/dx -> d(loss)/dz (times 1 - (x/c)^2 with a softcap)
     row = tl.program_id(0).to(tl.int64)
+    n_rows = tl.num_programs(0).to(tl.int64)
     logits_row = logits_ptr + row * logits_stride
     grad_row = grad_ptr + row * grad_stride
     teacher_row = teacher_ptr + row * teacher_stride

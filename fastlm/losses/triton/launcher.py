@@ -153,7 +153,6 @@ class _Launch:
             self.labels,
             teacher,
             teacher.stride(0),
-            self.logits.shape[0],
             self.logits.shape[1],
             self.vocab_start,
             float(spec.logit_scale),
