@@ -44,7 +44,7 @@ def _block_size(vocab: int, max_block: int) -> int:
 
 def default_max_block(vocab: int, distillation: bool = False) -> int:
     """Label-based children: a quarter of the row per block, 16384 at most (8192 at V=32000, 16384 at
-    V=131072: the fastest points of the H200 sweep, docs/benchmarks.md entry 11); a row of at most
+    V=131072: the fastest points of the H200 sweep, docs/benchmarks.md entry 12); a row of at most
     4096 columns is one block. With distillation (two live rows per block) 4096."""
     if distillation:
         return 4096
