@@ -251,6 +251,23 @@ def _grad(p, x2, u2, prob_coeff, kd_coeff, teacher_lse2, label_term, inv_softcap
 
 
 @triton.jit
+def _write_grad_block(
+    grad_row_ptr, offsets, n_cols, p, x2, u2, prob_coeff, kd_coeff, teacher_lse2, inv_softcap2,
+    HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Store one block's gradient (without the label term) in the buffer's dtype, streaming past L2."""
+    if MASKED:  # finite past the row end (those columns are not stored): no inf*0 in the softcap/KD terms
+        x2 = tl.where(offsets < n_cols, x2, 0.0)
+        u2 = tl.where(offsets < n_cols, u2, 0.0)
+    grad = _grad(p, x2, u2, prob_coeff, kd_coeff, teacher_lse2, 0.0, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE)
+    value = grad.to(grad_row_ptr.dtype.element_ty)
+    if MASKED:
+        tl.store(grad_row_ptr + offsets, value, mask=offsets < n_cols, cache_modifier=".cs")
+    else:
+        tl.store(grad_row_ptr + offsets, value, cache_modifier=".cs")
+
+
+@triton.jit
 def _store_grad_block(
     grad_row_ptr, logits_row_ptr, teacher_row_ptr, offsets, n_cols, x_scale, softcap, u_scale, lse2, teacher_lse2,
     prob_coeff, kd_coeff, inv_softcap2, HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr,
@@ -261,16 +278,8 @@ def _store_grad_block(
     u2 = x2
     if KD_GRAD:
         u2 = _load_u2(teacher_row_ptr, offsets, n_cols, u_scale, MASKED, "evict_first")
-    if MASKED:  # finite past the row end (those columns are not stored): no inf*0 in the softcap/KD terms
-        x2 = tl.where(offsets < n_cols, x2, 0.0)
-        u2 = tl.where(offsets < n_cols, u2, 0.0)
-    grad = _grad(tl.exp2(x2 - lse2), x2, u2, prob_coeff, kd_coeff, teacher_lse2, 0.0, inv_softcap2, HAS_SOFTCAP,
-                 KD_GRAD, KD_REVERSE)
-    value = grad.to(grad_row_ptr.dtype.element_ty)
-    if MASKED:
-        tl.store(grad_row_ptr + offsets, value, mask=offsets < n_cols, cache_modifier=".cs")
-    else:
-        tl.store(grad_row_ptr + offsets, value, cache_modifier=".cs")
+    _write_grad_block(grad_row_ptr, offsets, n_cols, tl.exp2(x2 - lse2), x2, u2, prob_coeff, kd_coeff, teacher_lse2,
+                      inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE, MASKED)
 
 
 @triton.jit
@@ -410,8 +419,9 @@ def lm_loss_kernel(
                     label_coeff += policy
                 kl_kd = 0.0
                 if HAS_KD:
-                    teacher_lse = (mu + tl.log2(tl.sum(su, 0))) * LN2
-                    teacher_lse2 = teacher_lse * LOG2E
+                    teacher_sum = tl.sum(su, 0)
+                    teacher_lse2 = mu + tl.log2(teacher_sum)
+                    teacher_lse = teacher_lse2 * LN2
                     cross_sum = tl.sum(cross, 0) * LN2
                     if KD_REVERSE:
                         mean_gap = cross_sum / s  # E_p[x - u]
@@ -419,7 +429,7 @@ def lm_loss_kernel(
                         if KD_GRAD:
                             prob_coeff -= kd_coeff * mean_gap
                     else:
-                        kl_kd = cross_sum / tl.sum(su, 0) - teacher_lse + lse
+                        kl_kd = cross_sum / teacher_sum - teacher_lse + lse
                         if KD_GRAD:
                             prob_coeff += kd_coeff
                 _store_terms(
@@ -438,12 +448,8 @@ def lm_loss_kernel(
                     p = tl.exp2(x2 - lse2)
                 else:
                     p = e * (1.0 / s)
-                x2 = tl.where(offsets < n_cols, x2, 0.0)  # finite past the row end, as in _store_grad_block
-                u2 = tl.where(offsets < n_cols, u2, 0.0)
-                grad = _grad(p, x2, u2, prob_coeff, kd_grad_coeff, teacher_lse2, 0.0, inv_softcap2,
-                             HAS_SOFTCAP, KD_GRAD, KD_REVERSE)
-                tl.store(grad_row + offsets, grad.to(grad_ptr.dtype.element_ty), mask=offsets < n_cols,
-                         cache_modifier=".cs")
+                _write_grad_block(grad_row, offsets, n_cols, p, x2, u2, prob_coeff, kd_grad_coeff, teacher_lse2,
+                                  inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE, True)
             else:
                 # Backwards, so the blocks the stats pass read last are the first re-read (L2 hits).
                 if has_tail:

@@ -66,7 +66,7 @@ def _check_supported(logits: torch.Tensor, targets: LossTargets, spec: LossSpec,
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps}")
     if not spec.logit_scale > 0 or (spec.softcap is not None and not spec.softcap > 0):
-        # The kernel takes the block max on the raw logits: the transform must be increasing.
+        # The kernel divides by the softcap; both are positive in every config (losses/config.py).
         raise ValueError(f"logit_scale and softcap must be > 0, got {spec.logit_scale} and {spec.softcap}")
     if logits.dtype not in KERNEL_DTYPES:
         raise ValueError(f"logits must be float32, float16 or bfloat16 for the Triton kernel, got {logits.dtype}")
