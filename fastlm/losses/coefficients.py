@@ -7,7 +7,7 @@ gradient-writing pass (compiled or Triton) is loss-agnostic. Masked tokens get 0
 add their loss and metrics but nothing to the coefficients.
 
 This is the per-token tail after the vocab pass, so it is written for few device ops and no
-device->host sync (GSPO's `torch.unique` excepted): every input is masked once up front, and the
+device->host sync (the GSPO seam included): every input is masked once up front, and the
 token sums of all losses and metrics are reduced together (`metrics.Sums`). The fused Triton kernel
 skips it: it writes the same per-token terms into one buffer laid out by `fused_layout`, and
 `reduce_fused` turns that into the result with a single sum over tokens.
@@ -21,6 +21,7 @@ import torch
 
 from fastlm.losses.metrics import (
     GRPO_METRICS,
+    TOKEN_POLICY_METRICS,
     Z_LOSS_METRICS,
     Sums,
     grpo_metrics,
@@ -141,49 +142,67 @@ def label_children(
     return out
 
 
+STATE_ROWS = ("lse", "new_logp", "prob_coeff", "label_coeff", "old_logp", "advantages")  # + teacher_lse with distillation
+
+
 @dataclass(frozen=True)
 class FusedLayout:
     """Rows of the fused kernel's (K, T) per-token buffer. Each present child has a group starting at
     its row (-1 when absent): its loss, then its metrics in `metrics` order (z: Z_LOSS_METRICS, grpo:
-    GRPO_METRICS); then the weighted total; all of these already divided by the step's token count.
-    Rows from `flags` on are the unscaled value-check counts (validation.value_flags order)."""
+    GRPO_METRICS; gspo: TOKEN_POLICY_METRICS only, its loss and document metrics come from the seam);
+    then the weighted total of the kernel's children; all of these already divided by the step's
+    token count. Rows from `flags` to `summed` are the unscaled value-check counts
+    (validation.value_flags order). With GSPO, rows from `state` on are what the seam and the gradient
+    launch read per token, unscaled (STATE_ROWS order; 0 on masked tokens)."""
 
     ce: int
     z: int
     grpo: int
+    gspo: int
     kd: int
     total: int
     flags: int
+    summed: int
+    state: int
     rows: int
     keys: tuple[tuple[bool, str], ...]  # (is a loss, result key) of each row before `total`
+
+    def state_row(self, terms: torch.Tensor, name: str) -> torch.Tensor:
+        """One per-token state vector (a contiguous view of `terms`)."""
+        names = STATE_ROWS + ("teacher_lse",)
+        return terms[self.state + names.index(name)]
 
 
 def fused_layout(spec: LossSpec) -> FusedLayout:
     """The row table shared by the launcher (kernel constexprs) and `reduce_fused` (result keys)."""
-    if spec.gspo is not None:
-        raise ValueError("the fused kernel has no GSPO terms (GSPO runs the stats launch and the seam)")
     keys: list[tuple[bool, str]] = []
 
-    def group(child: WeightedSpec | ClippedPolicySpec | DistillationSpec | None, metrics: tuple[str, ...]) -> int:
+    def group(
+        child: WeightedSpec | ClippedPolicySpec | DistillationSpec | None, metrics: tuple[str, ...], loss: bool = True
+    ) -> int:
         if child is None:
             return -1
-        keys.append((True, child.name))
+        if loss:
+            keys.append((True, child.name))
         keys.extend((False, metric_key(child.name, name)) for name in metrics)
-        return len(keys) - 1 - len(metrics)
+        return len(keys) - len(metrics) - loss
 
     rows = (
         group(spec.cross_entropy, ()),
         group(spec.z_loss, Z_LOSS_METRICS),
         group(spec.grpo, GRPO_METRICS),
+        group(spec.gspo, TOKEN_POLICY_METRICS, loss=False),
         group(spec.distillation, ()),
     )
     total = len(keys)
-    return FusedLayout(*rows, total, total + 1, total + 1 + value_flag_count(spec), tuple(keys))
+    summed = total + 1 + value_flag_count(spec)
+    state_rows = 0 if spec.gspo is None else len(STATE_ROWS) + (spec.distillation is not None)
+    return FusedLayout(*rows, total, total + 1, summed, summed if state_rows else -1, summed + state_rows, tuple(keys))
 
 
 def reduce_fused(terms: torch.Tensor, layout: FusedLayout) -> tuple[LossResult, torch.Tensor]:
     """(loss, losses and metrics; value-check counts) from the kernel's term buffer: one sum over T."""
-    totals = terms.sum(dim=1)
+    totals = terms[: layout.summed].sum(dim=1)
     values = totals.unbind()
     losses = {key: value for (is_loss, key), value in zip(layout.keys, values) if is_loss}
     metrics = {key: value for (is_loss, key), value in zip(layout.keys, values) if not is_loss}

@@ -99,9 +99,17 @@ def gspo_metrics(
     """GSPO: per-token new_logp/entropy/kl; ratio, advantage and clip ratios are document means."""
     token_values = (new_logp, entropy, k3_kl(new_logp, old_logp))
     _add_all(sums, into, spec.name, TOKEN_POLICY_METRICS, token_values, safe_inverse(normalizers.tokens))
+    gspo_document_metrics(sums, into, spec, seam, normalizers)
+
+
+def gspo_document_metrics(
+    sums: Sums, into: dict[str, torch.Tensor], spec: ClippedPolicySpec, seam: GSPOSeam, normalizers: LossNormalizers
+) -> None:
+    """The document means of GSPO (and num_documents); the fused kernel writes the token means itself.
+    Slots without a document hold zeros, so they add nothing."""
     document_values = _ratio_values(seam.ratio, seam.advantage, spec.eps_low, spec.eps_high)
     _add_all(sums, into, spec.name, RATIO_METRICS, document_values, safe_inverse(normalizers.documents))
-    into[metric_key(spec.name, "num_documents")] = seam.ratio.new_tensor(float(seam.ratio.numel()))
+    sums.add(into, metric_key(spec.name, "num_documents"), seam.present, 1.0)
 
 
 def z_loss_metrics(sums: Sums, into: dict[str, torch.Tensor], name: str, lse: torch.Tensor, normalizers: LossNormalizers) -> None:

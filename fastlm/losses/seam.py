@@ -8,10 +8,12 @@ Documents are grouped by id value (ids need not be contiguous or sorted, and a r
 documents); ids must therefore be unique across the flattened batch. Masked tokens belong to no
 document, and a document without unmasked tokens does not exist.
 
-Synchronisation: `torch.unique` must read its output size back from the device, and that is the one
-sync the seam costs; no boolean-mask indexing (each one is a sync too). Masked tokens are mapped to a
-sentinel id below every real id, prepended once so it is always unique's bin 0, which is dropped.
-Masked tokens land in bin 0, so the per-document sums need no mask (and ignore NaN there).
+No device->host sync: a batch of T tokens holds at most T documents, so the per-document vectors
+have T + 2 slots (slot 0 for masked tokens, then the documents in id order, then empty slots) and
+`present` marks the real ones; a sort and a cumulative sum rank the ids, so the host never waits for
+a count (as `torch.unique` would) and can queue the gradient launch while the GPU works. Empty
+slots and slot 0 hold exact zeros in every per-document vector, so sums over all slots are sums
+over the present documents.
 """
 
 from __future__ import annotations
@@ -25,12 +27,11 @@ from fastlm.losses.spec import GSPOSpec, LossNormalizers
 
 @dataclass
 class GSPOSeam:
-    """Per-document quantities (index i over present documents) and the per-token coefficient."""
+    """Per-document quantities (T + 2 slots, 0 where no document is present) and the per-token coefficient."""
 
-    ratio: torch.Tensor  # (D,) s_i = exp(mean_{t in i}(new_logp - old_logp))
-    advantage: torch.Tensor  # (D,) A_i: mean advantage over the document's unmasked tokens
-    lengths: torch.Tensor  # (D,) unmasked tokens per document
-    document_loss: torch.Tensor  # (D,) -min(s_i*A_i, clip(s_i)*A_i)
+    ratio: torch.Tensor  # s_i = exp(mean_{t in i}(new_logp - old_logp))
+    advantage: torch.Tensor  # A_i: mean advantage over the document's unmasked tokens
+    present: torch.Tensor  # bool: the slot holds a document
     loss: torch.Tensor  # scalar, unweighted: this call's share of the step-wide loss
     coefficient: torch.Tensor  # (T,) c_t with weight and normaliser; 0 on masked tokens and when weight is 0
 
@@ -50,13 +51,17 @@ def gspo_seam(
     normalizers: LossNormalizers,
 ) -> GSPOSeam:
     """sequence_mean: loss = sum_i loss_i / documents, c_t = w*s_i*A_i/|i|/documents (unclipped active);
-    length_proportional: loss = sum_i |i|*loss_i / tokens, c_t = w*s_i*A_i/tokens (|i| cancels)."""
+    length_proportional: loss = sum_i |i|*loss_i / tokens, c_t = w*s_i*A_i/tokens (|i| cancels).
+    Every per-token input is 0 on masked tokens (whatever the caller had there, NaN included)."""
     dtype = torch.promote_types(new_logp.dtype, torch.float32)
-    inverse, count = _document_index(document_ids, mask)
-    bins = new_logp.new_zeros(count + 1, dtype=dtype)
-    lengths = bins.index_add(0, inverse, mask.to(dtype))[1:]
-    ratio = torch.exp(bins.index_add(0, inverse, (new_logp - old_logp).to(dtype))[1:] / lengths)
-    advantage = bins.index_add(0, inverse, advantages.to(dtype))[1:] / lengths
+    slot = _document_slots(document_ids, mask)
+    per_token = torch.stack([mask.to(dtype), (new_logp - old_logp).to(dtype), advantages.to(dtype)], dim=1)
+    sums = per_token.new_zeros((slot.numel() + 2, 3)).index_add_(0, slot, per_token)
+    lengths = sums[:, 0]
+    present = lengths > 0
+    means = sums[:, 1:] / lengths.clamp(min=1.0).unsqueeze(1)
+    ratio = torch.where(present, torch.exp(means[:, 0]), 0.0)
+    advantage = means[:, 1]
     clipped = ratio.clamp(1.0 - spec.eps_low, 1.0 + spec.eps_high)
     document_loss = -torch.minimum(ratio * advantage, clipped * advantage)
     # The unclipped term is the active min (and carries the gradient) exactly where:
@@ -69,21 +74,23 @@ def gspo_seam(
     else:
         scale = safe_inverse(normalizers.documents)
         loss = document_loss.sum() * scale
-        per_document = slope / lengths * (spec.weight * scale)
+        per_document = slope / lengths.clamp(min=1.0) * (spec.weight * scale)
     if spec.weight != 0:
-        coefficient = torch.cat([bins[:1], per_document])[inverse]  # bin 0 (masked tokens) gets 0
+        coefficient = per_document[slot]  # slot 0 (masked tokens) holds no document: 0
     else:
         coefficient = new_logp.new_zeros(new_logp.shape, dtype=dtype)
-    return GSPOSeam(ratio, advantage, lengths, document_loss, loss, coefficient)
+    return GSPOSeam(ratio, advantage, present, loss, coefficient)
 
 
-def _document_index(document_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(per-token bin: 0 for masked tokens, 1 + rank of the document id otherwise; number of present
-    documents). The only device->host sync is unique's output size."""
+def _document_slots(document_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token slot: 0 for masked tokens, 1 + rank of the document id among the unmasked ids
+    otherwise (at most T). A sentinel below every id stands for the masked tokens and is prepended
+    once, so it always sorts first and takes rank 0."""
     ids = document_ids.to(torch.int64)
     if ids.numel() == 0:
-        return ids, 0
+        return ids
     sentinel = (ids.min() - 1).view(1)
-    keys = torch.cat([sentinel, torch.where(mask, ids, sentinel)])
-    uniques, inverse = torch.unique(keys, sorted=True, return_inverse=True)
-    return inverse[1:], uniques.numel() - 1
+    keys, order = torch.sort(torch.cat([sentinel, torch.where(mask, ids, sentinel)]))
+    rank = (keys[1:] != keys[:-1]).cumsum(0)  # rank of sorted keys 1..T; key 0 is the sentinel (rank 0)
+    slots = torch.zeros_like(keys).scatter_(0, order[1:], rank)
+    return slots[1:]

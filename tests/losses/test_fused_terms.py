@@ -85,13 +85,16 @@ def test_terms_match_the_torch_tail_in_fp32(name: str) -> None:
 
 
 def test_layout_rows() -> None:
-    """Groups in child order, total after them, then the counts; GSPO has no fused layout."""
+    """Groups in child order, total after them, then the counts; GSPO adds its token metrics (no loss
+    row: the seam makes it) and the per-token state after the counts, outside the summed rows."""
     layout = fused_layout(make_spec("ce+z+grpo+kd"))
     assert (layout.ce, layout.z, layout.grpo, layout.kd, layout.total, layout.flags, layout.rows) == (0, 1, 3, 12, 13, 14, 18)
     assert layout.keys[layout.z + 1] == (False, "z/lse") and layout.keys[layout.grpo + 3] == (False, "grpo/kl")
+    assert (layout.gspo, layout.state, layout.summed) == (-1, -1, 18)
     assert fused_layout(make_spec("ce")).rows == 4  # ce, total, 2 counts
-    with pytest.raises(ValueError, match="GSPO"):
-        fused_layout(make_spec("gspo+z"))
+    gspo = fused_layout(make_spec("gspo+z+kd"))
+    assert (gspo.z, gspo.gspo, gspo.kd, gspo.total, gspo.flags, gspo.summed, gspo.state, gspo.rows) == (0, 2, 5, 6, 7, 11, 11, 18)
+    assert gspo.keys[gspo.gspo :gspo.kd] == tuple((False, f"gspo/{name}") for name in ("new_logp", "entropy", "kl"))
 
 
 def _spoil(targets: LossTargets) -> LossTargets:

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 from fastlm.losses.compiled import compiled_loss
 from fastlm.losses.dispatch import monolithic_loss
+from fastlm.losses.function import LossImplementation
 from fastlm.losses.reference import reference_loss
 from fastlm.losses.spec import (
     ClippedPolicySpec,
@@ -32,6 +33,7 @@ from fastlm.losses.spec import (
     WeightedSpec,
 )
 from fastlm.losses.triton import triton_loss
+from fastlm.losses.validation import deferred_value_checks
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP32_TOL = 1e-5  # observed ~1e-7..1e-6 against float64
@@ -154,7 +156,7 @@ def test_half_precision_logits(dtype: torch.dtype, block: int) -> None:
 ], ids=["gspo", "gspo-length+z+softcap", "ce+grpo+gspo"])
 @pytest.mark.parametrize("block", [128, 512])
 def test_gspo_packed_documents(spec: LossSpec, block: int) -> None:
-    """Several documents per row: stats launch, eager seam, grad launch."""
+    """Several documents per row: fused launch without gradient, eager seam, grad launch."""
     logits, targets = _make_case(32, 300, seed=11, documents=4)
     normalizers = _normalizers(targets)
     assert normalizers.documents >= 8
@@ -164,6 +166,24 @@ def test_gspo_packed_documents(spec: LossSpec, block: int) -> None:
     _check(f"{names} length_proportional={spec.gspo.length_proportional} block={block}", result, grad, expected, expected_grad, FP32_TOL)
     compiled, _ = compiled_loss(logits, targets, normalizers, spec, grad_scale=2.0)
     _check_metrics(result, compiled, FP32_TOL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA's sync detection; runs on the H200 (docs/benchmarks.md)")
+@pytest.mark.parametrize("implementation", [triton_loss, compiled_loss], ids=["triton", "compiled"])
+def test_gspo_call_queues_without_a_sync(implementation: LossImplementation) -> None:
+    """Inside `deferred_value_checks` a GSPO call (seam included) never makes the host wait for the GPU."""
+    spec = LossSpec(cross_entropy=CE, z_loss=Z, gspo=GSPO)
+    logits, targets = _make_case(64, 300, seed=5, documents=4)
+    normalizers = _normalizers(targets)
+    implementation(logits, targets, normalizers, spec)  # compiles (the compiled path syncs while compiling)
+    with deferred_value_checks():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            result, grad = implementation(logits, targets, normalizers, spec)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    expected, expected_grad = _reference(logits, targets, normalizers, spec)
+    _check(f"{implementation.__name__} under sync detection", result, grad, expected, expected_grad, FP32_TOL)
 
 
 @pytest.mark.parametrize("block", [128, 32768])

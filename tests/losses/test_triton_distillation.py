@@ -115,7 +115,7 @@ def test_half_precision_student_and_teacher(dtype: torch.dtype, kinds: str) -> N
 @pytest.mark.parametrize("kinds", ["gspo+kd", "z+gspo_len+kd_rev"])
 @pytest.mark.parametrize("block", list(BLOCKS))
 def test_gspo_with_distillation_uses_stats_and_grad_launches(kinds: str, block: str) -> None:
-    """GSPO forces stats launch -> seam -> grad launch; the teacher stats ride along."""
+    """GSPO forces fused launch (no gradient) -> seam -> grad launch; the teacher stats ride along."""
     spec, logits, targets, normalizers = _case(kinds, seed=8, tokens=32, softcap=4.0)
     result, grad = triton_loss(logits, targets, normalizers, spec, grad_scale=0.5, max_block=BLOCKS[block])
     expected, expected_grad = reference_with_grad(logits, targets, normalizers, spec, grad_scale=0.5)

@@ -29,12 +29,14 @@ read before any store, so in-place gradients are safe). Three constexpr modes sh
   scaled by 1/tokens, so the whole loss tail is one sum over T (`coefficients.fused_layout` gives the
   rows: each present child's loss then its metrics, the weighted total, then the unscaled
   value-check counts of validation.py: label out of range, unmasked, non-finite old_logp /
-  advantage). Out-of-range labels read no logit (masked load) and only raise that count.
+  advantage). Out-of-range labels read no logit (masked load) and only raise that count. With GSPO
+  it runs without the gradient and also writes GSPO's token metrics and the per-token state the seam
+  and the grad launch need (lse, new_logp, both coefficients, old_logp, advantage, teacher lse).
 - `MODE_STATS`: stats only, as mergeable pieces (max, sum-exp, label logit, shifted x-moment; teacher
   max, teacher sum-exp, cross sum) so a vocab-parallel group can all-reduce them; writes the label
   logit only where the label is in shard.
-- `MODE_GRAD`: loads lse, both coefficients (and the teacher lse) per token, computed in torch, and
-  writes the gradient.
+- `MODE_GRAD`: loads lse, both coefficients (and the teacher lse) per token, computed in torch (or
+  by a fused launch plus the GSPO seam), and writes the gradient.
 
 Masked rows (label -100) branch around the work and write a zero gradient; no early return.
 """
@@ -189,12 +191,14 @@ def _store_term(terms_ptr, index, n_tokens, row, value):
 
 @triton.jit
 def _store_terms(
-    terms_ptr, row, n_tokens, lse, new_logp, entropy, in_vocab, old_logp_ptr, advantages_ptr, kl_kd, ce_weight,
-    z_weight, grpo_weight, kd_weight, token_scale, eps_low, eps_high, ROW_CE: tl.constexpr, ROW_Z: tl.constexpr,
-    ROW_GRPO: tl.constexpr, ROW_KD: tl.constexpr, ROW_TOTAL: tl.constexpr, ROW_FLAGS: tl.constexpr,
+    terms_ptr, row, n_tokens, lse, new_logp, entropy, in_vocab, old_logp_ptr, advantages_ptr, kl_kd, prob_coeff,
+    label_coeff, teacher_lse, ce_weight, z_weight, grpo_weight, kd_weight, token_scale, eps_low, eps_high,
+    ROW_CE: tl.constexpr, ROW_Z: tl.constexpr, ROW_GRPO: tl.constexpr, ROW_GSPO: tl.constexpr, ROW_KD: tl.constexpr,
+    ROW_TOTAL: tl.constexpr, ROW_FLAGS: tl.constexpr, ROW_STATE: tl.constexpr,
 ):
     """The per-token terms of an unmasked row (order: coefficients.fused_layout / metrics.GRPO_METRICS),
-    scaled by `token_scale`; then the value-check counts, unscaled."""
+    scaled by `token_scale`; then the value-check counts, unscaled; then (GSPO) the seam's per-token
+    state, unscaled (coefficients.STATE_ROWS)."""
     total = 0.0
     if ROW_CE >= 0:
         _store_term(terms_ptr, ROW_CE, n_tokens, row, -new_logp * token_scale)
@@ -203,33 +207,48 @@ def _store_terms(
         _store_term(terms_ptr, ROW_Z, n_tokens, row, lse * lse * token_scale)
         _store_term(terms_ptr, ROW_Z + 1, n_tokens, row, lse * token_scale)
         total += z_weight * lse * lse
-    if ROW_GRPO >= 0:
+    if ROW_GRPO >= 0 or ROW_GSPO >= 0:
         old_logp = tl.load(old_logp_ptr + row).to(tl.float32)
         advantage = tl.load(advantages_ptr + row).to(tl.float32)
+        delta = old_logp - new_logp
+        kl = _expm1(delta) - delta  # k3 KL
+        _store_term(terms_ptr, ROW_FLAGS + 2, n_tokens, row, _non_finite(old_logp))
+        _store_term(terms_ptr, ROW_FLAGS + 3, n_tokens, row, _non_finite(advantage))
+    if ROW_GRPO >= 0:
         ratio = tl.exp(new_logp - old_logp)
         clipped = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
         token_loss = -tl.minimum(ratio * advantage, clipped * advantage)
-        delta = old_logp - new_logp
         low = ((ratio < 1.0 - eps_low) & (advantage < 0.0)).to(tl.float32)
         high = ((ratio > 1.0 + eps_high) & (advantage > 0.0)).to(tl.float32)
         _store_term(terms_ptr, ROW_GRPO, n_tokens, row, token_loss * token_scale)
         _store_term(terms_ptr, ROW_GRPO + 1, n_tokens, row, new_logp * token_scale)
         _store_term(terms_ptr, ROW_GRPO + 2, n_tokens, row, entropy * token_scale)
-        _store_term(terms_ptr, ROW_GRPO + 3, n_tokens, row, (_expm1(delta) - delta) * token_scale)  # k3 KL
+        _store_term(terms_ptr, ROW_GRPO + 3, n_tokens, row, kl * token_scale)
         _store_term(terms_ptr, ROW_GRPO + 4, n_tokens, row, ratio * token_scale)
         _store_term(terms_ptr, ROW_GRPO + 5, n_tokens, row, advantage * token_scale)
         _store_term(terms_ptr, ROW_GRPO + 6, n_tokens, row, low * token_scale)
         _store_term(terms_ptr, ROW_GRPO + 7, n_tokens, row, high * token_scale)
         _store_term(terms_ptr, ROW_GRPO + 8, n_tokens, row, tl.maximum(low, high) * token_scale)
         total += grpo_weight * token_loss
-        _store_term(terms_ptr, ROW_FLAGS + 2, n_tokens, row, _non_finite(old_logp))
-        _store_term(terms_ptr, ROW_FLAGS + 3, n_tokens, row, _non_finite(advantage))
+    if ROW_GSPO >= 0:  # the token means; the ratio is per document (the seam)
+        _store_term(terms_ptr, ROW_GSPO, n_tokens, row, new_logp * token_scale)
+        _store_term(terms_ptr, ROW_GSPO + 1, n_tokens, row, entropy * token_scale)
+        _store_term(terms_ptr, ROW_GSPO + 2, n_tokens, row, kl * token_scale)
     if ROW_KD >= 0:
         _store_term(terms_ptr, ROW_KD, n_tokens, row, kl_kd * token_scale)
         total += kd_weight * kl_kd
     _store_term(terms_ptr, ROW_TOTAL, n_tokens, row, total * token_scale)
     _store_term(terms_ptr, ROW_FLAGS, n_tokens, row, 1.0 - in_vocab.to(tl.float32))
     _store_term(terms_ptr, ROW_FLAGS + 1, n_tokens, row, 1.0)
+    if ROW_STATE >= 0:
+        _store_term(terms_ptr, ROW_STATE, n_tokens, row, lse)
+        _store_term(terms_ptr, ROW_STATE + 1, n_tokens, row, new_logp)
+        _store_term(terms_ptr, ROW_STATE + 2, n_tokens, row, prob_coeff)
+        _store_term(terms_ptr, ROW_STATE + 3, n_tokens, row, label_coeff)
+        _store_term(terms_ptr, ROW_STATE + 4, n_tokens, row, old_logp)
+        _store_term(terms_ptr, ROW_STATE + 5, n_tokens, row, advantage)
+        if ROW_KD >= 0:
+            _store_term(terms_ptr, ROW_STATE + 6, n_tokens, row, teacher_lse)
 
 
 @triton.jit
@@ -317,9 +336,11 @@ def lm_loss_kernel(
     ROW_CE: tl.constexpr,  # FUSED: first term row of each child, -1 when absent (coefficients.fused_layout)
     ROW_Z: tl.constexpr,
     ROW_GRPO: tl.constexpr,
+    ROW_GSPO: tl.constexpr,  # token-mean metrics only
     ROW_KD: tl.constexpr,
     ROW_TOTAL: tl.constexpr,
     ROW_FLAGS: tl.constexpr,
+    ROW_STATE: tl.constexpr,  # GSPO: per-token state for the seam and the grad launch
     N_TERMS: tl.constexpr,  # K, rows of the term buffer
     HAS_KD: tl.constexpr,  # teacher statistics in this launch (FUSED, STATS)
     KD_GRAD: tl.constexpr,  # distillation term in the gradient (FUSED, GRAD; weight != 0)
@@ -371,7 +392,7 @@ def lm_loss_kernel(
             mu = float("-inf")
             su = tl.zeros([ACC], dtype=tl.float32)
             cross = tl.zeros([ACC], dtype=tl.float32)
-            need_moment = MODE == MODE_STATS or ROW_GRPO >= 0
+            need_moment = MODE == MODE_STATS or ROW_GRPO >= 0 or ROW_GSPO >= 0
             if SINGLE_PASS:
                 m, s, t, mu, su, cross, e = _block_stats(
                     x2, u2, m, s, t, mu, su, cross, True, need_moment, HAS_KD, KD_REVERSE, ACC)
@@ -421,21 +442,19 @@ def lm_loss_kernel(
                 if HAS_KD:
                     teacher_sum = tl.sum(su, 0)
                     teacher_lse2 = mu + tl.log2(teacher_sum)
-                    teacher_lse = teacher_lse2 * LN2
                     cross_sum = tl.sum(cross, 0) * LN2
                     if KD_REVERSE:
                         mean_gap = cross_sum / s  # E_p[x - u]
-                        kl_kd = mean_gap - lse + teacher_lse
-                        if KD_GRAD:
-                            prob_coeff -= kd_coeff * mean_gap
+                        kl_kd = mean_gap - lse + teacher_lse2 * LN2
+                        prob_coeff -= kd_coeff * mean_gap  # kd_coeff is 0 at weight 0
                     else:
-                        kl_kd = cross_sum / teacher_sum - teacher_lse + lse
-                        if KD_GRAD:
-                            prob_coeff += kd_coeff
+                        kl_kd = cross_sum / teacher_sum - teacher_lse2 * LN2 + lse
+                        prob_coeff += kd_coeff
                 _store_terms(
                     out0_ptr, row, n_rows, lse, new_logp, log_s - t / s, in_shard, old_logp_ptr, advantages_ptr,
-                    kl_kd, ce_weight, z_weight, grpo_weight, kd_weight, token_scale, eps_low, eps_high,
-                    ROW_CE, ROW_Z, ROW_GRPO, ROW_KD, ROW_TOTAL, ROW_FLAGS,
+                    kl_kd, prob_coeff, label_coeff, teacher_lse2 * LN2, ce_weight, z_weight, grpo_weight, kd_weight,
+                    token_scale, eps_low, eps_high, ROW_CE, ROW_Z, ROW_GRPO, ROW_GSPO, ROW_KD, ROW_TOTAL, ROW_FLAGS,
+                    ROW_STATE,
                 )
         if COMPUTE_GRAD:
             lse2 = lse * LOG2E

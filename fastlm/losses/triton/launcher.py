@@ -5,14 +5,15 @@
 - tensor parallelism (`group`): stats launch, all-reduce of the mergeable pieces (student and
   teacher), coefficients in torch (`coefficients.label_children` plus the distillation part here),
   grad launch;
-- GSPO: stats launch, then `label_children` (which runs the GSPO seam), then the grad launch.
+- GSPO without tensor parallelism: the fused launch without the gradient (which also writes the
+  per-token state), the sync-free GSPO seam on that state, then the grad launch.
 The fused launch writes every per-token loss/metric term into one buffer laid out by
-`coefficients.fused_layout` (same keys as `label_children`, which the other two cases use), so its
-whole tail is one sum. The distillation loss is the token sum of the per-token KL over the step's
+`coefficients.fused_layout` (same keys as `label_children`, which the tensor-parallel case uses), so
+its whole tail is one sum. The distillation loss is the token sum of the per-token KL over the step's
 token count.
 
 Validation: host checks before any launch; the value checks (validation.py) are counted on the device
-(by the fused kernel itself, else by `value_flags`) and read back once, after everything is enqueued,
+(by the fused kernel itself, else (tensor parallel) by `value_flags`) and read back once, after everything is enqueued,
 so the host never waits for the GPU before the end of the call (inside
 `validation.deferred_value_checks()`, not before the end of that block).
 """
@@ -20,6 +21,7 @@ so the host never waits for the GPU before the end of the call (inside
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -27,8 +29,9 @@ import torch.distributed as dist
 import triton
 
 from fastlm.losses.coefficients import FusedLayout, LabelChildren, TokenStats, fused_layout, label_children, reduce_fused
-from fastlm.losses.seam import safe_inverse
-from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets
+from fastlm.losses.metrics import Sums, gspo_document_metrics
+from fastlm.losses.seam import gspo_seam, safe_inverse
+from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossResult, LossSpec, LossTargets
 from fastlm.losses.triton.kernel import MODE_FUSED, MODE_GRAD, MODE_STATS, lm_loss_kernel
 from fastlm.losses.validation import ProcessGroup, check_inputs, raise_on_bad_values, value_flags, vocab_shard
 
@@ -145,7 +148,9 @@ class _Launch:
         distill = spec.distillation
         teacher = self.teacher if self.teacher is not None else self.logits
         weights = (spec.cross_entropy, spec.z_loss, spec.grpo, distill)
-        rows = (layout.ce, layout.z, layout.grpo, layout.kd, layout.total, layout.flags, layout.rows) if layout else (-1,) * 7
+        names = ("ROW_CE", "ROW_Z", "ROW_GRPO", "ROW_GSPO", "ROW_KD", "ROW_TOTAL", "ROW_FLAGS", "ROW_STATE", "N_TERMS")
+        rows = (layout.ce, layout.z, layout.grpo, layout.gspo, layout.kd, layout.total, layout.flags, layout.state,
+                layout.rows) if layout else (-1,) * len(names)
         lm_loss_kernel[(self.logits.shape[0],)](
             self.logits,
             self.logits.stride(0),
@@ -169,7 +174,7 @@ class _Launch:
             float(policy_spec.eps_high) if policy_spec is not None else 0.0,
             float(grad_scale),
             MODE=mode,
-            **dict(zip(("ROW_CE", "ROW_Z", "ROW_GRPO", "ROW_KD", "ROW_TOTAL", "ROW_FLAGS", "N_TERMS"), rows)),
+            **dict(zip(names, rows)),
             HAS_KD=mode != MODE_GRAD.value and distill is not None,
             KD_GRAD=mode != MODE_STATS.value and grad is not None and self.kd_grad,
             KD_REVERSE=distill is not None and distill.reverse,
@@ -192,14 +197,40 @@ def _kd_coeff(spec: LossSpec, normalizers: LossNormalizers) -> float:
 def _fused_terms(
     launch: _Launch, targets: LossTargets, normalizers: LossNormalizers, grad: torch.Tensor | None, grad_scale: float
 ) -> tuple[torch.Tensor, FusedLayout]:
-    """One launch: stats, in-kernel coefficients, the gradient and the (K, T) per-token term buffer."""
+    """One launch: stats, in-kernel coefficients, the gradient (unless None) and the (K, T) per-token
+    term buffer."""
     layout = fused_layout(launch.spec)
     terms = torch.empty((layout.rows, launch.logits.shape[0]), dtype=torch.float32, device=launch.logits.device)
     policy = None
-    if launch.spec.grpo is not None:
+    if launch.spec.needs_policy_inputs:
         policy = (targets.old_logp.float().contiguous(), targets.advantages.float().contiguous())
     launch.run(MODE_FUSED.value, (terms,), grad, (), policy, safe_inverse(normalizers.tokens), grad_scale, layout)
     return terms, layout
+
+
+def _seam_terms(
+    launch: _Launch, targets: LossTargets, normalizers: LossNormalizers, grad: torch.Tensor | None, grad_scale: float
+) -> tuple[LossResult, torch.Tensor]:
+    """GSPO without tensor parallelism: the fused launch without the gradient (every other child's
+    terms and coefficients, GSPO's token metrics, the per-token state), the seam on that state, then
+    the grad launch with the seam's coefficient added. No sync, ~60 device ops in all."""
+    spec = launch.spec
+    gspo = spec.gspo
+    terms, layout = _fused_terms(launch, targets, normalizers, None, grad_scale)
+    result, counts = reduce_fused(terms, layout)
+    state = partial(layout.state_row, terms)
+    seam = gspo_seam(state("new_logp"), state("old_logp"), state("advantages"), targets.document_ids,
+                     targets.labels != IGNORE_INDEX, gspo, normalizers)
+    sums = Sums()
+    gspo_document_metrics(sums, result.metrics, gspo, seam, normalizers)
+    sums.resolve()
+    result.losses[gspo.name] = seam.loss
+    if grad is not None:
+        kd_out = (state("teacher_lse"),) if spec.distillation is not None else ()
+        coefficients = (state("lse"), state("prob_coeff") + seam.coefficient, state("label_coeff") + seam.coefficient)
+        launch.run(MODE_GRAD.value, coefficients, grad, kd_out, token_scale=safe_inverse(normalizers.tokens),
+                   grad_scale=grad_scale)
+    return LossResult(result.loss + gspo.weight * seam.loss, result.losses, result.metrics), counts
 
 
 def _reduce_stats(
@@ -281,6 +312,8 @@ def triton_loss(
         grad = logits if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
     if group is None and spec.gspo is None:
         result, counts = reduce_fused(*_fused_terms(launch, targets, normalizers, grad, grad_scale))
+    elif group is None:
+        result, counts = _seam_terms(launch, targets, normalizers, grad, grad_scale)
     else:
         mask, counts = value_flags(logits, targets, spec, group)
         stats, teacher_stats = _reduce_stats(launch, spec, normalizers, mask, group)
