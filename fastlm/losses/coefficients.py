@@ -142,7 +142,7 @@ def label_children(
     return out
 
 
-STATE_ROWS = ("lse", "new_logp", "prob_coeff", "label_coeff", "old_logp", "advantages")  # + teacher_lse with distillation
+STATE_ROWS = ("lse", "new_logp", "prob_coeff", "label_coeff", "old_logp", "advantages", "teacher_lse")  # the last with distillation only
 
 
 @dataclass(frozen=True)
@@ -169,8 +169,7 @@ class FusedLayout:
 
     def state_row(self, terms: torch.Tensor, name: str) -> torch.Tensor:
         """One per-token state vector (a contiguous view of `terms`)."""
-        names = STATE_ROWS + ("teacher_lse",)
-        return terms[self.state + names.index(name)]
+        return terms[self.state + STATE_ROWS.index(name)]
 
 
 def fused_layout(spec: LossSpec) -> FusedLayout:
@@ -196,7 +195,7 @@ def fused_layout(spec: LossSpec) -> FusedLayout:
     )
     total = len(keys)
     summed = total + 1 + value_flag_count(spec)
-    state_rows = 0 if spec.gspo is None else len(STATE_ROWS) + (spec.distillation is not None)
+    state_rows = 0 if spec.gspo is None else len(STATE_ROWS) - (spec.distillation is None)
     return FusedLayout(*rows, total, total + 1, summed, summed if state_rows else -1, summed + state_rows, tuple(keys))
 
 

@@ -59,7 +59,8 @@ def gspo_seam(
     sums = per_token.new_zeros((slot.numel() + 2, 3)).index_add_(0, slot, per_token)
     lengths = sums[:, 0]
     present = lengths > 0
-    means = sums[:, 1:] / lengths.clamp(min=1.0).unsqueeze(1)
+    divisor = lengths.clamp(min=1.0)  # empty slots divide zeros by 1
+    means = sums[:, 1:] / divisor.unsqueeze(1)
     ratio = torch.where(present, torch.exp(means[:, 0]), 0.0)
     advantage = means[:, 1]
     clipped = ratio.clamp(1.0 - spec.eps_low, 1.0 + spec.eps_high)
@@ -74,7 +75,7 @@ def gspo_seam(
     else:
         scale = safe_inverse(normalizers.documents)
         loss = document_loss.sum() * scale
-        per_document = slope / lengths.clamp(min=1.0) * (spec.weight * scale)
+        per_document = slope / divisor * (spec.weight * scale)
     if spec.weight != 0:
         coefficient = per_document[slot]  # slot 0 (masked tokens) holds no document: 0
     else:

@@ -13,8 +13,8 @@ its whole tail is one sum. The distillation loss is the token sum of the per-tok
 token count.
 
 Validation: host checks before any launch; the value checks (validation.py) are counted on the device
-(by the fused kernel itself, else (tensor parallel) by `value_flags`) and read back once, after everything is enqueued,
-so the host never waits for the GPU before the end of the call (inside
+(by the fused kernel itself, else (tensor parallel) by `value_flags`) and read back once, after
+everything is enqueued, so the host never waits for the GPU before the end of the call (inside
 `validation.deferred_value_checks()`, not before the end of that block).
 """
 
@@ -213,7 +213,7 @@ def _seam_terms(
 ) -> tuple[LossResult, torch.Tensor]:
     """GSPO without tensor parallelism: the fused launch without the gradient (every other child's
     terms and coefficients, GSPO's token metrics, the per-token state), the seam on that state, then
-    the grad launch with the seam's coefficient added. No sync, ~60 device ops in all."""
+    the grad launch with the seam's coefficient added. No sync, ~45 device ops in all."""
     spec = launch.spec
     gspo = spec.gspo
     terms, layout = _fused_terms(launch, targets, normalizers, None, grad_scale)
