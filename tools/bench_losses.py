@@ -64,6 +64,9 @@ LIGER_SPECS = ("ce", "ce+z")
 # x 64 KB of bf16) fit in the H200's 60 MB L2, so the second (gradient) pass of a looped kernel may
 # re-read from L2 and beat the single 32768 block, which holds the whole row in registers.
 TUNE_GRID = {"gpu": ((2048, 4096, 8192, 16384), (4, 8, 16)), "cpu": ((32, 128), (1, 4))}
+# Programs per SM for the persistent grid (None = one program per row): a bounded grid bounds the rows
+# in flight, so the L2 footprint of the second pass (student + teacher rows are 128 KB at V=32000).
+TUNE_PROGRAMS = (0,)  # 0 = one program per row
 TUNE_SPECS = ["ce", "ce+z+grpo"]
 TUNE_REP_MS = 40  # do_bench time per point: 12 points per (spec, vocab), compiles included, well under a minute
 
@@ -187,6 +190,13 @@ def implementations(
     def triton_kernel(case: Case) -> object:
         return fused_kernel_only(case.buffer, case.targets, case.normalizers, spec, case.buffer, **tune)
 
+    def same_shape_copy(case: Case) -> object:
+        """The R1 bytes moved by the plainest torch op, timed the same way: a yardstick for what a
+        kernel of this shape can reach (launch, L2 flush write-back, ramp and drain included)."""
+        if spec.distillation is not None:
+            return torch.add(case.logits, case.targets.teacher_logits, out=case.buffer)
+        return case.buffer.copy_(case.logits)
+
     def compiled(case: Case) -> object:
         return compiled_loss(case.logits, case.targets, case.normalizers, spec)
 
@@ -198,6 +208,7 @@ def implementations(
     found: dict[str, Callable[[Case], object]] = {"triton": triton, "triton-deferred": triton, "triton-inplace": triton_inplace}
     if spec.gspo is None:
         found["triton-kernel"] = triton_kernel
+    found["copy"] = same_shape_copy
     found.update(compiled=compiled, eager=eager)
     if liger is not None and device.type == "cuda" and name in LIGER_SPECS:
         # Liger writes the gradient over its input during forward, like triton-inplace.
@@ -257,61 +268,67 @@ def benchmark(shapes: list[tuple[int, int]], bench: Bench, copy_gb_s: float, lig
     return rows
 
 
-def tune(tokens: int, vocabs: list[int], spec_names: list[str], bench: Bench, copy_gb_s: float) -> list[dict]:
-    """Block size x num_warps of the fused launch alone (`fused_kernel_only`): the host tail is the same
-    at every point, so it would only add noise."""
-    from fastlm.losses.triton.launcher import _block_size, default_max_block, default_num_warps
+def tune(
+    token_counts: list[int], vocabs: list[int], spec_names: list[str], bench: Bench, copy_gb_s: float,
+    programs: tuple[int | None, ...],
+) -> list[dict]:
+    """Block size x num_warps x programs per SM of the fused launch alone (`fused_kernel_only`): the host
+    tail is the same at every point, so it would only add noise."""
+    from fastlm.losses.triton.launcher import _block_size, default_max_block, default_num_warps, default_programs_per_sm
 
     rows = []
-    for spec_name in spec_names:
+    for spec_name, tokens, vocab in ((s, t, v) for s in spec_names for t in token_counts for v in vocabs):
         spec = SPECS[spec_name]
-        for vocab in vocabs:
-            cases = [make_case(tokens, vocab, seed, bench.device, spec.distillation is not None) for seed in range(SETS)]
-            for case in cases:
-                case.buffer = case.logits.clone()
-            r1_ms = roofline_bytes(cases[0], spec) / (copy_gb_s * 1e9) * 1e3
-            default = _block_size(vocab, default_max_block(vocab, spec.distillation is not None))
-            default_point = (default, default_num_warps(default))
-            points = []
-            for block in bench.tune_blocks:
-                for warps in bench.tune_warps:
-                    calls = implementations(spec_name, spec, bench.device, None, {"max_block": block, "num_warps": warps})
-                    kernel = bench.time_ms(rotating(cases, calls["triton-kernel"]))
-                    point = (_block_size(vocab, block), warps)
-                    points.append({
-                        "spec": spec_name, "tokens": tokens, "vocab": vocab, "block": point[0], "num_warps": warps,
-                        "kernel_ms": kernel, "kernel_x_r1": kernel / r1_ms, "default": point == default_point,
-                        "best_kernel": False,
-                    })
-            min(points, key=lambda p: p["kernel_ms"])["best_kernel"] = True
-            rows += points
-            del cases
-            if bench.device.type == "cuda":
-                torch.cuda.empty_cache()
+        distill = spec.distillation is not None
+        cases = [make_case(tokens, vocab, seed, bench.device, distill) for seed in range(SETS)]
+        for case in cases:
+            case.buffer = case.logits.clone()
+        r1_ms = roofline_bytes(cases[0], spec) / (copy_gb_s * 1e9) * 1e3
+        default = _block_size(vocab, default_max_block(vocab, distill))
+        default_point = (default, default_num_warps(default), default_programs_per_sm(distill))
+        points = []
+        for block, warps, per_sm in ((b, w, p) for b in bench.tune_blocks for w in bench.tune_warps for p in programs):
+            options = {"max_block": block, "num_warps": warps, "programs_per_sm": per_sm}
+            calls = implementations(spec_name, spec, bench.device, None, options)
+            kernel = bench.time_ms(rotating(cases, calls["triton-kernel"]))
+            point = (_block_size(vocab, block), warps, per_sm)
+            points.append({
+                "spec": spec_name, "tokens": tokens, "vocab": vocab, "block": point[0], "num_warps": warps,
+                "programs_per_sm": per_sm, "kernel_ms": kernel, "kernel_x_r1": kernel / r1_ms,
+                "default": point == default_point, "best_kernel": False,
+            })
+        min(points, key=lambda p: p["kernel_ms"])["best_kernel"] = True
+        rows += points
+        del cases
+        if bench.device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
 def suggest_defaults(rows: list[dict]) -> list[dict]:
-    """Per vocab: the (block, num_warps) with the lowest geometric mean over specs of kernel-only time
-    / that spec's best kernel-only time (1.0 = best for every spec), next to the current default's."""
+    """Per vocab: the (block, num_warps, programs per SM) with the lowest geometric mean over the swept
+    (spec, tokens) of kernel-only time / that case's best kernel-only time (1.0 = best everywhere), next
+    to the current default's."""
     suggestions = []
     for vocab in sorted({r["vocab"] for r in rows}):
         timed = [r for r in rows if r["vocab"] == vocab]
-        best = {spec: min(r["kernel_ms"] for r in timed if r["spec"] == spec) for spec in {r["spec"] for r in timed}}
-        scores: dict[tuple[int, int], list[float]] = {}
-        defaults: dict[tuple[int, int], bool] = {}
+        cases = {(r["spec"], r["tokens"]) for r in timed}
+        best = {case: min(r["kernel_ms"] for r in timed if (r["spec"], r["tokens"]) == case) for case in cases}
+        scores: dict[tuple, list[float]] = {}
+        defaults: dict[tuple, bool] = {}
         for r in timed:
-            point = (r["block"], r["num_warps"])
-            scores.setdefault(point, []).append(r["kernel_ms"] / best[r["spec"]])
+            point = (r["block"], r["num_warps"], r["programs_per_sm"])
+            scores.setdefault(point, []).append(r["kernel_ms"] / best[(r["spec"], r["tokens"])])
             defaults[point] = defaults.get(point, False) or r["default"]
         geo = {p: statistics.geometric_mean(v) for p, v in scores.items() if len(v) == len(best)}
         if not geo:
             continue
         chosen = min(geo, key=geo.get)
         default = next((p for p, is_default in defaults.items() if is_default), None)
-        suggestions.append({"vocab": vocab, "block": chosen[0], "num_warps": chosen[1], "score": geo[chosen],
-                            "default": default, "default_score": geo.get(default) if default else None,
-                            "specs": sorted(best)})
+        suggestions.append({"vocab": vocab, "block": chosen[0], "num_warps": chosen[1], "programs_per_sm": chosen[2],
+                            "score": geo[chosen], "default": default,
+                            "default_score": geo.get(default) if default else None,
+                            "specs": sorted(f"{spec}@{tokens}" for spec, tokens in best)})
     return suggestions
 
 
@@ -325,19 +342,20 @@ def _cell(value: float | None, digits: int = 3) -> str:
 
 def results_table(rows: list[dict], copy_gb_s: float) -> str:
     """One line per (spec, shape): triton times with x R1, the others, speed-ups, peak memory."""
-    impls = ("triton", "triton-deferred", "triton-inplace", "triton-kernel", "compiled", "eager", "liger")
+    impls = ("triton", "triton-deferred", "triton-inplace", "triton-kernel", "copy", "compiled", "eager", "liger")
     lines = [
-        f"copy bandwidth {copy_gb_s:.0f} GB/s (read+write); ms = median forward+gradient; (xR1) = time / roofline R1",
-        "| spec | T | V | R1 ms | triton | deferred checks | in-place | kernel only | compiled | eager | liger "
-        "| xcomp | xeager | xliger | grad err | peak MiB tri/inp/comp/eager/liger |",
-        "|" + "---|" * 16,
+        f"copy bandwidth {copy_gb_s:.0f} GB/s (read+write); ms = median forward+gradient; (xR1) = time / roofline R1; "
+        "same-shape copy = the R1 bytes through copy_ (add with a teacher), timed alike",
+        "| spec | T | V | R1 ms | triton | deferred checks | in-place | kernel only | same-shape copy | compiled | eager "
+        "| liger | xcomp | xeager | xliger | grad err | peak MiB tri/inp/comp/eager/liger |",
+        "|" + "---|" * 17,
     ]
     for row in rows:
         ms, x_r1, speed, peak = row["ms"], row["x_r1"], row["speedup"], row["peak_mib"]
-        timed = [f"{_cell(ms.get(i))} ({x_r1[i]:.2f})" if ms.get(i) else "-" for i in impls[:4]]
-        timed += [_cell(ms.get(i)) for i in impls[4:]]
+        timed = [f"{_cell(ms.get(i))} ({x_r1[i]:.2f})" if ms.get(i) else "-" for i in impls[:5]]
+        timed += [_cell(ms.get(i)) for i in impls[5:]]
         peaks = "/".join(f"{p:.0f}" if isinstance(p, float) else str(p or "-")
-                         for p in (peak.get(i) for i in impls if i not in ("triton-kernel", "triton-deferred")))
+                         for p in (peak.get(i) for i in impls if i not in ("triton-kernel", "triton-deferred", "copy")))
         lines.append(
             f"| {row['spec']} | {row['tokens']} | {row['vocab']} | {row['r1_ms']:.3f} | " + " | ".join(timed)
             + " | " + " | ".join(_cell(speed.get(o), 2) for o in ("compiled", "eager", "liger"))
@@ -348,20 +366,26 @@ def results_table(rows: list[dict], copy_gb_s: float) -> str:
 
 def tune_table(rows: list[dict], suggestions: list[dict]) -> str:
     """The kernel alone per point (`*` current default, `best` = fastest), then the suggestions."""
-    lines = ["| spec | T | V | block | num_warps | kernel only ms | xR1 | default | best |", "|" + "---|" * 9]
+    lines = ["| spec | T | V | block | num_warps | programs/SM | kernel only ms | xR1 | default | best |",
+             "|" + "---|" * 10]
     lines += [
-        f"| {r['spec']} | {r['tokens']} | {r['vocab']} | {r['block']} | {r['num_warps']} "
+        f"| {r['spec']} | {r['tokens']} | {r['vocab']} | {r['block']} | {r['num_warps']} | {r['programs_per_sm'] or 'row'} "
         f"| {r['kernel_ms']:.3f} | {r['kernel_x_r1']:.2f} | {'*' if r['default'] else ''} | {'best' if r['best_kernel'] else ''} |"
         for r in rows
     ]
     for pick in suggestions:
         current = "/".join(map(str, pick["default"])) + f" at {pick['default_score']:.3f}" if pick["default"] else "not swept"
         lines.append(
-            f"suggested default V={pick['vocab']}: max_block {pick['block']}, num_warps {pick['num_warps']} "
+            f"suggested default V={pick['vocab']}: max_block {pick['block']}, num_warps {pick['num_warps']}, "
+            f"programs_per_sm {pick['programs_per_sm']} "
             f"(kernel only, geo-mean over {', '.join(pick['specs'])} of time / each spec's best: "
             f"{pick['score']:.3f}; current {current})"
         )
     return "\n".join(lines)
+
+
+def _programs(text: str) -> int:
+    return 0 if text == "row" else int(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,8 +393,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, Triton interpreted")
     parser.add_argument("--tune", action="store_true", help="sweep block size x num_warps (full call and kernel alone)")
     parser.add_argument("--tune-spec", nargs="+", default=TUNE_SPECS, choices=list(SPECS))
-    parser.add_argument("--tune-tokens", type=int, default=16384)
+    parser.add_argument("--tune-tokens", type=int, nargs="+", default=[16384])
     parser.add_argument("--tune-vocab", type=int, nargs="+", default=[32000, 131072])
+    parser.add_argument("--tune-block", type=int, nargs="+", default=None, help="override the block grid")
+    parser.add_argument("--tune-warps", type=int, nargs="+", default=None, help="override the num_warps grid")
+    parser.add_argument("--tune-programs", type=_programs, nargs="+", default=list(TUNE_PROGRAMS),
+                        help="programs per SM to sweep; 'row' = one program per row (the default grid)")
     parser.add_argument("--rep-ms", type=int, default=None,
                         help=f"do_bench measuring time per case (ms); default 100, {TUNE_REP_MS} with --tune")
     args = parser.parse_args(argv)
@@ -388,8 +416,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; liger: {liger_status}", flush=True)
     report: dict = {"device": str(device), "copy_gb_s": copy_gb_s, "liger": liger_status}
     if args.tune:
-        tokens, vocabs = (8, [96]) if args.cpu_smoke else (args.tune_tokens, args.tune_vocab)
-        report["tune"] = tune(tokens, vocabs, args.tune_spec, bench, copy_gb_s)
+        tokens, vocabs = ([8], [96]) if args.cpu_smoke else (args.tune_tokens, args.tune_vocab)
+        bench.tune_blocks = args.tune_block or bench.tune_blocks
+        bench.tune_warps = args.tune_warps or bench.tune_warps
+        report["tune"] = tune(tokens, vocabs, args.tune_spec, bench, copy_gb_s, tuple(args.tune_programs))
         report["suggested"] = suggest_defaults(report["tune"])
         table = tune_table(report["tune"], report["suggested"])
     else:

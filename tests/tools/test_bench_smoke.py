@@ -32,7 +32,7 @@ def test_cpu_smoke_table_has_every_row(tmp_path: Path) -> None:
         assert cells[1:3] == ["8", "96"] and "(" in cells[4], line  # triton timed with its x R1
     report = json.loads((tmp_path / "bench_losses.json").read_text())
     for row in report["rows"]:
-        expected = {"triton", "triton-deferred", "triton-inplace", "compiled", "eager"}
+        expected = {"triton", "triton-deferred", "triton-inplace", "copy", "compiled", "eager"}
         expected |= {"triton-kernel"} if row["spec"] != "gspo+z" else set()
         assert set(row["ms"]) == expected and all(t > 0 for t in row["ms"].values()), row
         assert row["grad_rel_err_vs_compiled"] < 2e-2, row  # bf16 gradients, rounded independently

@@ -1,0 +1,130 @@
+"""Compile the fused loss kernel for a GPU target on any machine (no GPU needed) and report its
+resources: registers, spill stores/loads, local memory, and the SASS size of each variant.
+
+    python tools/kernel_report.py                                   # default specs and shapes, sm_90
+    python tools/kernel_report.py --spec ce+kd --vocab 32000 --block 4096 8192 --warps 4 8
+    python tools/kernel_report.py --programs-per-sm 2 --sass-dir /tmp/sass   # also write the SASS
+
+The arguments are the launcher's own (`fused_kernel_only` runs with a recorder in place of the
+kernel), so what compiles here is what the H200 runs. Needs Triton's bundled `cuobjdump`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from fastlm.losses.triton import launcher  # noqa: E402
+from fastlm.losses.triton.kernel import lm_loss_kernel  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "tools"))
+from bench_losses import SPECS, make_case  # noqa: E402
+
+OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
+                torch.int32: "i32"}
+
+
+class _Recorder:
+    """Stands in for the kernel: `kernel[grid](*args, **kwargs)` records the call instead of launching."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid: tuple) -> object:
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
+def recorded_launch(spec_name: str, vocab: int, block: int | None, warps: int | None, programs: int | None) -> tuple:
+    """(args, kwargs) of the fused launch for a tiny case (8 tokens; only dtypes and constexprs matter)."""
+    spec = SPECS[spec_name]
+    case = make_case(8, vocab, 0, torch.device("cpu"), spec.distillation is not None)
+    recorder = _Recorder()
+    original, launcher.lm_loss_kernel = launcher.lm_loss_kernel, recorder
+    try:
+        launcher.fused_kernel_only(case.logits, case.targets, case.normalizers, spec, torch.empty_like(case.logits),
+                                   max_block=block, num_warps=warps, programs_per_sm=programs)
+    finally:
+        launcher.lm_loss_kernel = original
+    (call,) = recorder.calls
+    return call
+
+
+def compile_variant(args: tuple, kwargs: dict, capability: int) -> triton.compiler.CompiledKernel:
+    names = list(lm_loss_kernel.arg_names)
+    constexprs = {name: kwargs[name] for name in names if name in kwargs}
+    signature = {}
+    for name, value in zip(names, args):
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + TRITON_TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        else:
+            signature[name] = "fp32"
+    signature.update({name: "constexpr" for name in constexprs})
+    source = ASTSource(lm_loss_kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    options = {key: kwargs[key] for key in OPTIONS if key in kwargs}
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def resources(cubin: bytes) -> dict:
+    """REG / STACK / LOCAL from cuobjdump, spill counts from ptxas' own report in the SASS header."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", handle.name], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", handle.name], capture_output=True, text=True, check=True).stdout
+    found = {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage)}
+    found["sass_instructions"] = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, flags=re.M))
+    found["sass"] = sass
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", nargs="+", default=["ce", "ce+z+grpo", "ce+kd"], choices=list(SPECS))
+    parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 131072])
+    parser.add_argument("--block", type=int, nargs="+", default=[None])
+    parser.add_argument("--warps", type=int, nargs="+", default=[None])
+    parser.add_argument("--programs-per-sm", type=int, default=None)
+    parser.add_argument("--capability", type=int, default=90)
+    parser.add_argument("--sass-dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    print(f"triton {triton.__version__}, sm_{args.capability}")
+    print("| spec | V | block | warps | programs/SM | registers | stack | local | SASS instructions |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for spec_name in args.spec:
+        for vocab in args.vocab:
+            for block in args.block:
+                for warps in args.warps:
+                    call_args, kwargs = recorded_launch(spec_name, vocab, block, warps, args.programs_per_sm)
+                    found = resources(compile_variant(call_args, kwargs, args.capability).asm["cubin"])
+                    print(f"| {spec_name} | {vocab} | {kwargs['BLOCK']} | {kwargs['num_warps']} "
+                          f"| {args.programs_per_sm or '-'} | {found.get('REG')} | {found.get('STACK')} "
+                          f"| {found.get('LOCAL')} | {found['sass_instructions']} |", flush=True)
+                    if args.sass_dir:
+                        args.sass_dir.mkdir(parents=True, exist_ok=True)
+                        name = f"{spec_name}_{vocab}_{kwargs['BLOCK']}_{kwargs['num_warps']}.sass"
+                        (args.sass_dir / name).write_text(found["sass"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
