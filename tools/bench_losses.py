@@ -270,11 +270,17 @@ def benchmark(shapes: list[tuple[int, int]], bench: Bench, copy_gb_s: float, lig
 
 def tune(
     token_counts: list[int], vocabs: list[int], spec_names: list[str], bench: Bench, copy_gb_s: float,
-    programs: tuple[int | None, ...],
+    programs: tuple[int, ...], prefetches: tuple[bool, ...],
 ) -> list[dict]:
-    """Block size x num_warps x programs per SM of the fused launch alone (`fused_kernel_only`): the host
-    tail is the same at every point, so it would only add noise."""
-    from fastlm.losses.triton.launcher import _block_size, default_max_block, default_num_warps, default_programs_per_sm
+    """Block size x num_warps x programs per SM x prefetch of the fused launch alone (`fused_kernel_only`):
+    the host tail is the same at every point, so it would only add noise."""
+    from fastlm.losses.triton.launcher import (
+        _block_size,
+        default_max_block,
+        default_num_warps,
+        default_prefetch,
+        default_programs_per_sm,
+    )
 
     rows = []
     for spec_name, tokens, vocab in ((s, t, v) for s in spec_names for t in token_counts for v in vocabs):
@@ -285,16 +291,17 @@ def tune(
             case.buffer = case.logits.clone()
         r1_ms = roofline_bytes(cases[0], spec) / (copy_gb_s * 1e9) * 1e3
         default = _block_size(vocab, default_max_block(vocab, distill))
-        default_point = (default, default_num_warps(default), default_programs_per_sm(distill))
+        default_point = (default, default_num_warps(default), default_programs_per_sm(distill), default_prefetch(distill))
         points = []
-        for block, warps, per_sm in ((b, w, p) for b in bench.tune_blocks for w in bench.tune_warps for p in programs):
-            options = {"max_block": block, "num_warps": warps, "programs_per_sm": per_sm}
+        grid = ((b, w, p, f) for b in bench.tune_blocks for w in bench.tune_warps for p in programs for f in prefetches)
+        for block, warps, per_sm, prefetch in grid:
+            options = {"max_block": block, "num_warps": warps, "programs_per_sm": per_sm, "prefetch": prefetch}
             calls = implementations(spec_name, spec, bench.device, None, options)
             kernel = bench.time_ms(rotating(cases, calls["triton-kernel"]))
-            point = (_block_size(vocab, block), warps, per_sm)
+            point = (_block_size(vocab, block), warps, per_sm, prefetch)
             points.append({
                 "spec": spec_name, "tokens": tokens, "vocab": vocab, "block": point[0], "num_warps": warps,
-                "programs_per_sm": per_sm, "kernel_ms": kernel, "kernel_x_r1": kernel / r1_ms,
+                "programs_per_sm": per_sm, "prefetch": prefetch, "kernel_ms": kernel, "kernel_x_r1": kernel / r1_ms,
                 "default": point == default_point, "best_kernel": False,
             })
         min(points, key=lambda p: p["kernel_ms"])["best_kernel"] = True
@@ -317,7 +324,7 @@ def suggest_defaults(rows: list[dict]) -> list[dict]:
         scores: dict[tuple, list[float]] = {}
         defaults: dict[tuple, bool] = {}
         for r in timed:
-            point = (r["block"], r["num_warps"], r["programs_per_sm"])
+            point = (r["block"], r["num_warps"], r["programs_per_sm"], r["prefetch"])
             scores.setdefault(point, []).append(r["kernel_ms"] / best[(r["spec"], r["tokens"])])
             defaults[point] = defaults.get(point, False) or r["default"]
         geo = {p: statistics.geometric_mean(v) for p, v in scores.items() if len(v) == len(best)}
@@ -326,7 +333,7 @@ def suggest_defaults(rows: list[dict]) -> list[dict]:
         chosen = min(geo, key=geo.get)
         default = next((p for p, is_default in defaults.items() if is_default), None)
         suggestions.append({"vocab": vocab, "block": chosen[0], "num_warps": chosen[1], "programs_per_sm": chosen[2],
-                            "score": geo[chosen], "default": default,
+                            "prefetch": chosen[3], "score": geo[chosen], "default": default,
                             "default_score": geo.get(default) if default else None,
                             "specs": sorted(f"{spec}@{tokens}" for spec, tokens in best)})
     return suggestions
@@ -366,18 +373,19 @@ def results_table(rows: list[dict], copy_gb_s: float) -> str:
 
 def tune_table(rows: list[dict], suggestions: list[dict]) -> str:
     """The kernel alone per point (`*` current default, `best` = fastest), then the suggestions."""
-    lines = ["| spec | T | V | block | num_warps | programs/SM | kernel only ms | xR1 | default | best |",
-             "|" + "---|" * 10]
+    lines = ["| spec | T | V | block | num_warps | programs/SM | prefetch | kernel only ms | xR1 | default | best |",
+             "|" + "---|" * 11]
     lines += [
         f"| {r['spec']} | {r['tokens']} | {r['vocab']} | {r['block']} | {r['num_warps']} | {r['programs_per_sm'] or 'row'} "
+        f"| {int(r['prefetch'])} "
         f"| {r['kernel_ms']:.3f} | {r['kernel_x_r1']:.2f} | {'*' if r['default'] else ''} | {'best' if r['best_kernel'] else ''} |"
         for r in rows
     ]
     for pick in suggestions:
-        current = "/".join(map(str, pick["default"])) + f" at {pick['default_score']:.3f}" if pick["default"] else "not swept"
+        current = "/".join(map(str, map(int, pick["default"]))) + f" at {pick['default_score']:.3f}" if pick["default"] else "not swept"
         lines.append(
             f"suggested default V={pick['vocab']}: max_block {pick['block']}, num_warps {pick['num_warps']}, "
-            f"programs_per_sm {pick['programs_per_sm']} "
+            f"programs_per_sm {pick['programs_per_sm']}, prefetch {int(pick['prefetch'])} "
             f"(kernel only, geo-mean over {', '.join(pick['specs'])} of time / each spec's best: "
             f"{pick['score']:.3f}; current {current})"
         )
@@ -399,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune-warps", type=int, nargs="+", default=None, help="override the num_warps grid")
     parser.add_argument("--tune-programs", type=_programs, nargs="+", default=list(TUNE_PROGRAMS),
                         help="programs per SM to sweep; 'row' = one program per row (the default grid)")
+    parser.add_argument("--tune-prefetch", type=int, nargs="+", choices=(0, 1), default=[0],
+                        help="sweep loading each vocab block an iteration ahead (1) or not (0)")
     parser.add_argument("--rep-ms", type=int, default=None,
                         help=f"do_bench measuring time per case (ms); default 100, {TUNE_REP_MS} with --tune")
     args = parser.parse_args(argv)
@@ -419,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         tokens, vocabs = ([8], [96]) if args.cpu_smoke else (args.tune_tokens, args.tune_vocab)
         bench.tune_blocks = args.tune_block or bench.tune_blocks
         bench.tune_warps = args.tune_warps or bench.tune_warps
-        report["tune"] = tune(tokens, vocabs, args.tune_spec, bench, copy_gb_s, tuple(args.tune_programs))
+        report["tune"] = tune(tokens, vocabs, args.tune_spec, bench, copy_gb_s, tuple(args.tune_programs),
+                              tuple(bool(f) for f in args.tune_prefetch))
         report["suggested"] = suggest_defaults(report["tune"])
         table = tune_table(report["tune"], report["suggested"])
     else:

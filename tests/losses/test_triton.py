@@ -320,22 +320,32 @@ def test_tensor_parallel_two_ranks_match_single_rank(tmp_path: os.PathLike) -> N
         assert _rel(grad, single_grad) < FP32_TOL
 
 
+SCHEDULES = {"persistent": {"programs_per_sm": 3}, "prefetch": {"prefetch": True},
+             "persistent+prefetch": {"programs_per_sm": 3, "prefetch": True}}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("spec", [SPECS["ce+z+grpo softcap"], LossSpec(cross_entropy=CE, z_loss=Z, gspo=GSPO)],
                          ids=["fused", "gspo"])
 @pytest.mark.parametrize("block", [128, 32768])
-def test_persistent_grid_matches_one_program_per_row(spec: LossSpec, block: int) -> None:
-    """A bounded grid (3 programs per SM, each walking rows with the grid's stride; a few rows more than
-    programs, so some walk two) computes bit for bit what one program per row does, and the reference.
-    The interpreter counts as one SM: 3 programs over 8 rows."""
+def test_schedules_match_one_program_per_row(schedule: str, spec: LossSpec, block: int) -> None:
+    """The kernel's schedules change no arithmetic: a bounded grid (3 programs per SM, each walking rows
+    with the grid's stride, some two rows) and/or loading each vocab block an iteration ahead give the
+    one-program-per-row result bit for bit (the interpreter counts as one SM: 3 programs over 8 rows),
+    and the reference; in place too."""
     processors = torch.cuda.get_device_properties(DEVICE).multi_processor_count if DEVICE.type == "cuda" else 1
     logits, targets = _make_case(3 * processors + 5, 300, seed=13, documents=2)
     normalizers = _normalizers(targets)
-    per_row, per_row_grad = triton_loss(logits, targets, normalizers, spec, max_block=block, programs_per_sm=0)
-    result, grad = triton_loss(logits, targets, normalizers, spec, max_block=block, programs_per_sm=3)
+    plain = {"programs_per_sm": 0, "prefetch": False}
+    per_row, per_row_grad = triton_loss(logits, targets, normalizers, spec, max_block=block, **plain)
+    result, grad = triton_loss(logits, targets, normalizers, spec, max_block=block, **SCHEDULES[schedule])
     torch.testing.assert_close(grad, per_row_grad, rtol=0, atol=0)
     torch.testing.assert_close(result.loss, per_row.loss, rtol=0, atol=0)
+    _, in_place = triton_loss(logits.clone(), targets, normalizers, spec, max_block=block, inplace=True,
+                              **SCHEDULES[schedule])
+    torch.testing.assert_close(in_place, per_row_grad, rtol=0, atol=0)
     expected, expected_grad = _reference(logits, targets, normalizers, spec)
-    _check(f"persistent grid, block={block}", result, grad, expected, expected_grad, FP32_TOL)
+    _check(f"{schedule}, block={block}", result, grad, expected, expected_grad, FP32_TOL)
 
 
 def test_programs_per_sm_is_checked() -> None:

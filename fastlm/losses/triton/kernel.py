@@ -72,31 +72,47 @@ def _transform(z, x_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _load_block(row_ptr, offsets, n_cols, MASKED: tl.constexpr, EVICTION: tl.constexpr):
-    """One block of a row upcast to fp32; -inf past the row end (MASKED: only the row's last, partial
-    block pays for the bounds check)."""
+def _load_raw(row_ptr, offsets, n_cols, MASKED: tl.constexpr, EVICTION: tl.constexpr):
+    """One block of a row in its stored dtype; -inf past the row end (MASKED: only the row's last,
+    partial block pays for the bounds check)."""
     if MASKED:
-        values = tl.load(row_ptr + offsets, mask=offsets < n_cols, other=float("-inf"), eviction_policy=EVICTION)
-    else:
-        values = tl.load(row_ptr + offsets, eviction_policy=EVICTION)
-    return values.to(tl.float32)
+        return tl.load(row_ptr + offsets, mask=offsets < n_cols, other=float("-inf"), eviction_policy=EVICTION)
+    return tl.load(row_ptr + offsets, eviction_policy=EVICTION)
 
 
 @triton.jit
-def _load_x2(row_ptr, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
-             EVICTION: tl.constexpr):
-    """One vocab block of the transformed logits in base-2 units, x2 = x*log2(e); -inf past the row end.
-    `x_scale` is logit_scale*log2(e) (logit_scale/softcap with a softcap)."""
-    x2 = _transform(_load_block(row_ptr, offsets, n_cols, MASKED, EVICTION), x_scale, softcap, HAS_SOFTCAP)
+def _load_pair(logits_row_ptr, teacher_row_ptr, offsets, n_cols, TEACHER: tl.constexpr, MASKED: tl.constexpr,
+               EVICTION: tl.constexpr):
+    """A block of the logits and (TEACHER) of the teacher logits, still in their stored dtypes: a
+    prefetched block waits a whole iteration in registers, so it stays 16-bit until it is used."""
+    z = _load_raw(logits_row_ptr, offsets, n_cols, MASKED, EVICTION)
+    teacher = z
+    if TEACHER:
+        teacher = _load_raw(teacher_row_ptr, offsets, n_cols, MASKED, EVICTION)
+    return z, teacher
+
+
+@triton.jit
+def _x2_of(z_raw, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+    """A block of raw logits -> the transformed logits in base-2 units, x2 = x*log2(e); -inf past the
+    row end. `x_scale` is logit_scale*log2(e) (logit_scale/softcap with a softcap)."""
+    x2 = _transform(z_raw.to(tl.float32), x_scale, softcap, HAS_SOFTCAP)
     if HAS_SOFTCAP and MASKED:
         x2 = tl.where(offsets < n_cols, x2, float("-inf"))
     return x2
 
 
 @triton.jit
+def _load_x2(row_ptr, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
+             EVICTION: tl.constexpr):
+    return _x2_of(_load_raw(row_ptr, offsets, n_cols, MASKED, EVICTION), offsets, n_cols, x_scale, softcap,
+                  HAS_SOFTCAP, MASKED)
+
+
+@triton.jit
 def _load_u2(teacher_row_ptr, offsets, n_cols, u_scale, MASKED: tl.constexpr, EVICTION: tl.constexpr):
     """One block of teacher logits / temperature in base-2 units (`u_scale` = log2(e)/T); -inf past the end."""
-    return _load_block(teacher_row_ptr, offsets, n_cols, MASKED, EVICTION) * u_scale
+    return _load_raw(teacher_row_ptr, offsets, n_cols, MASKED, EVICTION).to(tl.float32) * u_scale
 
 
 @triton.jit
@@ -156,16 +172,15 @@ def _block_stats(
 
 @triton.jit
 def _merge_block(
-    logits_row_ptr, teacher_row_ptr, offsets, n_cols, x_scale, softcap, u_scale, m, s, t, mu, su, cross,
+    z_raw, teacher_raw, offsets, n_cols, x_scale, softcap, u_scale, m, s, t, mu, su, cross,
     HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, NEED_MOMENT: tl.constexpr, HAS_KD: tl.constexpr,
     KD_REVERSE: tl.constexpr, ACC: tl.constexpr,
 ):
-    """First pass over one block of a looped row: load it (asking L2 to keep it for the second pass)
-    and merge it into the running stats."""
-    x2 = _load_x2(logits_row_ptr, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, MASKED, "evict_last")
+    """First pass: merge one loaded block of a looped row into the running stats."""
+    x2 = _x2_of(z_raw, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, MASKED)
     u2 = x2
     if HAS_KD:
-        u2 = _load_u2(teacher_row_ptr, offsets, n_cols, u_scale, MASKED, "evict_last")
+        u2 = teacher_raw.to(tl.float32) * u_scale
     m, s, t, mu, su, cross, _ = _block_stats(x2, u2, m, s, t, mu, su, cross, MASKED, NEED_MOMENT, HAS_KD, KD_REVERSE, ACC)
     return m, s, t, mu, su, cross
 
@@ -288,15 +303,15 @@ def _write_grad_block(
 
 @triton.jit
 def _store_grad_block(
-    grad_row_ptr, logits_row_ptr, teacher_row_ptr, offsets, n_cols, x_scale, softcap, u_scale, lse2, teacher_lse2,
-    prob_coeff, kd_coeff, inv_softcap2, HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr,
+    grad_row_ptr, z_raw, teacher_raw, offsets, n_cols, x_scale, softcap, u_scale, lse2, teacher_lse2, prob_coeff,
+    kd_coeff, inv_softcap2, HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    """Second pass over one block (the stats pass read it, so it is likely in L2: evict it now)."""
-    x2 = _load_x2(logits_row_ptr, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, MASKED, "evict_first")
+    """Second pass: the gradient of one loaded block."""
+    x2 = _x2_of(z_raw, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, MASKED)
     u2 = x2
     if KD_GRAD:
-        u2 = _load_u2(teacher_row_ptr, offsets, n_cols, u_scale, MASKED, "evict_first")
+        u2 = teacher_raw.to(tl.float32) * u_scale
     _write_grad_block(grad_row_ptr, offsets, n_cols, tl.exp2(x2 - lse2), x2, u2, prob_coeff, kd_coeff, teacher_lse2,
                       inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE, MASKED)
 
@@ -350,6 +365,7 @@ def _loss_row(
     HAS_SOFTCAP: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
+    PREFETCH: tl.constexpr,  # looped rows: load block b+1 before block b's math
     BLOCK: tl.constexpr,
     ACC: tl.constexpr,  # lanes of the running sums (one per thread)
 ):
@@ -398,14 +414,29 @@ def _loss_row(
                 m, s, t, mu, su, cross, e = _block_stats(
                     x2, u2, m, s, t, mu, su, cross, True, need_moment, HAS_KD, KD_REVERSE, ACC)
             else:
+                # Loads ask L2 to keep the row for the second pass. PREFETCH issues the next block's loads
+                # before this block's math (the last iteration re-reads the last block, unused).
+                if PREFETCH:
+                    z_next, teacher_next = _load_pair(logits_row, teacher_row, offsets, n_cols, HAS_KD, False,
+                                                      "evict_last")
                 for block in range(0, n_full):
+                    if PREFETCH:
+                        z_raw, teacher_raw = z_next, teacher_next
+                        z_next, teacher_next = _load_pair(logits_row, teacher_row,
+                                                          tl.minimum(block + 1, n_full - 1) * BLOCK + offsets, n_cols,
+                                                          HAS_KD, False, "evict_last")
+                    else:
+                        z_raw, teacher_raw = _load_pair(logits_row, teacher_row, block * BLOCK + offsets, n_cols, HAS_KD,
+                                                        False, "evict_last")
                     m, s, t, mu, su, cross = _merge_block(
-                        logits_row, teacher_row, block * BLOCK + offsets, n_cols, x_scale, softcap, u_scale, m, s, t,
-                        mu, su, cross, HAS_SOFTCAP, False, need_moment, HAS_KD, KD_REVERSE, ACC)
+                        z_raw, teacher_raw, block * BLOCK + offsets, n_cols, x_scale, softcap, u_scale, m, s, t, mu, su,
+                        cross, HAS_SOFTCAP, False, need_moment, HAS_KD, KD_REVERSE, ACC)
                 if has_tail:
+                    tail = n_full * BLOCK + offsets
+                    z_raw, teacher_raw = _load_pair(logits_row, teacher_row, tail, n_cols, HAS_KD, True, "evict_last")
                     m, s, t, mu, su, cross = _merge_block(
-                        logits_row, teacher_row, n_full * BLOCK + offsets, n_cols, x_scale, softcap, u_scale, m, s, t,
-                        mu, su, cross, HAS_SOFTCAP, True, need_moment, HAS_KD, KD_REVERSE, ACC)
+                        z_raw, teacher_raw, tail, n_cols, x_scale, softcap, u_scale, m, s, t, mu, su, cross,
+                        HAS_SOFTCAP, True, need_moment, HAS_KD, KD_REVERSE, ACC)
             s = tl.sum(s, 0)
             t = tl.sum(t, 0) * LN2  # natural units from here on
             m = m * LN2
@@ -471,19 +502,31 @@ def _loss_row(
                 _write_grad_block(grad_row, offsets, n_cols, p, x2, u2, prob_coeff, kd_grad_coeff, teacher_lse2,
                                   inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE, True)
             else:
-                # Backwards, so the blocks the stats pass read last are the first re-read (L2 hits).
+                # Backwards, so the blocks the stats pass read last are the first re-read (L2 hits); the
+                # re-read is evict-first. In place is safe: each thread stores only elements it loaded
+                # earlier, and a prefetched block is loaded an iteration before its own store.
+                if PREFETCH:
+                    z_next, teacher_next = _load_pair(logits_row, teacher_row, (n_full - 1) * BLOCK + offsets, n_cols,
+                                                      KD_GRAD, False, "evict_first")
                 if has_tail:
-                    _store_grad_block(
-                        grad_row, logits_row, teacher_row, n_full * BLOCK + offsets, n_cols, x_scale, softcap,
-                        u_scale, lse2, teacher_lse2, prob_coeff, kd_grad_coeff, inv_softcap2, HAS_SOFTCAP,
-                        KD_GRAD, KD_REVERSE, True,
-                    )
+                    tail = n_full * BLOCK + offsets
+                    z_raw, teacher_raw = _load_pair(logits_row, teacher_row, tail, n_cols, KD_GRAD, True, "evict_first")
+                    _store_grad_block(grad_row, z_raw, teacher_raw, tail, n_cols, x_scale, softcap, u_scale, lse2,
+                                      teacher_lse2, prob_coeff, kd_grad_coeff, inv_softcap2, HAS_SOFTCAP, KD_GRAD,
+                                      KD_REVERSE, True)
                 for step in range(0, n_full):
-                    _store_grad_block(
-                        grad_row, logits_row, teacher_row, (n_full - 1 - step) * BLOCK + offsets, n_cols, x_scale,
-                        softcap, u_scale, lse2, teacher_lse2, prob_coeff, kd_grad_coeff, inv_softcap2,
-                        HAS_SOFTCAP, KD_GRAD, KD_REVERSE, False,
-                    )
+                    block_offsets = (n_full - 1 - step) * BLOCK + offsets
+                    if PREFETCH:
+                        z_raw, teacher_raw = z_next, teacher_next
+                        z_next, teacher_next = _load_pair(logits_row, teacher_row,
+                                                          tl.maximum(n_full - 2 - step, 0) * BLOCK + offsets, n_cols,
+                                                          KD_GRAD, False, "evict_first")
+                    else:
+                        z_raw, teacher_raw = _load_pair(logits_row, teacher_row, block_offsets, n_cols, KD_GRAD, False,
+                                                        "evict_first")
+                    _store_grad_block(grad_row, z_raw, teacher_raw, block_offsets, n_cols, x_scale, softcap, u_scale,
+                                      lse2, teacher_lse2, prob_coeff, kd_grad_coeff, inv_softcap2, HAS_SOFTCAP,
+                                      KD_GRAD, KD_REVERSE, False)
             if in_shard:
                 # The label's element: the blocks above left out -label_coeff; rewrite it once the
                 # whole CTA's block stores are done (the barrier orders them before this one).
@@ -565,6 +608,7 @@ def lm_loss_kernel(
     HAS_SOFTCAP: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
+    PREFETCH: tl.constexpr,  # looped rows: load block b+1 before block b's math
     PERSISTENT: tl.constexpr,
     BLOCK: tl.constexpr,
     ACC: tl.constexpr,  # lanes of the running sums (one per thread)
@@ -581,11 +625,11 @@ def lm_loss_kernel(
             out3_ptr, kd0_ptr, kd1_ptr, kd2_ptr, old_logp_ptr, advantages_ptr, ce_weight, z_weight, grpo_weight,
             kd_weight, token_scale, eps_low, eps_high, grad_scale, MODE, ROW_CE, ROW_Z, ROW_GRPO, ROW_GSPO, ROW_KD,
             ROW_TOTAL, ROW_FLAGS, ROW_STATE, N_TERMS, HAS_KD, KD_GRAD, KD_REVERSE, HAS_SOFTCAP, COMPUTE_GRAD,
-            SINGLE_PASS, BLOCK, ACC)
+            SINGLE_PASS, PREFETCH, BLOCK, ACC)
     else:
         _loss_row(first_row, logits_ptr, logits_stride, grad_ptr, grad_stride, labels_ptr, teacher_ptr,
         teacher_stride, n_rows, n_cols, vocab_start, logit_scale, softcap, inv_temperature, out0_ptr, out1_ptr,
         out2_ptr, out3_ptr, kd0_ptr, kd1_ptr, kd2_ptr, old_logp_ptr, advantages_ptr, ce_weight, z_weight, grpo_weight,
         kd_weight, token_scale, eps_low, eps_high, grad_scale, MODE, ROW_CE, ROW_Z, ROW_GRPO, ROW_GSPO, ROW_KD,
         ROW_TOTAL, ROW_FLAGS, ROW_STATE, N_TERMS, HAS_KD, KD_GRAD, KD_REVERSE, HAS_SOFTCAP, COMPUTE_GRAD, SINGLE_PASS,
-        BLOCK, ACC)
+        PREFETCH, BLOCK, ACC)

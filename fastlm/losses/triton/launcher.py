@@ -62,6 +62,11 @@ def default_num_warps(block: int) -> int:
     return min(32, max(4, block // 1024))
 
 
+def default_prefetch(distillation: bool = False) -> bool:
+    """Looped rows: load the next vocab block before the current block's math."""
+    return False
+
+
 def default_programs_per_sm(distillation: bool = False) -> int:
     """0: one program per row (the grid is T). A positive count bounds the grid to that many programs per
     SM, each walking rows."""
@@ -130,6 +135,7 @@ class _Launch:
         max_block: int | None,
         num_warps: int | None,
         programs_per_sm: int | None,
+        prefetch: bool | None,
     ):
         self.logits = logits
         self.labels = labels
@@ -141,6 +147,7 @@ class _Launch:
         self.block = _block_size(logits.shape[1], max_block)
         self.num_warps = num_warps if num_warps is not None else default_num_warps(self.block)
         self.kd_grad = spec.distillation is not None and spec.distillation.weight != 0
+        self.prefetch = default_prefetch(spec.distillation is not None) if prefetch is None else prefetch
         if programs_per_sm is None:
             programs_per_sm = default_programs_per_sm(spec.distillation is not None)
         rows = logits.shape[0]
@@ -205,6 +212,7 @@ class _Launch:
             COMPUTE_GRAD=grad is not None,
             SINGLE_PASS=self.logits.shape[1] <= self.block,
             PERSISTENT=self.programs < self.logits.shape[0],
+            PREFETCH=self.prefetch and self.logits.shape[1] > self.block,
             BLOCK=self.block,
             ACC=min(self.block, 32 * self.num_warps * (16 // self.logits.element_size())),
             num_warps=self.num_warps,
@@ -322,17 +330,20 @@ def triton_loss(
     max_block: int | None = None,
     num_warps: int | None = None,
     programs_per_sm: int | None = None,
+    prefetch: bool | None = None,
 ) -> tuple[LossResult, torch.Tensor | None]:
     """The monolithic loss and its gradient w.r.t. the raw logits (this rank's vocab shard under
     `group`). `inplace` overwrites `logits` with the gradient; `max_block` caps the vocab block
     (default `default_max_block(vocab)`), `num_warps` overrides the per-block default and
     `programs_per_sm` bounds the grid to that many programs per SM, each walking rows (0: one program
-    per row; default `default_programs_per_sm`); all three for tuning."""
+    per row; default `default_programs_per_sm`) and `prefetch` loads each vocab block an iteration ahead
+    (default `default_prefetch`); all four for tuning."""
     _check_supported(logits, targets, spec, num_warps, programs_per_sm)
     check_inputs(logits, targets, normalizers, spec, group)
     vocab_start, _ = vocab_shard(logits, group)
     teacher = targets.teacher_logits if spec.distillation is not None else None
-    launch = _Launch(logits, targets.labels.contiguous(), teacher, spec, vocab_start, max_block, num_warps, programs_per_sm)
+    launch = _Launch(logits, targets.labels.contiguous(), teacher, spec, vocab_start, max_block, num_warps, programs_per_sm,
+                     prefetch)
     grad = None
     if compute_grad:
         grad = logits if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
@@ -368,12 +379,13 @@ def fused_kernel_only(
     max_block: int | None = None,
     num_warps: int | None = None,
     programs_per_sm: int | None = None,
+    prefetch: bool | None = None,
 ) -> torch.Tensor:
     """The single fused launch and nothing else (no validation, no reduction of the terms), for specs
     without GSPO: the benchmark times it next to `triton_loss` to split kernel time from host-side
     work. Returns the (K, T) per-token term buffer."""
     _check_supported(logits, targets, spec, num_warps, programs_per_sm)
     teacher = targets.teacher_logits if spec.distillation is not None else None
-    launch = _Launch(logits, targets.labels, teacher, spec, 0, max_block, num_warps, programs_per_sm)
+    launch = _Launch(logits, targets.labels, teacher, spec, 0, max_block, num_warps, programs_per_sm, prefetch)
     terms, _ = _fused_terms(launch, targets, normalizers, grad, 1.0)
     return terms
