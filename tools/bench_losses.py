@@ -64,9 +64,6 @@ LIGER_SPECS = ("ce", "ce+z")
 # x 64 KB of bf16) fit in the H200's 60 MB L2, so the second (gradient) pass of a looped kernel may
 # re-read from L2 and beat the single 32768 block, which holds the whole row in registers.
 TUNE_GRID = {"gpu": ((2048, 4096, 8192, 16384), (4, 8, 16)), "cpu": ((32, 128), (1, 4))}
-# Programs per SM for the persistent grid (None = one program per row): a bounded grid bounds the rows
-# in flight, so the L2 footprint of the second pass (student + teacher rows are 128 KB at V=32000).
-TUNE_PROGRAMS = (0,)  # 0 = one program per row
 TUNE_SPECS = ["ce", "ce+z+grpo"]
 TUNE_REP_MS = 40  # do_bench time per point: 12 points per (spec, vocab), compiles included, well under a minute
 
@@ -270,17 +267,11 @@ def benchmark(shapes: list[tuple[int, int]], bench: Bench, copy_gb_s: float, lig
 
 def tune(
     token_counts: list[int], vocabs: list[int], spec_names: list[str], bench: Bench, copy_gb_s: float,
-    programs: tuple[int, ...], prefetches: tuple[bool, ...],
+    prefetches: tuple[bool, ...],
 ) -> list[dict]:
-    """Block size x num_warps x programs per SM x prefetch of the fused launch alone (`fused_kernel_only`):
-    the host tail is the same at every point, so it would only add noise."""
-    from fastlm.losses.triton.launcher import (
-        _block_size,
-        default_max_block,
-        default_num_warps,
-        default_prefetch,
-        default_programs_per_sm,
-    )
+    """Block size x num_warps x prefetch of the fused launch alone (`fused_kernel_only`): the host tail is
+    the same at every point, so it would only add noise."""
+    from fastlm.losses.triton.launcher import _block_size, default_max_block, default_num_warps, default_prefetch
 
     rows = []
     for spec_name, tokens, vocab in ((s, t, v) for s in spec_names for t in token_counts for v in vocabs):
@@ -291,17 +282,16 @@ def tune(
             case.buffer = case.logits.clone()
         r1_ms = roofline_bytes(cases[0], spec) / (copy_gb_s * 1e9) * 1e3
         default = _block_size(vocab, default_max_block(vocab, distill))
-        default_point = (default, default_num_warps(default), default_programs_per_sm(distill), default_prefetch(distill))
+        default_point = (default, default_num_warps(default), default_prefetch(distill))
         points = []
-        grid = ((b, w, p, f) for b in bench.tune_blocks for w in bench.tune_warps for p in programs for f in prefetches)
-        for block, warps, per_sm, prefetch in grid:
-            options = {"max_block": block, "num_warps": warps, "programs_per_sm": per_sm, "prefetch": prefetch}
+        for block, warps, prefetch in ((b, w, f) for b in bench.tune_blocks for w in bench.tune_warps for f in prefetches):
+            options = {"max_block": block, "num_warps": warps, "prefetch": prefetch}
             calls = implementations(spec_name, spec, bench.device, None, options)
             kernel = bench.time_ms(rotating(cases, calls["triton-kernel"]))
-            point = (_block_size(vocab, block), warps, per_sm, prefetch)
+            point = (_block_size(vocab, block), warps, prefetch)
             points.append({
                 "spec": spec_name, "tokens": tokens, "vocab": vocab, "block": point[0], "num_warps": warps,
-                "programs_per_sm": per_sm, "prefetch": prefetch, "kernel_ms": kernel, "kernel_x_r1": kernel / r1_ms,
+                "prefetch": prefetch, "kernel_ms": kernel, "kernel_x_r1": kernel / r1_ms,
                 "default": point == default_point, "best_kernel": False,
             })
         min(points, key=lambda p: p["kernel_ms"])["best_kernel"] = True
@@ -313,7 +303,7 @@ def tune(
 
 
 def suggest_defaults(rows: list[dict]) -> list[dict]:
-    """Per vocab: the (block, num_warps, programs per SM) with the lowest geometric mean over the swept
+    """Per vocab: the (block, num_warps, prefetch) with the lowest geometric mean over the swept
     (spec, tokens) of kernel-only time / that case's best kernel-only time (1.0 = best everywhere), next
     to the current default's."""
     suggestions = []
@@ -324,7 +314,7 @@ def suggest_defaults(rows: list[dict]) -> list[dict]:
         scores: dict[tuple, list[float]] = {}
         defaults: dict[tuple, bool] = {}
         for r in timed:
-            point = (r["block"], r["num_warps"], r["programs_per_sm"], r["prefetch"])
+            point = (r["block"], r["num_warps"], r["prefetch"])
             scores.setdefault(point, []).append(r["kernel_ms"] / best[(r["spec"], r["tokens"])])
             defaults[point] = defaults.get(point, False) or r["default"]
         geo = {p: statistics.geometric_mean(v) for p, v in scores.items() if len(v) == len(best)}
@@ -332,8 +322,8 @@ def suggest_defaults(rows: list[dict]) -> list[dict]:
             continue
         chosen = min(geo, key=geo.get)
         default = next((p for p, is_default in defaults.items() if is_default), None)
-        suggestions.append({"vocab": vocab, "block": chosen[0], "num_warps": chosen[1], "programs_per_sm": chosen[2],
-                            "prefetch": chosen[3], "score": geo[chosen], "default": default,
+        suggestions.append({"vocab": vocab, "block": chosen[0], "num_warps": chosen[1], "prefetch": chosen[2],
+                            "score": geo[chosen], "default": default,
                             "default_score": geo.get(default) if default else None,
                             "specs": sorted(f"{spec}@{tokens}" for spec, tokens in best)})
     return suggestions
@@ -373,11 +363,9 @@ def results_table(rows: list[dict], copy_gb_s: float) -> str:
 
 def tune_table(rows: list[dict], suggestions: list[dict]) -> str:
     """The kernel alone per point (`*` current default, `best` = fastest), then the suggestions."""
-    lines = ["| spec | T | V | block | num_warps | programs/SM | prefetch | kernel only ms | xR1 | default | best |",
-             "|" + "---|" * 11]
+    lines = ["| spec | T | V | block | num_warps | prefetch | kernel only ms | xR1 | default | best |", "|" + "---|" * 10]
     lines += [
-        f"| {r['spec']} | {r['tokens']} | {r['vocab']} | {r['block']} | {r['num_warps']} | {r['programs_per_sm'] or 'row'} "
-        f"| {int(r['prefetch'])} "
+        f"| {r['spec']} | {r['tokens']} | {r['vocab']} | {r['block']} | {r['num_warps']} | {int(r['prefetch'])} "
         f"| {r['kernel_ms']:.3f} | {r['kernel_x_r1']:.2f} | {'*' if r['default'] else ''} | {'best' if r['best_kernel'] else ''} |"
         for r in rows
     ]
@@ -385,15 +373,11 @@ def tune_table(rows: list[dict], suggestions: list[dict]) -> str:
         current = "/".join(map(str, map(int, pick["default"]))) + f" at {pick['default_score']:.3f}" if pick["default"] else "not swept"
         lines.append(
             f"suggested default V={pick['vocab']}: max_block {pick['block']}, num_warps {pick['num_warps']}, "
-            f"programs_per_sm {pick['programs_per_sm']}, prefetch {int(pick['prefetch'])} "
+            f"prefetch {int(pick['prefetch'])} "
             f"(kernel only, geo-mean over {', '.join(pick['specs'])} of time / each spec's best: "
             f"{pick['score']:.3f}; current {current})"
         )
     return "\n".join(lines)
-
-
-def _programs(text: str) -> int:
-    return 0 if text == "row" else int(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -405,8 +389,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune-vocab", type=int, nargs="+", default=[32000, 131072])
     parser.add_argument("--tune-block", type=int, nargs="+", default=None, help="override the block grid")
     parser.add_argument("--tune-warps", type=int, nargs="+", default=None, help="override the num_warps grid")
-    parser.add_argument("--tune-programs", type=_programs, nargs="+", default=list(TUNE_PROGRAMS),
-                        help="programs per SM to sweep; 'row' = one program per row (the default grid)")
     parser.add_argument("--tune-prefetch", type=int, nargs="+", choices=(0, 1), default=[0],
                         help="sweep loading each vocab block an iteration ahead (1) or not (0)")
     parser.add_argument("--rep-ms", type=int, default=None,
@@ -429,8 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens, vocabs = ([8], [96]) if args.cpu_smoke else (args.tune_tokens, args.tune_vocab)
         bench.tune_blocks = args.tune_block or bench.tune_blocks
         bench.tune_warps = args.tune_warps or bench.tune_warps
-        report["tune"] = tune(tokens, vocabs, args.tune_spec, bench, copy_gb_s, tuple(args.tune_programs),
-                              tuple(bool(f) for f in args.tune_prefetch))
+        report["tune"] = tune(tokens, vocabs, args.tune_spec, bench, copy_gb_s, tuple(bool(f) for f in args.tune_prefetch))
         report["suggested"] = suggest_defaults(report["tune"])
         table = tune_table(report["tune"], report["suggested"])
     else:

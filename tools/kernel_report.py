@@ -3,7 +3,7 @@ resources: registers, spill stores/loads, local memory, and the SASS size of eac
 
     python tools/kernel_report.py                                   # default specs and shapes, sm_90
     python tools/kernel_report.py --spec ce+kd --vocab 32000 --block 4096 8192 --warps 4 8
-    python tools/kernel_report.py --programs-per-sm 2 --sass-dir /tmp/sass   # also write the SASS
+    python tools/kernel_report.py --prefetch 1 --sass-dir /tmp/sass   # prefetching variant, and its SASS
 
 The arguments are the launcher's own (`fused_kernel_only` runs with a recorder in place of the
 kernel), so what compiles here is what the H200 runs. Needs Triton's bundled `cuobjdump`.
@@ -48,8 +48,7 @@ class _Recorder:
         return lambda *args, **kwargs: self.calls.append((args, kwargs))
 
 
-def recorded_launch(spec_name: str, vocab: int, block: int | None, warps: int | None, programs: int | None,
-                    prefetch: bool | None) -> tuple:
+def recorded_launch(spec_name: str, vocab: int, block: int | None, warps: int | None, prefetch: bool | None) -> tuple:
     """(args, kwargs) of the fused launch for a tiny case (8 tokens; only dtypes and constexprs matter)."""
     spec = SPECS[spec_name]
     case = make_case(8, vocab, 0, torch.device("cpu"), spec.distillation is not None)
@@ -57,8 +56,7 @@ def recorded_launch(spec_name: str, vocab: int, block: int | None, warps: int | 
     original, launcher.lm_loss_kernel = launcher.lm_loss_kernel, recorder
     try:
         launcher.fused_kernel_only(case.logits, case.targets, case.normalizers, spec, torch.empty_like(case.logits),
-                                   max_block=block, num_warps=warps, programs_per_sm=programs,
-                                   prefetch=prefetch)
+                                   max_block=block, num_warps=warps, prefetch=prefetch)
     finally:
         launcher.lm_loss_kernel = original
     (call,) = recorder.calls
@@ -105,27 +103,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 131072])
     parser.add_argument("--block", type=int, nargs="+", default=[None])
     parser.add_argument("--warps", type=int, nargs="+", default=[None])
-    parser.add_argument("--programs-per-sm", type=int, default=None)
     parser.add_argument("--prefetch", type=int, choices=(0, 1), default=None)
     parser.add_argument("--capability", type=int, default=90)
     parser.add_argument("--sass-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     print(f"triton {triton.__version__}, sm_{args.capability}")
-    print("| spec | V | block | warps | programs/SM | prefetch | registers | stack | local | SASS instructions |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| spec | V | block | warps | prefetch | registers | stack | local | SASS instructions |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for spec_name in args.spec:
         for vocab in args.vocab:
             for block in args.block:
                 for warps in args.warps:
                     prefetch = None if args.prefetch is None else bool(args.prefetch)
-                    call_args, kwargs = recorded_launch(spec_name, vocab, block, warps, args.programs_per_sm, prefetch)
+                    call_args, kwargs = recorded_launch(spec_name, vocab, block, warps, prefetch)
                     found = resources(compile_variant(call_args, kwargs, args.capability).asm["cubin"])
                     print(f"| {spec_name} | {vocab} | {kwargs['BLOCK']} | {kwargs['num_warps']} "
-                          f"| {args.programs_per_sm or '-'} | {kwargs['PREFETCH']} | {found.get('REG')} | {found.get('STACK')} "
+                          f"| {kwargs['PREFETCH']} | {found.get('REG')} | {found.get('STACK')} "
                           f"| {found.get('LOCAL')} | {found['sass_instructions']} |", flush=True)
                     if args.sass_dir:
                         args.sass_dir.mkdir(parents=True, exist_ok=True)
-                        name = f"{spec_name}_{vocab}_{kwargs['BLOCK']}_{kwargs['num_warps']}.sass"
+                        name = f"{spec_name}_{vocab}_{kwargs['BLOCK']}_{kwargs['num_warps']}_{int(kwargs['PREFETCH'])}.sass"
                         (args.sass_dir / name).write_text(found["sass"])
     return 0
 

@@ -320,35 +320,19 @@ def test_tensor_parallel_two_ranks_match_single_rank(tmp_path: os.PathLike) -> N
         assert _rel(grad, single_grad) < FP32_TOL
 
 
-SCHEDULES = {"persistent": {"programs_per_sm": 3}, "prefetch": {"prefetch": True},
-             "persistent+prefetch": {"programs_per_sm": 3, "prefetch": True}}
-
-
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("spec", [SPECS["ce+z+grpo softcap"], LossSpec(cross_entropy=CE, z_loss=Z, gspo=GSPO)],
                          ids=["fused", "gspo"])
-@pytest.mark.parametrize("block", [128, 32768])
-def test_schedules_match_one_program_per_row(schedule: str, spec: LossSpec, block: int) -> None:
-    """The kernel's schedules change no arithmetic: a bounded grid (3 programs per SM, each walking rows
-    with the grid's stride, some two rows) and/or loading each vocab block an iteration ahead give the
-    one-program-per-row result bit for bit (the interpreter counts as one SM: 3 programs over 8 rows),
-    and the reference; in place too."""
-    processors = torch.cuda.get_device_properties(DEVICE).multi_processor_count if DEVICE.type == "cuda" else 1
-    logits, targets = _make_case(3 * processors + 5, 300, seed=13, documents=2)
+def test_prefetch_changes_no_arithmetic(spec: LossSpec) -> None:
+    """Loading each vocab block an iteration ahead (looped rows) computes what the plain loop does: bit
+    for bit on the interpreter; compiled, the two variants may contract multiply-adds differently
+    (seen on the H200: 1 ulp on 0.8% of the elements), so within 1e-6 there. In place too."""
+    logits, targets = _make_case(12, 300, seed=13, documents=2)
     normalizers = _normalizers(targets)
-    plain = {"programs_per_sm": 0, "prefetch": False}
-    per_row, per_row_grad = triton_loss(logits, targets, normalizers, spec, max_block=block, **plain)
-    result, grad = triton_loss(logits, targets, normalizers, spec, max_block=block, **SCHEDULES[schedule])
-    torch.testing.assert_close(grad, per_row_grad, rtol=0, atol=0)
-    torch.testing.assert_close(result.loss, per_row.loss, rtol=0, atol=0)
-    _, in_place = triton_loss(logits.clone(), targets, normalizers, spec, max_block=block, inplace=True,
-                              **SCHEDULES[schedule])
-    torch.testing.assert_close(in_place, per_row_grad, rtol=0, atol=0)
+    plain, plain_grad = triton_loss(logits, targets, normalizers, spec, max_block=128, prefetch=False)
+    result, grad = triton_loss(logits, targets, normalizers, spec, max_block=128, prefetch=True)
+    _, in_place = triton_loss(logits.clone(), targets, normalizers, spec, max_block=128, inplace=True, prefetch=True)
+    tol = 0.0 if DEVICE.type == "cpu" else 1e-6
+    for value, expected in ((grad, plain_grad), (in_place, plain_grad), (result.loss, plain.loss)):
+        assert _rel(value, expected) <= tol, _rel(value, expected)
     expected, expected_grad = _reference(logits, targets, normalizers, spec)
-    _check(f"{schedule}, block={block}", result, grad, expected, expected_grad, FP32_TOL)
-
-
-def test_programs_per_sm_is_checked() -> None:
-    logits, targets = _make_case(4, 300, seed=1)
-    with pytest.raises(ValueError, match="programs_per_sm"):
-        triton_loss(logits, targets, _normalizers(targets), SPECS["ce"], programs_per_sm=-1)
+    _check("prefetch", result, grad, expected, expected_grad, FP32_TOL)

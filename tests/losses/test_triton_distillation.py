@@ -79,19 +79,17 @@ def test_fused_distillation_matches_reference(kinds: str, block: str) -> None:
         assert abs(float(result.metrics[key] - value)) <= FP32_TOL * max(1.0, float(value.abs())), key
 
 
-@pytest.mark.parametrize("schedule", [{"programs_per_sm": 2}, {"prefetch": True}, {"programs_per_sm": 2, "prefetch": True}],
-                         ids=["persistent", "prefetch", "persistent+prefetch"])
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain-loop", "prefetch"])
 @pytest.mark.parametrize("kinds", ["ce+kd", "ce+z+kd_rev"])
-def test_schedules_distillation(schedule: dict, kinds: str) -> None:
-    """A bounded grid (2 programs per SM walking rows; the interpreter is one SM) and/or blocks loaded
-    an iteration ahead give the gradient of one program per row bit for bit, and match the reference."""
-    processors = torch.cuda.get_device_properties(DEVICE).multi_processor_count if DEVICE.type == "cuda" else 1
-    spec, logits, targets, normalizers = _case(kinds, seed=12, tokens=2 * processors + 7, softcap=3.0)
-    _, per_row = triton_loss(logits, targets, normalizers, spec, max_block=16, programs_per_sm=0, prefetch=False)
-    result, grad = triton_loss(logits, targets, normalizers, spec, max_block=16, **schedule)
-    torch.testing.assert_close(grad, per_row, rtol=0, atol=0)
+def test_prefetch_distillation(prefetch: bool, kinds: str) -> None:
+    """Distillation prefetches by default: either loop matches the reference, and the two agree (bit
+    for bit on the interpreter, within 1e-6 compiled: multiply-add contraction may differ)."""
+    spec, logits, targets, normalizers = _case(kinds, seed=12, tokens=16, softcap=3.0)
+    result, grad = triton_loss(logits, targets, normalizers, spec, max_block=16, prefetch=prefetch)
+    _, other = triton_loss(logits, targets, normalizers, spec, max_block=16, prefetch=not prefetch)
+    assert _rel(grad, other) <= (0.0 if DEVICE.type == "cpu" else 1e-6)
     expected, expected_grad = reference_with_grad(logits, targets, normalizers, spec)
-    _check(f"{kinds} {schedule}", result, grad, expected, expected_grad, FP32_TOL)
+    _check(f"{kinds} prefetch={prefetch}", result, grad, expected, expected_grad, FP32_TOL)
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 3.0])

@@ -317,8 +317,7 @@ def _store_grad_block(
 
 
 @triton.jit
-def _loss_row(
-    row,
+def lm_loss_kernel(
     logits_ptr,
     logits_stride,
     grad_ptr,
@@ -326,7 +325,6 @@ def _loss_row(
     labels_ptr,
     teacher_ptr,
     teacher_stride,
-    n_rows,
     n_cols,
     vocab_start,
     logit_scale,
@@ -369,7 +367,6 @@ def _loss_row(
     BLOCK: tl.constexpr,
     ACC: tl.constexpr,  # lanes of the running sums (one per thread)
 ):
-    """Everything the kernel does for one token row (the kernel body; see the module docstring)."""
     # Base-2 units inside (exp2 is one instruction); natural units in and out.
     x_scale = logit_scale / softcap if HAS_SOFTCAP else logit_scale * LOG2E
     u_scale = inv_temperature * LOG2E
@@ -379,6 +376,8 @@ def _loss_row(
     has_tail = n_full * BLOCK < n_cols
     kd_coeff = kd_weight * token_scale
     grad_coeff = grad_scale * logit_scale  # d(loss)/dx -> d(loss)/dz (times 1 - (x/c)^2 with a softcap)
+    row = tl.program_id(0).to(tl.int64)
+    n_rows = tl.num_programs(0).to(tl.int64)
     logits_row = logits_ptr + row * logits_stride
     grad_row = grad_ptr + row * grad_stride
     teacher_row = teacher_ptr + row * teacher_stride
@@ -558,78 +557,3 @@ def _loss_row(
             if has_tail:
                 tail = n_full * BLOCK + offsets
                 tl.store(grad_row + tail, zeros, mask=tail < n_cols, cache_modifier=".cs")
-
-
-@triton.jit
-def lm_loss_kernel(
-    logits_ptr,
-    logits_stride,
-    grad_ptr,
-    grad_stride,
-    labels_ptr,
-    teacher_ptr,
-    teacher_stride,
-    n_rows,
-    n_cols,
-    vocab_start,
-    logit_scale,
-    softcap,
-    inv_temperature,
-    out0_ptr,  # FUSED: the (K, T) term buffer; STATS: max; GRAD: lse (read)
-    out1_ptr,  # STATS: sum-exp; GRAD: prob_coeff (read); unused in FUSED
-    out2_ptr,  # STATS: label logit (0 off shard); GRAD: label_coeff (read); unused in FUSED
-    out3_ptr,  # STATS: sum exp(x-max)*(x-max); unused otherwise
-    kd0_ptr,  # STATS: teacher max; GRAD: teacher lse (read); unused in FUSED
-    kd1_ptr,  # STATS: teacher sum-exp; unused otherwise
-    kd2_ptr,  # STATS: cross sum; unused otherwise
-    old_logp_ptr,
-    advantages_ptr,
-    ce_weight,
-    z_weight,
-    grpo_weight,
-    kd_weight,
-    token_scale,  # 1 / tokens of the step (0 when none)
-    eps_low,
-    eps_high,
-    grad_scale,
-    MODE: tl.constexpr,
-    ROW_CE: tl.constexpr,  # FUSED: first term row of each child, -1 when absent (coefficients.fused_layout)
-    ROW_Z: tl.constexpr,
-    ROW_GRPO: tl.constexpr,
-    ROW_GSPO: tl.constexpr,  # token-mean metrics only
-    ROW_KD: tl.constexpr,
-    ROW_TOTAL: tl.constexpr,
-    ROW_FLAGS: tl.constexpr,
-    ROW_STATE: tl.constexpr,  # GSPO: per-token state for the seam and the grad launch
-    N_TERMS: tl.constexpr,  # K, rows of the term buffer
-    HAS_KD: tl.constexpr,  # teacher statistics in this launch (FUSED, STATS)
-    KD_GRAD: tl.constexpr,  # distillation term in the gradient (FUSED, GRAD; weight != 0)
-    KD_REVERSE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    COMPUTE_GRAD: tl.constexpr,
-    SINGLE_PASS: tl.constexpr,
-    PREFETCH: tl.constexpr,  # looped rows: load block b+1 before block b's math
-    PERSISTENT: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ACC: tl.constexpr,  # lanes of the running sums (one per thread)
-):
-    """One program per token row, or (PERSISTENT) fewer programs each walking rows with a stride of the
-    grid: that bounds the rows in flight, and so the L2 footprint of the second pass. The loop is
-    compiled only when asked for: even a one-trip row loop lets the compiler hoist block-sized values
-    out of it (CE+z+GRPO 8192/8 warps, sm_90: 95 -> 174 registers)."""
-    first_row = tl.program_id(0).to(tl.int64)
-    if PERSISTENT:
-        for row in range(first_row, n_rows, tl.num_programs(0)):
-            _loss_row(row, logits_ptr, logits_stride, grad_ptr, grad_stride, labels_ptr, teacher_ptr, teacher_stride,
-            n_rows, n_cols, vocab_start, logit_scale, softcap, inv_temperature, out0_ptr, out1_ptr, out2_ptr,
-            out3_ptr, kd0_ptr, kd1_ptr, kd2_ptr, old_logp_ptr, advantages_ptr, ce_weight, z_weight, grpo_weight,
-            kd_weight, token_scale, eps_low, eps_high, grad_scale, MODE, ROW_CE, ROW_Z, ROW_GRPO, ROW_GSPO, ROW_KD,
-            ROW_TOTAL, ROW_FLAGS, ROW_STATE, N_TERMS, HAS_KD, KD_GRAD, KD_REVERSE, HAS_SOFTCAP, COMPUTE_GRAD,
-            SINGLE_PASS, PREFETCH, BLOCK, ACC)
-    else:
-        _loss_row(first_row, logits_ptr, logits_stride, grad_ptr, grad_stride, labels_ptr, teacher_ptr,
-        teacher_stride, n_rows, n_cols, vocab_start, logit_scale, softcap, inv_temperature, out0_ptr, out1_ptr,
-        out2_ptr, out3_ptr, kd0_ptr, kd1_ptr, kd2_ptr, old_logp_ptr, advantages_ptr, ce_weight, z_weight, grpo_weight,
-        kd_weight, token_scale, eps_low, eps_high, grad_scale, MODE, ROW_CE, ROW_Z, ROW_GRPO, ROW_GSPO, ROW_KD,
-        ROW_TOTAL, ROW_FLAGS, ROW_STATE, N_TERMS, HAS_KD, KD_GRAD, KD_REVERSE, HAS_SOFTCAP, COMPUTE_GRAD, SINGLE_PASS,
-        PREFETCH, BLOCK, ACC)

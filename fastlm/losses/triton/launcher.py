@@ -63,33 +63,18 @@ def default_num_warps(block: int) -> int:
 
 
 def default_prefetch(distillation: bool = False) -> bool:
-    """Looped rows: load the next vocab block before the current block's math."""
-    return False
+    """Looped rows load the next vocab block before the current block's math: with distillation (two
+    16-bit blocks per step) 7-9% faster on the H200 at 4096/4, every swept shape; the label-based
+    kernel is not faster with it (docs/benchmarks.md entry 17)."""
+    return distillation
 
 
-def default_programs_per_sm(distillation: bool = False) -> int:
-    """0: one program per row (the grid is T). A positive count bounds the grid to that many programs per
-    SM, each walking rows."""
-    return 0
-
-
-def _multiprocessors(device: torch.device) -> int:
-    """Programs that run at once per "programs per SM": the GPU's SM count; 1 for the CPU interpreter."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
-def _check_supported(
-    logits: torch.Tensor, targets: LossTargets, spec: LossSpec, num_warps: int | None, programs_per_sm: int | None
-) -> None:
+def _check_supported(logits: torch.Tensor, targets: LossTargets, spec: LossSpec, num_warps: int | None) -> None:
     """What this kernel cannot run, named; the shared checks live in validation.py."""
     if not spec.children:
         raise ValueError("the loss spec has no children; nothing for the Triton kernel to compute")
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps}")
-    if programs_per_sm is not None and not (isinstance(programs_per_sm, int) and programs_per_sm >= 0):
-        raise ValueError(
-            f"programs_per_sm must be an int >= 0 (0: one program per row) or None (the default), got {programs_per_sm!r}"
-        )
     if not spec.logit_scale > 0 or (spec.softcap is not None and not spec.softcap > 0):
         # The kernel divides by the softcap; both are positive in every config (losses/config.py).
         raise ValueError(f"logit_scale and softcap must be > 0, got {spec.logit_scale} and {spec.softcap}")
@@ -134,7 +119,6 @@ class _Launch:
         vocab_start: int,
         max_block: int | None,
         num_warps: int | None,
-        programs_per_sm: int | None,
         prefetch: bool | None,
     ):
         self.logits = logits
@@ -148,10 +132,6 @@ class _Launch:
         self.num_warps = num_warps if num_warps is not None else default_num_warps(self.block)
         self.kd_grad = spec.distillation is not None and spec.distillation.weight != 0
         self.prefetch = default_prefetch(spec.distillation is not None) if prefetch is None else prefetch
-        if programs_per_sm is None:
-            programs_per_sm = default_programs_per_sm(spec.distillation is not None)
-        rows = logits.shape[0]
-        self.programs = min(rows, programs_per_sm * _multiprocessors(logits.device)) if programs_per_sm else rows
 
     def vector(self) -> torch.Tensor:
         return torch.empty(self.logits.shape[0], dtype=torch.float32, device=self.logits.device)
@@ -180,7 +160,7 @@ class _Launch:
         names = ("ROW_CE", "ROW_Z", "ROW_GRPO", "ROW_GSPO", "ROW_KD", "ROW_TOTAL", "ROW_FLAGS", "ROW_STATE", "N_TERMS")
         rows = (layout.ce, layout.z, layout.grpo, layout.gspo, layout.kd, layout.total, layout.flags, layout.state,
                 layout.rows) if layout else (-1,) * len(names)
-        lm_loss_kernel[(self.programs,)](
+        lm_loss_kernel[(self.logits.shape[0],)](
             self.logits,
             self.logits.stride(0),
             grad if grad is not None else self.logits,
@@ -188,7 +168,6 @@ class _Launch:
             self.labels,
             teacher,
             teacher.stride(0),
-            self.logits.shape[0],
             self.logits.shape[1],
             self.vocab_start,
             float(spec.logit_scale),
@@ -211,7 +190,6 @@ class _Launch:
             HAS_SOFTCAP=spec.softcap is not None,
             COMPUTE_GRAD=grad is not None,
             SINGLE_PASS=self.logits.shape[1] <= self.block,
-            PERSISTENT=self.programs < self.logits.shape[0],
             PREFETCH=self.prefetch and self.logits.shape[1] > self.block,
             BLOCK=self.block,
             ACC=min(self.block, 32 * self.num_warps * (16 // self.logits.element_size())),
@@ -329,21 +307,17 @@ def triton_loss(
     inplace: bool = False,
     max_block: int | None = None,
     num_warps: int | None = None,
-    programs_per_sm: int | None = None,
     prefetch: bool | None = None,
 ) -> tuple[LossResult, torch.Tensor | None]:
     """The monolithic loss and its gradient w.r.t. the raw logits (this rank's vocab shard under
     `group`). `inplace` overwrites `logits` with the gradient; `max_block` caps the vocab block
-    (default `default_max_block(vocab)`), `num_warps` overrides the per-block default and
-    `programs_per_sm` bounds the grid to that many programs per SM, each walking rows (0: one program
-    per row; default `default_programs_per_sm`) and `prefetch` loads each vocab block an iteration ahead
-    (default `default_prefetch`); all four for tuning."""
-    _check_supported(logits, targets, spec, num_warps, programs_per_sm)
+    (default `default_max_block(vocab)`), `num_warps` overrides the per-block default and `prefetch`
+    loads each vocab block an iteration ahead (default `default_prefetch`); all three for tuning."""
+    _check_supported(logits, targets, spec, num_warps)
     check_inputs(logits, targets, normalizers, spec, group)
     vocab_start, _ = vocab_shard(logits, group)
     teacher = targets.teacher_logits if spec.distillation is not None else None
-    launch = _Launch(logits, targets.labels.contiguous(), teacher, spec, vocab_start, max_block, num_warps, programs_per_sm,
-                     prefetch)
+    launch = _Launch(logits, targets.labels.contiguous(), teacher, spec, vocab_start, max_block, num_warps, prefetch)
     grad = None
     if compute_grad:
         grad = logits if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
@@ -378,14 +352,13 @@ def fused_kernel_only(
     *,
     max_block: int | None = None,
     num_warps: int | None = None,
-    programs_per_sm: int | None = None,
     prefetch: bool | None = None,
 ) -> torch.Tensor:
     """The single fused launch and nothing else (no validation, no reduction of the terms), for specs
     without GSPO: the benchmark times it next to `triton_loss` to split kernel time from host-side
     work. Returns the (K, T) per-token term buffer."""
-    _check_supported(logits, targets, spec, num_warps, programs_per_sm)
+    _check_supported(logits, targets, spec, num_warps)
     teacher = targets.teacher_logits if spec.distillation is not None else None
-    launch = _Launch(logits, targets.labels, teacher, spec, 0, max_block, num_warps, programs_per_sm, prefetch)
+    launch = _Launch(logits, targets.labels, teacher, spec, 0, max_block, num_warps, prefetch)
     terms, _ = _fused_terms(launch, targets, normalizers, grad, 1.0)
     return terms
