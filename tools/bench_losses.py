@@ -2,12 +2,15 @@
 
     python tools/bench_losses.py                # H200: all specs x tokens {4096,16384} x vocab {32000,131072}
     python tools/bench_losses.py --tune         # block size x num_warps sweep (CE, CE+z+GRPO; T=16384, V=32000/131072)
+    python tools/bench_losses.py --tune --tune-spec ce+kd --tune-prefetch 0 1   # with and without prefetch
     python tools/bench_losses.py --cpu-smoke    # tiny shapes on CPU (Triton interpreted), a few seconds
 
-Implementations: triton (fresh gradient buffer), triton-inplace (gradient over the logits),
-triton-kernel (the fused launch alone: gradient and per-token terms, no validation, reduction or read-back),
-compiled, eager (float32 reference + autograd) and Liger-Kernel's cross entropy (CE and CE+z through
-lse_square_scale) when `liger_kernel` imports. Logits are bf16.
+Implementations: triton (fresh gradient buffer), triton-deferred (the same inside
+`deferred_value_checks()`), triton-inplace (gradient over the logits), triton-kernel (the fused launch
+alone: gradient and per-token terms, no validation, reduction or read-back), copy (the R1 bytes through
+`copy_`, or `add` with a teacher: what any kernel of the shape can reach), compiled, eager (float32
+reference + autograd) and Liger-Kernel's cross entropy (CE and CE+z through lse_square_scale) when
+`liger_kernel` imports. Logits are bf16.
 
 Timing: `triton.testing.do_bench` median (CUDA; it also flushes L2 before each call) with the inputs
 rotated among two sets; on CPU a perf_counter median. Roofline R1 = bytes of reading the logits once
