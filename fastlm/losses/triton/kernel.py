@@ -105,6 +105,7 @@ def _x2_of(z_raw, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP: tl.constexpr, 
 @triton.jit
 def _load_x2(row_ptr, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
              EVICTION: tl.constexpr):
+    """Load a block and transform it (`_x2_of`): the single-pass row and the label's element."""
     return _x2_of(_load_raw(row_ptr, offsets, n_cols, MASKED, EVICTION), offsets, n_cols, x_scale, softcap,
                   HAS_SOFTCAP, MASKED)
 
