@@ -192,7 +192,7 @@ def implementations(
 
     def same_shape_copy(case: Case) -> object:
         """The R1 bytes moved by the plainest torch op, timed the same way: a yardstick for what a
-        kernel of this shape can reach (launch, L2 flush write-back, ramp and drain included)."""
+        kernel of this shape can reach (launch, ramp and drain included)."""
         if spec.distillation is not None:
             return torch.add(case.logits, case.targets.teacher_logits, out=case.buffer)
         return case.buffer.copy_(case.logits)
@@ -270,10 +270,10 @@ def benchmark(shapes: list[tuple[int, int]], bench: Bench, copy_gb_s: float, lig
 
 def tune(
     token_counts: list[int], vocabs: list[int], spec_names: list[str], bench: Bench, copy_gb_s: float,
-    prefetches: tuple[bool, ...],
+    prefetches: tuple[bool, ...] | None,
 ) -> list[dict]:
-    """Block size x num_warps x prefetch of the fused launch alone (`fused_kernel_only`): the host tail is
-    the same at every point, so it would only add noise."""
+    """Block size x num_warps x prefetch (None: each spec's default only) of the fused launch alone
+    (`fused_kernel_only`): the host tail is the same at every point, so it would only add noise."""
     from fastlm.losses.triton.launcher import _block_size, default_max_block, default_num_warps, default_prefetch
 
     rows = []
@@ -287,7 +287,8 @@ def tune(
         default = _block_size(vocab, default_max_block(vocab, distill))
         default_point = (default, default_num_warps(default), default_prefetch(distill))
         points = []
-        for block, warps, prefetch in ((b, w, f) for b in bench.tune_blocks for w in bench.tune_warps for f in prefetches):
+        flags = prefetches if prefetches is not None else (default_prefetch(distill),)
+        for block, warps, prefetch in ((b, w, f) for b in bench.tune_blocks for w in bench.tune_warps for f in flags):
             options = {"max_block": block, "num_warps": warps, "prefetch": prefetch}
             calls = implementations(spec_name, spec, bench.device, None, options)
             kernel = bench.time_ms(rotating(cases, calls["triton-kernel"]))
@@ -377,7 +378,7 @@ def tune_table(rows: list[dict], suggestions: list[dict]) -> str:
         lines.append(
             f"suggested default V={pick['vocab']}: max_block {pick['block']}, num_warps {pick['num_warps']}, "
             f"prefetch {int(pick['prefetch'])} "
-            f"(kernel only, geo-mean over {', '.join(pick['specs'])} of time / each spec's best: "
+            f"(kernel only, geo-mean over {', '.join(pick['specs'])} of time / each case's best: "
             f"{pick['score']:.3f}; current {current})"
         )
     return "\n".join(lines)
@@ -386,14 +387,14 @@ def tune_table(rows: list[dict], suggestions: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, Triton interpreted")
-    parser.add_argument("--tune", action="store_true", help="sweep block size x num_warps (full call and kernel alone)")
+    parser.add_argument("--tune", action="store_true", help="sweep block size x num_warps (x prefetch), the kernel alone")
     parser.add_argument("--tune-spec", nargs="+", default=TUNE_SPECS, choices=list(SPECS))
     parser.add_argument("--tune-tokens", type=int, nargs="+", default=[16384])
     parser.add_argument("--tune-vocab", type=int, nargs="+", default=[32000, 131072])
     parser.add_argument("--tune-block", type=int, nargs="+", default=None, help="override the block grid")
     parser.add_argument("--tune-warps", type=int, nargs="+", default=None, help="override the num_warps grid")
-    parser.add_argument("--tune-prefetch", type=int, nargs="+", choices=(0, 1), default=[0],
-                        help="sweep loading each vocab block an iteration ahead (1) or not (0)")
+    parser.add_argument("--tune-prefetch", type=int, nargs="+", choices=(0, 1), default=None,
+                        help="sweep loading each vocab block an iteration ahead (1) or not (0); default: each spec's default")
     parser.add_argument("--rep-ms", type=int, default=None,
                         help=f"do_bench measuring time per case (ms); default 100, {TUNE_REP_MS} with --tune")
     args = parser.parse_args(argv)
@@ -414,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         tokens, vocabs = ([8], [96]) if args.cpu_smoke else (args.tune_tokens, args.tune_vocab)
         bench.tune_blocks = args.tune_block or bench.tune_blocks
         bench.tune_warps = args.tune_warps or bench.tune_warps
-        report["tune"] = tune(tokens, vocabs, args.tune_spec, bench, copy_gb_s, tuple(bool(f) for f in args.tune_prefetch))
+        prefetches = None if args.tune_prefetch is None else tuple(bool(f) for f in args.tune_prefetch)
+        report["tune"] = tune(tokens, vocabs, args.tune_spec, bench, copy_gb_s, prefetches)
         report["suggested"] = suggest_defaults(report["tune"])
         table = tune_table(report["tune"], report["suggested"])
     else:
