@@ -12,12 +12,14 @@ kernel), so what compiles here is what the H200 runs. Needs Triton's bundled `cu
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+os.environ.pop("TRITON_INTERPRET", None)  # this tool compiles for the GPU; it never interprets
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
