@@ -10,7 +10,7 @@ This is the per-token tail after the vocab pass, so it is written for few device
 device->host sync (the GSPO seam included): every input is masked once up front, and the
 token sums of all losses and metrics are reduced together (`metrics.Sums`). The fused Triton kernel
 skips it: it writes the same per-token terms into one buffer laid out by `fused_layout`, and
-`reduce_fused` turns that into the result with a single sum over tokens.
+`fused_result` turns its token sums (one reduction launch) into the result.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ class FusedLayout:
 
 
 def fused_layout(spec: LossSpec) -> FusedLayout:
-    """The row table shared by the launcher (kernel constexprs) and `reduce_fused` (result keys)."""
+    """The row table shared by the launcher (kernel constexprs) and `fused_result` (result keys)."""
     keys: list[tuple[bool, str]] = []
 
     def group(
@@ -199,9 +199,9 @@ def fused_layout(spec: LossSpec) -> FusedLayout:
     return FusedLayout(*rows, total, total + 1, summed, summed if state_rows else -1, summed + state_rows, tuple(keys))
 
 
-def reduce_fused(terms: torch.Tensor, layout: FusedLayout) -> tuple[LossResult, torch.Tensor]:
-    """(loss, losses and metrics; value-check counts) from the kernel's term buffer: one sum over T."""
-    totals = terms[: layout.summed].sum(dim=1)
+def fused_result(totals: torch.Tensor, layout: FusedLayout) -> tuple[LossResult, torch.Tensor]:
+    """(loss, losses and metrics; value-check counts) from the token sums of the kernel's first
+    `layout.summed` term rows."""
     values = totals.unbind()
     losses = {key: value for (is_loss, key), value in zip(layout.keys, values) if is_loss}
     metrics = {key: value for (is_loss, key), value in zip(layout.keys, values) if not is_loss}

@@ -558,3 +558,15 @@ def lm_loss_kernel(
             if has_tail:
                 tail = n_full * BLOCK + offsets
                 tl.store(grad_row + tail, zeros, mask=tail < n_cols, cache_modifier=".cs")
+
+
+@triton.jit
+def row_sums_kernel(values_ptr, sums_ptr, n_cols, BLOCK: tl.constexpr):
+    """sums[k] = sum over t of values[k, t] for a contiguous (K, T) fp32 buffer, one program per row,
+    lanes accumulated in a fixed order then reduced once (deterministic): the fused call's tail."""
+    row_ptr = values_ptr + tl.program_id(0).to(tl.int64) * n_cols
+    offsets = tl.arange(0, BLOCK)
+    lanes = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        lanes += tl.load(row_ptr + start + offsets, mask=start + offsets < n_cols, other=0.0)
+    tl.store(sums_ptr + tl.program_id(0), tl.sum(lanes, 0))

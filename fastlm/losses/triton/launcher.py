@@ -28,14 +28,15 @@ import torch.distributed as dist
 
 import triton
 
-from fastlm.losses.coefficients import FusedLayout, LabelChildren, TokenStats, fused_layout, label_children, reduce_fused
+from fastlm.losses.coefficients import FusedLayout, LabelChildren, TokenStats, fused_layout, fused_result, label_children
 from fastlm.losses.metrics import Sums, gspo_document_metrics
 from fastlm.losses.seam import gspo_seam, safe_inverse
 from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossResult, LossSpec, LossTargets
-from fastlm.losses.triton.kernel import MODE_FUSED, MODE_GRAD, MODE_STATS, lm_loss_kernel
+from fastlm.losses.triton.kernel import MODE_FUSED, MODE_GRAD, MODE_STATS, lm_loss_kernel, row_sums_kernel
 from fastlm.losses.validation import ProcessGroup, check_inputs, raise_on_bad_values, value_flags, vocab_shard
 
 MAX_BLOCK = 32768
+ROW_SUM_BLOCK, ROW_SUM_WARPS = 4096, 8  # the term-sum launch: columns per step, warps
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -218,6 +219,14 @@ def _fused_terms(
     return terms, layout
 
 
+def _reduce_fused(terms: torch.Tensor, layout: FusedLayout) -> tuple[LossResult, torch.Tensor]:
+    """The result from the term buffer: the token sums of its first `layout.summed` rows in one launch."""
+    totals = torch.empty(layout.summed, dtype=torch.float32, device=terms.device)
+    block = min(ROW_SUM_BLOCK, triton.next_power_of_2(max(terms.shape[1], 1)))
+    row_sums_kernel[(layout.summed,)](terms, totals, terms.shape[1], BLOCK=block, num_warps=ROW_SUM_WARPS)
+    return fused_result(totals, layout)
+
+
 def _seam_terms(
     launch: _Launch, targets: LossTargets, normalizers: LossNormalizers, grad: torch.Tensor | None, grad_scale: float
 ) -> tuple[LossResult, torch.Tensor]:
@@ -227,7 +236,7 @@ def _seam_terms(
     spec = launch.spec
     gspo = spec.gspo
     terms, layout = _fused_terms(launch, targets, normalizers, None, grad_scale)
-    result, counts = reduce_fused(terms, layout)
+    result, counts = _reduce_fused(terms, layout)
     state = partial(layout.state_row, terms)
     seam = gspo_seam(state("new_logp"), state("old_logp"), state("advantages"), targets.document_ids,
                      targets.labels != IGNORE_INDEX, gspo, normalizers)
@@ -322,7 +331,7 @@ def triton_loss(
     if compute_grad:
         grad = logits if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
     if group is None and spec.gspo is None:
-        result, counts = reduce_fused(*_fused_terms(launch, targets, normalizers, grad, grad_scale))
+        result, counts = _reduce_fused(*_fused_terms(launch, targets, normalizers, grad, grad_scale))
     elif group is None:
         result, counts = _seam_terms(launch, targets, normalizers, grad, grad_scale)
     else:
