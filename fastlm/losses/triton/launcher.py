@@ -9,8 +9,8 @@
   per-token state), the sync-free GSPO seam on that state, then the grad launch.
 The fused launch writes every per-token loss/metric term into one buffer laid out by
 `coefficients.fused_layout` (same keys as `label_children`, which the tensor-parallel case uses), so
-its whole tail is one sum. The distillation loss is the token sum of the per-token KL over the step's
-token count.
+its whole tail is one row-sum launch (`row_sums_kernel`). The distillation loss is the token sum of
+the per-token KL over the step's token count.
 
 Validation: host checks before any launch; the value checks (validation.py) are counted on the device
 (by the fused kernel itself, else (tensor parallel) by `value_flags`) and read back once, after
