@@ -174,7 +174,7 @@ def load_liger() -> tuple[type | None, str]:
 
 
 def implementations(
-    name: str, spec: LossSpec, device: torch.device, liger: type | None, tune: dict[str, int]
+    name: str, spec: LossSpec, device: torch.device, liger: type | None, tune: dict[str, int | bool]
 ) -> dict[str, Callable[[Case], object]]:
     """implementation -> function of one input set doing forward + gradient (returns what it allocated)."""
     from fastlm.losses.compiled import compiled_loss

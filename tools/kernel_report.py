@@ -1,5 +1,5 @@
 """Compile the fused loss kernel for a GPU target on any machine (no GPU needed) and report its
-resources: registers, spill stores/loads, local memory, and the SASS size of each variant.
+resources: registers, stack frame, local memory, and the SASS size of each variant.
 
     python tools/kernel_report.py                                   # default specs and shapes, sm_90
     python tools/kernel_report.py --spec ce+kd --vocab 32000 --block 4096 8192 --warps 4 8
@@ -35,7 +35,7 @@ from fastlm.losses.triton.kernel import lm_loss_kernel  # noqa: E402
 sys.path.insert(0, str(ROOT / "tools"))
 from bench_losses import SPECS, make_case  # noqa: E402
 
-OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+OPTIONS = ("num_warps", "enable_fp_fusion")  # the launch options the launcher passes
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
                 torch.int32: "i32"}
 
@@ -85,7 +85,7 @@ def compile_variant(args: tuple, kwargs: dict, capability: int) -> triton.compil
 
 
 def resources(cubin: bytes) -> dict:
-    """REG / STACK / LOCAL from cuobjdump, spill counts from ptxas' own report in the SASS header."""
+    """REG / STACK / SHARED / LOCAL from cuobjdump's resource usage, and the SASS with its instruction count."""
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(cubin)
