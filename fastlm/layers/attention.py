@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastlm.layers.init import init_linear
+from fastlm.layers.kv_cache import LayerCache
 from fastlm.layers.rotary import apply_rotary
 
 Rotary = tuple[torch.Tensor, torch.Tensor]
@@ -80,8 +81,12 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
         self.out_proj = nn.Linear(q_size, hidden_size, bias=out_bias)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary | None, mask: torch.Tensor | None) -> torch.Tensor:
-        """x (B, S, H) -> (B, S, H); rotary = (cos, sin) from `rotary_angles`, or None (GPT-2)."""
+    def forward(
+        self, x: torch.Tensor, rotary: Rotary | None, mask: torch.Tensor | None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        """x (B, S, H) -> (B, S, H); rotary = (cos, sin) from `rotary_angles`, or None (GPT-2).
+
+        Generation passes a `cache` (and its mask): keys/values go into it and attention reads it."""
         batch, seq_len, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = q.view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
@@ -89,7 +94,10 @@ class Attention(nn.Module):
         v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        out = attend(q, k, v, mask, self.dropout if self.training else 0.0)
+        if cache is not None:
+            out = cache.attend(q, k, v, mask)
+        else:
+            out = attend(q, k, v, mask, self.dropout if self.training else 0.0)
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def reset_parameters(self, std: float, residual_std: float) -> None:

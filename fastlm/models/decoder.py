@@ -14,6 +14,7 @@ from torch import nn
 
 from fastlm.layers.attention import Attention, attention_mask
 from fastlm.layers.embedding import Embeddings, document_positions
+from fastlm.layers.kv_cache import KVCache, LayerCache
 from fastlm.layers.mlp import GeluMLP, SwiGLUMLP
 from fastlm.layers.norm import build_norm
 from fastlm.layers.rotary import rotary_angles
@@ -45,9 +46,13 @@ class DecoderBlock(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(
-        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rotary, mask))
+        x = x + self.dropout(self.attn(self.attn_norm(x), rotary, mask, cache))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -114,12 +119,28 @@ class DecoderLM(nn.Module):
             hidden = block(hidden, rotary, mask)
         return self.final_norm(hidden)
 
-    def logits(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Raw head output z (B, S, V); `fastlm.losses.spec.transform_logits` gives what the softmax sees.
+    def cached_hidden_states(self, input_ids: torch.Tensor, cache: KVCache, columns: torch.Tensor, span: int) -> torch.Tensor:
+        """Generation: (B, S) tokens at cache `columns` (B, S) -> (B, S, H) after the final norm, their keys and
+        values written into `cache`, attention over its first `span` columns (fastlm/layers/kv_cache.py)."""
+        positions = cache.positions(columns)
+        window = None if self.is_gpt2 else self.config.sliding_window
+        mask = cache.mask(columns, span, window)
+        rotary = None if self.is_gpt2 else rotary_angles(positions, self.config.head_dim, self.config.rope_theta)
+        hidden = self.embeddings(input_ids, positions)
+        for index, block in enumerate(self.blocks):
+            hidden = block(hidden, rotary, mask, cache.layer(index, columns, span))
+        return self.final_norm(hidden)
+
+    def head_logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Raw head output z (..., V) of hidden states (..., H), through `weight` (default: the output weight).
 
         Vocab-parallel: the shards are gathered to the full vocab (inference only, no gradient)."""
-        logits = nn.functional.linear(self.hidden_states(input_ids, document_ids), self.output_weight)
+        logits = nn.functional.linear(hidden, self.output_weight if weight is None else weight)
         return logits if self.tp_group is None else gather_vocab(logits, self.tp_group)
+
+    def logits(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Raw head output z (B, S, V); `fastlm.losses.spec.transform_logits` gives what the softmax sees."""
+        return self.head_logits(self.hidden_states(input_ids, document_ids))
 
     def forward(
         self,
