@@ -1,0 +1,148 @@
+"""The generator's sampling: filters vs a float64 reference, log-probs vs a float64 forward, seeds, stops,
+bad requests; on CUDA the graph path against the eager path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastlm.data.tokenizer import BOS, EOS, ByteTokenizer
+from fastlm.generation import Generator, SamplingOptions, generate
+from fastlm.generation.sampling import next_token_distribution
+from tests.rl.rl_helpers import reference_logprobs, rel_err, tiny_model
+
+TOKENIZER = ByteTokenizer()
+
+
+def _filter_reference(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    scaled = logits.double() / temperature
+    if top_k:
+        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    out = torch.zeros_like(probs)
+    for row in range(probs.shape[0]):
+        mass = 0.0
+        for index in probs[row].argsort(descending=True).tolist():
+            if mass >= top_p:
+                break
+            out[row, index] = probs[row, index]
+            mass += float(probs[row, index])
+    return out / out.sum(dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize(("temperature", "top_p", "top_k"), [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 0.5, 0), (1.0, 0.95, 7)])
+def test_sampling_distribution_matches_reference(temperature: float, top_p: float, top_k: int) -> None:
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(3)) * 2
+    got = next_token_distribution(logits, SamplingOptions(1, temperature, top_p, top_k))
+    want = _filter_reference(logits, temperature, top_p, top_k)
+    print(f"T={temperature} top_p={top_p} top_k={top_k}: rel err {rel_err(got, want):.2e}, kept {(got > 0).sum(1).tolist()}")
+    assert rel_err(got, want) < 1e-5
+    assert torch.equal(got > 0, want > 0)
+
+
+def test_draws_follow_the_distribution() -> None:
+    """The exponential race picks token i with probability p_i: frequencies over many rows match."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]]).expand(20000, 5)
+    options = SamplingOptions(1, temperature=0.8, top_p=0.9)
+    from fastlm.generation.sampling import pick_tokens
+
+    choice, logprob = pick_tokens(logits, options, torch.Generator().manual_seed(0))
+    want = next_token_distribution(logits[:1], options)[0]
+    seen = torch.bincount(choice, minlength=5).double() / len(choice)
+    print(f"frequencies {seen.tolist()} vs {want.tolist()}")
+    assert (seen - want).abs().max() < 0.015
+    assert torch.allclose(logprob, want.log()[choice])
+
+
+@pytest.mark.parametrize(("scale", "softcap", "temperature"), [(1.0, None, 1.0), (1.7, 2.5, 0.7)])
+def test_sampled_logprobs_match_float64_forward(scale: float, softcap: float | None, temperature: float) -> None:
+    """The sampler's log-probs are those of the tempered softmax of the training forward (no top-p here)."""
+    model = tiny_model()
+    prompts = [TOKENIZER.encode(text, bos=True) for text in ("1+2=", "7+8=", "ab>", "3+3=")]
+    options = SamplingOptions(6, temperature, stop_tokens=(EOS,), logit_scale=scale, softcap=softcap)
+    completions = generate(model, prompts, options, TOKENIZER, torch.Generator().manual_seed(0))
+    assert model.training  # mode restored
+    worst = 0.0
+    for prompt, completion in zip(prompts, completions):
+        assert 1 <= len(completion.tokens) <= 6 and len(completion.logprobs) == len(completion.tokens)
+        assert completion.stopped == (completion.tokens[-1] == EOS) and EOS not in completion.tokens[:-1]
+        want = reference_logprobs(model, prompt + completion.tokens, len(prompt), scale / temperature,
+                                  None if softcap is None else softcap / temperature)
+        worst = max(worst, rel_err(torch.tensor(completion.logprobs), want))
+    print(f"sampler log-probs (scale {scale}, softcap {softcap}, T {temperature}) vs float64 forward: max rel err {worst:.2e}")
+    assert worst < 1e-4
+
+
+def test_sampling_is_seeded_and_stops() -> None:
+    model = tiny_model()
+    prompts = [[BOS, 50, 43, 50, 61]] * 8
+    options = SamplingOptions(5, temperature=1.0, stop_tokens=(EOS,))
+    first = generate(model, prompts, options, TOKENIZER, torch.Generator().manual_seed(11))
+    again = generate(model, prompts, options, TOKENIZER, torch.Generator().manual_seed(11))
+    other = generate(model, prompts, options, TOKENIZER, torch.Generator().manual_seed(12))
+    assert [c.tokens for c in first] == [c.tokens for c in again]
+    assert [c.tokens for c in first] != [c.tokens for c in other]
+    # greedy picks the argmax; with that token as a stop token every completion ends right there
+    with torch.no_grad():
+        logp = torch.log_softmax(model.logits(torch.tensor([prompts[0]]))[0, -1], dim=-1)
+    expected = int(logp.argmax())
+    greedy = generate(model, prompts, SamplingOptions(5, temperature=0.0, stop_tokens=(EOS, expected)), TOKENIZER)
+    assert all(c.tokens == [expected] and c.stopped for c in greedy)
+    assert greedy[0].logprobs[0] == pytest.approx(float(logp[expected]), abs=1e-5)
+
+
+def test_finished_rows_are_padded_and_generation_ends_early() -> None:
+    """Rows stop independently; once all have stopped the loop ends at the next check."""
+    model = tiny_model()
+    prompts = [TOKENIZER.encode(t, bos=True) for t in ("1+2=", "9+9=", "ab>")]
+    with torch.no_grad():
+        first = [int(model.logits(torch.tensor([p]))[0, -1].argmax()) for p in prompts]
+    engine = Generator(model, TOKENIZER, check_every=2)
+    calls = []
+    original = engine._decode_step
+
+    def counting(*args):
+        step = original(*args)
+        wrapped = lambda tokens, columns: (calls.append(1), step(tokens, columns))[1]  # noqa: E731
+        wrapped.cache = step.cache
+        return wrapped
+
+    engine._decode_step = counting
+    out = engine.generate(prompts, SamplingOptions(40, temperature=0.0, stop_tokens=tuple(set(first))))
+    assert [c.tokens for c in out] == [[t] for t in first] and all(c.stopped for c in out)
+    assert len(calls) == 1  # every row stopped at its first token: the check after the 2nd pick ends it, not 39 steps
+
+
+def test_bad_requests_are_named() -> None:
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"prompt 1 has 45 tokens, more than model.max_seq_len \(48\)"):
+        generate(model, [[BOS], [BOS] * 45], SamplingOptions(max_new_tokens=4), TOKENIZER)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        generate(model, [[]], SamplingOptions(max_new_tokens=4), TOKENIZER)
+    with pytest.raises(ValueError, match="outside"):
+        generate(model, [[BOS, 999]], SamplingOptions(max_new_tokens=4), TOKENIZER)
+    with pytest.raises(ValueError, match="stop tokens"):
+        generate(model, [[BOS]], SamplingOptions(4, stop_tokens=(300,)), TOKENIZER)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingOptions(4, top_p=0.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_path_matches_eager() -> None:
+    """fp32 replica in a CUDA graph vs the live model eagerly: same greedy tokens; bf16: close log-probs."""
+    model = tiny_model().cuda()
+    prompts = [TOKENIZER.encode(t, bos=True) for t in ("1+2=", "9+9=", "ab>", "hello")]
+    options = SamplingOptions(12, temperature=0.0)
+    eager = Generator(model, TOKENIZER, cuda_graph=False).generate(prompts, options)
+    graph = Generator(model, TOKENIZER, cuda_graph=True)
+    for _ in range(2):  # the second call replays the captured graph
+        assert [c.tokens for c in graph.generate(prompts, options)] == [c.tokens for c in eager]
+    bf16_eager = Generator(model, TOKENIZER, torch.bfloat16, cuda_graph=False).generate(prompts, options)
+    bf16_graph = Generator(model, TOKENIZER, torch.bfloat16, cuda_graph=True).generate(prompts, options)
+    first = torch.tensor([c.logprobs[0] for c in bf16_graph]), torch.tensor([c.logprobs[0] for c in bf16_eager])
+    print(f"bf16 graph vs eager first-token log-probs: rel err {rel_err(*first):.2e}")
+    assert rel_err(*first) < 2e-2
+    sampled = SamplingOptions(8, temperature=1.0)
+    runs = [graph.generate(prompts, sampled, torch.Generator("cuda").manual_seed(5)) for _ in range(2)]
+    assert [c.tokens for c in runs[0]] == [c.tokens for c in runs[1]]  # seeded on the device
