@@ -75,10 +75,14 @@ class _DecodeStep:
     def __init__(self, model: DecoderLM, cache: KVCache, head_weight: torch.Tensor | None,
                  amp_dtype: torch.dtype | None, cuda_graph: bool, compile: bool) -> None:
         self.model, self.cache, self.head_weight, self.amp_dtype = model, cache, head_weight, amp_dtype
-        device = cache.keys.device
+        device = cache.start.device
         self.tokens = torch.zeros(cache.batch, 1, dtype=torch.int64, device=device)
         self.columns = torch.zeros(cache.batch, 1, dtype=torch.int64, device=device)
-        self.run = torch.compile(self.forward, fullgraph=True, dynamic=False) if compile else self.forward
+        self.run = self.forward
+        if compile:
+            for buffer in cache.buffers:  # updated in place every step: not an input to copy or guard on
+                torch._dynamo.mark_static_address(buffer)
+            self.run = torch.compile(self.forward, fullgraph=True, dynamic=False)
         self.graph: torch.cuda.CUDAGraph | None = None
         if cuda_graph:
             self._capture()
@@ -200,7 +204,8 @@ class Generator:
         config = model.config
         kv_heads = config.num_heads if model.is_gpt2 else config.kv_heads
         dtype = self.amp_dtype or model.output_weight.dtype
-        cache = KVCache(config.num_layers, batch, kv_heads, length, config.head_dim, dtype, self.device)
+        cache = KVCache(config.num_layers, batch, config.num_heads, kv_heads, length, config.head_dim, dtype,
+                        self.device, uniform_columns=self.padding == "left")
         self._step = _DecodeStep(model, cache, head_weight, self.amp_dtype, self.cuda_graph, self.compile)
         self._step_key = key
         return self._step

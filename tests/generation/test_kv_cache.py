@@ -56,7 +56,8 @@ def test_cached_forward_equals_uncached(name: str, padding: str) -> None:
     width = max(len(p) for p in prompts)
     config = model.config
     kv_heads = config.num_heads if model.is_gpt2 else config.kv_heads
-    cache = KVCache(config.num_layers, len(prompts), kv_heads, width + 6, config.head_dim, torch.float64, "cpu")
+    cache = KVCache(config.num_layers, len(prompts), config.num_heads, kv_heads, width + 6, config.head_dim,
+                    torch.float64, "cpu", uniform_columns=padding == "left")
     tokens = torch.zeros(len(prompts), width, dtype=torch.int64)
     lengths = torch.tensor([len(p) for p in prompts])
     for row, prompt in enumerate(prompts):
