@@ -28,6 +28,31 @@ def cross_check(config: RunConfig) -> list[ConfigIssue]:
                                   tp, hint="pick a tensor_parallel that divides the vocab (pad the vocab if needed)"))
     issues += _frozen_model_checks(config)
     issues += _init_checkpoint_checks(config)
+    issues += _rl_checks(config)
+    return issues
+
+
+def _rl_checks(config: RunConfig) -> list[ConfigIssue]:
+    """What a rollout would fail on: the completion budget, the prompt file, the reward functions' imports,
+    the stop tokens."""
+    from fastlm.config.errors import ConfigError
+    from fastlm.rl.prompts import stop_token_ids
+    from fastlm.rl.rewards import load_reward_functions
+
+    rl = config.rl
+    if rl is None:
+        return []
+    issues: list[ConfigIssue] = []
+    if rl.max_new_tokens >= config.model.max_seq_len:
+        issues.append(ConfigIssue("rl.max_new_tokens", f"leaves no room for a prompt in model.max_seq_len "
+                                  f"({config.model.max_seq_len})", rl.max_new_tokens, hint="lower it"))
+    if rl.prompts is not None and not Path(rl.prompts.path).is_file():
+        issues.append(ConfigIssue("rl.prompts.path", "no such file", rl.prompts.path))
+    for check in (lambda: load_reward_functions(rl.rewards), lambda: stop_token_ids(rl, ByteTokenizer())):
+        try:
+            check()
+        except ConfigError as error:
+            issues += error.issues
     return issues
 
 

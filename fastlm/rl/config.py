@@ -20,7 +20,46 @@ class ReverseTaskConfig(ConfigModel):
     alphabet: str = Field("abcde", min_length=2, pattern=r"^[a-z]+$", description="Lower-case letters only.")
 
 
-TaskConfig = Annotated[Union[AdditionTaskConfig, ReverseTaskConfig], Field(discriminator="type")]
+class ArithmeticChainTaskConfig(ConfigModel):
+    """Multi-step arithmetic word problems; the answer shows its steps (tens of tokens) and ends "Answer: N"."""
+
+    type: Literal["arithmetic_chain"] = "arithmetic_chain"
+    steps: int = Field(3, ge=1, le=8, description="Operations after the starting number.")
+    max_operand: int = Field(9, ge=1, le=99)
+
+
+TaskConfig = Annotated[
+    Union[AdditionTaskConfig, ReverseTaskConfig, ArithmeticChainTaskConfig], Field(discriminator="type")
+]
+
+
+class JsonlPromptsConfig(ConfigModel):
+    """Prompts from a JSONL file: `prompt_field` is the text; every other field of the record is passed to
+    the reward functions as a keyword argument (e.g. a reference answer)."""
+
+    type: Literal["jsonl"] = "jsonl"
+    path: str = Field(description="JSONL file, one object per line.")
+    prompt_field: str = "prompt"
+
+
+class RewardConfig(ConfigModel):
+    """A reward function given as "package.module:name" (imported at start), weighted into the total reward."""
+
+    function: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description='"package.module:function".')
+    weight: float = 1.0
+    name: str | None = Field(None, description="Metric name (train/rewards/<name>/...); defaults to the function's.")
+
+    @property
+    def metric_name(self) -> str:
+        return self.name or self.function.rsplit(":", 1)[1]
+
+
+class ImportanceSamplingConfig(ConfigModel):
+    """Truncated importance sampling of the sampler-vs-trainer gap (TRL's vLLM correction): every token's loss
+    is weighted by min(exp(train_logp - sampler_logp), cap), per token or per completion (sequence)."""
+
+    mode: Literal["none", "token_truncate", "sequence_truncate"] = "none"
+    cap: float = Field(3.0, gt=0.0)
 
 
 class RLConfig(ConfigModel):
@@ -34,11 +73,28 @@ class RLConfig(ConfigModel):
     """
 
     task: TaskConfig = Field(default_factory=AdditionTaskConfig)
+    prompts: JsonlPromptsConfig | None = Field(None, description="A prompt data set instead of the built-in task.")
+    rewards: list[RewardConfig] = Field(
+        default_factory=list, description="User reward functions; empty = the built-in task's reward."
+    )
+    nan_rewards: Literal["error", "skip"] = Field(
+        "error", description="A NaN reward stops the run (error) or counts as no reward (skip, counted in the log)."
+    )
+    stop_tokens: list[str] | None = Field(
+        None, description="Tokens that end a completion (special-token names like '<eos>' or single-token text); "
+        "default: the tokenizer's EOS."
+    )
+    importance_sampling: ImportanceSamplingConfig = Field(default_factory=ImportanceSamplingConfig)
+    cuda_graph: bool = Field(True, description="Capture the decode step in a CUDA graph (CUDA only).")
+    compile_decode: bool = Field(False, description="torch.compile the decode step before capturing it (CUDA).")
     group_size: int = Field(8, ge=2, description="Completions per prompt (G).")
     prompts_per_rollout: int = Field(16, ge=1, description="Prompts per rollout on each dp rank.")
     updates_per_rollout: int = Field(2, ge=1, description="Optimizer steps on each rollout.")
-    temperature: float = Field(1.0, ge=0.0, description="0 = greedy. old_logp is always the T=1 policy's.")
+    temperature: float = Field(
+        1.0, ge=0.0, description="0 = greedy. RL steps train the tempered policy (logits / T, as TRL)."
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 = off.")
     max_new_tokens: int = Field(4, ge=1, description="Completion budget, the stop token included.")
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="Divide centred rewards by the group's std, the batch's std, or not at all (TRL)."
@@ -60,3 +116,13 @@ class RLConfig(ConfigModel):
         if isinstance(data, dict) and isinstance(data.get("task"), dict) and "type" not in data["task"]:
             data = {**data, "task": {"type": "addition", **data["task"]}}
         return data
+
+    @model_validator(mode="after")
+    def _check_prompt_source(self) -> "RLConfig":
+        if self.prompts is not None and not self.rewards:
+            raise ValueError("rl.prompts (a prompt data set) needs rl.rewards: the built-in reward scores the "
+                             "built-in task only; add e.g. rewards: [{function: 'mypkg.rewards:exact', weight: 1.0}]")
+        if self.prompts is not None and self.warmup_steps:
+            raise ValueError("rl.warmup_steps trains on the built-in task's demonstrations; with rl.prompts set "
+                             "it to 0 (warm up with an SFT run and start from it with run.init_path)")
+        return self

@@ -4,9 +4,16 @@
 does (`next_batch`, `state_dict`, `load_state_dict`): first `warmup_steps * grad_accumulation`
 supervised micro-batches of task demonstrations, then rollouts. A rollout is packed into exactly
 `grad_accumulation` micro-batches (one optimizer step covers it) and served `updates_per_rollout`
-times before the next is drawn. old_logp is recomputed with the training forward right after sampling,
-before the first update on the rollout (not the sampler's own log-probs, which include temperature
-and top-p), so the first update's ratio is 1 up to rounding.
+times before the next is drawn.
+
+Sampling runs on the KV-cache generator (fastlm/generation), kept across rollouts (its CUDA graph too).
+Prompts come from the built-in task or a JSONL data set (fastlm/rl/prompts.py), rewards from the task or
+user functions (fastlm/rl/rewards.py). old_logp is recomputed with the training forward of the packed
+batch right after sampling (so the first update's ratio is 1 up to rounding), under the tempered transform
+the RL head trains (logits / T); the sampler's own log-probs are kept long enough to log the gap and,
+optionally, weight the tokens by truncated importance sampling (fastlm/rl/consistency.py). A reward
+function that fails leaves the loader as it was before the rollout (prompt stream and sampling generator
+restored), so the trainer can checkpoint the last finished step.
 
 Data parallel (`RolloutShard`): `rl.prompts_per_rollout` is per dp rank, like `data.micro_batch_size`,
 so a global rollout holds `prompts_per_rollout * dp` prompts. Every rank draws the whole global prompt
@@ -19,6 +26,7 @@ and rollout metrics are those of the global rollout, identical on every rank. dp
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -26,31 +34,47 @@ import torch
 import torch.distributed as dist
 
 from fastlm.data.batch import Batch
+from fastlm.data.datasets import DataError
 from fastlm.data.offline_rl import PolicySample
-from fastlm.data.tasks import AdditionTask, Problem, ReverseTask, Task, demonstrations, score
+from fastlm.data.tasks import Problem, Task, demonstrations
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.distributed import RankShardLoader
+from fastlm.generation import Completion, Generator, SamplingOptions
 from fastlm.losses.validation import ProcessGroup
 from fastlm.models.decoder import DecoderLM
 from fastlm.rl.advantages import group_advantages, rollout_metrics
-from fastlm.rl.config import AdditionTaskConfig, RLConfig, TaskConfig
+from fastlm.rl.config import RLConfig
+from fastlm.rl.consistency import gap_metrics, gap_statistics, importance_weights, tempered_transform
 from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples, policy_logprobs, split_into_batches
-from fastlm.rl.sampler import Completion, SamplingOptions, sample_completions
+from fastlm.rl.prompts import JsonlPrompts, PromptRecord, PromptSource, TaskPrompts, build_task, task_reward
+from fastlm.rl.rewards import (
+    RewardError, RewardFunction, load_reward_functions, reward_metrics, score_completions, total_reward,
+)
 
-TOKENIZER = ByteTokenizer()
 SEED_STRIDE = 1_000_003  # between the sampling seeds of dp ranks (a prime: runs with nearby seeds never share one)
 
-
-def build_task(config: TaskConfig) -> Task:
-    if isinstance(config, AdditionTaskConfig):
-        return AdditionTask(config.max_operand)
-    return ReverseTask(config.length, config.alphabet)
+__all__ = ["RewardError", "RolloutLoader", "RolloutShard", "build_task", "draw_rollout", "evaluate_greedy"]
 
 
-def completion_text(completion: Completion) -> str:
+def completion_text(tokenizer: ByteTokenizer, completion: Completion) -> str:
     """The answer text before the stop token; other special tokens stay visible (so they cost reward)."""
     body = completion.tokens[:-1] if completion.stopped else completion.tokens
-    return TOKENIZER.decode(body, skip_special=False)
+    return tokenizer.decode(body, skip_special=False)
+
+
+def encode_prompts(tokenizer: ByteTokenizer, texts: list[str]) -> list[list[int]]:
+    return [tokenizer.encode(text, bos=True) for text in texts]
+
+
+def generate_checked(engine: Generator, prompts: list[list[int]], texts: list[str], options: SamplingOptions,
+                     generator: torch.Generator | None) -> list[Completion]:
+    """The generator's request errors (a prompt too long for max_seq_len) name the prompt's text."""
+    try:
+        return engine.generate(prompts, options, generator)
+    except ValueError as error:
+        index = next((i for i in range(len(prompts)) if f"prompt {i} " in str(error)), None)
+        named = f" ({texts[index][:80]!r})" if index is not None else ""
+        raise DataError(f"rollout prompt{named}: {error}") from error
 
 
 @dataclass(frozen=True)
@@ -93,53 +117,61 @@ class Rollout:
 
 
 def draw_rollout(
-    model: DecoderLM,
-    task: Task,
-    problems: list[Problem],
+    engine: Generator,
+    tokenizer: ByteTokenizer,
+    records: list[PromptRecord],
+    rewards: list[RewardFunction],
     config: RLConfig,
     options: SamplingOptions,
-    generator: torch.Generator,
-    amp_dtype: torch.dtype | None = None,
+    generator: torch.Generator | None,
     shard: RolloutShard = RolloutShard(),
 ) -> Rollout:
-    """G completions per problem of this rank, scored and group-normalised (prompt-major order).
+    """G completions per prompt record of this rank, scored and group-normalised (prompt-major order).
 
     Advantages and metrics come from the global rollout (every rank's rewards, see the module docstring);
-    the samples are this rank's.
+    the samples are this rank's and carry the sampler's log-probs as their old_logp (replaced after packing).
     """
     group = config.group_size
-    prompts = [TOKENIZER.encode(p.prompt, bos=True) for p in problems for _ in range(group)]
-    completions = sample_completions(model, prompts, options, generator, amp_dtype)
-    local = torch.tensor(
-        [
-            [score(task, problems[i // group], completion_text(c), c.stopped, config.format_reward),
-             len(c.tokens), float(c.stopped)]
-            for i, c in enumerate(completions)
-        ],
-        dtype=torch.float64,
-    )
-    rewards, lengths, stopped = shard.gather(local).unbind(1)
-    advantages = group_advantages(rewards, group, config.scale_rewards, config.advantage_eps)
+    texts = [record.text for record in records for _ in range(group)]
+    prompts = encode_prompts(tokenizer, texts)
+    completions = generate_checked(engine, prompts, texts, options, generator)
+    arguments: dict[str, list[Any]] = {
+        "prompts": texts,
+        "completions": [completion_text(tokenizer, c) for c in completions],
+        "completion_ids": [list(c.tokens) for c in completions],
+        "stopped": [c.stopped for c in completions],
+    }
+    for column in records[0].columns:
+        arguments[column] = [record.columns[column] for record in records for _ in range(group)]
+    per_function = score_completions(rewards, arguments, group, config.nan_rewards)
+    facts = torch.tensor([[len(c.tokens), float(c.stopped)] for c in completions], dtype=torch.float64)
+    local = torch.cat([total_reward(per_function, rewards)[:, None], facts, per_function], dim=1)
+    gathered = shard.gather(local)
+    total, lengths, stopped = gathered[:, 0], gathered[:, 1], gathered[:, 2]
+    advantages = group_advantages(total, group, config.scale_rewards, config.advantage_eps)
     samples = [
-        PolicySample(prompt, c.tokens, float(a))
+        PolicySample(prompt, c.tokens, float(a), old_logp=list(c.logprobs))
         for prompt, c, a in zip(prompts, completions, shard.block(advantages.tolist()))
     ]
-    return Rollout(samples, rollout_metrics(rewards, advantages, lengths, stopped.bool(), group))
+    metrics = rollout_metrics(total, advantages, lengths, stopped.bool(), group)
+    metrics.update(reward_metrics(gathered[:, 3:], rewards))
+    return Rollout(samples, metrics)
 
 
 @torch.no_grad()
 def evaluate_greedy(
-    model: DecoderLM, task: Task, problems: list[Problem], options: SamplingOptions, format_reward: float,
-    amp_dtype: torch.dtype | None = None,
+    engine: Generator, tokenizer: ByteTokenizer, task: Task, problems: list[Problem], options: SamplingOptions,
+    format_reward: float,
 ) -> dict[str, float]:
-    """Mean reward and exact-answer accuracy of greedy completions on fixed problems."""
-    greedy = SamplingOptions(options.max_new_tokens, 0.0, 1.0, options.stop_token, options.logit_scale, options.softcap)
-    prompts = [TOKENIZER.encode(p.prompt, bos=True) for p in problems]
-    completions = sample_completions(model, prompts, greedy, torch.Generator(), amp_dtype)
-    texts = [completion_text(c) for c in completions]
-    rewards = [score(task, p, t, c.stopped, format_reward) for p, t, c in zip(problems, texts, completions)]
-    correct = [c.stopped and t == p.answer for p, t, c in zip(problems, texts, completions)]
-    return {"reward": sum(rewards) / len(rewards), "accuracy": sum(correct) / len(correct)}
+    """Mean reward and accuracy of greedy completions on fixed problems (the built-in task's reward)."""
+    greedy = SamplingOptions(options.max_new_tokens, 0.0, stop_tokens=options.stop_tokens,
+                             logit_scale=options.logit_scale, softcap=options.softcap)
+    texts = [p.prompt for p in problems]
+    completions = generate_checked(engine, encode_prompts(tokenizer, texts), texts, greedy, None)
+    answers = [completion_text(tokenizer, c) for c in completions]
+    scores = task_reward(task, format_reward)(texts, answers, [c.stopped for c in completions], [p.answer for p in problems])
+    correct = [c.stopped and task.is_correct(p, a) for p, a, c in zip(problems, answers, completions)]
+    return {"reward": sum(scores) / len(scores), "accuracy": sum(correct) / len(correct)}
 
 
 def _batch_state(batch: Batch) -> dict[str, torch.Tensor]:
@@ -160,6 +192,8 @@ class RolloutLoader:
         seed: int,
         amp_dtype: torch.dtype | None = None,
         shard: RolloutShard = RolloutShard(),
+        tokenizer: ByteTokenizer | None = None,
+        max_seq_len: int | None = None,
     ):
         self.model = model
         self.config = config
@@ -169,25 +203,37 @@ class RolloutLoader:
         self.amp_dtype = amp_dtype
         self.shard = shard
         self.seed = seed
+        self.tokenizer = tokenizer or ByteTokenizer()
         self.task = build_task(config.task)
+        self.source: PromptSource = TaskPrompts(self.task)
+        if config.prompts is not None:
+            limit = (max_seq_len or model.config.max_seq_len) - config.max_new_tokens
+            self.source = JsonlPrompts(config.prompts, lambda text: len(self.tokenizer.encode(text, bos=True)), limit)
+        self.reward_functions = load_reward_functions(config.rewards) if config.rewards else [
+            RewardFunction("task", "built-in task reward", task_reward(self.task, config.format_reward), 1.0)]
+        device = model.output_weight.device
+        graphs = config.cuda_graph and device.type == "cuda" and model.tp_group is None
+        self.engine = Generator(model, self.tokenizer, amp_dtype, cuda_graph=graphs, compile=config.compile_decode and graphs)
+        self.train_transform = tempered_transform(options.logit_scale, options.softcap, options.temperature)
         self.warmup_batches = config.warmup_steps * grad_accumulation
         self.demos: PolicyBatchLoader | RankShardLoader | None = None
         if config.warmup_steps:
             shown = demonstrations(self.task, config.warmup_demonstrations, config.warmup_noise, seed + 1)
             samples = [
-                PolicySample(TOKENIZER.encode(p.prompt, bos=True), TOKENIZER.encode(p.answer, eos=True), 0.0)
+                PolicySample(self.tokenizer.encode(p.prompt, bos=True), self.tokenizer.encode(p.answer, eos=True), 0.0)
                 for p in shown
             ]
             self.demos = rank_rows(PolicyBatchLoader(pack_policy_samples(samples, seq_len),
                                                      micro_batch_size * shard.count, seed), shard)
         self.prompt_rng = random.Random(seed + 2)
-        self.generator = torch.Generator().manual_seed(self.sampling_seed())
+        self.generator = torch.Generator(device=device).manual_seed(self.sampling_seed())
         self.drawn = 0
         self.batches: list[Batch] = []
         self.position = 0
         self.rollouts = 0
         self.metrics: dict[str, float] = {}
         self.rewards: list[float] = []  # mean reward of every rollout, in order
+        self.rollout_seconds = 0.0  # time spent drawing rollouts since the trainer last read it
 
     @property
     def in_warmup(self) -> bool:
@@ -198,20 +244,37 @@ class RolloutLoader:
         return self.seed + 3 + SEED_STRIDE * self.shard.index + rollouts
 
     def next_rollout(self) -> None:
-        """Sample, score and pack a fresh rollout; old_logp from the training forward of the packed batch."""
-        count = self.config.prompts_per_rollout * self.shard.count
-        problems = self.shard.block([self.task.sample(self.prompt_rng) for _ in range(count)])
-        rollout = draw_rollout(self.model, self.task, problems, self.config, self.options, self.generator,
-                               self.amp_dtype, self.shard)
+        """Sample, score and pack a fresh rollout; old_logp from the training forward of the packed batch.
+
+        A `RewardError` (or bad prompt) leaves the prompt stream and the sampling generator as they were."""
+        started = time.perf_counter()
+        saved = self.prompt_rng.getstate(), self.generator.get_state()
+        try:
+            count = self.config.prompts_per_rollout * self.shard.count
+            records = self.shard.block([self.source.sample(self.prompt_rng) for _ in range(count)])
+            rollout = draw_rollout(self.engine, self.tokenizer, records, self.reward_functions, self.config,
+                                   self.options, self.generator, self.shard)
+        except (RewardError, DataError):
+            self.prompt_rng.setstate(saved[0])
+            self.generator.set_state(saved[1])
+            raise
         batches = split_into_batches(pack_policy_samples(rollout.samples, self.seq_len), self.grad_accumulation)
+        statistics = []
         for batch in batches:
-            batch.old_logp = policy_logprobs(
-                self.model, batch, self.options.logit_scale, self.options.softcap, self.amp_dtype
-            )
+            sampler_logp = batch.old_logp  # packed from the samples: the sampler's own log-probs
+            assert sampler_logp is not None
+            batch.old_logp = policy_logprobs(self.model, batch, *self.train_transform, self.amp_dtype)
+            weights = importance_weights(batch, batch.old_logp, sampler_logp, self.config.importance_sampling)
+            if weights is not None:
+                assert batch.advantages is not None
+                batch.advantages = batch.advantages * weights
+            statistics.append(gap_statistics(batch, batch.old_logp, sampler_logp, weights))
+        gathered = self.shard.gather(torch.stack(statistics))
         self.batches, self.position = batches, 0
-        self.metrics = rollout.metrics
+        self.metrics = {**rollout.metrics, **gap_metrics(gathered, self.config.importance_sampling.mode != "none")}
         self.rewards.append(rollout.metrics["reward"])
         self.rollouts += 1
+        self.rollout_seconds += time.perf_counter() - started
 
     def next_batch(self) -> Batch:
         if self.in_warmup:

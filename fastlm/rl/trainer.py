@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +33,10 @@ from fastlm.layers.lm_head import LMHead
 from fastlm.losses.config import CrossEntropyConfig, LMHeadConfig
 from fastlm.rl.config import RLConfig
 from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples
-from fastlm.rl.rollouts import RolloutLoader, RolloutShard, build_task, evaluate_greedy, rank_rows
-from fastlm.rl.sampler import SamplingOptions
+from fastlm.generation import SamplingOptions
+from fastlm.rl.consistency import tempered_transform
+from fastlm.rl.prompts import stop_token_ids
+from fastlm.rl.rollouts import RewardError, RolloutLoader, RolloutShard, build_task, evaluate_greedy, rank_rows
 
 
 SUMMARY_WINDOW = 3  # rollouts averaged at each end of the run for the reward summary
@@ -60,6 +63,10 @@ def _check(config: RunConfig, rl: RLConfig, offline: bool) -> None:
     if offline and rl.warmup_steps:
         raise ConfigError(ConfigIssue("rl.warmup_steps", "the supervised warm-up needs the online task, not "
                                       "offline_rl data", rl.warmup_steps, hint="set rl.warmup_steps: 0"))
+    if rl.importance_sampling.mode == "token_truncate" and _policy_child(config) == "gspo":
+        raise ConfigError(ConfigIssue("rl.importance_sampling.mode", "GSPO weighs whole sequences; per-token weights "
+                                      "would be averaged into its sequence advantage", "token_truncate",
+                                      hint="use sequence_truncate with gspo"))
     if rl.warmup_steps >= config.trainer.steps:
         raise ConfigError(ConfigIssue("rl.warmup_steps", f"leaves no RL steps out of trainer.steps "
                                       f"({config.trainer.steps})", rl.warmup_steps, hint="lower it or raise trainer.steps"))
@@ -72,9 +79,16 @@ def warmup_head_config(head: LMHeadConfig) -> LMHeadConfig:
     return head.model_copy(update={"losses": losses})
 
 
-def sampling_options(rl: RLConfig, head: LMHeadConfig) -> SamplingOptions:
+def sampling_options(rl: RLConfig, head: LMHeadConfig, tokenizer: ByteTokenizer) -> SamplingOptions:
     """The rollout sampler's settings; the head's logit transform so sampling sees the loss's softmax."""
-    return SamplingOptions(rl.max_new_tokens, rl.temperature, rl.top_p, logit_scale=head.logit_scale, softcap=head.softcap)
+    return SamplingOptions(rl.max_new_tokens, rl.temperature, rl.top_p, rl.top_k, stop_token_ids(rl, tokenizer),
+                           logit_scale=head.logit_scale, softcap=head.softcap)
+
+
+def policy_head_config(head: LMHeadConfig, temperature: float) -> LMHeadConfig:
+    """The RL head trains the sampling distribution: its logit transform divided by the temperature (TRL)."""
+    scale, softcap = tempered_transform(head.logit_scale, head.softcap, temperature)
+    return head.model_copy(update={"logit_scale": scale, "softcap": softcap})
 
 
 def rl_scheduler(optimizer: torch.optim.Optimizer, config: RunConfig, rl: RLConfig) -> torch.optim.lr_scheduler.LambdaLR:
@@ -95,11 +109,14 @@ class RLTrainer(Trainer):
         super().__init__(config, rank)
         # Replaces the base schedule before any step; base_lrs stay the optimizer's initial lr.
         self.scheduler = rl_scheduler(self.optimizer, config, self.rl)
-        self.options = sampling_options(self.rl, config.model.head)
-        self.policy_head = self.model.head
+        self.tokenizer = ByteTokenizer()
+        self.options = sampling_options(self.rl, config.model.head, self.tokenizer)
+        tempered = self.rl.temperature not in (0.0, 1.0) and not self.offline
+        self.policy_head = LMHead(policy_head_config(config.model.head, self.rl.temperature)) if tempered else self.model.head
         self.warmup_head = LMHead(warmup_head_config(config.model.head))
         self.eval_problems: list[Problem] = []
-        if not self.offline and self.rl.eval_prompts:
+        self.timing: dict[str, float] = {}
+        if not self.offline and self.rl.eval_prompts and self.rl.prompts is None:
             rng = random.Random(config.run.seed + 4)
             task = build_task(self.rl.task)
             self.eval_problems = [task.sample(rng) for _ in range(self.rl.eval_prompts)]
@@ -112,9 +129,9 @@ class RLTrainer(Trainer):
             samples = load_offline_rl(self.config.data.source.path, tokenizer)
             rows = pack_policy_samples(samples, data.seq_len)
             return rank_rows(PolicyBatchLoader(rows, data.micro_batch_size * shard.count, seed), shard), None
-        options = sampling_options(self.rl, self.config.model.head)
+        options = sampling_options(self.rl, self.config.model.head, tokenizer)
         loader = RolloutLoader(self.model, self.rl, options, data.seq_len, data.micro_batch_size,
-                               self.config.trainer.grad_accumulation, seed, self.amp_dtype, shard)
+                               self.config.trainer.grad_accumulation, seed, self.amp_dtype, shard, tokenizer)
         return loader, None
 
     @property
@@ -122,8 +139,23 @@ class RLTrainer(Trainer):
         return self.step < self.rl.warmup_steps and not self.offline
 
     def train_step(self) -> StepResult:
+        """One step; its rollout and training seconds are kept for the log. A failing reward function
+        stops the run after a checkpoint of the last finished step (the loader is as before the rollout)."""
         self.model.head = self.warmup_head if self.in_warmup else self.policy_head
-        return super().train_step()
+        loader = self.train_loader
+        started = time.perf_counter()
+        if isinstance(loader, RolloutLoader):
+            loader.rollout_seconds = 0.0
+        try:
+            result = super().train_step()
+        except RewardError as error:
+            path = self.save()
+            raise RewardError(f"{error}; the run stopped before step {self.step + 1}, checkpoint of step {self.step} "
+                              f"saved to {path}: fix the function and continue with --resume") from error
+        total = time.perf_counter() - started
+        rollout = loader.rollout_seconds if isinstance(loader, RolloutLoader) else 0.0
+        self.timing = {"timing/rollout_seconds": rollout, "timing/train_seconds": total - rollout}
+        return result
 
     def evaluate(self) -> float | None:
         """No held-out loss: an RL run is judged by its greedy eval reward (logged as eval/reward)."""
@@ -138,12 +170,13 @@ class RLTrainer(Trainer):
         warmup = self.step <= self.rl.warmup_steps and not self.offline  # the step just taken
         record["train/rl/warmup"] = float(warmup)
         loader = self.train_loader
+        record.update({f"train/{name}": value for name, value in self.timing.items()})
         if isinstance(loader, RolloutLoader) and loader.metrics and not warmup:
             record.update({f"train/{name}": value for name, value in loader.metrics.items()})
             record["train/rl/rollouts"] = float(loader.rollouts)
-        if self._eval_due():
-            scores = evaluate_greedy(self.model, loader.task, self.eval_problems, self.options,
-                                     self.rl.format_reward, self.amp_dtype)
+        if self._eval_due() and isinstance(loader, RolloutLoader):
+            scores = evaluate_greedy(loader.engine, loader.tokenizer, loader.task, self.eval_problems, self.options,
+                                     self.rl.format_reward)
             record["eval/reward"], record["eval/accuracy"] = scores["reward"], scores["accuracy"]
             self.eval_rewards.append((self.step, scores["reward"]))
         return record
