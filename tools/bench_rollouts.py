@@ -140,8 +140,8 @@ def decode_profile(model: DecoderLM, prompts: list[list[int]], options: Sampling
     """Graph path: per-step GPU time of the captured decode step, and torch.profiler's top kernels of one replay."""
     generator = Generator(model, _NoTokenizer(), torch.bfloat16, cuda_graph=True)
     generator.generate(prompts, SamplingOptions(2, stop_tokens=()))
-    step = generator._step
-    assert step is not None and step.graph is not None
+    (step,) = generator._steps.values()
+    assert step.graph is not None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(50):

@@ -30,6 +30,7 @@ from fastlm.layers.kv_cache import KVCache
 from fastlm.models.decoder import DecoderLM, build_model
 
 CACHE_ROUNDING = 64  # graph path: cache lengths are rounded up to this, so a graph serves nearby prompt widths
+KEPT_GRAPHS = 2  # graph path: decode steps kept per Generator (e.g. rollouts and the greedy eval's batch size)
 
 
 class TokenizerLike(Protocol):
@@ -146,8 +147,7 @@ class Generator:
         self.check_every = check_every
         self.replica: DecoderLM | None = None
         self.head_weight: torch.Tensor | None = None
-        self._step: _DecodeStep | None = None
-        self._step_key: tuple[int, int] | None = None
+        self._steps: dict[tuple[int, int], _DecodeStep] = {}  # graph path: by (batch, cache length), oldest first
 
     # --- weights -----------------------------------------------------------------------------------------
     def sync_weights(self) -> None:
@@ -196,19 +196,22 @@ class Generator:
             model.train(was_training)
 
     def _decode_step(self, model: DecoderLM, head_weight: torch.Tensor | None, batch: int, length: int) -> _DecodeStep:
-        """The decode step for this batch size and cache length: reused on the graph path, fresh otherwise."""
+        """The decode step for this batch size and cache length: kept on the graph path (the last
+        `KEPT_GRAPHS` shapes), fresh otherwise."""
         key = (batch, length)
-        if self._step is not None and self._step_key == key and self.cuda_graph:
-            return self._step
-        self._step = None  # free the old graph and cache first
+        if key in self._steps:
+            return self._steps[key]
+        while len(self._steps) >= KEPT_GRAPHS:
+            del self._steps[next(iter(self._steps))]  # free the oldest graph and cache first
         config = model.config
         kv_heads = config.num_heads if model.is_gpt2 else config.kv_heads
         dtype = self.amp_dtype or model.output_weight.dtype
         cache = KVCache(config.num_layers, batch, config.num_heads, kv_heads, length, config.head_dim, dtype,
                         self.device, uniform_columns=self.padding == "left")
-        self._step = _DecodeStep(model, cache, head_weight, self.amp_dtype, self.cuda_graph, self.compile)
-        self._step_key = key
-        return self._step
+        step = _DecodeStep(model, cache, head_weight, self.amp_dtype, self.cuda_graph, self.compile)
+        if self.cuda_graph:
+            self._steps[key] = step
+        return step
 
     def _generate(self, model: DecoderLM, head_weight: torch.Tensor | None, step: _DecodeStep,
                   prompts: list[list[int]], options: SamplingOptions, generator: torch.Generator | None,

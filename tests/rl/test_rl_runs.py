@@ -18,6 +18,8 @@ ROLLOUT_KEYS = {
     "train/reward", "train/reward_std", "train/frac_reward_zero_std", "train/completions/mean_length",
     "train/completions/min_length", "train/completions/max_length", "train/completions/clipped_ratio",
     "train/advantage/std", "train/advantage/min", "train/advantage/max", "train/rl/rollouts",
+    "train/sampling/logp_diff/mean", "train/sampling/logp_diff/max", "train/rewards/task/mean",
+    "train/rewards/task/std", "train/timing/rollout_seconds", "train/timing/train_seconds",
 }
 POLICY_METRICS = {"new_logp", "entropy", "kl", "ratio", "advantage", "clip_ratio/low_mean", "clip_ratio/high_mean",
                   "clip_ratio/region_mean"}
@@ -52,6 +54,10 @@ def _check_logged(summary: RLSummary, policy: str, config: RunConfig) -> list[di
     worst = max(abs(r[f"train/{policy}/ratio"] - 1) for r in first_updates)
     print(f"{policy}: max |ratio - 1| on first updates (old_logp recomputed by the training forward): {worst:.2e}")
     assert worst < 1e-5
+    # fp32 on CPU, no top-p: the sampler's log-probs (KV cache) are the training forward's up to rounding
+    gap = max(r["train/sampling/logp_diff/max"] for r in rl_records)
+    print(f"{policy}: sampler vs training log-prob gap, max over the run {gap:.2e}")
+    assert gap < 1e-4
 
     (run_file,) = (summary.run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     history, _ = read_wandb_run(run_file)
