@@ -177,12 +177,14 @@ def _device_issues(config: RunConfig) -> list[ConfigIssue]:
 
 
 def _world_issues(config: RunConfig) -> list[ConfigIssue]:
-    """torchrun's WORLD_SIZE (1 without torchrun) against the parallel layout, and GPUs per node."""
+    """The world size (the process group's, else torchrun's WORLD_SIZE, else 1) against the parallel layout,
+    and GPUs per node."""
     issues: list[ConfigIssue] = []
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
+    world = torch.distributed.get_world_size() if grouped else int(os.environ.get("WORLD_SIZE", "1"))
     tp = config.distributed.tensor_parallel
     if world % tp:
-        started = f"torchrun started {world} processes" if "WORLD_SIZE" in os.environ else "this is a single process"
+        started = f"the job has {world} processes" if grouped or "WORLD_SIZE" in os.environ else "this is a single process"
         issues.append(ConfigIssue("distributed.tensor_parallel", f"must divide the world size, and {started}", tp,
                                   hint=f"start with `torchrun --nproc-per-node {tp} -m fastlm train ...` "
                                   "(or a multiple), or set tensor_parallel: 1"))
