@@ -29,7 +29,7 @@ from fastlm.config.errors import ConfigError
 from fastlm.config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.data.loader import BatchLoader, build_loaders
-from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.data.tokenizer import Tokenizer, build_tokenizer
 from fastlm.engine.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint, step_dir_name
 from fastlm.engine.distributed import (
     RankShardLoader,
@@ -107,8 +107,8 @@ class Trainer:
         issues = cross_check(config)
         if issues:
             raise ConfigError(issues)
-        tokenizer = ByteTokenizer()  # cross_check has already checked model.vocab_size covers it
         self.config = config
+        self.tokenizer = build_tokenizer(config.data.tokenizer, config.run.init_path)  # vocab checked by cross_check
         self.device = local_device(select_device(config.trainer))
         self.parallel = build_parallel(config.distributed, self.device)
         self.rank = self.parallel.rank if self.parallel.distributed else rank
@@ -123,7 +123,7 @@ class Trainer:
         self.train_model = parallelize(self.model, self.parallel, self.device)
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.scheduler = build_scheduler(self.optimizer, config.trainer.steps, config.schedule)
-        self.train_loader, eval_loader = self.build_loaders(tokenizer)
+        self.train_loader, eval_loader = self.build_loaders(self.tokenizer)
         self.eval_set = (
             [eval_loader.next_batch() for _ in range(config.trainer.eval_batches)] if eval_loader is not None else []
         )
@@ -132,7 +132,7 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
 
-    def build_loaders(self, tokenizer: ByteTokenizer) -> tuple[Any, BatchLoader | None]:
+    def build_loaders(self, tokenizer: Tokenizer) -> tuple[Any, BatchLoader | None]:
         """The train data source (`next_batch`, `state_dict`, `load_state_dict`) and the eval loader; RL overrides it.
 
         Data parallel: batches of micro_batch_size * dp from the same seeded order, each dp rank keeping
