@@ -1,4 +1,4 @@
-"""`fastlm train | validate | print-config | convert`: the one command users run."""
+"""`fastlm train | validate | print-config | convert | prepare`: the one command users run."""
 
 from __future__ import annotations
 
@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--to", metavar="DIR", help="with --from-hf: also write model.yaml + model.safetensors here")
     convert.add_argument("--from", dest="from_fastlm", metavar="DIR",
                          help="with --to-hf: a checkpoint (step, checkpoints or run folder) or a --to folder")
+    prepare = commands.add_parser("prepare", help="tokenize local text/JSONL/Parquet/CSV files into a memory-mapped "
+                                  "data set (data.source: {type: memmap, path})")
+    prepare.add_argument("config", help="YAML prepare config: tokenizer, input_path, output_path, record fields, num_proc")
+    prepare.add_argument("overrides", nargs="*", default=[], help="dotted.key=value overrides, values parsed as YAML")
     return parser
 
 
@@ -101,6 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fastlm.models.hf import convert_command
 
         return convert_command(args.from_hf, args.to, args.from_fastlm, args.to_hf)
+    if args.command == "prepare":
+        from fastlm.data.prepare import prepare_command
+
+        return prepare_command(args.config, [*args.overrides, *extra])
     overrides = [*args.overrides, *extra, *args.set_overrides]
     try:
         config = load_config(args.config, overrides)

@@ -24,20 +24,31 @@ class TextSource(ConfigModel):
     path: str
 
 
-class JsonlSource(ConfigModel):
-    """One JSON object per line: either `text_field`, or `prompt_field` + `completion_field` (SFT, prompt masked)."""
+class RecordFields(ConfigModel):
+    """Which fields of a record hold the document (TRL's data set conventions), in this order of precedence:
+    `messages_field` (a conversation rendered with the tokenizer's chat template, loss on assistant turns),
+    `prompt_field` + `completion_field` (strings, or lists of messages; loss on the completion), else
+    `text_field` (plain text, every token a target)."""
 
-    type: Literal["jsonl"] = "jsonl"
-    path: str
     text_field: str = "text"
     prompt_field: str | None = None
     completion_field: str | None = None
+    messages_field: str | None = None
 
     @model_validator(mode="after")
-    def _check_fields(self) -> "JsonlSource":
+    def _check_fields(self) -> "RecordFields":
         if (self.prompt_field is None) != (self.completion_field is None):
             raise ValueError("set both prompt_field and completion_field (SFT) or neither (plain text_field)")
+        if self.messages_field is not None and self.prompt_field is not None:
+            raise ValueError("set messages_field (conversations) or prompt_field + completion_field, not both")
         return self
+
+
+class JsonlSource(RecordFields):
+    """One JSON object per line; the fields are read as `RecordFields` says."""
+
+    type: Literal["jsonl"] = "jsonl"
+    path: str
 
 
 class OfflineRLSource(ConfigModel):
