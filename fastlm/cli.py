@@ -67,6 +67,7 @@ def describe_run(config: RunConfig) -> str:
 
 def describe_data(config: RunConfig) -> str:
     """The data summary, from the rows the trainer would pack (raises what the trainer's loaders raise)."""
+    from fastlm.data.config import PREPARED_SOURCE_TYPES
     from fastlm.data.loader import build_loaders
     from fastlm.data.summary import check_batch_fits, summarize
     from fastlm.data.tokenizer import build_tokenizer
@@ -79,6 +80,10 @@ def describe_data(config: RunConfig) -> str:
         rl = config.rl
         return (f"data: online RL on the {rl.task.type} task, {rl.prompts_per_rollout * dp} prompts x {rl.group_size} "
                 f"completions per rollout, {rl.warmup_steps} supervised warm-up steps")
+    if data.source.type in PREPARED_SOURCE_TYPES:
+        from fastlm.data.memmap import describe_prepared
+
+        return describe_prepared(data, config.run.seed, tokenizer, batch_rows * trainer.grad_accumulation, trainer.steps)
     if data.source.type == "offline_rl":
         from fastlm.data.offline_rl import load_offline_rl
         from fastlm.rl.packing import pack_policy_samples

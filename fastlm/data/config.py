@@ -78,10 +78,31 @@ class GeneratedPreferencesSource(ConfigModel):
     seed: int = 1234
 
 
+class MemmapSource(ConfigModel):
+    """A data set written by `fastlm prepare` (tokens on disk, read row by row; fastlm/data/prepared.py)."""
+
+    type: Literal["memmap"] = "memmap"
+    path: str
+
+
+class BlendEntry(ConfigModel):
+    path: str = Field(description="A directory written by `fastlm prepare`.")
+    weight: float = Field(gt=0.0, description="Share of rows drawn from it (weights are normalised).")
+
+
+class BlendSource(ConfigModel):
+    """Several prepared data sets, rows drawn by weight."""
+
+    type: Literal["blend"] = "blend"
+    sources: list[BlendEntry] = Field(min_length=1)
+
+
+PREPARED_SOURCE_TYPES: frozenset[str] = frozenset({"memmap", "blend"})
 PREFERENCE_SOURCE_TYPES: frozenset[str] = frozenset({"preferences_jsonl", "generated_preferences"})
 
 DataSource = Annotated[
-    Union[GeneratedSource, TextSource, JsonlSource, OfflineRLSource, PreferencesJsonlSource, GeneratedPreferencesSource],
+    Union[GeneratedSource, TextSource, JsonlSource, MemmapSource, BlendSource, OfflineRLSource, PreferencesJsonlSource,
+          GeneratedPreferencesSource],
     Field(discriminator="type"),
 ]
 

@@ -57,6 +57,10 @@ class PackedRows:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    def take(self, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, document ids, target flags) of rows `picks` (the interface `BatchLoader` reads rows through)."""
+        return self.tokens[picks], self.document_ids[picks], self.target_mask[picks]
+
 
 def _text_document(tokenizer: Tokenizer, text: str, origin: str = "") -> Document:
     tokens = tokenizer.encode(text, bos=True, eos=True)

@@ -14,12 +14,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fastlm.config.errors import ConfigIssue
 from fastlm.data.datasets import DataError
-from fastlm.data.tokenizer import Tokenizer
+from fastlm.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
+
+if TYPE_CHECKING:
+    from fastlm.config.schema import RunConfig
 
 FORMAT = "fastlm-prepared"
 VERSION = 1
@@ -81,6 +85,32 @@ def check_tokenizer(metadata: dict[str, Any], tokenizer: Tokenizer, where: str) 
             f"{theirs['vocab_size']}), but the run uses {tokenizer.name} (fingerprint {tokenizer.fingerprint}, vocab "
             f"{tokenizer.vocab_size}); prepare it again with the run's tokenizer, or set data.tokenizer to the one it used"
         )
+
+
+def prepared_source_issues(config: "RunConfig") -> list[ConfigIssue]:
+    """What opening the prepared data sets of a memmap or blend source would fail on, for `fastlm validate`:
+    missing or damaged files, another tokenizer than the run's, token ids past the model's vocab."""
+    from fastlm.data.config import MemmapSource
+
+    source = config.data.source
+    entries = [("data.source.path", source.path)] if isinstance(source, MemmapSource) else \
+        [(f"data.source.sources.{index}.path", entry.path) for index, entry in enumerate(source.sources)]
+    try:
+        tokenizer = build_tokenizer(config.data.tokenizer, config.run.init_path)
+    except TokenizerError:
+        return []  # cross_check reports the tokenizer itself
+    issues = []
+    for field, path in entries:
+        try:
+            dataset = open_prepared(path, tokenizer)
+        except DataError as error:
+            issues.append(ConfigIssue(field, str(error), path))
+            continue
+        top = int(dataset.metadata["max_token_id"])
+        if top >= config.model.vocab_size:
+            issues.append(ConfigIssue(field, f"holds token id {top}, beyond model.vocab_size {config.model.vocab_size}",
+                                      path, hint="raise model.vocab_size to cover the tokenizer"))
+    return issues
 
 
 def _expect_size(path: Path, expected_bytes: int, what: str) -> None:
