@@ -195,6 +195,8 @@ def prepare(config: PrepareConfig) -> PrepareSummary:
     try:
         writer = _Writer(staging, token_dtype(tokenizer.vocab_size))
         for path, fmt in zip(files, formats):
+            if path.stat().st_size == 0:  # nothing to read (datasets cannot even infer its columns)
+                continue
             if fmt != "parquet":
                 check_utf8(path)
             dataset = _load(path, fmt, staging / "cache")
