@@ -29,7 +29,8 @@ from fastlm.engine.distributed import RankShardLoader
 from fastlm.engine.optim import lr_multiplier
 from fastlm.engine.trainer import StepResult, Trainer, TrainSummary
 from fastlm.layers.lm_head import LMHead
-from fastlm.losses.config import CrossEntropyConfig, LMHeadConfig
+from fastlm.losses.children import CrossEntropyConfig
+from fastlm.losses.config import LMHeadConfig
 from fastlm.rl.config import RLConfig
 from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples
 from fastlm.rl.rollouts import RolloutLoader, RolloutShard, build_task, evaluate_greedy, rank_rows
