@@ -162,18 +162,17 @@ class PolicyChild(LossChild):
     def reference_weights(self, inputs: ReferenceInputs) -> torch.Tensor:
         """w_t by a plain loop over documents (independent of `token_weights`)."""
         mask, normalizers = inputs.mask, inputs.normalizers
-        weights = torch.zeros_like(inputs.new_logp)
+        ones = mask.to(inputs.new_logp.dtype)
         if self.loss_type == "dapo":
-            return torch.where(mask, 1.0 / normalizers.tokens, 0.0).to(weights.dtype) if normalizers.tokens else weights
+            return ones * safe_inverse(normalizers.tokens)
         if self.loss_type == "bnpo":
-            count = int(mask.sum())
-            return torch.where(mask, 1.0 / (max(count, 1) * normalizers.micro_batches), 0.0).to(weights.dtype)
-        sequences = normalizers.documents
+            return ones / (max(int(mask.sum()), 1) * normalizers.micro_batches)
         if self.loss_type == "dr_grpo":
-            return torch.where(mask, 1.0 / (self.max_completion_length * sequences), 0.0).to(weights.dtype)
+            return ones / (self.max_completion_length * normalizers.documents)
+        weights = torch.zeros_like(ones)
         for document in inputs.targets.document_ids[mask].unique().tolist():
             tokens = mask & (inputs.targets.document_ids == document)
-            weights[tokens] = 1.0 / (int(tokens.sum()) * sequences)
+            weights[tokens] = 1.0 / (int(tokens.sum()) * normalizers.documents)
         return weights
 
     # -- the fused kernel's policy slot (GRPO, CISPO) ------------------------------------------
