@@ -86,10 +86,12 @@ class TrainSummary:
 
 
 def step_normalizers(batches: Iterable[Batch]) -> LossNormalizers:
-    """Unmasked labels and documents over every micro-batch of the step, counted before any forward."""
+    """Unmasked labels, documents and loss calls over every micro-batch of the step, counted before any forward."""
     batches = list(batches)
     return LossNormalizers(
-        tokens=float(sum(b.num_tokens for b in batches)), documents=float(sum(b.num_documents for b in batches))
+        tokens=float(sum(b.num_tokens for b in batches)),
+        documents=float(sum(b.num_documents for b in batches)),
+        micro_batches=float(len(batches)),
     )
 
 
@@ -156,9 +158,9 @@ class Trainer:
         local = step_normalizers(batches)
         if self.parallel.dp_group is None:
             return local
-        counts = {"tokens": torch.tensor(local.tokens), "documents": torch.tensor(local.documents)}
+        counts = {name: torch.tensor(getattr(local, name)) for name in ("tokens", "documents", "micro_batches")}
         summed = sum_over({k: v.to(self.device) for k, v in counts.items()}, self.parallel.dp_group)
-        return LossNormalizers(tokens=float(summed["tokens"]), documents=float(summed["documents"]))
+        return LossNormalizers(**{name: float(value) for name, value in summed.items()})
 
     # --- one step, in overridable pieces -------------------------------------------------------------
     def micro_batches(self) -> list[Batch]:

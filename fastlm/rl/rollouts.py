@@ -30,7 +30,7 @@ from fastlm.data.offline_rl import PolicySample
 from fastlm.data.tasks import AdditionTask, Problem, ReverseTask, Task, demonstrations, score
 from fastlm.data.tokenizer import Tokenizer
 from fastlm.engine.distributed import RankShardLoader
-from fastlm.losses.validation import ProcessGroup
+from fastlm.losses.spec import ProcessGroup
 from fastlm.models.decoder import DecoderLM
 from fastlm.rl.advantages import group_advantages, rollout_metrics
 from fastlm.rl.config import AdditionTaskConfig, RLConfig, TaskConfig
