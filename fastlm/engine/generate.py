@@ -8,6 +8,7 @@ Sampling is the trainer's sampler (the one rollouts use), so a completion here i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from pydantic import ValidationError
 from fastlm.config.errors import ConfigError
 from fastlm.config.schema import RunConfig
 from fastlm.data.datasets import DataError, jsonl_records
-from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.data.tokenizer import Tokenizer
 from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, CheckpointError
 from fastlm.engine.preflight import resolve_step_dir
 from fastlm.engine.runtime import autocast_dtype, select_device
@@ -44,13 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 @dataclass
 class LoadedModel:
     model: DecoderLM
+    tokenizer: Tokenizer  # the run's, as training built it
     run: RunConfig | None  # the run config stored with the checkpoint (None for a `convert --to` folder)
     origin: Path
-
-
-def run_tokenizer(run: RunConfig | None) -> ByteTokenizer:
-    """The one place generation gets the run's tokenizer (every run uses the byte tokenizer today)."""
-    return ByteTokenizer()
 
 
 def load_model(source: Path, device: torch.device) -> LoadedModel:
@@ -69,10 +66,10 @@ def load_model(source: Path, device: torch.device) -> LoadedModel:
             run = RunConfig.model_validate(stored)
         except ValidationError:  # an older config layout: the model section alone still loads
             run = None
-    model_config, state = load_fastlm(step_dir or source)
+    model_config, state, tokenizer = load_fastlm(step_dir or source)
     model = build_model(model_config, device="cpu")
     model.load_state_dict(state)
-    return LoadedModel(model.to(device).eval(), run, step_dir or source)
+    return LoadedModel(model.to(device).eval(), tokenizer, run, step_dir or source)
 
 
 def read_prompts(texts: list[str], file: Path | None) -> list[str]:
@@ -92,8 +89,9 @@ def read_prompts(texts: list[str], file: Path | None) -> list[str]:
     return prompts
 
 
-def sampling_options(args: argparse.Namespace, loaded: LoadedModel) -> SamplingOptions:
-    """Flags, else the run's rl section, else plain sampling; the head's transform from the model config."""
+def sampling_options(args: argparse.Namespace, loaded: LoadedModel, tokenizer: Tokenizer) -> SamplingOptions:
+    """Flags, else the run's rl section, else plain sampling; the head's transform from the model config;
+    stop at the tokenizer's EOS."""
     rl = loaded.run.rl if loaded.run is not None else None
     head = loaded.model.config.head
 
@@ -102,6 +100,8 @@ def sampling_options(args: argparse.Namespace, loaded: LoadedModel) -> SamplingO
 
     return SamplingOptions(
         max_new_tokens=int(pick(args.max_new_tokens, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS)),
+        stop_token=tokenizer.eos_id,
+        pad_token=tokenizer.pad_id,
         temperature=float(pick(args.temperature, "temperature", 1.0)),
         top_p=float(pick(args.top_p, "top_p", 1.0)),
         logit_scale=head.logit_scale,
@@ -114,8 +114,8 @@ def generate_command(args: argparse.Namespace) -> int:
         prompts = read_prompts(args.prompt, args.prompts_file)
         device = select_device_for(args.device)
         loaded = load_model(Path(args.source), device)
-        tokenizer = run_tokenizer(loaded.run)
-        options = sampling_options(args, loaded)
+        tokenizer = loaded.tokenizer
+        options = sampling_options(args, loaded, tokenizer)
         seed = args.seed if args.seed is not None else loaded.run.run.seed if loaded.run is not None else 0
         encoded = [tokenizer.encode(prompt, bos=True) for prompt in prompts]
         room = loaded.model.config.max_seq_len - max(len(p) for p in encoded)
@@ -123,8 +123,7 @@ def generate_command(args: argparse.Namespace) -> int:
             raise DataError(f"the longest prompt is {max(len(p) for p in encoded)} tokens, and the model's "
                             f"max_seq_len is {loaded.model.config.max_seq_len}: shorten it")
         if options.max_new_tokens > room:
-            options = SamplingOptions(room, options.temperature, options.top_p, options.stop_token,
-                                      options.logit_scale, options.softcap)
+            options = dataclasses.replace(options, max_new_tokens=room)
         amp = autocast_dtype(loaded.run.trainer, device) if loaded.run is not None else None
         completions = sample_completions(loaded.model, encoded, options, torch.Generator().manual_seed(seed), amp)
     except (ConfigError, DataError, CheckpointError, ValueError) as error:

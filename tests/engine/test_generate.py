@@ -38,7 +38,8 @@ def test_generate_prints_the_samplers_completions(tiny_config: Callable[..., Run
     load_latest_checkpoint(run_dir / "checkpoints").load_model(model)
     tokenizer = ByteTokenizer()
     expected = sample_completions(model, [tokenizer.encode(p, bos=True) for p in ("The cat", "The dog")],
-                                  SamplingOptions(6, 0.8, 1.0), torch.Generator().manual_seed(5))
+                                  SamplingOptions(6, tokenizer.eos_id, tokenizer.pad_id, 0.8, 1.0),
+                                  torch.Generator().manual_seed(5))
     assert [r["prompt"] for r in first] == ["The cat", "The dog"]
     for record, completion in zip(first, expected):
         body = completion.tokens[:-1] if completion.stopped else completion.tokens
