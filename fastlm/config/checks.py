@@ -7,18 +7,15 @@ from pathlib import Path
 from fastlm.config.errors import ConfigIssue
 from fastlm.config.schema import RunConfig
 from fastlm.data.config import PREFERENCE_SOURCE_TYPES
-from fastlm.data.tokenizer import ByteTokenizer
-
-BYTE_VOCAB_SIZE = ByteTokenizer().vocab_size
+from fastlm.data.tokenizer import TokenizerError, build_tokenizer
+from fastlm.losses.children.policy import PolicyConfig
 
 
 def cross_check(config: RunConfig) -> list[ConfigIssue]:
     """Problems that no single section can see; each names the field to change."""
     issues: list[ConfigIssue] = []
     model = config.model
-    if model.vocab_size < BYTE_VOCAB_SIZE:
-        issues.append(ConfigIssue("model.vocab_size", f"smaller than the byte tokenizer's {BYTE_VOCAB_SIZE} ids",
-                                  model.vocab_size, hint=f"use at least {BYTE_VOCAB_SIZE}"))
+    issues += _tokenizer_checks(config)
     if config.data.seq_len > model.max_seq_len:
         issues.append(ConfigIssue("data.seq_len", f"longer than model.max_seq_len ({model.max_seq_len})",
                                   config.data.seq_len, hint="lower data.seq_len or raise model.max_seq_len"))
@@ -29,12 +26,34 @@ def cross_check(config: RunConfig) -> list[ConfigIssue]:
     issues += _frozen_model_checks(config)
     issues += _init_checkpoint_checks(config)
     issues += _rl_checks(config)
+    issues += _rollout_checks(config)
     return issues
 
 
 def _rl_checks(config: RunConfig) -> list[ConfigIssue]:
+    """An RL run (online `rl:` or offline_rl data) needs one policy child and room for RL steps after warm-up."""
+    offline = config.data.source.type == "offline_rl"
+    if config.rl is None and not offline:
+        return []
+    issues: list[ConfigIssue] = []
+    kinds = [c.type for c in config.model.head.losses.values() if isinstance(c, PolicyConfig)]
+    if len(kinds) != 1:
+        issues.append(ConfigIssue("model.head.losses", f"an RL run needs exactly one policy child (grpo, gspo or cispo), found "
+                                  f"{kinds or 'none'}", sorted(config.model.head.losses),
+                                  hint="e.g. losses: {grpo: {type: grpo}, z_loss: {type: z_loss}}"))
+    warmup = config.rl.warmup_steps if config.rl is not None else 0
+    if offline and warmup:
+        issues.append(ConfigIssue("rl.warmup_steps", "the supervised warm-up needs the online task, not offline_rl data",
+                                  warmup, hint="set rl.warmup_steps: 0"))
+    if warmup >= config.trainer.steps:
+        issues.append(ConfigIssue("rl.warmup_steps", f"leaves no RL steps out of trainer.steps ({config.trainer.steps})",
+                                  warmup, hint="lower it or raise trainer.steps"))
+    return issues
+
+
+def _rollout_checks(config: RunConfig) -> list[ConfigIssue]:
     """What a rollout would fail on: the completion budget, the prompt file, the reward functions' imports,
-    the stop tokens."""
+    the stop tokens, the importance-sampling mode for the policy child."""
     from fastlm.config.errors import ConfigError
     from fastlm.rl.prompts import stop_token_ids
     from fastlm.rl.rewards import load_reward_functions
@@ -48,12 +67,37 @@ def _rl_checks(config: RunConfig) -> list[ConfigIssue]:
                                   f"({config.model.max_seq_len})", rl.max_new_tokens, hint="lower it"))
     if rl.prompts is not None and not Path(rl.prompts.path).is_file():
         issues.append(ConfigIssue("rl.prompts.path", "no such file", rl.prompts.path))
-    for check in (lambda: load_reward_functions(rl.rewards), lambda: stop_token_ids(rl, ByteTokenizer())):
-        try:
-            check()
-        except ConfigError as error:
-            issues += error.issues
+    if rl.importance_sampling.mode == "token_truncate" and any(
+            c.type == "gspo" for c in config.model.head.losses.values()):
+        issues.append(ConfigIssue("rl.importance_sampling.mode", "GSPO weighs whole sequences; per-token weights would "
+                                  "be averaged into its sequence advantage", "token_truncate",
+                                  hint="use sequence_truncate with gspo"))
+    try:
+        load_reward_functions(rl.rewards)
+    except ConfigError as error:
+        issues += error.issues
+    try:
+        stop_token_ids(rl, build_tokenizer(config.data.tokenizer, config.run.init_path))
+    except ConfigError as error:
+        issues += error.issues
+    except TokenizerError:
+        pass  # _tokenizer_checks reports it
     return issues
+
+
+def _tokenizer_checks(config: RunConfig) -> list[ConfigIssue]:
+    """The run's tokenizer loads and the model's vocab covers its ids (a larger, padded vocab is fine)."""
+    field = "data.tokenizer" if config.data.tokenizer is not None else "run.init_path"
+    try:
+        tokenizer = build_tokenizer(config.data.tokenizer, config.run.init_path)
+    except TokenizerError as error:
+        return [ConfigIssue(field, str(error))]
+    if config.model.vocab_size < tokenizer.vocab_size:
+        return [ConfigIssue("model.vocab_size", f"smaller than the {tokenizer.name} tokenizer's {tokenizer.vocab_size} "
+                            "ids (ids past the model's vocab would crash the embedding)", config.model.vocab_size,
+                            hint=f"use at least {tokenizer.vocab_size} (padding it up, e.g. to a multiple of 128, is fine), "
+                            "or the tokenizer the model was trained with")]
+    return []
 
 
 def _init_checkpoint_checks(config: RunConfig) -> list[ConfigIssue]:
@@ -67,7 +111,8 @@ def _init_checkpoint_checks(config: RunConfig) -> list[ConfigIssue]:
     try:
         check_matches(config.model, config_from_hf(read_hf_config(config.run.init_path)), config.run.init_path)
     except ConfigError as error:
-        return [issue if issue.path.startswith("model.") else ConfigIssue("run.init_path", str(issue), config.run.init_path)
+        return [issue if issue.path.startswith("model.") else
+                ConfigIssue("run.init_path", issue.message, config.run.init_path, hint=issue.hint)
                 for issue in error.issues]
     return []
 

@@ -14,8 +14,11 @@ from fastlm.logging.wandb_sink import WandbSink
 METRICS_FILE = "metrics.jsonl"
 
 
+Rows = list[dict[str, Any]]  # a table value: one dict per row, the same keys in each (e.g. sample completions)
+
+
 class Sink(Protocol):
-    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+    def log(self, step: int, metrics: dict[str, float | Rows]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -23,7 +26,8 @@ class Sink(Protocol):
 class MetricLogger:
     """Only rank 0 writes; other ranks get a logger with no sinks, so call sites need no rank checks.
 
-    `run_config` (the resolved config plus facts such as the loss implementation) goes to wandb once.
+    `run_config` (the resolved config plus facts such as the loss implementation) goes to wandb once;
+    `wandb_run_id` continues an earlier wandb run (a resume).
     """
 
     def __init__(
@@ -34,6 +38,7 @@ class MetricLogger:
         total_steps: int,
         run_config: dict[str, Any] | None = None,
         rank: int | None = None,
+        wandb_run_id: str | None = None,
     ):
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self.run_dir = Path(run_dir)
@@ -44,15 +49,16 @@ class MetricLogger:
         if config.jsonl:
             self.sinks.append(JsonlSink(self.run_dir / METRICS_FILE))
         if config.wandb.enabled and config.wandb.mode != "disabled":
-            self.wandb = WandbSink(config.wandb, self.run_dir, run_name, run_config or {})
+            self.wandb = WandbSink(config.wandb, self.run_dir, run_name, run_config or {}, wandb_run_id)
             self.sinks.append(self.wandb)
         if config.progress:
             self.sinks.append(ProgressLine(total_steps))
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float | Rows]) -> None:
+        """A list value is a table (rows of dicts): JSONL keeps it in the step's record, wandb as a `wandb.Table`."""
         if not metrics:
             return
-        plain = {key: float(value) for key, value in metrics.items()}
+        plain = {key: value if isinstance(value, list) else float(value) for key, value in metrics.items()}
         for sink in self.sinks:
             sink.log(step, plain)
 

@@ -33,10 +33,19 @@ def resolve_mode(config: WandbConfig) -> str:
     return "offline"
 
 
+def _table(rows: list[dict[str, Any]]) -> Any:
+    import wandb
+
+    columns = list(rows[0]) if rows else []
+    return wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in rows])
+
+
 class WandbSink:
     """Logs to a wandb run whose files live under the run directory."""
 
-    def __init__(self, config: WandbConfig, run_dir: Path, default_name: str, run_config: dict[str, Any]):
+    def __init__(self, config: WandbConfig, run_dir: Path, default_name: str, run_config: dict[str, Any],
+                 run_id: str | None = None):
+        """`run_id` (a resumed run's, from its checkpoint) continues that wandb run instead of starting one."""
         self.mode = resolve_mode(config)
         self._run = None
         self._warned = False
@@ -52,6 +61,8 @@ class WandbSink:
                 dir=str(run_dir),
                 config=run_config,
                 reinit="create_new",
+                id=run_id,
+                resume="allow" if run_id is not None else None,
             )
         except Exception as error:  # noqa: BLE001 - wandb may fail in many ways; training must go on
             self._warn("init", error)
@@ -59,6 +70,11 @@ class WandbSink:
     @property
     def active(self) -> bool:
         return self._run is not None
+
+    @property
+    def run_id(self) -> str | None:
+        """The wandb run's id, which a checkpoint keeps so that a resume logs to the same run."""
+        return None if self._run is None else self._run.id
 
     def _warn(self, stage: str, error: BaseException) -> None:
         if not self._warned:
@@ -70,11 +86,13 @@ class WandbSink:
             self._warned = True
         self._run = None
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float | list[dict[str, Any]]]) -> None:
+        """A list value (rows of dicts) becomes a `wandb.Table`, as TRL logs its completions."""
         if self._run is None:
             return
         try:
-            self._run.log(dict(metrics), step=step)
+            self._run.log({key: _table(value) if isinstance(value, list) else value for key, value in metrics.items()},
+                          step=step)
         except Exception as error:  # noqa: BLE001
             self._warn("log", error)
 

@@ -1,7 +1,9 @@
 """Where rollout prompts come from: a built-in verifiable task, or a JSONL prompt data set.
 
 Both give `PromptRecord`s: the prompt text and the record's other columns, which reach the reward functions
-as keyword arguments (fastlm/rl/rewards.py). A built-in task's records carry `answer` (the demonstrated
+as keyword arguments (fastlm/rl/rewards.py). A JSONL prompt may be plain text or a conversation (TRL's
+conversational format, a list of {"role", "content"} messages): a conversation is rendered by the run's
+tokenizer's chat template with the generation prompt, and the reward functions get the messages. A built-in task's records carry `answer` (the demonstrated
 answer), and its built-in reward (`task_reward`) scores completions with the task's own check.
 """
 
@@ -14,16 +16,29 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fastlm.config.errors import ConfigError, ConfigIssue
+from fastlm.data.chat import ChatError, check_messages
 from fastlm.data.datasets import DataError, jsonl_records
 from fastlm.data.tasks import AdditionTask, ArithmeticChainTask, Problem, ReverseTask, Task, score
-from fastlm.data.tokenizer import SPECIAL_TOKENS, ByteTokenizer
+from fastlm.data.tokenizer import SPECIAL_TOKENS, Tokenizer, TokenizerError
 from fastlm.rl.config import AdditionTaskConfig, ArithmeticChainTaskConfig, JsonlPromptsConfig, RLConfig, TaskConfig
 
 
 @dataclass(frozen=True)
 class PromptRecord:
-    text: str
+    text: str  # what is encoded (a conversation rendered by the chat template)
     columns: dict[str, Any] = field(default_factory=dict)
+    prompt: Any = None  # what reward functions get as the prompt (the messages of a conversation); None: text
+
+    @property
+    def shown(self) -> Any:
+        return self.text if self.prompt is None else self.prompt
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The prompt's ids with the tokenizer's BOS in front (once: a chat template may have written it)."""
+    ids = tokenizer.encode(text)
+    bos = tokenizer.bos_id
+    return ids if bos is None or ids[:1] == [bos] else [bos, *ids]
 
 
 class PromptSource(Protocol):
@@ -60,20 +75,19 @@ def task_reward(task: Task, format_reward: float) -> Callable[..., list[float]]:
 class JsonlPrompts:
     """Every record of a JSONL file, drawn uniformly with replacement; checked when loaded (file and line)."""
 
-    def __init__(self, config: JsonlPromptsConfig, token_count: Callable[[str], int], max_prompt_tokens: int) -> None:
+    def __init__(self, config: JsonlPromptsConfig, tokenizer: Tokenizer, max_prompt_tokens: int) -> None:
         path = Path(config.path)
         self.records: list[PromptRecord] = []
         for line, record in jsonl_records(path):
-            text = record.get(config.prompt_field)
-            if not isinstance(text, str) or not text:
-                raise DataError(f"{path} line {line}: field '{config.prompt_field}' (rl.prompts.prompt_field) must be "
-                                f"a non-empty string, got {text!r} (keys: {sorted(record)})")
-            tokens = token_count(text)
+            value = record.get(config.prompt_field)
+            text, prompt = _prompt_text(value, tokenizer, f"{path} line {line}: field '{config.prompt_field}' "
+                                        f"(rl.prompts.prompt_field)", sorted(record))
+            tokens = len(encode_prompt(tokenizer, text))
             if tokens > max_prompt_tokens:
                 raise DataError(f"{path} line {line}: the prompt has {tokens} tokens, more than model.max_seq_len - "
                                 f"rl.max_new_tokens = {max_prompt_tokens}; shorten it or raise model.max_seq_len")
             columns = {key: value for key, value in record.items() if key != config.prompt_field}
-            self.records.append(PromptRecord(text, columns))
+            self.records.append(PromptRecord(text, columns, prompt))
         if not self.records:
             raise DataError(f"{path}: no prompts (the file has no JSON records)")
         keys = set(self.records[0].columns)
@@ -86,7 +100,20 @@ class JsonlPrompts:
         return self.records[rng.randrange(len(self.records))]
 
 
-def stop_token_ids(rl: RLConfig, tokenizer: ByteTokenizer) -> tuple[int, ...]:
+def _prompt_text(value: Any, tokenizer: Tokenizer, where: str, keys: list[str]) -> tuple[str, Any]:
+    """(text to encode, prompt for the reward functions) of a plain-text or conversational prompt."""
+    if isinstance(value, str) and value:
+        return value, None
+    if isinstance(value, list):
+        try:
+            messages = check_messages(value)
+            return tokenizer.render_chat(messages, add_generation_prompt=True), messages
+        except (ChatError, TokenizerError) as error:
+            raise DataError(f"{where}: {error}") from error
+    raise DataError(f"{where} must be a non-empty string or a list of chat messages, got {value!r:.80} (keys: {keys})")
+
+
+def stop_token_ids(rl: RLConfig, tokenizer: Tokenizer) -> tuple[int, ...]:
     """`rl.stop_tokens` as ids of the run's tokenizer (special-token names or single-token text); default EOS."""
     if rl.stop_tokens is None:
         if tokenizer.eos_id is None:

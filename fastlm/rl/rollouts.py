@@ -37,16 +37,18 @@ from fastlm.data.batch import Batch
 from fastlm.data.datasets import DataError
 from fastlm.data.offline_rl import PolicySample
 from fastlm.data.tasks import Problem, Task, demonstrations
-from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.data.tokenizer import Tokenizer
 from fastlm.engine.distributed import RankShardLoader
 from fastlm.generation import Completion, Generator, SamplingOptions
-from fastlm.losses.validation import ProcessGroup
+from fastlm.losses.spec import ProcessGroup
 from fastlm.models.decoder import DecoderLM
 from fastlm.rl.advantages import group_advantages, rollout_metrics
 from fastlm.rl.config import RLConfig
 from fastlm.rl.consistency import gap_metrics, gap_statistics, importance_weights, tempered_transform
 from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples, policy_logprobs, split_into_batches
-from fastlm.rl.prompts import JsonlPrompts, PromptRecord, PromptSource, TaskPrompts, build_task, task_reward
+from fastlm.rl.prompts import (
+    JsonlPrompts, PromptRecord, PromptSource, TaskPrompts, build_task, encode_prompt, task_reward,
+)
 from fastlm.rl.rewards import (
     RewardError, RewardFunction, load_reward_functions, reward_metrics, score_completions, total_reward,
 )
@@ -56,14 +58,14 @@ SEED_STRIDE = 1_000_003  # between the sampling seeds of dp ranks (a prime: runs
 __all__ = ["RewardError", "RolloutLoader", "RolloutShard", "build_task", "draw_rollout", "evaluate_greedy"]
 
 
-def completion_text(tokenizer: ByteTokenizer, completion: Completion) -> str:
+def completion_text(completion: Completion, tokenizer: Tokenizer) -> str:
     """The answer text before the stop token; other special tokens stay visible (so they cost reward)."""
     body = completion.tokens[:-1] if completion.stopped else completion.tokens
     return tokenizer.decode(body, skip_special=False)
 
 
-def encode_prompts(tokenizer: ByteTokenizer, texts: list[str]) -> list[list[int]]:
-    return [tokenizer.encode(text, bos=True) for text in texts]
+def encode_prompts(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
+    return [encode_prompt(tokenizer, text) for text in texts]
 
 
 def generate_checked(engine: Generator, prompts: list[list[int]], texts: list[str], options: SamplingOptions,
@@ -114,11 +116,12 @@ class RolloutShard:
 class Rollout:
     samples: list[PolicySample]
     metrics: dict[str, float]  # rollout_metrics names, without the train/ prefix
+    examples: list[dict[str, Any]]  # the first rl.log_completions samples, as text: what a user reads
 
 
 def draw_rollout(
     engine: Generator,
-    tokenizer: ByteTokenizer,
+    tokenizer: Tokenizer,
     records: list[PromptRecord],
     rewards: list[RewardFunction],
     config: RLConfig,
@@ -136,8 +139,8 @@ def draw_rollout(
     prompts = encode_prompts(tokenizer, texts)
     completions = generate_checked(engine, prompts, texts, options, generator)
     arguments: dict[str, list[Any]] = {
-        "prompts": texts,
-        "completions": [completion_text(tokenizer, c) for c in completions],
+        "prompts": [record.shown for record in records for _ in range(group)],
+        "completions": [completion_text(c, tokenizer) for c in completions],
         "completion_ids": [list(c.tokens) for c in completions],
         "stopped": [c.stopped for c in completions],
     }
@@ -155,12 +158,18 @@ def draw_rollout(
     ]
     metrics = rollout_metrics(total, advantages, lengths, stopped.bool(), group)
     metrics.update(reward_metrics(gathered[:, 3:], rewards))
-    return Rollout(samples, metrics)
+    local_total = local[:, 0].tolist()
+    examples = [
+        {"prompt": texts[i], "completion": arguments["completions"][i], "reward": local_total[i],
+         "advantage": samples[i].advantage}
+        for i in range(min(config.log_completions, len(samples)))
+    ]
+    return Rollout(samples, metrics, examples)
 
 
 @torch.no_grad()
 def evaluate_greedy(
-    engine: Generator, tokenizer: ByteTokenizer, task: Task, problems: list[Problem], options: SamplingOptions,
+    engine: Generator, tokenizer: Tokenizer, task: Task, problems: list[Problem], options: SamplingOptions,
     format_reward: float,
 ) -> dict[str, float]:
     """Mean reward and accuracy of greedy completions on fixed problems (the built-in task's reward)."""
@@ -168,7 +177,7 @@ def evaluate_greedy(
                              logit_scale=options.logit_scale, softcap=options.softcap)
     texts = [p.prompt for p in problems]
     completions = generate_checked(engine, encode_prompts(tokenizer, texts), texts, greedy, None)
-    answers = [completion_text(tokenizer, c) for c in completions]
+    answers = [completion_text(c, tokenizer) for c in completions]
     scores = task_reward(task, format_reward)(texts, answers, [c.stopped for c in completions], [p.answer for p in problems])
     correct = [c.stopped and task.is_correct(p, a) for p, a, c in zip(problems, answers, completions)]
     return {"reward": sum(scores) / len(scores), "accuracy": sum(correct) / len(correct)}
@@ -190,10 +199,9 @@ class RolloutLoader:
         micro_batch_size: int,
         grad_accumulation: int,
         seed: int,
+        tokenizer: Tokenizer,
         amp_dtype: torch.dtype | None = None,
         shard: RolloutShard = RolloutShard(),
-        tokenizer: ByteTokenizer | None = None,
-        max_seq_len: int | None = None,
     ):
         self.model = model
         self.config = config
@@ -203,12 +211,12 @@ class RolloutLoader:
         self.amp_dtype = amp_dtype
         self.shard = shard
         self.seed = seed
-        self.tokenizer = tokenizer or ByteTokenizer()
+        self.tokenizer = tokenizer
         self.task = build_task(config.task)
         self.source: PromptSource = TaskPrompts(self.task)
         if config.prompts is not None:
-            limit = (max_seq_len or model.config.max_seq_len) - config.max_new_tokens
-            self.source = JsonlPrompts(config.prompts, lambda text: len(self.tokenizer.encode(text, bos=True)), limit)
+            limit = model.config.max_seq_len - config.max_new_tokens
+            self.source = JsonlPrompts(config.prompts, tokenizer, limit)
         self.reward_functions = load_reward_functions(config.rewards) if config.rewards else [
             RewardFunction("task", "built-in task reward", task_reward(self.task, config.format_reward), 1.0)]
         device = model.output_weight.device
@@ -223,7 +231,7 @@ class RolloutLoader:
                 PolicySample(self.tokenizer.encode(p.prompt, bos=True), self.tokenizer.encode(p.answer, eos=True), 0.0)
                 for p in shown
             ]
-            self.demos = rank_rows(PolicyBatchLoader(pack_policy_samples(samples, seq_len),
+            self.demos = rank_rows(PolicyBatchLoader(pack_policy_samples(samples, seq_len, self.tokenizer.pad_id),
                                                      micro_batch_size * shard.count, seed), shard)
         self.prompt_rng = random.Random(seed + 2)
         self.generator = torch.Generator(device=device).manual_seed(self.sampling_seed())
@@ -232,6 +240,7 @@ class RolloutLoader:
         self.position = 0
         self.rollouts = 0
         self.metrics: dict[str, float] = {}
+        self.examples: list[dict[str, Any]] = []  # the latest rollout's, for the completions table
         self.rewards: list[float] = []  # mean reward of every rollout, in order
         self.rollout_seconds = 0.0  # time spent drawing rollouts since the trainer last read it
 
@@ -258,7 +267,8 @@ class RolloutLoader:
             self.prompt_rng.setstate(saved[0])
             self.generator.set_state(saved[1])
             raise
-        batches = split_into_batches(pack_policy_samples(rollout.samples, self.seq_len), self.grad_accumulation)
+        rows = pack_policy_samples(rollout.samples, self.seq_len, self.tokenizer.pad_id)
+        batches = split_into_batches(rows, self.grad_accumulation)
         statistics = []
         for batch in batches:
             sampler_logp = batch.old_logp  # packed from the samples: the sampler's own log-probs
@@ -272,6 +282,7 @@ class RolloutLoader:
         gathered = self.shard.gather(torch.stack(statistics))
         self.batches, self.position = batches, 0
         self.metrics = {**rollout.metrics, **gap_metrics(gathered, self.config.importance_sampling.mode != "none")}
+        self.examples = rollout.examples
         self.rewards.append(rollout.metrics["reward"])
         self.rollouts += 1
         self.rollout_seconds += time.perf_counter() - started

@@ -20,56 +20,39 @@ from typing import Any
 
 import torch
 
-from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.config.schema import RunConfig
+from fastlm.data.batch import Batch
 from fastlm.data.config import OfflineRLSource
 from fastlm.data.offline_rl import load_offline_rl
+from fastlm.data.summary import check_batch_fits
 from fastlm.data.tasks import Problem
-from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.data.tokenizer import Tokenizer
 from fastlm.engine.distributed import RankShardLoader
+from fastlm.engine.frozen import reference_model
 from fastlm.engine.optim import lr_multiplier
 from fastlm.engine.trainer import StepResult, Trainer, TrainSummary
 from fastlm.layers.lm_head import LMHead
-from fastlm.losses.config import CrossEntropyConfig, LMHeadConfig
+from fastlm.losses.children import CrossEntropyConfig
+from fastlm.losses.children.policy import PolicyConfig
+from fastlm.losses.config import LMHeadConfig
 from fastlm.rl.config import RLConfig
-from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples
+from fastlm.models.decoder import DecoderLM
+from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples, policy_logprobs
 from fastlm.generation import SamplingOptions
 from fastlm.rl.consistency import tempered_transform
 from fastlm.rl.prompts import stop_token_ids
-from fastlm.rl.rollouts import RewardError, RolloutLoader, RolloutShard, build_task, evaluate_greedy, rank_rows
+from fastlm.rl.rewards import RewardError
+from fastlm.rl.rollouts import RolloutLoader, RolloutShard, build_task, evaluate_greedy, rank_rows
 
 
 SUMMARY_WINDOW = 3  # rollouts averaged at each end of the run for the reward summary
+COMPLETIONS_KEY = "train/completions_table"  # rollout, prompt, completion, reward, advantage per row
 
 
 @dataclass
 class RLSummary(TrainSummary):
     rewards: list[float] = field(default_factory=list)  # mean reward of every rollout
     eval_rewards: list[tuple[int, float]] = field(default_factory=list)  # (step, greedy eval reward)
-
-
-def _policy_child(config: RunConfig) -> str:
-    kinds = [c.type for c in config.model.head.losses.values() if c.type in ("grpo", "gspo")]
-    if len(kinds) != 1:
-        raise ConfigError(ConfigIssue(
-            "model.head.losses", f"an RL run needs exactly one grpo or gspo child, found {kinds or 'none'}",
-            sorted(config.model.head.losses), hint="e.g. losses: {grpo: {type: grpo}, z_loss: {type: z_loss}}",
-        ))
-    return kinds[0]
-
-
-def _check(config: RunConfig, rl: RLConfig, offline: bool) -> None:
-    _policy_child(config)
-    if offline and rl.warmup_steps:
-        raise ConfigError(ConfigIssue("rl.warmup_steps", "the supervised warm-up needs the online task, not "
-                                      "offline_rl data", rl.warmup_steps, hint="set rl.warmup_steps: 0"))
-    if rl.importance_sampling.mode == "token_truncate" and _policy_child(config) == "gspo":
-        raise ConfigError(ConfigIssue("rl.importance_sampling.mode", "GSPO weighs whole sequences; per-token weights "
-                                      "would be averaged into its sequence advantage", "token_truncate",
-                                      hint="use sequence_truncate with gspo"))
-    if rl.warmup_steps >= config.trainer.steps:
-        raise ConfigError(ConfigIssue("rl.warmup_steps", f"leaves no RL steps out of trainer.steps "
-                                      f"({config.trainer.steps})", rl.warmup_steps, hint="lower it or raise trainer.steps"))
 
 
 def warmup_head_config(head: LMHeadConfig) -> LMHeadConfig:
@@ -79,8 +62,9 @@ def warmup_head_config(head: LMHeadConfig) -> LMHeadConfig:
     return head.model_copy(update={"losses": losses})
 
 
-def sampling_options(rl: RLConfig, head: LMHeadConfig, tokenizer: ByteTokenizer) -> SamplingOptions:
-    """The rollout sampler's settings; the head's logit transform so sampling sees the loss's softmax."""
+def sampling_options(rl: RLConfig, head: LMHeadConfig, tokenizer: Tokenizer) -> SamplingOptions:
+    """The rollout sampler's settings: stop at `rl.stop_tokens` (default the tokenizer's EOS); the head's logit
+    transform so sampling sees the loss's softmax."""
     return SamplingOptions(rl.max_new_tokens, rl.temperature, rl.top_p, rl.top_k, stop_token_ids(rl, tokenizer),
                            logit_scale=head.logit_scale, softcap=head.softcap)
 
@@ -105,41 +89,63 @@ class RLTrainer(Trainer):
     def __init__(self, config: RunConfig, rank: int | None = None):
         self.rl = config.rl or RLConfig()
         self.offline = isinstance(config.data.source, OfflineRLSource)
-        _check(config, self.rl, self.offline)
         super().__init__(config, rank)
         # Replaces the base schedule before any step; base_lrs stay the optimizer's initial lr.
         self.scheduler = rl_scheduler(self.optimizer, config, self.rl)
-        self.tokenizer = ByteTokenizer()
         self.options = sampling_options(self.rl, config.model.head, self.tokenizer)
         tempered = self.rl.temperature not in (0.0, 1.0) and not self.offline
         self.policy_head = LMHead(policy_head_config(config.model.head, self.rl.temperature)) if tempered else self.model.head
         self.warmup_head = LMHead(warmup_head_config(config.model.head))
         self.eval_problems: list[Problem] = []
-        self.timing: dict[str, float] = {}
+        self.timing = [0.0, 0.0, 0]  # rollout seconds, train seconds, steps since the last log record
         if not self.offline and self.rl.eval_prompts and self.rl.prompts is None:
             rng = random.Random(config.run.seed + 4)
             task = build_task(self.rl.task)
             self.eval_problems = [task.sample(rng) for _ in range(self.rl.eval_prompts)]
         self.eval_rewards: list[tuple[int, float]] = []
+        self.logged_rollout = 0  # the last rollout whose completions table was logged
 
-    def build_loaders(self, tokenizer: ByteTokenizer) -> tuple[RolloutLoader | PolicyBatchLoader | RankShardLoader, None]:
+    def build_loaders(self, tokenizer: Tokenizer) -> tuple[RolloutLoader | PolicyBatchLoader | RankShardLoader, None]:
+        self.reference = self._reference()
         data, seed, parallel = self.config.data, self.config.run.seed, self.parallel
         shard = RolloutShard(parallel.dp_rank, parallel.dp_size, parallel.dp_group, self.device)
         if self.offline:
             samples = load_offline_rl(self.config.data.source.path, tokenizer)
-            rows = pack_policy_samples(samples, data.seq_len)
+            rows = pack_policy_samples(samples, data.seq_len, tokenizer.pad_id)
+            check_batch_fits(rows, None, data.micro_batch_size * shard.count)
             return rank_rows(PolicyBatchLoader(rows, data.micro_batch_size * shard.count, seed), shard), None
         options = sampling_options(self.rl, self.config.model.head, tokenizer)
         loader = RolloutLoader(self.model, self.rl, options, data.seq_len, data.micro_batch_size,
-                               self.config.trainer.grad_accumulation, seed, self.amp_dtype, shard, tokenizer)
+                               self.config.trainer.grad_accumulation, seed, tokenizer, self.amp_dtype, shard)
         return loader, None
+
+    def _reference(self) -> DecoderLM | None:
+        """The frozen reference of a policy loss with `beta` > 0: the initial policy or its
+        `reference_path` checkpoint (engine/frozen.py, shared with DPO); None without a KL penalty."""
+        for name, child in self.config.model.head.losses.items():
+            if isinstance(child, PolicyConfig) and child.beta > 0:
+                field = f"model.head.losses.{name}.reference_path"
+                return reference_model(self.model, child.reference_path, field, self.device, self.config.data.seq_len)
+        return None
+
+    def micro_batches(self) -> list[Batch]:
+        """With a reference, each policy batch gets the reference's label log-probs once: the rollout
+        loader serves the same batch objects to every update of a rollout, so once per rollout."""
+        batches = super().micro_batches()
+        if self.reference is not None and not self.in_warmup:
+            head = self.reference.config.head
+            scale, softcap = tempered_transform(head.logit_scale, head.softcap, 0.0 if self.offline else self.rl.temperature)
+            for batch in batches:
+                if batch.ref_logp is None:
+                    batch.ref_logp = policy_logprobs(self.reference, batch, scale, softcap, self.amp_dtype)
+        return batches
 
     @property
     def in_warmup(self) -> bool:
         return self.step < self.rl.warmup_steps and not self.offline
 
     def train_step(self) -> StepResult:
-        """One step; its rollout and training seconds are kept for the log. A failing reward function
+        """One step; its rollout and training seconds are summed for the next log record. A failing reward function
         stops the run after a checkpoint of the last finished step (the loader is as before the rollout)."""
         self.model.head = self.warmup_head if self.in_warmup else self.policy_head
         loader = self.train_loader
@@ -154,7 +160,7 @@ class RLTrainer(Trainer):
                               f"saved to {path}: fix the function and continue with --resume") from error
         total = time.perf_counter() - started
         rollout = loader.rollout_seconds if isinstance(loader, RolloutLoader) else 0.0
-        self.timing = {"timing/rollout_seconds": rollout, "timing/train_seconds": total - rollout}
+        self.timing = [self.timing[0] + rollout, self.timing[1] + total - rollout, self.timing[2] + 1]
         return result
 
     def evaluate(self) -> float | None:
@@ -165,15 +171,21 @@ class RLTrainer(Trainer):
         every, steps = self.config.trainer.eval_every, self.config.trainer.steps
         return bool(self.eval_problems) and bool(every) and (self.step % every == 0 or self.step == steps)
 
-    def _log_record(self, result: StepResult, tokens_per_second: float) -> dict[str, float]:
-        record = super()._log_record(result, tokens_per_second)
+    def _log_record(self, result: StepResult, tokens_per_second: float) -> dict[str, Any]:
+        record: dict[str, Any] = super()._log_record(result, tokens_per_second)
         warmup = self.step <= self.rl.warmup_steps and not self.offline  # the step just taken
         record["train/rl/warmup"] = float(warmup)
         loader = self.train_loader
-        record.update({f"train/{name}": value for name, value in self.timing.items()})
+        rollout, train, steps = self.timing  # per-step means over the steps since the last record
+        record["train/timing/rollout_seconds"] = rollout / max(steps, 1)
+        record["train/timing/train_seconds"] = train / max(steps, 1)
+        self.timing = [0.0, 0.0, 0]
         if isinstance(loader, RolloutLoader) and loader.metrics and not warmup:
             record.update({f"train/{name}": value for name, value in loader.metrics.items()})
             record["train/rl/rollouts"] = float(loader.rollouts)
+            if loader.rollouts != self.logged_rollout:  # each rollout's sample completions once (a table)
+                record[COMPLETIONS_KEY] = [{"rollout": loader.rollouts, **row} for row in loader.examples]
+                self.logged_rollout = loader.rollouts
         if self._eval_due() and isinstance(loader, RolloutLoader):
             scores = evaluate_greedy(loader.engine, loader.tokenizer, loader.task, self.eval_problems, self.options,
                                      self.rl.format_reward)
@@ -185,7 +197,7 @@ class RLTrainer(Trainer):
         summary = super().train(resume)
         rewards = list(self.train_loader.rewards) if isinstance(self.train_loader, RolloutLoader) else []
         result = RLSummary(**vars(summary), rewards=rewards, eval_rewards=list(self.eval_rewards))
-        if self.rank in (None, 0):
+        if self.rank in (None, 0) and not summary.already_finished:
             print(describe_rl(result), file=sys.stderr)
         return result
 

@@ -102,14 +102,14 @@ def test_jsonl_prompts_carry_columns_and_name_bad_lines(tmp_path) -> None:
     path.write_text("\n".join(json.dumps(r) for r in [{"question": "2+2=", "answer": "4"},
                                                        {"question": "3+3=", "answer": "6"}]) + "\n")
     config = JsonlPromptsConfig(path=str(path), prompt_field="question")
-    source = JsonlPrompts(config, len, 100)
+    source = JsonlPrompts(config, ByteTokenizer(), 100)
     drawn = {source.sample(random.Random(seed)).text for seed in range(20)}
     assert drawn == {"2+2=", "3+3="} and source.records[0].columns == {"answer": "4"}
-    with pytest.raises(DataError, match=r"prompts.jsonl line 1: the prompt has 4 tokens, more than .* = 3"):
-        JsonlPrompts(config, len, 3)
+    with pytest.raises(DataError, match=r"prompts.jsonl line 1: the prompt has 5 tokens, more than .* = 4"):
+        JsonlPrompts(config, ByteTokenizer(), 4)
     path.write_text('{"question": "2+2="}\n{"prompt": "x"}\n')
-    with pytest.raises(DataError, match=r"line 2: field 'question' \(rl.prompts.prompt_field\)"):
-        JsonlPrompts(config, len, 100)
+    with pytest.raises(DataError, match=r"line 2: field 'question' \(rl.prompts.prompt_field\) must be a non-empty string or a list of chat"):
+        JsonlPrompts(config, ByteTokenizer(), 100)
 
 
 def test_prompt_data_set_needs_reward_functions() -> None:
