@@ -95,6 +95,13 @@ def test_finetune_export_and_transformers_generate_agree(tmp_path: Path, style: 
         assert prompts[-1] == tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=True))
     prompts += [tokenizer.encode(text, bos=True) for text in ("The cat", "A child helps", "17+2")]
     fine_tuned = _greedy_agrees(exported, prompts, tokenizer, f"{style} fine-tuned")
+    capsys.readouterr()
+    assert main(["generate", str(run_dir), "--chat", "--temperature", "0", "--max-new-tokens", str(MAX_NEW_TOKENS),
+                 "--jsonl", *(arg for m in questions for arg in ("--prompt", m[0]["content"]))]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    expected = [hf_tokenizer.decode(tokens[: tokens.index(tokenizer.eos_id)] if tokenizer.eos_id in tokens else tokens,
+                                    skip_special_tokens=True) for tokens in map(list, fine_tuned[0:8:2])]
+    assert [record["completion"] for record in printed] == expected  # `fastlm generate --chat` prints what HF generates
     initial = _greedy_agrees(hf, prompts, tokenizer, f"{style} initial")  # random weights: varied tokens
     assert fine_tuned != initial and len(set(initial)) > 2 and max(map(len, initial)) == MAX_NEW_TOKENS
 
