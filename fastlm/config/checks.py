@@ -28,6 +28,28 @@ def cross_check(config: RunConfig) -> list[ConfigIssue]:
                                   tp, hint="pick a tensor_parallel that divides the vocab (pad the vocab if needed)"))
     issues += _frozen_model_checks(config)
     issues += _init_checkpoint_checks(config)
+    issues += _rl_checks(config)
+    return issues
+
+
+def _rl_checks(config: RunConfig) -> list[ConfigIssue]:
+    """An RL run (online `rl:` or offline_rl data) needs one policy child and room for RL steps after warm-up."""
+    offline = config.data.source.type == "offline_rl"
+    if config.rl is None and not offline:
+        return []
+    issues: list[ConfigIssue] = []
+    kinds = [c.type for c in config.model.head.losses.values() if c.type in ("grpo", "gspo")]
+    if len(kinds) != 1:
+        issues.append(ConfigIssue("model.head.losses", f"an RL run needs exactly one grpo or gspo child, found "
+                                  f"{kinds or 'none'}", sorted(config.model.head.losses),
+                                  hint="e.g. losses: {grpo: {type: grpo}, z_loss: {type: z_loss}}"))
+    warmup = config.rl.warmup_steps if config.rl is not None else 0
+    if offline and warmup:
+        issues.append(ConfigIssue("rl.warmup_steps", "the supervised warm-up needs the online task, not offline_rl data",
+                                  warmup, hint="set rl.warmup_steps: 0"))
+    if warmup >= config.trainer.steps:
+        issues.append(ConfigIssue("rl.warmup_steps", f"leaves no RL steps out of trainer.steps ({config.trainer.steps})",
+                                  warmup, hint="lower it or raise trainer.steps"))
     return issues
 
 
@@ -42,7 +64,8 @@ def _init_checkpoint_checks(config: RunConfig) -> list[ConfigIssue]:
     try:
         check_matches(config.model, config_from_hf(read_hf_config(config.run.init_path)), config.run.init_path)
     except ConfigError as error:
-        return [issue if issue.path.startswith("model.") else ConfigIssue("run.init_path", str(issue), config.run.init_path)
+        return [issue if issue.path.startswith("model.") else
+                ConfigIssue("run.init_path", issue.message, config.run.init_path, hint=issue.hint)
                 for issue in error.issues]
     return []
 

@@ -13,6 +13,7 @@ from fastlm.data.batch import Batch, batch_from_rows
 from fastlm.data.config import PREFERENCE_SOURCE_TYPES, DataConfig
 from fastlm.data.datasets import PackedRows, load_documents, pack_documents, split_documents
 from fastlm.data.preferences import preference_rows
+from fastlm.data.summary import check_batch_fits
 from fastlm.data.tokenizer import ByteTokenizer
 
 
@@ -73,6 +74,7 @@ def build_loaders(config: DataConfig, seed: int, tokenizer: ByteTokenizer | None
         train_docs, eval_docs = split_documents(load_documents(config.source, tokenizer), config.eval_fraction, seed)
         train_rows = pack_documents(train_docs, config.seq_len)
         eval_rows = pack_documents(eval_docs, config.seq_len) if eval_docs else None
+    check_batch_fits(train_rows, eval_rows, config.micro_batch_size)
     train = BatchLoader(train_rows, config.micro_batch_size, seed)
     evaluation = BatchLoader(eval_rows, config.micro_batch_size, seed, shuffle=False) if eval_rows is not None else None
     return train, evaluation

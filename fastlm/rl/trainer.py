@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.config.schema import RunConfig
 from fastlm.data.config import OfflineRLSource
 from fastlm.data.offline_rl import load_offline_rl
+from fastlm.data.summary import check_batch_fits
 from fastlm.data.tasks import Problem
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.distributed import RankShardLoader
@@ -43,26 +43,6 @@ SUMMARY_WINDOW = 3  # rollouts averaged at each end of the run for the reward su
 class RLSummary(TrainSummary):
     rewards: list[float] = field(default_factory=list)  # mean reward of every rollout
     eval_rewards: list[tuple[int, float]] = field(default_factory=list)  # (step, greedy eval reward)
-
-
-def _policy_child(config: RunConfig) -> str:
-    kinds = [c.type for c in config.model.head.losses.values() if c.type in ("grpo", "gspo")]
-    if len(kinds) != 1:
-        raise ConfigError(ConfigIssue(
-            "model.head.losses", f"an RL run needs exactly one grpo or gspo child, found {kinds or 'none'}",
-            sorted(config.model.head.losses), hint="e.g. losses: {grpo: {type: grpo}, z_loss: {type: z_loss}}",
-        ))
-    return kinds[0]
-
-
-def _check(config: RunConfig, rl: RLConfig, offline: bool) -> None:
-    _policy_child(config)
-    if offline and rl.warmup_steps:
-        raise ConfigError(ConfigIssue("rl.warmup_steps", "the supervised warm-up needs the online task, not "
-                                      "offline_rl data", rl.warmup_steps, hint="set rl.warmup_steps: 0"))
-    if rl.warmup_steps >= config.trainer.steps:
-        raise ConfigError(ConfigIssue("rl.warmup_steps", f"leaves no RL steps out of trainer.steps "
-                                      f"({config.trainer.steps})", rl.warmup_steps, hint="lower it or raise trainer.steps"))
 
 
 def warmup_head_config(head: LMHeadConfig) -> LMHeadConfig:
@@ -91,7 +71,6 @@ class RLTrainer(Trainer):
     def __init__(self, config: RunConfig, rank: int | None = None):
         self.rl = config.rl or RLConfig()
         self.offline = isinstance(config.data.source, OfflineRLSource)
-        _check(config, self.rl, self.offline)
         super().__init__(config, rank)
         # Replaces the base schedule before any step; base_lrs stay the optimizer's initial lr.
         self.scheduler = rl_scheduler(self.optimizer, config, self.rl)
@@ -111,6 +90,7 @@ class RLTrainer(Trainer):
         if self.offline:
             samples = load_offline_rl(self.config.data.source.path, tokenizer)
             rows = pack_policy_samples(samples, data.seq_len)
+            check_batch_fits(rows, None, data.micro_batch_size * shard.count)
             return rank_rows(PolicyBatchLoader(rows, data.micro_batch_size * shard.count, seed), shard), None
         options = sampling_options(self.rl, self.config.model.head)
         loader = RolloutLoader(self.model, self.rl, options, data.seq_len, data.micro_batch_size,
@@ -152,7 +132,7 @@ class RLTrainer(Trainer):
         summary = super().train(resume)
         rewards = list(self.train_loader.rewards) if isinstance(self.train_loader, RolloutLoader) else []
         result = RLSummary(**vars(summary), rewards=rewards, eval_rewards=list(self.eval_rewards))
-        if self.rank in (None, 0):
+        if self.rank in (None, 0) and not summary.already_finished:
             print(describe_rl(result), file=sys.stderr)
         return result
 
