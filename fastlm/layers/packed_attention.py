@@ -27,6 +27,7 @@ import torch
 from fastlm.layers.attention import attend, attention_mask
 
 LayoutKind = Literal["causal", "dense", "flex"]
+BLOCK_SIZE = 128  # FlexAttention's sparse block (query and key)
 
 
 @dataclass(frozen=True)
@@ -63,14 +64,47 @@ def document_mask_mod(positions: torch.Tensor | None, sliding_window: int | None
 
 
 def flex_block_mask(
-    positions: torch.Tensor | None, sliding_window: int | None, batch: int, seq_len: int, device: torch.device
+    positions: torch.Tensor | None, sliding_window: int | None, batch: int, seq_len: int, device: torch.device,
+    block_size: int = BLOCK_SIZE,
 ) -> object:
-    """The block mask of `document_mask_mod`, built once per batch (compiled on CUDA: a few kernels)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """The block mask of `document_mask_mod`, computed from the documents directly (a few small kernels,
+    no host sync) instead of `create_block_mask`'s pass over every (query, key) pair.
 
-    mask_mod = document_mask_mod(positions, sliding_window)
+    Query q sees the keys [low(q), q] with low(q) = q - min(positions[q], window - 1). The union of these
+    intervals over a query block ends at the block's last query and is contiguous, so the block needs the
+    key blocks from min(low) // block_size up to its own; those also at or past ceil(max(low) / block_size)
+    and before the diagonal are full (every pair allowed: `mask_mod` is skipped there). Padding past
+    `seq_len` is never allowed, as in `create_block_mask` (tests check the two agree block for block).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
     rows = batch if positions is not None else 1
-    return create_block_mask(mask_mod, rows, None, seq_len, seq_len, device=device, _compile=device.type == "cuda")
+    blocks = -(-seq_len // block_size)
+    index = torch.arange(blocks * block_size, device=device)
+    reach = torch.zeros(rows, blocks * block_size, dtype=torch.long, device=device)  # how far back q sees
+    reach[:, :seq_len] = index[:seq_len] if positions is None else positions
+    if sliding_window is not None:
+        reach = reach.clamp(max=sliding_window - 1)
+    low = (index - reach).view(rows, blocks, block_size)
+    valid = (index < seq_len).view(1, blocks, block_size)
+    lowest = low.masked_fill(~valid, seq_len).amin(-1)  # (rows, blocks): per query block
+    highest = low.masked_fill(~valid, 0).amax(-1)
+    query_block = torch.arange(blocks, device=device)[:, None]  # (blocks, 1) against key blocks (1, blocks)
+    key_block = torch.arange(blocks, device=device)[None]
+    needed = (key_block >= (lowest // block_size)[..., None]) & (key_block <= query_block)
+    whole_queries = ((query_block + 1) * block_size <= seq_len)
+    full = (key_block * block_size >= highest[..., None]) & (key_block < query_block) & whole_queries
+    partial = needed & ~full
+
+    def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dense = dense[:, None].to(torch.int32)  # (rows, 1 head, query blocks, key blocks)
+        order = torch.argsort(dense, dim=-1, descending=True, stable=True)
+        return dense.sum(-1).to(torch.int32), order.to(torch.int32)
+
+    return BlockMask.from_kv_blocks(
+        *ordered(partial), *ordered(full), BLOCK_SIZE=block_size,
+        mask_mod=document_mask_mod(positions, sliding_window), seq_lengths=(seq_len, seq_len),
+    )
 
 
 def attention_layout(

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from fastlm.engine.compile import CompileFallback, compile_wanted
+from fastlm.layers.embedding import document_positions
+from fastlm.layers.packed_attention import document_mask_mod, flex_block_mask
 from fastlm.losses.spec import LossNormalizers, LossTargets
 from fastlm.models.decoder import DecoderLM
 from model_helpers import TINY_PRESETS, load_preset, make_model, relative_error
@@ -44,6 +46,27 @@ def train_loss_and_grads(model: DecoderLM, tokens: torch.Tensor, documents: torc
 
 def max_grad_error(grads: list, reference: list) -> float:
     return max(relative_error(g, r) for g, r in zip(grads, reference))
+
+
+BLOCK_MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+@pytest.mark.parametrize("seq_len", [256, 320, 100])
+@pytest.mark.parametrize(("documents", "window"), [(True, None), (True, 48), (True, 1), (False, 200), (False, 48)])
+def test_block_mask_from_documents_equals_create_block_mask(seq_len: int, documents: bool, window: int | None) -> None:
+    """The direct block mask (no pass over every pair) equals torch's create_block_mask of the same
+    mask_mod, block for block: partial and full, kv and q orders, lengths not a multiple of the block."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    _, ids = packed_rows(3, seq_len, 10, seed=seq_len + (window or 0))
+    positions = document_positions(ids) if documents else None
+    rows = 3 if documents else 1
+    expected = create_block_mask(document_mask_mod(positions, window), rows, None, seq_len, seq_len, device="cpu")
+    built = flex_block_mask(positions, window, 3, seq_len, torch.device("cpu"))
+    assert built.seq_lengths == expected.seq_lengths
+    for name in BLOCK_MASK_FIELDS:
+        assert torch.equal(getattr(built, name), getattr(expected, name)), name
 
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)

@@ -78,8 +78,9 @@ def test_every_architecture_trains_in_bf16_like_float64(preset: str, compiled: b
 
 
 def test_whole_model_compile_with_the_triton_loss_runs() -> None:
-    """`torch.compile(model)` with the fused Triton head: the head is opaque, so no dynamo crash, and the
-    loss and gradients equal the eager model's."""
+    """`torch.compile(model)` with the fused Triton head: the head is opaque, so dynamo never traces the
+    Triton launcher (the crash was in tracing; aot_eager keeps the test fast), and the loss and
+    gradients equal the eager model's."""
     torch._dynamo.reset()
     config = load_preset("tiny-llama").model_copy(
         update={"head": load_preset("tiny-llama").head.model_copy(update={"use_triton": True})}
@@ -88,7 +89,7 @@ def test_whole_model_compile_with_the_triton_loss_runs() -> None:
     tokens, documents = packed_rows(2, 128, config.vocab_size, seed=1)
     tokens, documents = tokens.to(CUDA), documents.to(CUDA)
     eager_loss, eager_grads = loss_and_grads(model, tokens, documents, amp=True)
-    compiled_model = torch.compile(model)
+    compiled_model = torch.compile(model, backend="aot_eager")
     loss, grads = loss_and_grads(compiled_model, tokens, documents, amp=True)
     assert model.head.implementation == "triton"
     error = max(relative_error(g, r) for g, r in zip(grads, eager_grads))
