@@ -125,8 +125,6 @@ def test_whole_model_compile_breaks_once_at_the_head() -> None:
     reasons = [reason.reason for reason in explained.break_reasons]
     print(f"whole-model compile: {explained.graph_count} graph(s); breaks: {[r.splitlines()[0] for r in reasons]}")
     assert explained.graph_count == 1 and len(reasons) == 1 and "LMHead.forward" in reasons[0]
-    compiled = torch.compile(model, backend="aot_eager")
-    assert relative_error(compiled(*args).loss, model(*args).loss) < 1e-12
 
 
 def _failing_backend(graph: torch.fx.GraphModule, example_inputs: list) -> None:
