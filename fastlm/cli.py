@@ -1,4 +1,4 @@
-"""`fastlm train | validate | print-config | convert`: the one command users run."""
+"""`fastlm train | validate | print-config | convert | prepare`: the one command users run."""
 
 from __future__ import annotations
 
@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--to", metavar="DIR", help="with --from-hf: also write model.yaml + model.safetensors here")
     convert.add_argument("--from", dest="from_fastlm", metavar="DIR",
                          help="with --to-hf: a checkpoint (step, checkpoints or run folder) or a --to folder")
+    prepare = commands.add_parser("prepare", help="tokenize local text/JSONL/Parquet/CSV files into a memory-mapped "
+                                  "data set (data.source: {type: memmap, path})")
+    prepare.add_argument("config", help="YAML prepare config: tokenizer, input_path, output_path, record fields, num_proc")
+    prepare.add_argument("overrides", nargs="*", default=[], help="dotted.key=value overrides, values parsed as YAML")
     return parser
 
 
@@ -63,11 +67,12 @@ def describe_run(config: RunConfig) -> str:
 
 def describe_data(config: RunConfig) -> str:
     """The data summary, from the rows the trainer would pack (raises what the trainer's loaders raise)."""
+    from fastlm.data.config import PREPARED_SOURCE_TYPES
     from fastlm.data.loader import build_loaders
     from fastlm.data.summary import check_batch_fits, summarize
-    from fastlm.data.tokenizer import ByteTokenizer
+    from fastlm.data.tokenizer import build_tokenizer
 
-    tokenizer = ByteTokenizer()
+    tokenizer = build_tokenizer(config.data.tokenizer, config.run.init_path)
     data, trainer = config.data, config.trainer
     dp = max(int(os.environ.get("WORLD_SIZE", "1")) // config.distributed.tensor_parallel, 1)
     batch_rows = data.micro_batch_size * dp
@@ -75,11 +80,15 @@ def describe_data(config: RunConfig) -> str:
         rl = config.rl
         return (f"data: online RL on the {rl.task.type} task, {rl.prompts_per_rollout * dp} prompts x {rl.group_size} "
                 f"completions per rollout, {rl.warmup_steps} supervised warm-up steps")
+    if data.source.type in PREPARED_SOURCE_TYPES:
+        from fastlm.data.memmap import describe_prepared
+
+        return describe_prepared(data, config.run.seed, tokenizer, batch_rows * trainer.grad_accumulation, trainer.steps)
     if data.source.type == "offline_rl":
         from fastlm.data.offline_rl import load_offline_rl
         from fastlm.rl.packing import pack_policy_samples
 
-        train, evaluation = pack_policy_samples(load_offline_rl(data.source.path, tokenizer), data.seq_len), None
+        train, evaluation = pack_policy_samples(load_offline_rl(data.source.path, tokenizer), data.seq_len, tokenizer.pad_id), None
     else:
         batched = data.model_copy(update={"micro_batch_size": batch_rows})
         loaders = build_loaders(batched, config.run.seed, tokenizer)
@@ -101,6 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fastlm.models.hf import convert_command
 
         return convert_command(args.from_hf, args.to, args.from_fastlm, args.to_hf)
+    if args.command == "prepare":
+        from fastlm.data.prepare import prepare_command
+
+        return prepare_command(args.config, [*args.overrides, *extra])
     overrides = [*args.overrides, *extra, *args.set_overrides]
     try:
         config = load_config(args.config, overrides)

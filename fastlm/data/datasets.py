@@ -1,6 +1,6 @@
 """Documents from a configured source, tokenized and packed into fixed rows with document ids.
 
-Every document becomes BOS + bytes + EOS. Documents are shuffled once by seed, split into train and
+Every document becomes BOS + its tokens + EOS (the run's tokenizer; BOS only if it has one). Documents are shuffled once by seed, split into train and
 eval, then laid end to end and cut into rows of seq_len + 1 tokens; a document crossing a row boundary
 is split, and each piece gets its own id (attention and labels never cross a piece boundary).
 
@@ -22,9 +22,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from fastlm.data.config import DataSource, GeneratedSource, JsonlSource, TextSource
+from fastlm.data.chat import ChatError, check_messages, encode_chat
+from fastlm.data.config import DataSource, GeneratedSource, JsonlSource, RecordFields, TextSource
 from fastlm.data.corpus import generate_documents
-from fastlm.data.tokenizer import PAD, ByteTokenizer
+from fastlm.data.tokenizer import Tokenizer
 
 
 class DataError(ValueError):
@@ -56,13 +57,17 @@ class PackedRows:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    def take(self, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, document ids, target flags) of rows `picks` (the interface `BatchLoader` reads rows through)."""
+        return self.tokens[picks], self.document_ids[picks], self.target_mask[picks]
 
-def _text_document(tokenizer: ByteTokenizer, text: str, origin: str = "") -> Document:
+
+def _text_document(tokenizer: Tokenizer, text: str, origin: str = "") -> Document:
     tokens = tokenizer.encode(text, bos=True, eos=True)
     return Document(tokens, [True] * len(tokens), origin)
 
 
-def _prompt_document(tokenizer: ByteTokenizer, prompt: str, completion: str, origin: str = "") -> Document:
+def _prompt_document(tokenizer: Tokenizer, prompt: str, completion: str, origin: str = "") -> Document:
     """BOS + prompt is never a target; the completion and EOS are."""
     head = tokenizer.encode(prompt, bos=True)
     tail = tokenizer.encode(completion, eos=True)
@@ -80,7 +85,7 @@ def _read_text(path: Path) -> str:
         raise DataError(f"{path} line {line}: not valid UTF-8 at byte {error.start}") from error
 
 
-def _text_documents(source: TextSource, tokenizer: ByteTokenizer) -> list[Document]:
+def _text_documents(source: TextSource, tokenizer: Tokenizer) -> list[Document]:
     path = Path(source.path)
     texts = [part.strip() for part in re.split(r"\n\s*\n", _read_text(path))]
     documents = [_text_document(tokenizer, text) for text in texts if text]
@@ -89,15 +94,46 @@ def _text_documents(source: TextSource, tokenizer: ByteTokenizer) -> list[Docume
     return documents
 
 
-def _jsonl_field(record: dict, name: str, path: Path, line: int, allow_empty: bool = False) -> str:
+def _field(record: dict, name: str, where: str) -> Any:
     if name not in record:
-        raise DataError(f"{path} line {line}: missing field '{name}' (keys: {sorted(record)})")
-    value = record[name]
+        raise DataError(f"{where}: missing field '{name}' (keys: {sorted(record)}); name the right field in the "
+                        "data config (text_field, prompt_field, completion_field, messages_field)")
+    return record[name]
+
+
+def string_field(record: dict, name: str, where: str, allow_empty: bool = False) -> str:
+    value = _field(record, name, where)
     if not isinstance(value, str):
-        raise DataError(f"{path} line {line}: field '{name}' must be a string, got {type(value).__name__}")
+        raise DataError(f"{where}: field '{name}' must be a string, got {type(value).__name__}")
     if not allow_empty and not value.strip():
-        raise DataError(f"{path} line {line}: field '{name}' is empty (an empty document trains on nothing)")
+        raise DataError(f"{where}: field '{name}' is empty (an empty document trains on nothing)")
     return value
+
+
+def _jsonl_field(record: dict, name: str, path: Path, line: int, allow_empty: bool = False) -> str:
+    return string_field(record, name, f"{path} line {line}", allow_empty)
+
+
+def _chat_document(tokenizer: Tokenizer, messages: Any, where: str, trainable_from: int = 0) -> Document:
+    try:
+        tokens, targets = encode_chat(tokenizer, check_messages(messages), trainable_from)
+    except ChatError as error:
+        raise DataError(f"{where}: {error}") from None
+    return Document(tokens, targets, where)
+
+
+def record_document(record: dict, fields: RecordFields, tokenizer: Tokenizer, where: str) -> Document:
+    """One record (a JSONL line, a Parquet/CSV row) -> a Document, as `RecordFields` describes; errors name `where`."""
+    if fields.messages_field is not None:
+        return _chat_document(tokenizer, _field(record, fields.messages_field, where), where)
+    if fields.prompt_field is not None and fields.completion_field is not None:
+        prompt, completion = _field(record, fields.prompt_field, where), _field(record, fields.completion_field, where)
+        if isinstance(prompt, list) and isinstance(completion, list):  # TRL's conversational prompt/completion
+            return _chat_document(tokenizer, prompt + completion, where, trainable_from=len(prompt))
+        prompt = string_field(record, fields.prompt_field, where, allow_empty=True)
+        completion = string_field(record, fields.completion_field, where)
+        return _prompt_document(tokenizer, prompt, completion, where)
+    return _text_document(tokenizer, string_field(record, fields.text_field, where), where)
 
 
 def jsonl_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -115,24 +151,17 @@ def jsonl_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         yield line_number, record
 
 
-def _jsonl_documents(source: JsonlSource, tokenizer: ByteTokenizer) -> list[Document]:
+def _jsonl_documents(source: JsonlSource, tokenizer: Tokenizer) -> list[Document]:
     path = Path(source.path)
     documents = []
     for line_number, record in jsonl_records(path):
-        origin = f"{path} line {line_number}"
-        if source.prompt_field is not None and source.completion_field is not None:
-            prompt = _jsonl_field(record, source.prompt_field, path, line_number, allow_empty=True)
-            completion = _jsonl_field(record, source.completion_field, path, line_number)
-            documents.append(_prompt_document(tokenizer, prompt, completion, origin))
-        else:
-            text = _jsonl_field(record, source.text_field, path, line_number)
-            documents.append(_text_document(tokenizer, text, origin))
+        documents.append(record_document(record, source, tokenizer, f"{path} line {line_number}"))
     if not documents:
         raise DataError(f"{path}: no documents (the file is empty)")
     return documents
 
 
-def load_documents(source: DataSource, tokenizer: ByteTokenizer) -> list[Document]:
+def load_documents(source: DataSource, tokenizer: Tokenizer) -> list[Document]:
     """Every document of the source, tokenized, in file (or generation) order."""
     if isinstance(source, GeneratedSource):
         return [_text_document(tokenizer, text) for text in generate_documents(source.num_documents, source.seed)]
@@ -155,7 +184,7 @@ def split_documents(documents: list[Item], eval_fraction: float, seed: int) -> t
     return shuffled[held_out:], shuffled[:held_out]
 
 
-def pack_documents(documents: list[Document], seq_len: int) -> PackedRows:
+def pack_documents(documents: list[Document], seq_len: int, pad_id: int) -> PackedRows:
     """Lay documents end to end and cut rows of seq_len + 1 tokens; the last row is padded (never a target).
 
     Piece ids are global and increasing: a new id starts at every document start and every row start.
@@ -174,7 +203,7 @@ def pack_documents(documents: list[Document], seq_len: int) -> PackedRows:
     targets = [m for doc in documents for m in doc.target_mask]
     doc_index = [i for i, doc in enumerate(documents) for _ in doc.tokens]
     padding = -len(tokens) % width
-    tokens += [PAD] * padding
+    tokens += [pad_id] * padding
     targets += [False] * padding
     doc_index += [len(documents)] * padding
     flat_doc = torch.tensor(doc_index, dtype=torch.int64)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 
 from fastlm.data.batch import Batch, batch_from_rows
-from fastlm.data.config import PREFERENCE_SOURCE_TYPES, DataConfig
+from fastlm.data.config import PREFERENCE_SOURCE_TYPES, PREPARED_SOURCE_TYPES, DataConfig
 from fastlm.data.datasets import PackedRows, load_documents, pack_documents, split_documents
 from fastlm.data.preferences import preference_rows
 from fastlm.data.summary import check_batch_fits
-from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.data.tokenizer import Tokenizer
 
 
 class BatchLoader:
@@ -37,7 +37,7 @@ class BatchLoader:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(len(self.rows), generator=generator)
 
-    def _next_index(self) -> int:
+    def next_index(self) -> int:
         if self.position == len(self.rows):
             self.epoch += 1
             self.position = 0
@@ -47,8 +47,8 @@ class BatchLoader:
         return index
 
     def next_batch(self) -> Batch:
-        picks = torch.tensor([self._next_index() for _ in range(self.batch_size)])
-        return batch_from_rows(self.rows.tokens[picks], self.rows.document_ids[picks], self.rows.target_mask[picks])
+        picks = torch.tensor([self.next_index() for _ in range(self.batch_size)])
+        return batch_from_rows(*self.rows.take(picks))
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "rows": len(self.rows)}
@@ -65,15 +65,18 @@ class BatchLoader:
         self._order = self._permutation(self.epoch)
 
 
-def build_loaders(config: DataConfig, seed: int, tokenizer: ByteTokenizer | None = None) -> tuple[BatchLoader, BatchLoader | None]:
+def build_loaders(config: DataConfig, seed: int, tokenizer: Tokenizer) -> tuple[BatchLoader, BatchLoader | None]:
     """Train loader (shuffled) and eval loader (fixed order), or None for eval when nothing is held out."""
-    tokenizer = tokenizer or ByteTokenizer()
+    if config.source.type in PREPARED_SOURCE_TYPES:  # prepared data sets on disk, read row by row
+        from fastlm.data.memmap import memmap_loaders
+
+        return memmap_loaders(config, seed, tokenizer)
     if config.source.type in PREFERENCE_SOURCE_TYPES:  # DPO: whole pairs per row, not a document stream
         train_rows, eval_rows = preference_rows(config, seed, tokenizer)
     else:
         train_docs, eval_docs = split_documents(load_documents(config.source, tokenizer), config.eval_fraction, seed)
-        train_rows = pack_documents(train_docs, config.seq_len)
-        eval_rows = pack_documents(eval_docs, config.seq_len) if eval_docs else None
+        train_rows = pack_documents(train_docs, config.seq_len, tokenizer.pad_id)
+        eval_rows = pack_documents(eval_docs, config.seq_len, tokenizer.pad_id) if eval_docs else None
     check_batch_fits(train_rows, eval_rows, config.micro_batch_size)
     train = BatchLoader(train_rows, config.micro_batch_size, seed)
     evaluation = BatchLoader(eval_rows, config.micro_batch_size, seed, shuffle=False) if eval_rows is not None else None

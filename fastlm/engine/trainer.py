@@ -29,7 +29,7 @@ from fastlm.config.errors import ConfigError
 from fastlm.config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.data.loader import BatchLoader, build_loaders
-from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.data.tokenizer import Tokenizer, build_tokenizer
 from fastlm.engine.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint, step_dir_name
 from fastlm.engine.compile import CompileFallback, compile_wanted
 from fastlm.engine.distributed import (
@@ -87,10 +87,12 @@ class TrainSummary:
 
 
 def step_normalizers(batches: Iterable[Batch]) -> LossNormalizers:
-    """Unmasked labels and documents over every micro-batch of the step, counted before any forward."""
+    """Unmasked labels, documents and loss calls over every micro-batch of the step, counted before any forward."""
     batches = list(batches)
     return LossNormalizers(
-        tokens=float(sum(b.num_tokens for b in batches)), documents=float(sum(b.num_documents for b in batches))
+        tokens=float(sum(b.num_tokens for b in batches)),
+        documents=float(sum(b.num_documents for b in batches)),
+        micro_batches=float(len(batches)),
     )
 
 
@@ -110,8 +112,8 @@ class Trainer:
         issues = [*cross_check(config), *preflight_issues(config)]
         if issues:
             raise ConfigError(issues)
-        tokenizer = ByteTokenizer()  # cross_check has already checked model.vocab_size covers it
         self.config = config
+        self.tokenizer = build_tokenizer(config.data.tokenizer, config.run.init_path)  # vocab checked by cross_check
         self.device = local_device(select_device(config.trainer))
         self.parallel = build_parallel(config.distributed, self.device)
         self.rank = self.parallel.rank if self.parallel.distributed else rank
@@ -131,7 +133,7 @@ class Trainer:
         self.train_model = parallelize(self.model, self.parallel, self.device)
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.scheduler = build_scheduler(self.optimizer, config.trainer.steps, config.schedule)
-        self.train_loader, eval_loader = self.build_loaders(tokenizer)
+        self.train_loader, eval_loader = self.build_loaders(self.tokenizer)
         self.eval_set = (
             [eval_loader.next_batch() for _ in range(config.trainer.eval_batches)] if eval_loader is not None else []
         )
@@ -141,7 +143,7 @@ class Trainer:
         self.skipped_steps = 0
         self.wandb_run_id: str | None = None  # kept in checkpoints: a resume logs to the same wandb run
 
-    def build_loaders(self, tokenizer: ByteTokenizer) -> tuple[Any, BatchLoader | None]:
+    def build_loaders(self, tokenizer: Tokenizer) -> tuple[Any, BatchLoader | None]:
         """The train data source (`next_batch`, `state_dict`, `load_state_dict`) and the eval loader; RL overrides it.
 
         Data parallel: batches of micro_batch_size * dp from the same seeded order, each dp rank keeping
@@ -162,9 +164,9 @@ class Trainer:
         local = step_normalizers(batches)
         if self.parallel.dp_group is None:
             return local
-        counts = {"tokens": torch.tensor(local.tokens), "documents": torch.tensor(local.documents)}
+        counts = {name: torch.tensor(getattr(local, name)) for name in ("tokens", "documents", "micro_batches")}
         summed = sum_over({k: v.to(self.device) for k, v in counts.items()}, self.parallel.dp_group)
-        return LossNormalizers(tokens=float(summed["tokens"]), documents=float(summed["documents"]))
+        return LossNormalizers(**{name: float(value) for name, value in summed.items()})
 
     # --- one step, in overridable pieces -------------------------------------------------------------
     def micro_batches(self) -> list[Batch]:

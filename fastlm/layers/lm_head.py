@@ -16,8 +16,7 @@ from torch import nn
 from fastlm.losses.config import DPOConfig, LMHeadConfig
 from fastlm.losses.dispatch import describe_implementation, monolithic_loss, resolve_implementation
 from fastlm.losses.dpo import dpo_head_loss
-from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets
-from fastlm.losses.validation import ProcessGroup
+from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets, ProcessGroup
 
 
 class LMHead(nn.Module):

@@ -21,8 +21,7 @@ from fastlm.layers.norm import build_norm
 from fastlm.layers.packed_attention import AttentionLayout, LayoutKind, attention_layout
 from fastlm.layers.rotary import rotary_angles
 from fastlm.layers.vocab_parallel import gather_vocab, vocab_parallel_loss
-from fastlm.losses.spec import LossNormalizers, LossResult, LossTargets
-from fastlm.losses.validation import ProcessGroup
+from fastlm.losses.spec import LossNormalizers, LossResult, LossTargets, ProcessGroup
 from fastlm.models.config import GPT2Config, ModelConfig
 
 

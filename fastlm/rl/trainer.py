@@ -20,18 +20,23 @@ from typing import Any
 import torch
 
 from fastlm.config.schema import RunConfig
+from fastlm.data.batch import Batch
 from fastlm.data.config import OfflineRLSource
 from fastlm.data.offline_rl import load_offline_rl
 from fastlm.data.summary import check_batch_fits
 from fastlm.data.tasks import Problem
-from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.data.tokenizer import Tokenizer
 from fastlm.engine.distributed import RankShardLoader
+from fastlm.engine.frozen import reference_model
 from fastlm.engine.optim import lr_multiplier
 from fastlm.engine.trainer import StepResult, Trainer, TrainSummary
 from fastlm.layers.lm_head import LMHead
-from fastlm.losses.config import CrossEntropyConfig, LMHeadConfig
+from fastlm.losses.children import CrossEntropyConfig
+from fastlm.losses.children.policy import PolicyConfig
+from fastlm.losses.config import LMHeadConfig
 from fastlm.rl.config import RLConfig
-from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples
+from fastlm.models.decoder import DecoderLM
+from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples, policy_logprobs
 from fastlm.rl.rollouts import RolloutLoader, RolloutShard, build_task, evaluate_greedy, rank_rows
 from fastlm.rl.sampler import SamplingOptions
 
@@ -52,9 +57,11 @@ def warmup_head_config(head: LMHeadConfig) -> LMHeadConfig:
     return head.model_copy(update={"losses": losses})
 
 
-def sampling_options(rl: RLConfig, head: LMHeadConfig) -> SamplingOptions:
-    """The rollout sampler's settings; the head's logit transform so sampling sees the loss's softmax."""
-    return SamplingOptions(rl.max_new_tokens, rl.temperature, rl.top_p, logit_scale=head.logit_scale, softcap=head.softcap)
+def sampling_options(rl: RLConfig, head: LMHeadConfig, tokenizer: Tokenizer) -> SamplingOptions:
+    """The rollout sampler's settings: stop at the tokenizer's EOS; the head's logit transform so sampling
+    sees the loss's softmax."""
+    return SamplingOptions(rl.max_new_tokens, tokenizer.eos_id, tokenizer.pad_id, rl.temperature, rl.top_p,
+                           logit_scale=head.logit_scale, softcap=head.softcap)
 
 
 def rl_scheduler(optimizer: torch.optim.Optimizer, config: RunConfig, rl: RLConfig) -> torch.optim.lr_scheduler.LambdaLR:
@@ -74,7 +81,7 @@ class RLTrainer(Trainer):
         super().__init__(config, rank)
         # Replaces the base schedule before any step; base_lrs stay the optimizer's initial lr.
         self.scheduler = rl_scheduler(self.optimizer, config, self.rl)
-        self.options = sampling_options(self.rl, config.model.head)
+        self.options = sampling_options(self.rl, config.model.head, self.tokenizer)
         self.policy_head = self.model.head
         self.warmup_head = LMHead(warmup_head_config(config.model.head))
         self.eval_problems: list[Problem] = []
@@ -84,18 +91,39 @@ class RLTrainer(Trainer):
             self.eval_problems = [task.sample(rng) for _ in range(self.rl.eval_prompts)]
         self.eval_rewards: list[tuple[int, float]] = []
 
-    def build_loaders(self, tokenizer: ByteTokenizer) -> tuple[RolloutLoader | PolicyBatchLoader | RankShardLoader, None]:
+    def build_loaders(self, tokenizer: Tokenizer) -> tuple[RolloutLoader | PolicyBatchLoader | RankShardLoader, None]:
+        self.reference = self._reference()
         data, seed, parallel = self.config.data, self.config.run.seed, self.parallel
         shard = RolloutShard(parallel.dp_rank, parallel.dp_size, parallel.dp_group, self.device)
         if self.offline:
             samples = load_offline_rl(self.config.data.source.path, tokenizer)
-            rows = pack_policy_samples(samples, data.seq_len)
+            rows = pack_policy_samples(samples, data.seq_len, tokenizer.pad_id)
             check_batch_fits(rows, None, data.micro_batch_size * shard.count)
             return rank_rows(PolicyBatchLoader(rows, data.micro_batch_size * shard.count, seed), shard), None
-        options = sampling_options(self.rl, self.config.model.head)
+        options = sampling_options(self.rl, self.config.model.head, tokenizer)
         loader = RolloutLoader(self.model, self.rl, options, data.seq_len, data.micro_batch_size,
-                               self.config.trainer.grad_accumulation, seed, self.amp_dtype, shard)
+                               self.config.trainer.grad_accumulation, seed, tokenizer, self.amp_dtype, shard)
         return loader, None
+
+    def _reference(self) -> DecoderLM | None:
+        """The frozen reference of a policy loss with `beta` > 0: the initial policy or its
+        `reference_path` checkpoint (engine/frozen.py, shared with DPO); None without a KL penalty."""
+        for name, child in self.config.model.head.losses.items():
+            if isinstance(child, PolicyConfig) and child.beta > 0:
+                field = f"model.head.losses.{name}.reference_path"
+                return reference_model(self.model, child.reference_path, field, self.device, self.config.data.seq_len)
+        return None
+
+    def micro_batches(self) -> list[Batch]:
+        """With a reference, each policy batch gets the reference's label log-probs once: the rollout
+        loader serves the same batch objects to every update of a rollout, so once per rollout."""
+        batches = super().micro_batches()
+        if self.reference is not None and not self.in_warmup:
+            head = self.reference.config.head
+            for batch in batches:
+                if batch.ref_logp is None:
+                    batch.ref_logp = policy_logprobs(self.reference, batch, head.logit_scale, head.softcap, self.amp_dtype)
+        return batches
 
     @property
     def in_warmup(self) -> bool:
@@ -123,7 +151,7 @@ class RLTrainer(Trainer):
             record["train/rl/rollouts"] = float(loader.rollouts)
         if self._eval_due():
             scores = evaluate_greedy(self.model, loader.task, self.eval_problems, self.options,
-                                     self.rl.format_reward, self.amp_dtype)
+                                     self.rl.format_reward, self.tokenizer, self.amp_dtype)
             record["eval/reward"], record["eval/accuracy"] = scores["reward"], scores["accuracy"]
             self.eval_rewards.append((self.step, scores["reward"]))
         return record

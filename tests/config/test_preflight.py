@@ -12,6 +12,7 @@ import yaml
 
 from fastlm.cli import main
 from fastlm.config.schema import RunConfig
+from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.models.decoder import build_model
 from fastlm.models.hf import export_hf
 
@@ -69,7 +70,7 @@ def test_checkpoints_that_do_not_load(tmp_path: Path, capsys: pytest.CaptureFixt
     """A teacher folder without a checkpoint, and an init folder whose weights file is damaged."""
     empty = tmp_path / "teacher"
     empty.mkdir()
-    hf = export_hf(build_model(RunConfig.model_validate({"model": MODEL}).model), tmp_path / "hf")
+    hf = export_hf(build_model(RunConfig.model_validate({"model": MODEL}).model), tmp_path / "hf", ByteTokenizer())
     weights = hf / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:20])  # a torn copy: the header no longer parses
     losses = {"distillation": {"type": "distillation", "teacher_path": str(empty)}}

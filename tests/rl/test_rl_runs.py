@@ -19,7 +19,7 @@ ROLLOUT_KEYS = {
     "train/completions/min_length", "train/completions/max_length", "train/completions/clipped_ratio",
     "train/advantage/std", "train/advantage/min", "train/advantage/max", "train/rl/rollouts",
 }
-POLICY_METRICS = {"new_logp", "entropy", "kl", "ratio", "advantage", "clip_ratio/low_mean", "clip_ratio/high_mean",
+POLICY_METRICS = {"new_logp", "entropy", "kl_old", "ratio", "advantage", "clip_ratio/low_mean", "clip_ratio/high_mean",
                   "clip_ratio/region_mean"}
 
 
