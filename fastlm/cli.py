@@ -1,4 +1,4 @@
-"""`fastlm train | validate | print-config | convert | prepare`: the one command users run."""
+"""`fastlm train | validate | print-config | convert | prepare | generate`: the one command users run."""
 
 from __future__ import annotations
 
@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                                   "data set (data.source: {type: memmap, path})")
     prepare.add_argument("config", help="YAML prepare config: tokenizer, input_path, output_path, record fields, num_proc")
     prepare.add_argument("overrides", nargs="*", default=[], help="dotted.key=value overrides, values parsed as YAML")
+    generate = commands.add_parser("generate", help="print a trained model's completions of prompts")
+    from fastlm.engine.generate import add_arguments
+
+    add_arguments(generate)
     return parser
 
 
@@ -104,8 +108,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # Overrides may also follow flags (`train c.yaml --dry-run a.b=1`), where argparse leaves them over.
     stray = [item for item in extra if item.startswith("-") or "=" not in item]
-    if stray or (extra and args.command == "convert"):
+    if stray or (extra and args.command in ("convert", "generate")):
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if args.command == "generate":
+        from fastlm.engine.generate import generate_command
+
+        return generate_command(args)
     if args.command == "convert":
         from fastlm.models.hf import convert_command
 
