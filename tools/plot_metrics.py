@@ -37,7 +37,7 @@ PANELS: dict[str, str] = {
     "reward": r"^(train/reward|eval/reward|eval/accuracy)$",
     "clip fraction": r"^train/[^/]+/clip_ratio/(low|high|region)_mean$",
     "entropy": r"^train/[^/]+/entropy$",
-    "KL": r"^train/[^/]+/kl$",
+    "KL": r"^train/[^/]+/kl(_old)?$",
     "gradient norm": r"^train/grad_norm$",
     "learning rate": r"^train/lr$",
 }
