@@ -25,6 +25,16 @@ def compile_wanted(setting: Literal["auto"] | bool, device: torch.device, data_p
     return bool(setting)
 
 
+def describe_training_path(setting: Literal["auto"] | bool, checkpointing: bool, device: torch.device,
+                           data_parallel: str | None = None) -> str:
+    """One line for the dry run: compiled or eager blocks, the attention of packed rows, checkpointing."""
+    compiled = compile_wanted(setting, device, data_parallel)
+    blocks = "blocks compiled" if compiled else "eager blocks"
+    attention = "FlexAttention block mask" if device.type == "cuda" else "SDPA with a dense mask"
+    return (f"training path: {blocks} (trainer.compile={str(setting).lower()} on {device.type}), packed rows "
+            f"through {attention}, activation checkpointing {'on' if checkpointing else 'off'}")
+
+
 def first_line(error: BaseException) -> str:
     """The root cause's type and first line (dynamo wraps backend errors in BackendCompilerFailed)."""
     while (inner := getattr(error, "inner_exception", None) or error.__cause__) is not None:

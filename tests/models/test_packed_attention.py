@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastlm.engine.compile import CompileFallback, compile_wanted
+from fastlm.engine.compile import CompileFallback, compile_wanted, describe_training_path
 from fastlm.layers.embedding import document_positions
 from fastlm.layers.packed_attention import document_mask_mod, flex_block_mask
 from fastlm.losses.spec import LossNormalizers, LossTargets
@@ -152,3 +152,7 @@ def test_compile_setting() -> None:
     assert not compile_wanted("auto", cpu) and compile_wanted("auto", cuda)
     assert not compile_wanted("auto", cuda, "fsdp") and compile_wanted("auto", cuda, "ddp")
     assert compile_wanted(True, cpu) and not compile_wanted(False, cuda)
+    line = describe_training_path("auto", False, cpu)
+    assert "eager blocks" in line and "dense mask" in line and "checkpointing off" in line
+    line = describe_training_path("auto", True, cuda)
+    assert "blocks compiled" in line and "FlexAttention" in line and "checkpointing on" in line
