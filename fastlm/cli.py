@@ -52,6 +52,7 @@ def describe_run(config: RunConfig) -> str:
     """What a dry run reports: the model's size, memory estimate, the loss implementation and the data."""
     import torch
 
+    from fastlm.engine.compile import describe_training_path
     from fastlm.layers.lm_head import LMHead
     from fastlm.models import build_model, count_parameters, estimate_memory
 
@@ -63,6 +64,8 @@ def describe_run(config: RunConfig) -> str:
         f"model: {config.model.type}, {parameters:,} parameters ({parameters / 1e6:.2f} M)",
         f"estimated training memory (params + grads + AdamW, fp32): {memory / 2**30:.3f} GiB",
         LMHead(config.model.head, device).describe(),
+        describe_training_path(config.trainer.compile, config.trainer.activation_checkpointing, device,
+                               config.distributed.data_parallel),
         describe_data(config),
         f"run directory: {config.run.directory}",
     ]

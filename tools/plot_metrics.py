@@ -3,7 +3,7 @@
     python tools/plot_metrics.py RUN_DIR [--out FILE]
 
 Reads RUN_DIR/metrics.jsonl (what every fastlm run writes) and writes RUN_DIR/metrics.png by default.
-Panels: train and eval loss, each loss child when there are several, DPO rewards and accuracy, RL reward
+Panels: train and eval loss, each loss child (when there are several), DPO rewards and accuracy, RL reward
 and eval reward/accuracy, clip fractions, entropy, KL, gradient norm and learning rate. Panels whose keys
 the run never logged are left out; a run with none of them is an error. Each panel has its own linear
 y axis with tick values (a log axis only where a series spans orders of magnitude); an RL run's
@@ -37,7 +37,7 @@ PANELS: dict[str, str] = {
     "reward": r"^(train/reward|eval/reward|eval/accuracy)$",
     "clip fraction": r"^train/[^/]+/clip_ratio/(low|high|region)_mean$",
     "entropy": r"^train/[^/]+/entropy$",
-    "KL": r"^train/[^/]+/kl$",
+    "KL": r"^train/[^/]+/kl(_old)?$",
     "gradient norm": r"^train/grad_norm$",
     "learning rate": r"^train/lr$",
 }
@@ -58,10 +58,16 @@ def series(records: list[dict], pattern: str) -> Series:
 
 
 def panels_of(records: list[dict]) -> dict[str, Series]:
-    """The panels this run has data for; loss children only when there are several (one child is train/loss)."""
-    panels = {title: found for title, pattern in PANELS.items() if (found := series(records, pattern))}
-    if len(panels.get("loss per child", {})) < 2:
-        panels.pop("loss per child", None)
+    """The panels this run has data for. Loss children get a panel each, and only when there are several
+    (a lone child is train/loss): their scales differ by orders of magnitude (z_loss next to GRPO's ~0)."""
+    panels: dict[str, Series] = {}
+    for title, pattern in PANELS.items():
+        found = series(records, pattern)
+        if title == "loss per child":
+            if len(found) > 1:
+                panels.update({f"{key} (unweighted)": {key: values} for key, values in found.items()})
+        elif found:
+            panels[title] = found
     return panels
 
 
@@ -94,13 +100,14 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     boundary = warmup_end(records)
     columns = 2 if len(panels) > 1 else 1
     rows = math.ceil(len(panels) / columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 3.0 * rows), squeeze=False)
+    figure, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 3.0 * rows), squeeze=False, sharex=True)
     for axis, (title, found) in zip(axes.flat, panels.items()):
         for key, (steps, values) in found.items():
             axis.plot(steps, values, label=key, marker="." if len(steps) < 40 else None)
         axis.set_title(title, fontsize=10)
         axis.set_yscale(_y_scale(found))
         axis.set_xlabel("step")
+        axis.tick_params(labelbottom=True)  # sharex hides inner tick labels; every panel keeps its own
         axis.grid(alpha=0.3)
         if boundary is not None:
             axis.axvspan(min(r["step"] for r in records) - 0.5, boundary, color="0.85", alpha=0.5, lw=0)
@@ -109,7 +116,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     for axis in list(axes.flat)[len(panels):]:
         axis.set_visible(False)
     figure.suptitle(f"{run_dir.name}: {metrics}", fontsize=9)
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0, 1, 0.98))
     out = out or run_dir / "metrics.png"
     figure.savefig(out, dpi=100)
     plt.close(figure)

@@ -46,6 +46,16 @@ def _extend(rendered: str, longer: str, index: int) -> str:
     return longer[len(rendered):]
 
 
+def _needs_bos(tokenizer: Tokenizer, tokens: list[int]) -> bool:
+    return tokenizer.bos_id is not None and (not tokens or tokens[0] != tokenizer.bos_id)
+
+
+def encode_chat_prompt(tokenizer: Tokenizer, messages: Sequence[Message]) -> list[int]:
+    """The ids a model trained by `encode_chat` continues from: the conversation and the generation prompt."""
+    tokens = tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=True))
+    return ([tokenizer.bos_id] if _needs_bos(tokenizer, tokens) else []) + tokens
+
+
 def encode_chat(tokenizer: Tokenizer, messages: Sequence[Message], trainable_from: int = 0) -> tuple[list[int], list[bool]]:
     """Token ids and target flags of a conversation; assistant messages at index >= `trainable_from` are targets."""
     tokens: list[int] = []
@@ -70,7 +80,7 @@ def encode_chat(tokenizer: Tokenizer, messages: Sequence[Message], trainable_fro
                 last_target = ids
     if not any(targets):
         raise ChatError("no assistant message to train on (loss is only on assistant turns)")
-    if tokenizer.bos_id is not None and (not tokens or tokens[0] != tokenizer.bos_id):
+    if _needs_bos(tokenizer, tokens):
         tokens, targets = [tokenizer.bos_id] + tokens, [False] + targets
     if messages[-1]["role"] == "assistant" and tokenizer.eos_id not in last_target:
         tokens, targets = tokens + [tokenizer.eos_id], targets + [True]

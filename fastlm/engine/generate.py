@@ -23,6 +23,7 @@ from fastlm.config.schema import RunConfig
 from fastlm.data.datasets import DataError, jsonl_records
 from fastlm.data.tokenizer import Tokenizer
 from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, CheckpointError
+from fastlm.data.chat import encode_chat_prompt
 from fastlm.engine.preflight import resolve_step_dir
 from fastlm.engine.runtime import autocast_dtype, select_device
 from fastlm.models.decoder import DecoderLM, build_model
@@ -42,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="sampling seed; default: the run's run.seed")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--jsonl", action="store_true", help="print one JSON object per completion")
+    parser.add_argument("--chat", action="store_true", help="send each prompt as a user message through the "
+                        "tokenizer's chat template (for models fine-tuned on chat data)")
 
 
 @dataclass
@@ -119,7 +122,8 @@ def generate_command(args: argparse.Namespace) -> int:
         tokenizer = loaded.tokenizer
         options = sampling_options(args, loaded, tokenizer)
         seed = args.seed if args.seed is not None else loaded.run.run.seed if loaded.run is not None else 0
-        encoded = [tokenizer.encode(prompt, bos=True) for prompt in prompts]
+        encoded = [encode_chat_prompt(tokenizer, [{"role": "user", "content": prompt}]) if args.chat
+                   else tokenizer.encode(prompt, bos=True) for prompt in prompts]
         room = loaded.model.config.max_seq_len - max(len(p) for p in encoded)
         if room < 1:
             raise DataError(f"the longest prompt is {max(len(p) for p in encoded)} tokens, and the model's "

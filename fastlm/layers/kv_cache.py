@@ -34,11 +34,12 @@ class LayerCache:
     columns: torch.Tensor  # (B, S) cache column of each token of this forward
     span: int  # attend over columns [0, span)
     uniform_columns: bool  # every row writes the same columns (left padding)
+    mask: torch.Tensor  # (B, 1, groups * S, span) additive, from `KVCache.mask`, shared by all layers
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write k, v (B, Hkv, S, D) at `columns`, then softmax(q K^T / sqrt(d) + mask) V over the cache.
 
-        q (B, Hq, S, D), mask (B, 1, groups * S, span) additive (`KVCache.mask`) -> (B, Hq, S, D).
+        q (B, Hq, S, D) -> (B, Hq, S, D).
         """
         batch, q_heads, seq_len, head_dim = q.shape
         kv_heads = k.shape[1]
@@ -52,7 +53,7 @@ class LayerCache:
             self.values.scatter_(2, index, v)
         keys, values = self.keys[:, :, : self.span], self.values[:, :, : self.span]
         grouped_q = q.reshape(batch, kv_heads, q_heads // kv_heads * seq_len, head_dim).to(keys.dtype)
-        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask)
+        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=self.mask)
         return out.reshape(batch, q_heads, seq_len, head_dim).to(q.dtype)
 
 
@@ -95,5 +96,5 @@ class KVCache:
         blocked = torch.full(visible.shape, float("-inf"), dtype=self.keys[0].dtype, device=columns.device)
         return blocked.masked_fill(visible, 0.0)[:, None]
 
-    def layer(self, index: int, columns: torch.Tensor, span: int) -> LayerCache:
-        return LayerCache(self.keys[index], self.values[index], columns, span, self.uniform_columns)
+    def layer(self, index: int, columns: torch.Tensor, span: int, mask: torch.Tensor) -> LayerCache:
+        return LayerCache(self.keys[index], self.values[index], columns, span, self.uniform_columns, mask)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ from fastlm.cli import main
 from fastlm.config.schema import RunConfig
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.checkpoint import load_latest_checkpoint
+from fastlm.engine.generate import LoadedModel, sampling_options
 from fastlm.engine.trainer import Trainer
 from fastlm.models.decoder import build_model
 from fastlm.generation import SamplingOptions, generate
@@ -51,3 +53,17 @@ def test_generate_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "no such run directory or checkpoint" in capsys.readouterr().err
     assert main(["generate", str(tmp_path)]) == 2
     assert "no prompts" in capsys.readouterr().err
+
+
+def test_sampling_defaults_come_from_the_runs_rl_section() -> None:
+    run = RunConfig.model_validate({
+        "model": {"type": "llama", "hidden_size": 32, "num_layers": 1, "num_heads": 2, "max_seq_len": 32,
+                  "head": {"logit_scale": 0.5, "losses": {"grpo": {"type": "grpo"}}}},
+        "rl": {"temperature": 0.5, "top_p": 0.9, "max_new_tokens": 3},
+    })
+    loaded = LoadedModel(build_model(run.model, device="meta"), ByteTokenizer(), run, Path("."))
+    flags = argparse.Namespace(max_new_tokens=None, temperature=None, top_p=0.95)
+    options = sampling_options(flags, loaded, loaded.tokenizer)
+    assert (options.max_new_tokens, options.temperature, options.top_p, options.logit_scale) == (3, 0.5, 0.95, 0.5)
+    plain = sampling_options(flags, LoadedModel(loaded.model, ByteTokenizer(), None, Path(".")), ByteTokenizer())
+    assert (plain.max_new_tokens, plain.temperature, plain.stop_token) == (64, 1.0, ByteTokenizer().eos_id)
