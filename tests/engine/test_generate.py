@@ -62,8 +62,8 @@ def test_sampling_defaults_come_from_the_runs_rl_section() -> None:
         "rl": {"temperature": 0.5, "top_p": 0.9, "max_new_tokens": 3},
     })
     loaded = LoadedModel(build_model(run.model, device="meta"), ByteTokenizer(), run, Path("."))
-    flags = argparse.Namespace(max_new_tokens=None, temperature=None, top_p=0.95)
+    flags = argparse.Namespace(max_new_tokens=None, temperature=None, top_p=0.95, top_k=None)
     options = sampling_options(flags, loaded, loaded.tokenizer)
     assert (options.max_new_tokens, options.temperature, options.top_p, options.logit_scale) == (3, 0.5, 0.95, 0.5)
     plain = sampling_options(flags, LoadedModel(loaded.model, ByteTokenizer(), None, Path(".")), ByteTokenizer())
-    assert (plain.max_new_tokens, plain.temperature, plain.stop_token) == (64, 1.0, ByteTokenizer().eos_id)
+    assert (plain.max_new_tokens, plain.temperature, plain.top_k, plain.stop_tokens) == (64, 1.0, 0, (ByteTokenizer().eos_id,))
