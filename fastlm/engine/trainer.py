@@ -43,6 +43,7 @@ from fastlm.engine.distributed import (
     sum_over,
 )
 from fastlm.engine.optim import build_optimizer, build_scheduler
+from fastlm.engine.run_dir import FreshStart, RunDirError, RunDirLock
 from fastlm.engine.runtime import autocast, autocast_dtype, rng_state, seed_everything, select_device, set_rng_state
 from fastlm.engine.signals import StopRequest
 from fastlm.layers.lm_head import LMHead
@@ -131,6 +132,7 @@ class Trainer:
         self.checkpoint_dir = self.run_dir / CHECKPOINT_DIR
         self.step = 0
         self.skipped_steps = 0
+        self.checkpoints_written = 0  # by this process: a start that wrote one is not undone on failure
 
     def build_loaders(self, tokenizer: ByteTokenizer) -> tuple[Any, BatchLoader | None]:
         """The train data source (`next_batch`, `state_dict`, `load_state_dict`) and the eval loader; RL overrides it.
@@ -254,6 +256,7 @@ class Trainer:
     def save(self) -> Path:
         """Distributed: every rank helps gather the full state, rank 0 writes it, all wait for the write."""
         args = (self.state(), self.config.model_dump(mode="json"), self.config.trainer.keep_checkpoints)
+        self.checkpoints_written += 1
         if not self.parallel.distributed:
             return save_checkpoint(self.checkpoint_dir, self.step, self.model, self.optimizer, *args)
         model_state, optimizer_state = full_state(self.model, self.optimizer, self.parallel)
@@ -296,43 +299,79 @@ class Trainer:
         described = LMHead(self.config.model.head, self.device).describe()  # the path dispatch picks on this device
         return {**self.config.model_dump(mode="json"), "loss_implementation": described}
 
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank if it is true on any (ranks must agree before a collective step)."""
+        if not self.parallel.distributed:
+            return flag
+        value = torch.tensor(float(flag), device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value)
+
     def _stop_requested(self, stop: StopRequest) -> bool:
         """Every rank stops at the same step (the checkpoint gathers from all of them), if any rank was signalled."""
-        if not self.parallel.distributed:
-            return stop.requested
-        flag = torch.tensor(float(stop.requested), device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag)
+        return self._any_rank(stop.requested)
+
+    def _earlier_run(self) -> list[str]:
+        """What makes the directory hold an earlier run: a checkpoint, or a logged metrics record. An empty
+        metrics.jsonl or only `.tmp-*` leftovers (a start killed before its first step) do not count."""
+        metrics = self.run_dir / METRICS_FILE
+        found = [METRICS_FILE] if metrics.is_file() and metrics.stat().st_size > 0 else []
+        if self.checkpoint_dir.is_dir() and any(not p.name.startswith(".") for p in self.checkpoint_dir.iterdir()):
+            found.append(CHECKPOINT_DIR)
+        return found
 
     def _claim_run_dir(self) -> None:
         """A fresh run never mixes with an earlier run's checkpoints or metrics: refuse such a directory,
-        or clear them first with `run.overwrite: true` (rank 0 clears, every rank checks first)."""
-        earlier = [path for path in (self.checkpoint_dir, self.run_dir / METRICS_FILE)
-                   if path.is_file() or (path.is_dir() and any(path.iterdir()))]
-        distributed = dist.is_available() and dist.is_initialized()
-        if distributed:  # every rank looks before any rank writes (rank 0 creates metrics.jsonl next)
-            dist.barrier()
-        if not earlier:
-            return
-        if not self.config.run.overwrite:
-            raise CheckpointError(
-                f"run directory {self.run_dir} already holds an earlier run ({', '.join(p.name for p in earlier)}); "
+        or clear them first with `run.overwrite: true` (rank 0 holds the lock, looks and clears)."""
+        earlier = self._earlier_run() if self.rank in (None, 0) else []
+        if self._any_rank(bool(earlier) and not self.config.run.overwrite):
+            raise RunDirError(
+                f"run directory {self.run_dir} already holds an earlier run ({', '.join(earlier) or 'see rank 0'}); "
                 "continue it with --resume, choose another run.name, or pass run.overwrite=true to start over"
             )
         if self.rank in (None, 0):
             shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
             (self.run_dir / METRICS_FILE).unlink(missing_ok=True)
-        if distributed:
-            dist.barrier()
 
     def train(self, resume: bool = False) -> TrainSummary:
+        """Run to `trainer.steps` holding the run directory's lock (rank 0; see fastlm/engine/run_dir.py).
+        A new run that fails before its first step or checkpoint leaves the directory as it found it."""
+        existed = self.run_dir.exists()
+        lock = RunDirLock(self.run_dir) if self.rank in (None, 0) else None
+        refused: RunDirError | None = None
+        try:
+            if lock is not None:
+                lock.acquire()
+        except RunDirError as error:
+            refused, lock = error, None
+        if self._any_rank(refused is not None):
+            raise refused or RunDirError(f"rank 0 could not lock the run directory {self.run_dir}")
+        fresh: FreshStart | None = None
+        try:
+            if resume:
+                self.resume()
+                if self.rank in (None, 0) and self.config.logging.jsonl:  # steps past the checkpoint are re-run
+                    drop_records_after(self.run_dir / METRICS_FILE, self.step)
+            else:
+                self._claim_run_dir()
+                if lock is not None:
+                    fresh = FreshStart(self.run_dir, self.checkpoint_dir, existed)
+            return self._train_loop()
+        except BaseException:
+            if fresh is not None and self.step == 0 and not self.checkpoints_written:
+                fresh.undo()
+            else:
+                fresh = None
+            raise
+        finally:
+            if lock is not None:
+                remove = fresh is not None and fresh.remove_directory
+                lock.release(remove=remove)
+                if remove:
+                    self.run_dir.rmdir()
+
+    def _train_loop(self) -> TrainSummary:
         """Run to `trainer.steps`; SIGTERM/SIGINT end it early after a checkpoint (see fastlm/engine/signals.py)."""
-        if resume:
-            self.resume()
-            if self.rank in (None, 0) and self.config.logging.jsonl:  # steps past the checkpoint are re-run
-                drop_records_after(self.run_dir / METRICS_FILE, self.step)
-        else:
-            self._claim_run_dir()
         trainer = self.config.trainer
         stopped_by = None
         self.run_dir.mkdir(parents=True, exist_ok=True)

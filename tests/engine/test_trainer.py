@@ -11,6 +11,7 @@ import torch
 
 from fastlm.config.schema import RunConfig
 from fastlm.data.batch import Batch
+from fastlm.engine.run_dir import RunDirError
 from fastlm.engine.trainer import NonFiniteError, Trainer
 from fastlm.logging.jsonl import read_metrics
 from fastlm.logging.wandb_reader import read_wandb_run
@@ -143,7 +144,7 @@ def test_fresh_run_refuses_an_earlier_runs_directory_unless_overwrite(tmp_path: 
     Trainer(load_config(None, overrides)).train()
     metrics = tmp_path / "run" / "metrics.jsonl"
     before = metrics.read_text()
-    with pytest.raises(CheckpointError, match="already holds an earlier run .*--resume.*run.overwrite=true"):
+    with pytest.raises(RunDirError, match="already holds an earlier run .*--resume.*run.overwrite=true"):
         Trainer(load_config(None, overrides)).train()
     assert metrics.read_text() == before
     summary = Trainer(load_config(None, [*overrides, "run.overwrite=true"])).train()
