@@ -43,11 +43,23 @@ class RunDirLock:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_FILE
         self._fd: int | None = None
+        self.created = False  # this process made the lock file (a failed start removes it again)
+
+    def _open(self) -> int:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            self.created = True
+            return fd
+        except FileExistsError:
+            return os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
 
     def acquire(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fd = self._open()
+            except FileNotFoundError:  # removed between the two opens by a holder leaving: try again
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -93,9 +105,10 @@ class FreshStart:
     """What a new run's directory held before it began (top level and `checkpoints/`), so that a start
     that fails can remove exactly what it added and nothing else."""
 
-    def __init__(self, run_dir: Path, checkpoint_dir: Path, existed: bool):
+    def __init__(self, run_dir: Path, checkpoint_dir: Path, existed: bool, lock: RunDirLock):
         self.run_dir, self.checkpoint_dir, self.existed = run_dir, checkpoint_dir, existed
-        self.top = _entries(run_dir) | {LOCK_FILE}
+        self.remove_lock = lock.created
+        self.top = _entries(run_dir) | {LOCK_FILE}  # the lock file goes with the lock (`release(remove=...)`)
         self.checkpoints = _entries(checkpoint_dir)
         self.checkpoints_existed = checkpoint_dir.exists()
 

@@ -329,7 +329,7 @@ class Trainer:
                 f"run directory {self.run_dir} already holds an earlier run ({', '.join(earlier) or 'see rank 0'}); "
                 "continue it with --resume, choose another run.name, or pass run.overwrite=true to start over"
             )
-        if self.rank in (None, 0):
+        if earlier:
             shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
             (self.run_dir / METRICS_FILE).unlink(missing_ok=True)
 
@@ -355,7 +355,7 @@ class Trainer:
             else:
                 self._claim_run_dir()
                 if lock is not None:
-                    fresh = FreshStart(self.run_dir, self.checkpoint_dir, existed)
+                    fresh = FreshStart(self.run_dir, self.checkpoint_dir, existed, lock)
             return self._train_loop()
         except BaseException:
             if fresh is not None and self.step == 0 and not self.checkpoints_written:
@@ -365,9 +365,8 @@ class Trainer:
             raise
         finally:
             if lock is not None:
-                remove = fresh is not None and fresh.remove_directory
-                lock.release(remove=remove)
-                if remove:
+                lock.release(remove=fresh is not None and fresh.remove_lock)
+                if fresh is not None and fresh.remove_directory:
                     self.run_dir.rmdir()
 
     def _train_loop(self) -> TrainSummary:

@@ -135,7 +135,6 @@ def test_init_path_starts_from_hf_weights(tiny_config: Callable[..., RunConfig],
 def test_fresh_run_refuses_an_earlier_runs_directory_unless_overwrite(tmp_path: Path) -> None:
     """Running again without --resume must not append to the old metrics or prune its checkpoints."""
     from fastlm.config.loader import load_config
-    from fastlm.engine.checkpoint import CheckpointError
 
     overrides = [f"run.output_dir={tmp_path}/run", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
                  "model.num_kv_heads=1", "model.intermediate_size=64", "data.seq_len=16", "data.micro_batch_size=2",
