@@ -70,6 +70,11 @@ class RunSection(ConfigModel):
         description="Start over in a run directory that holds an earlier run (its checkpoints and "
         "metrics.jsonl are removed first). Without it a fresh run refuses such a directory; --resume continues it.",
     )
+    accept_changed_data: bool = Field(
+        False,
+        description="Let --resume continue although a data file changed since the checkpoint (its fingerprint "
+        "differs); without it such a resume is refused naming the file.",
+    )
 
     @model_validator(mode="after")
     def _check_name(self) -> "RunSection":

@@ -28,9 +28,17 @@ from fastlm.config.checks import cross_check
 from fastlm.config.errors import ConfigError
 from fastlm.config.schema import RunConfig
 from fastlm.data.batch import Batch
+from fastlm.data.datasets import DataError
+from fastlm.data.fingerprint import data_fingerprint, describe_change
 from fastlm.data.loader import BatchLoader, build_loaders
 from fastlm.data.tokenizer import ByteTokenizer
-from fastlm.engine.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint, step_dir_name
+from fastlm.engine.checkpoint import (
+    CheckpointError,
+    LoadedCheckpoint,
+    load_latest_checkpoint,
+    save_checkpoint,
+    step_dir_name,
+)
 from fastlm.engine.distributed import (
     RankShardLoader,
     build_parallel,
@@ -125,6 +133,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.scheduler = build_scheduler(self.optimizer, config.trainer.steps, config.schedule)
         self.train_loader, eval_loader = self.build_loaders(tokenizer)
+        self.data_fingerprint = data_fingerprint(config.data.source)  # what this run trains on, for resume checks
         self.eval_set = (
             [eval_loader.next_batch() for _ in range(config.trainer.eval_batches)] if eval_loader is not None else []
         )
@@ -250,6 +259,7 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "scheduler": self.scheduler.state_dict(),
             "data": self.train_loader.state_dict(),
+            "data_fingerprint": self.data_fingerprint,
             "rng": rng_state(),
         }
 
@@ -266,19 +276,49 @@ class Trainer:
         return self.checkpoint_dir / step_dir_name(self.step)
 
     def resume(self) -> None:
-        """Restore model, optimizer, schedule, data position and RNG from the newest good checkpoint."""
-        loaded = load_latest_checkpoint(self.checkpoint_dir)
-        if self.parallel.distributed:
-            load_full_state(self.model, self.optimizer, loaded.model_state(), loaded.optimizer_state, self.parallel)
-        else:
-            loaded.load_model(self.model, self.device)
-            self.optimizer.load_state_dict(loaded.optimizer_state)
-        state = loaded.trainer_state
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.train_loader.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
-        self.step = int(state["step"])
-        self.skipped_steps = int(state["skipped_steps"])
+        """Restore model, optimizer, schedule, data position and RNG from the newest checkpoint that
+        verifies and fits this run; each one that does not is skipped with the reason."""
+        load_latest_checkpoint(self.checkpoint_dir, use=self._restore)
+
+    def _check_data(self, loaded: LoadedCheckpoint) -> bool:
+        """False when the data changed and `run.accept_changed_data` lets the run go on anyway."""
+        stored = loaded.trainer_state.get("data_fingerprint")
+        change = describe_change(stored, self.data_fingerprint) if isinstance(stored, dict) else None
+        if change is None:
+            return True
+        if not self.config.run.accept_changed_data:
+            raise DataError(f"the training data changed since checkpoint {loaded.path.name}: {change}. Restore the "
+                            "data, or pass run.accept_changed_data=true to continue on the new data")
+        warnings.warn(f"resuming on changed data ({change}); run.accept_changed_data is set", RuntimeWarning, stacklevel=3)
+        return False
+
+    def _restore(self, loaded: LoadedCheckpoint) -> None:
+        """Apply one verified checkpoint; anything in it that does not fit is a `CheckpointError` (the
+        caller falls back to an older one). Changed data is a `DataError`: no older checkpoint helps."""
+        expected = {name: tuple(value.shape) for name, value in build_model(self.config.model, "meta").state_dict().items()}
+        loaded.check_fits(expected, self.config.model.model_dump(mode="json"))
+        same_data = self._check_data(loaded)
+        try:
+            if self.parallel.distributed:
+                load_full_state(self.model, self.optimizer, loaded.model_state(), loaded.optimizer_state, self.parallel)
+            else:
+                loaded.load_model(self.model, self.device)
+                self.optimizer.load_state_dict(loaded.optimizer_state)
+            state = loaded.trainer_state
+            self.scheduler.load_state_dict(state["scheduler"])
+            try:
+                self.train_loader.load_state_dict(state["data"])
+            except ValueError:
+                if same_data:
+                    raise
+                warnings.warn("the data order starts over: the changed data has another row count", RuntimeWarning)
+            set_rng_state(state["rng"])
+            self.step = int(state["step"])
+            self.skipped_steps = int(state["skipped_steps"])
+        except CheckpointError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a malformed piece of a hostile checkpoint: skip it
+            raise CheckpointError(f"{loaded.path}: cannot restore it ({type(error).__name__}: {str(error)[:200]})") from None
 
     # --- the loop --------------------------------------------------------------------------------------
     def _log_record(self, result: StepResult, tokens_per_second: float) -> dict[str, float]:

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 
 
@@ -31,28 +32,52 @@ class JsonlSink:
         self._file.close()
 
 
+def _record_step(line: bytes) -> int | None:
+    """The step of one whole JSONL record; None when the line is damaged (torn, not UTF-8, not a record)."""
+    if not line.endswith(b"\n"):
+        return None
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if type(step) is int else None
+
+
 def drop_records_after(path: Path, step: int) -> int:
-    """Keep the records up to `step` (a resume re-runs the later ones) and a torn last line; returns how many went.
+    """Keep the records up to `step` (a resume re-runs the later ones); returns how many lines went.
 
     A process killed after its last checkpoint has logged steps that the resumed run logs again; without
-    this, the file would hold two records for those steps. Rewritten atomically (temp file + rename).
+    this, the file would hold two records for those steps. A damaged line (torn by a kill mid-write, or
+    corrupted) is dropped with a warning naming it. Streams line by line and rewrites atomically (temp
+    file + rename), so memory stays bounded and a kill here loses nothing.
     """
     if not path.is_file():
         return 0
-    kept: list[str] = []
-    dropped = 0
-    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
-        if not line.endswith("\n"):  # torn by a kill mid-write: not a record
-            dropped += 1
-            continue
-        if line.strip() and json.loads(line).get("step", 0) > step:
-            dropped += 1
-            continue
-        kept.append(line)
-    if dropped:
-        temporary = path.with_name(f".{path.name}.tmp")
-        temporary.write_text("".join(kept), encoding="utf-8")
-        os.replace(temporary, path)
+    dropped, damaged = 0, []
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with path.open("rb") as source, temporary.open("wb") as target:
+            for number, line in enumerate(source, start=1):
+                if not line.strip():
+                    continue
+                found = _record_step(line)
+                if found is None:
+                    damaged.append(number)
+                if found is None or found > step:
+                    dropped += 1
+                    continue
+                target.write(line)
+            target.flush()
+            os.fsync(target.fileno())
+        if dropped:
+            os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    if damaged:
+        shown = ", ".join(map(str, damaged[:5])) + (" ..." if len(damaged) > 5 else "")
+        warnings.warn(f"{path}: dropped {len(damaged)} damaged line(s) (line {shown}); the records up to step "
+                      f"{step} are kept", RuntimeWarning, stacklevel=2)
     return dropped
 
 
