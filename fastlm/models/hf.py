@@ -15,6 +15,7 @@ projections concatenated; GPT-2's Conv1D stores (in, out), the transpose of our 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.data.tokenizer import BOS, EOS, PAD
 from fastlm.models.config import GPT2Config, LlamaConfig, ModelConfig
+from fastlm.models.build import num_parameters
 from fastlm.models.decoder import DecoderLM, build_model
 
 DecoderConfigType = GPT2Config | LlamaConfig
@@ -96,7 +98,11 @@ def config_from_hf(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> DecoderC
         raise ConfigError(ConfigIssue("model_type", "unsupported architecture", model_type, source,
                                       f"fastlm converts {', '.join(SUPPORTED_TYPES)}"))
     reader = _Reader(hf, model_type, source)
-    fields = _gpt2_fields(reader) if model_type == "gpt2" else _llama_fields(reader, model_type)
+    try:
+        fields = _gpt2_fields(reader) if model_type == "gpt2" else _llama_fields(reader, model_type)
+    except (TypeError, AttributeError, ValueError, OverflowError, ZeroDivisionError) as error:
+        raise ConfigError(ConfigIssue("", f"a field has the wrong type or value ({error})", source=source,
+                                      hint="compare config.json with one written by save_pretrained")) from None
     if reader.issues:
         raise ConfigError(reader.issues)
     try:
@@ -352,9 +358,11 @@ def to_fastlm_state(tensors: StateDict, config: DecoderConfigType, source: str =
         pieces = [tensors[name].t() if rule.transpose else tensors[name] for name in rule.theirs]
         if rule.sizes is not None:
             for name, piece, rows in zip(rule.theirs, pieces, rule.sizes):
-                if piece.shape[0] != rows:
-                    issues.append(ConfigIssue(name, f"expected {rows} rows", tuple(piece.shape), source))
-        state[rule.ours] = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
+                if piece.dim() == 0 or piece.shape[0] != rows or piece.shape[1:] != pieces[0].shape[1:]:
+                    issues.append(ConfigIssue(name, f"expected {rows} rows of {tuple(pieces[0].shape[1:])}",
+                                              tuple(piece.shape), source))
+        if not issues:
+            state[rule.ours] = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
     if issues:
         raise ConfigError(issues)
     return state
@@ -372,28 +380,67 @@ def to_hf_state(state: Mapping[str, torch.Tensor], config: DecoderConfigType) ->
 
 
 # --- files ----------------------------------------------------------------------------------------
-def read_hf_config(directory: str | Path) -> dict[str, Any]:
-    path = Path(directory) / CONFIG_FILE
+MAX_JSON_BYTES = 64 << 20  # config.json is KiBs; a 10k-tensor index a few MiB
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object from a file that may be hostile (huge, deep, not UTF-8, not an object): `ConfigError`."""
     if not path.is_file():
-        raise ConfigError(ConfigIssue("", f"not a Hugging Face checkpoint directory: {path} is missing",
-                                      source=str(directory), hint="point at a folder with config.json + *.safetensors"))
+        raise ConfigError(ConfigIssue("", f"{path} is not a regular file", source=str(path.parent)))
+    with path.open("rb") as handle:
+        raw = handle.read(MAX_JSON_BYTES + 1)
+    if len(raw) > MAX_JSON_BYTES:
+        raise ConfigError(ConfigIssue("", f"{path} is larger than {MAX_JSON_BYTES >> 20} MiB", source=str(path)))
     try:
-        loaded = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as error:
-        raise ConfigError(ConfigIssue("", f"{path} is not valid JSON: {error}", source=str(path))) from None
+        loaded = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as error:
+        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+        raise ConfigError(ConfigIssue("", f"{path} is not valid JSON: {reason}", source=str(path))) from None
     if not isinstance(loaded, dict):
         raise ConfigError(ConfigIssue("", f"{path} must hold a JSON object", type(loaded).__name__, str(path)))
     return loaded
 
 
+def read_hf_config(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / CONFIG_FILE
+    if not path.exists():
+        raise ConfigError(ConfigIssue("", f"not a Hugging Face checkpoint directory: {path} is missing",
+                                      source=str(directory), hint="point at a folder with config.json + *.safetensors"))
+    return _read_json_object(path)
+
+
+def _inside(directory: Path, name: Any, source: Path) -> Path:
+    """`directory / name`, refused unless it stays inside `directory` (after following symlinks)."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(ConfigIssue("weight_map", "file names must be non-empty strings", name, str(source)))
+    root = directory.resolve()
+    path = (directory / name).resolve()
+    if not path.is_relative_to(root):
+        raise ConfigError(ConfigIssue("weight_map", f"{name} points outside {root}", name, str(source),
+                                      "a checkpoint's weight files must lie in its folder"))
+    return path
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those its index names, else every *.safetensors, all inside it."""
+    index = directory / INDEX_FILE
+    if index.exists():
+        weight_map = _read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConfigError(ConfigIssue("weight_map", "must map tensor names to file names",
+                                          type(weight_map).__name__, str(index)))
+        files = sorted({_inside(directory, name, index) for name in weight_map.values()})
+        for file in files:
+            if not file.is_file():
+                raise ConfigError(ConfigIssue("", f"{file} is listed in {INDEX_FILE} but missing", source=str(index)))
+        return files
+    return sorted(_inside(directory, path.name, directory) for path in directory.glob("*.safetensors"))
+
+
 def read_hf_tensors(directory: str | Path) -> StateDict:
     """All tensors of a (possibly sharded) safetensors checkpoint, on CPU, in the stored dtype."""
     directory = Path(directory)
-    index = directory / INDEX_FILE
-    if index.is_file():
-        files = sorted({directory / name for name in json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()})
-    else:
-        files = sorted(directory.glob("*.safetensors"))
+    files = _weight_files(directory)
     if not files:
         pickled = [p.name for p in directory.glob("*.bin")]
         hint = (f"found {pickled}: pickle checkpoints are not loaded; re-save with save_pretrained(safe_serialization=True)"
@@ -402,9 +449,41 @@ def read_hf_tensors(directory: str | Path) -> StateDict:
     tensors: StateDict = {}
     for file in files:
         if not file.is_file():
-            raise ConfigError(ConfigIssue("", f"{file} is listed in {INDEX_FILE} but missing", source=str(index)))
-        tensors.update(load_file(str(file), device="cpu"))
+            raise ConfigError(ConfigIssue("", f"{file} is not a regular file", source=str(directory)))
+        try:
+            tensors.update(load_file(str(file), device="cpu"))
+        except Exception as error:  # noqa: BLE001 - safetensors raises its own error type for any bad header
+            raise ConfigError(ConfigIssue("", f"{file} is not a readable safetensors file: {str(error)[:200]}",
+                                          source=str(directory))) from None
     return tensors
+
+
+def available_memory() -> int:
+    """Bytes this process may still allocate: MemAvailable, lowered by a cgroup (container) limit."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        available = int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    try:
+        limit, used = (Path("/sys/fs/cgroup", name).read_text().strip() for name in ("memory.max", "memory.current"))
+        if limit != "max":
+            available = min(available, int(limit) - int(used))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def check_fits_memory(config: DecoderConfigType, source: str, bytes_per_value: int = 4) -> None:
+    """Refuse, with the numbers, a model whose weights (fp32 on CPU) cannot fit the memory left, before
+    anything is allocated: a hostile config.json would otherwise allocate until the machine gives out."""
+    count = num_parameters(config)
+    needed = count * bytes_per_value
+    available = available_memory()
+    if needed > available:
+        raise ConfigError(ConfigIssue("", f"the model has {count:,} parameters: {needed / 2**30:,.1f} GiB as fp32, "
+                                      f"but only {available / 2**30:,.1f} GiB of memory is available", source=source,
+                                      hint="check hidden_size / num_hidden_layers / vocab_size in config.json"))
 
 
 def _architecture(config: DecoderConfigType) -> dict[str, Any]:
@@ -447,7 +526,9 @@ def load_hf_weights_into(model: DecoderLM, directory: str | Path) -> None:
 
 def import_hf(directory: str | Path, device: torch.device | str | None = None) -> DecoderLM:
     """Build the fastlm model a HF checkpoint describes and load its weights."""
-    config = config_from_hf(read_hf_config(directory), str(Path(directory) / CONFIG_FILE))
+    source = str(Path(directory) / CONFIG_FILE)
+    config = config_from_hf(read_hf_config(directory), source)
+    check_fits_memory(config, source)
     model = build_model(config, device)
     load_hf_weights_into(model, directory)
     return model
