@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from fastlm.engine.disk_space import raise_if_disk_full
 from fastlm.engine.signals import fault_point
 
 MODEL_FILE = "model.safetensors"
@@ -109,6 +110,46 @@ def save_checkpoint(
     _remove_leftovers(directory, step)
     final = directory / step_dir_name(step)
     temporary = directory / f".tmp-{step_dir_name(step)}-{os.getpid()}"
+    previous = _step_dirs(directory)
+    try:
+        _write(temporary, final, step, model, optimizer, trainer_state, config)
+    except Exception as error:
+        shutil.rmtree(temporary, ignore_errors=True)  # a failed write leaves nothing half-written behind
+        intact = f"the previous checkpoint {previous[-1].name} is intact" if previous else "no earlier checkpoint"
+        raise_if_disk_full(error, f"checkpoint {final.name}", directory, checkpoint_bytes(model, optimizer), intact)
+        raise
+    for old in _step_dirs(directory)[:-keep]:
+        _discard(old)
+    return final
+
+
+def checkpoint_bytes(*states: Any) -> int:
+    """Bytes of every tensor in modules / optimizers / nested state dicts: what a checkpoint of them needs."""
+    total = 0
+    pending = list(states)
+    while pending:
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            total += item.numel() * item.element_size()
+        elif isinstance(item, (torch.nn.Module, torch.optim.Optimizer)):
+            pending.append(item.state_dict())
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+    return total + (64 << 10)  # manifest, trainer state, pickle framing
+
+
+def _write(
+    temporary: Path,
+    final: Path,
+    step: int,
+    model: torch.nn.Module | dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | dict[str, Any],
+    trainer_state: dict[str, Any],
+    config: dict[str, Any],
+) -> None:
+    """Files into `temporary`, fsynced, renamed to `final`, then `latest` pointed at it."""
     temporary.mkdir()
     if isinstance(model, torch.nn.Module):
         save_model(model, str(temporary / MODEL_FILE))  # shared (tied) tensors are stored once
@@ -128,12 +169,9 @@ def save_checkpoint(
     if final.exists():  # re-saving a step after a resume: the new one replaces it
         _discard(final)
     os.rename(temporary, final)
-    _fsync_path(directory)
+    _fsync_path(final.parent)
     fault_point("checkpoint_before_latest")
-    _write_text_atomic(directory / LATEST_FILE, final.name + "\n")
-    for old in _step_dirs(directory)[:-keep]:
-        _discard(old)
-    return final
+    _write_text_atomic(final.parent / LATEST_FILE, final.name + "\n")
 
 
 def _discard(path: Path) -> None:

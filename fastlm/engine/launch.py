@@ -12,6 +12,7 @@ from fastlm.config.schema import RunConfig
 from fastlm.data.datasets import DataError
 from fastlm.engine.checkpoint import CheckpointError
 from fastlm.engine.distributed import run_distributed, torchrun_env
+from fastlm.engine.disk_space import DiskFullError
 from fastlm.engine.run_dir import RunDirError
 from fastlm.engine.runtime import select_device
 from fastlm.engine.trainer import NonFiniteError, TrainSummary
@@ -30,7 +31,7 @@ def _train(config: RunConfig, resume: bool) -> int:
     try:
         trainer = trainer_class_for(config)(config)
         summary = trainer.train(resume=resume)
-    except (NonFiniteError, DataError, CheckpointError, RunDirError) as error:  # the message says what to fix: no traceback
+    except (NonFiniteError, DataError, CheckpointError, RunDirError, DiskFullError) as error:  # the message says what to fix: no traceback
         print(f"fastlm: {error}", file=sys.stderr)
         return 1
     if trainer.rank in (None, 0):

@@ -35,6 +35,7 @@ from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.checkpoint import (
     CheckpointError,
     LoadedCheckpoint,
+    checkpoint_bytes,
     load_latest_checkpoint,
     save_checkpoint,
     step_dir_name,
@@ -51,6 +52,7 @@ from fastlm.engine.distributed import (
     sum_over,
 )
 from fastlm.engine.optim import build_optimizer, build_scheduler
+from fastlm.engine.disk_space import ensure_space
 from fastlm.engine.run_dir import FreshStart, RunDirError, RunDirLock
 from fastlm.engine.runtime import autocast, autocast_dtype, rng_state, seed_everything, select_device, set_rng_state
 from fastlm.engine.signals import StopRequest
@@ -396,6 +398,9 @@ class Trainer:
                 self._claim_run_dir()
                 if lock is not None:
                     fresh = FreshStart(self.run_dir, self.checkpoint_dir, existed, lock)
+            if lock is not None:  # a full disk is found now, not after the steps up to the next checkpoint
+                ensure_space(self.run_dir, 3 * checkpoint_bytes(self.model), "the next checkpoint (weights + AdamW)",
+                             "the previous checkpoint is intact" if resume else "")
             return self._train_loop()
         except BaseException:
             if fresh is not None and self.step == 0 and not self.checkpoints_written:

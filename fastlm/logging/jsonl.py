@@ -9,6 +9,8 @@ import time
 import warnings
 from pathlib import Path
 
+from fastlm.engine.disk_space import raise_if_disk_full
+
 
 def _plain(value: float) -> float | None:
     """JSON has no NaN/inf: non-finite values are written as null so every line stays strict JSON."""
@@ -25,8 +27,14 @@ class JsonlSink:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, "time": time.time(), **{k: _plain(float(v)) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        line = json.dumps(record, allow_nan=False) + "\n"
+        try:
+            self._file.write(line)
+            self._file.flush()
+        except OSError as error:  # a torn last line is dropped by the next --resume
+            raise_if_disk_full(error, f"the step {step} record of {self.path.name}", self.path.parent, len(line),
+                               "the checkpoints are intact")
+            raise
 
     def close(self) -> None:
         self._file.close()
@@ -54,24 +62,15 @@ def drop_records_after(path: Path, step: int) -> int:
     """
     if not path.is_file():
         return 0
-    dropped, damaged = 0, []
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with path.open("rb") as source, temporary.open("wb") as target:
-            for number, line in enumerate(source, start=1):
-                if not line.strip():
-                    continue
-                found = _record_step(line)
-                if found is None:
-                    damaged.append(number)
-                if found is None or found > step:
-                    dropped += 1
-                    continue
-                target.write(line)
-            target.flush()
-            os.fsync(target.fileno())
+        dropped, damaged = _copy_records(path, temporary, step)
         if dropped:
             os.replace(temporary, path)
+    except OSError as error:
+        raise_if_disk_full(error, f"a repaired copy of {path.name}", path.parent, path.stat().st_size,
+                           f"{path.name} itself is unchanged")
+        raise
     finally:
         temporary.unlink(missing_ok=True)
     if damaged:
@@ -79,6 +78,25 @@ def drop_records_after(path: Path, step: int) -> int:
         warnings.warn(f"{path}: dropped {len(damaged)} damaged line(s) (line {shown}); the records up to step "
                       f"{step} are kept", RuntimeWarning, stacklevel=2)
     return dropped
+
+
+def _copy_records(path: Path, target_path: Path, step: int) -> tuple[int, list[int]]:
+    """Copy the whole records up to `step` into `target_path`, fsynced; (lines dropped, damaged line numbers)."""
+    dropped, damaged = 0, []
+    with path.open("rb") as source, target_path.open("wb") as target:
+        for number, line in enumerate(source, start=1):
+            if not line.strip():
+                continue
+            found = _record_step(line)
+            if found is None:
+                damaged.append(number)
+            if found is None or found > step:
+                dropped += 1
+                continue
+            target.write(line)
+        target.flush()
+        os.fsync(target.fileno())
+    return dropped, damaged
 
 
 def read_metrics(path: Path) -> list[dict]:
