@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def describe_run(config: RunConfig) -> str:
-    """What a dry run reports: the model's size, memory estimate and the loss implementation."""
+    """What a dry run reports: the model's size, memory estimate, the loss implementation and the data."""
     import torch
 
     from fastlm.layers.lm_head import LMHead
@@ -54,9 +55,39 @@ def describe_run(config: RunConfig) -> str:
         f"model: {config.model.type}, {parameters:,} parameters ({parameters / 1e6:.2f} M)",
         f"estimated training memory (params + grads + AdamW, fp32): {memory / 2**30:.3f} GiB",
         LMHead(config.model.head, device).describe(),
+        describe_data(config),
         f"run directory: {config.run.directory}",
     ]
     return "\n".join(lines)
+
+
+def describe_data(config: RunConfig) -> str:
+    """The data summary, from the rows the trainer would pack (raises what the trainer's loaders raise)."""
+    from fastlm.data.loader import build_loaders
+    from fastlm.data.summary import check_batch_fits, summarize
+    from fastlm.data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(config.data.tokenizer, config.run.init_path)
+    data, trainer = config.data, config.trainer
+    dp = max(int(os.environ.get("WORLD_SIZE", "1")) // config.distributed.tensor_parallel, 1)
+    batch_rows = data.micro_batch_size * dp
+    if config.rl is not None:  # online RL: rollouts come from the policy, not from a data set
+        rl = config.rl
+        return (f"data: online RL on the {rl.task.type} task, {rl.prompts_per_rollout * dp} prompts x {rl.group_size} "
+                f"completions per rollout, {rl.warmup_steps} supervised warm-up steps")
+    if data.source.type == "offline_rl":
+        from fastlm.data.offline_rl import load_offline_rl
+        from fastlm.rl.packing import pack_policy_samples
+
+        train, evaluation = pack_policy_samples(load_offline_rl(data.source.path, tokenizer), data.seq_len, tokenizer.pad_id), None
+    else:
+        batched = data.model_copy(update={"micro_batch_size": batch_rows})
+        loaders = build_loaders(batched, config.run.seed, tokenizer)
+        train, evaluation = loaders[0].rows, loaders[1].rows if loaders[1] is not None else None
+    check_batch_fits(train, evaluation, batch_rows, evaluated=bool(trainer.eval_every))
+    summary = summarize(train, evaluation, data.seq_len, batch_rows, trainer.grad_accumulation, trainer.steps,
+                        tokenizer.pad_id, tokenizer.bos_id)
+    return summary.describe()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -80,19 +111,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(dump_config(config), end="")
         return 0
     if args.command == "validate" or args.dry_run:
-        try:
-            report = describe_run(config)
-        except ConfigError as error:
-            print(error.render(), file=sys.stderr)
-            return 2
-        print(dump_config(config), end="")
-        print("---")
-        print(report)
-        print("config OK" + (" (dry run: nothing trained, nothing written)" if args.command == "train" else ""))
-        return 0
+        return _validate(config, dry_run=args.command == "train")
     from fastlm.engine.launch import run_training
 
     return run_training(config, resume=args.resume)
+
+
+def _validate(config: RunConfig, dry_run: bool) -> int:
+    """`validate` and `train --dry-run`: the trainer's start-up checks and the report; exit 2 on any problem."""
+    from fastlm.data.datasets import DataError
+    from fastlm.engine.preflight import preflight_issues
+
+    try:
+        issues = preflight_issues(config)
+        if issues:
+            raise ConfigError(issues)
+        report = describe_run(config)
+    except ConfigError as error:
+        print(error.render(), file=sys.stderr)
+        return 2
+    except DataError as error:
+        print(f"fastlm: {error}", file=sys.stderr)
+        return 2
+    print(dump_config(config), end="")
+    print("---")
+    print(report)
+    print("config OK" + (" (dry run: nothing trained, nothing written)" if dry_run else ""))
+    return 0
 
 
 if __name__ == "__main__":

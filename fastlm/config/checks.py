@@ -8,18 +8,14 @@ from pathlib import Path
 from fastlm.config.errors import ConfigIssue
 from fastlm.config.schema import RunConfig
 from fastlm.data.config import PREFERENCE_SOURCE_TYPES
-from fastlm.data.tokenizer import ByteTokenizer
-
-BYTE_VOCAB_SIZE = ByteTokenizer().vocab_size
+from fastlm.data.tokenizer import TokenizerError, build_tokenizer
 
 
 def cross_check(config: RunConfig) -> list[ConfigIssue]:
     """Problems that no single section can see; each names the field to change."""
     issues: list[ConfigIssue] = []
     model = config.model
-    if model.vocab_size < BYTE_VOCAB_SIZE:
-        issues.append(ConfigIssue("model.vocab_size", f"smaller than the byte tokenizer's {BYTE_VOCAB_SIZE} ids",
-                                  model.vocab_size, hint=f"use at least {BYTE_VOCAB_SIZE}"))
+    issues += _tokenizer_checks(config)
     if config.data.seq_len > model.max_seq_len:
         issues.append(ConfigIssue("data.seq_len", f"longer than model.max_seq_len ({model.max_seq_len})",
                                   config.data.seq_len, hint="lower data.seq_len or raise model.max_seq_len"))
@@ -29,6 +25,7 @@ def cross_check(config: RunConfig) -> list[ConfigIssue]:
                                   tp, hint="pick a tensor_parallel that divides the vocab (pad the vocab if needed)"))
     issues += _frozen_model_checks(config)
     issues += _init_checkpoint_checks(config)
+    issues += _rl_checks(config)
     issues += _output_dir_checks(config)
     return issues
 
@@ -48,6 +45,42 @@ def _output_dir_checks(config: RunConfig) -> list[ConfigIssue]:
                         hint="choose a run.output_dir in a folder you can write to")]
 
 
+def _rl_checks(config: RunConfig) -> list[ConfigIssue]:
+    """An RL run (online `rl:` or offline_rl data) needs one policy child and room for RL steps after warm-up."""
+    offline = config.data.source.type == "offline_rl"
+    if config.rl is None and not offline:
+        return []
+    issues: list[ConfigIssue] = []
+    kinds = [c.type for c in config.model.head.losses.values() if c.type in ("grpo", "gspo")]
+    if len(kinds) != 1:
+        issues.append(ConfigIssue("model.head.losses", f"an RL run needs exactly one grpo or gspo child, found "
+                                  f"{kinds or 'none'}", sorted(config.model.head.losses),
+                                  hint="e.g. losses: {grpo: {type: grpo}, z_loss: {type: z_loss}}"))
+    warmup = config.rl.warmup_steps if config.rl is not None else 0
+    if offline and warmup:
+        issues.append(ConfigIssue("rl.warmup_steps", "the supervised warm-up needs the online task, not offline_rl data",
+                                  warmup, hint="set rl.warmup_steps: 0"))
+    if warmup >= config.trainer.steps:
+        issues.append(ConfigIssue("rl.warmup_steps", f"leaves no RL steps out of trainer.steps ({config.trainer.steps})",
+                                  warmup, hint="lower it or raise trainer.steps"))
+    return issues
+
+
+def _tokenizer_checks(config: RunConfig) -> list[ConfigIssue]:
+    """The run's tokenizer loads and the model's vocab covers its ids (a larger, padded vocab is fine)."""
+    field = "data.tokenizer" if config.data.tokenizer is not None else "run.init_path"
+    try:
+        tokenizer = build_tokenizer(config.data.tokenizer, config.run.init_path)
+    except TokenizerError as error:
+        return [ConfigIssue(field, str(error))]
+    if config.model.vocab_size < tokenizer.vocab_size:
+        return [ConfigIssue("model.vocab_size", f"smaller than the {tokenizer.name} tokenizer's {tokenizer.vocab_size} "
+                            "ids (ids past the model's vocab would crash the embedding)", config.model.vocab_size,
+                            hint=f"use at least {tokenizer.vocab_size} (padding it up, e.g. to a multiple of 128, is fine), "
+                            "or the tokenizer the model was trained with")]
+    return []
+
+
 def _init_checkpoint_checks(config: RunConfig) -> list[ConfigIssue]:
     """`run.init_path` must be a HF checkpoint whose architecture the model section describes exactly,
     so `fastlm validate` fails before any work instead of the trainer failing at load time."""
@@ -59,7 +92,8 @@ def _init_checkpoint_checks(config: RunConfig) -> list[ConfigIssue]:
     try:
         check_matches(config.model, config_from_hf(read_hf_config(config.run.init_path)), config.run.init_path)
     except ConfigError as error:
-        return [issue if issue.path.startswith("model.") else ConfigIssue("run.init_path", str(issue), config.run.init_path)
+        return [issue if issue.path.startswith("model.") else
+                ConfigIssue("run.init_path", issue.message, config.run.init_path, hint=issue.hint)
                 for issue in error.issues]
     return []
 

@@ -75,7 +75,31 @@ DataSource = Annotated[
 ]
 
 
+class ByteTokenizerConfig(ConfigModel):
+    """UTF-8 bytes + BOS/EOS/PAD/SEP (vocab 260): no files needed."""
+
+    type: Literal["byte"] = "byte"
+
+
+class HuggingFaceTokenizerConfig(ConfigModel):
+    """A local Hugging Face tokenizer (a directory saved by `save_pretrained`, or one tokenizer.json file),
+    loaded by transformers with local files only. The token fields override the tokenizer's own special
+    tokens (a bare tokenizer.json names none)."""
+
+    type: Literal["huggingface"] = "huggingface"
+    path: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+
+
+TokenizerConfig = Annotated[Union[ByteTokenizerConfig, HuggingFaceTokenizerConfig], Field(discriminator="type")]
+
+
 class DataConfig(ConfigModel):
+    tokenizer: TokenizerConfig | None = Field(
+        None, description="null: the tokenizer saved with run.init_path if it holds one, else {type: byte}."
+    )
     source: DataSource = Field(default_factory=GeneratedSource)
     seq_len: int = Field(128, ge=2, description="Tokens per packed row (documents are packed with ids).")
     micro_batch_size: int = Field(8, ge=1)

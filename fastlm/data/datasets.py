@@ -1,6 +1,6 @@
 """Documents from a configured source, tokenized and packed into fixed rows with document ids.
 
-Every document becomes BOS + bytes + EOS. Documents are shuffled once by seed, split into train and
+Every document becomes BOS + its tokens + EOS (the run's tokenizer; BOS only if it has one). Documents are shuffled once by seed, split into train and
 eval, then laid end to end and cut into rows of seq_len + 1 tokens; a document crossing a row boundary
 is split, and each piece gets its own id (attention and labels never cross a piece boundary).
 
@@ -23,7 +23,7 @@ import torch
 
 from fastlm.data.config import DataSource, GeneratedSource, JsonlSource, TextSource
 from fastlm.data.corpus import generate_documents
-from fastlm.data.tokenizer import PAD, ByteTokenizer
+from fastlm.data.tokenizer import Tokenizer
 
 
 class DataError(ValueError):
@@ -56,12 +56,12 @@ class PackedRows:
         return self.tokens.shape[0]
 
 
-def _text_document(tokenizer: ByteTokenizer, text: str, origin: str = "") -> Document:
+def _text_document(tokenizer: Tokenizer, text: str, origin: str = "") -> Document:
     tokens = tokenizer.encode(text, bos=True, eos=True)
     return Document(tokens, [True] * len(tokens), origin)
 
 
-def _prompt_document(tokenizer: ByteTokenizer, prompt: str, completion: str, origin: str = "") -> Document:
+def _prompt_document(tokenizer: Tokenizer, prompt: str, completion: str, origin: str = "") -> Document:
     """BOS + prompt is never a target; the completion and EOS are."""
     head = tokenizer.encode(prompt, bos=True)
     tail = tokenizer.encode(completion, eos=True)
@@ -98,7 +98,7 @@ def _paragraphs(path: Path) -> Iterator[tuple[int, str]]:
         yield first, "".join(lines).strip()
 
 
-def _text_documents(source: TextSource, tokenizer: ByteTokenizer) -> list[Document]:
+def _text_documents(source: TextSource, tokenizer: Tokenizer) -> list[Document]:
     path = Path(source.path)
     documents = [_text_document(tokenizer, text, f"{path} line {line}") for line, text in _paragraphs(path)]
     if not documents:
@@ -154,7 +154,7 @@ def jsonl_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         yield line_number, record
 
 
-def _jsonl_documents(source: JsonlSource, tokenizer: ByteTokenizer) -> list[Document]:
+def _jsonl_documents(source: JsonlSource, tokenizer: Tokenizer) -> list[Document]:
     path = Path(source.path)
     documents = []
     for line_number, record in jsonl_records(path):
@@ -171,7 +171,7 @@ def _jsonl_documents(source: JsonlSource, tokenizer: ByteTokenizer) -> list[Docu
     return documents
 
 
-def load_documents(source: DataSource, tokenizer: ByteTokenizer) -> list[Document]:
+def load_documents(source: DataSource, tokenizer: Tokenizer) -> list[Document]:
     """Every document of the source, tokenized, in file (or generation) order."""
     if isinstance(source, GeneratedSource):
         return [_text_document(tokenizer, text) for text in generate_documents(source.num_documents, source.seed)]
@@ -194,7 +194,7 @@ def split_documents(documents: list[Item], eval_fraction: float, seed: int) -> t
     return shuffled[held_out:], shuffled[:held_out]
 
 
-def pack_documents(documents: list[Document], seq_len: int) -> PackedRows:
+def pack_documents(documents: list[Document], seq_len: int, pad_id: int) -> PackedRows:
     """Lay documents end to end and cut rows of seq_len + 1 tokens; the last row is padded (never a target).
 
     Piece ids are global and increasing: a new id starts at every document start and every row start.
@@ -213,7 +213,7 @@ def pack_documents(documents: list[Document], seq_len: int) -> PackedRows:
     targets = [m for doc in documents for m in doc.target_mask]
     doc_index = [i for i, doc in enumerate(documents) for _ in doc.tokens]
     padding = -len(tokens) % width
-    tokens += [PAD] * padding
+    tokens += [pad_id] * padding
     targets += [False] * padding
     doc_index += [len(documents)] * padding
     flat_doc = torch.tensor(doc_index, dtype=torch.int64)

@@ -4,9 +4,9 @@ One JSON object per line:
 
     {"prompt": "3+4=", "completion": "7", "advantage": 0.8, "old_logprobs": [-0.1, -0.02]}
 
-Tokens follow the byte tokenizer: the prompt is BOS + its UTF-8 bytes (never a target); the completion
-is its UTF-8 bytes + EOS, and `old_logprobs` has one entry per completion token, EOS included
-(len(completion.encode("utf-8")) + 1 values), each the log-prob the sampling policy gave that token.
+Tokens follow the run's tokenizer: the prompt is BOS + its tokens (never a target); the completion is
+its tokens + EOS, and `old_logprobs` has one entry per completion token, EOS included (with the byte
+tokenizer: len(completion.encode("utf-8")) + 1 values), each the log-prob the sampling policy gave that token.
 Every problem is reported with the file and line.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fastlm.data.datasets import DataError, jsonl_records
-from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.data.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def _field(record: dict[str, Any], name: str, where: str) -> Any:
     return record[name]
 
 
-def parse_record(record: Any, where: str, tokenizer: ByteTokenizer) -> PolicySample:
+def parse_record(record: Any, where: str, tokenizer: Tokenizer) -> PolicySample:
     """One JSON value -> PolicySample; `where` ("file line N") prefixes every error."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
@@ -59,7 +59,7 @@ def parse_record(record: Any, where: str, tokenizer: ByteTokenizer) -> PolicySam
         got = f"{len(logprobs)} values" if isinstance(logprobs, list) else type(logprobs).__name__
         raise DataError(
             f"{where}: field 'old_logprobs' must be a list of {len(completion_tokens)} numbers (the completion's "
-            f"{len(completion_tokens) - 1} UTF-8 bytes + EOS), got {got}"
+            f"{len(completion_tokens) - 1} tokens under the {tokenizer.name} tokenizer + EOS), got {got}"
         )
     for index, value in enumerate(logprobs):
         if not _number(value) or value > 0:
@@ -67,9 +67,8 @@ def parse_record(record: Any, where: str, tokenizer: ByteTokenizer) -> PolicySam
     return PolicySample(tokenizer.encode(prompt, bos=True), completion_tokens, float(advantage), [float(v) for v in logprobs])
 
 
-def load_offline_rl(path: str | Path, tokenizer: ByteTokenizer | None = None) -> list[PolicySample]:
+def load_offline_rl(path: str | Path, tokenizer: Tokenizer) -> list[PolicySample]:
     """Every sample of the file, in order; a clear `DataError` naming file and line on the first problem."""
-    tokenizer = tokenizer or ByteTokenizer()
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: offline RL data file not found")

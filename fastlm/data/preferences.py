@@ -27,7 +27,7 @@ from fastlm.data.datasets import (
     split_documents,
 )
 from fastlm.data.tasks import AdditionTask
-from fastlm.data.tokenizer import PAD, ByteTokenizer
+from fastlm.data.tokenizer import Tokenizer
 from fastlm.losses.spec import LossTargets
 
 PreferenceSource = PreferencesJsonlSource | GeneratedPreferencesSource
@@ -45,11 +45,11 @@ class PreferencePair:
         return len(self.chosen.tokens) + len(self.rejected.tokens)
 
 
-def _pair(tokenizer: ByteTokenizer, prompt: str, chosen: str, rejected: str, where: str) -> PreferencePair:
+def _pair(tokenizer: Tokenizer, prompt: str, chosen: str, rejected: str, where: str) -> PreferencePair:
     return PreferencePair(_prompt_document(tokenizer, prompt, chosen), _prompt_document(tokenizer, prompt, rejected), where)
 
 
-def read_preference_jsonl(source: PreferencesJsonlSource, tokenizer: ByteTokenizer) -> list[PreferencePair]:
+def read_preference_jsonl(source: PreferencesJsonlSource, tokenizer: Tokenizer) -> list[PreferencePair]:
     """One pair per non-empty line; every problem names the file and line."""
     path = Path(source.path)
     pairs = []
@@ -66,7 +66,7 @@ def read_preference_jsonl(source: PreferencesJsonlSource, tokenizer: ByteTokeniz
     return pairs
 
 
-def generate_preference_pairs(source: GeneratedPreferencesSource, tokenizer: ByteTokenizer) -> list[PreferencePair]:
+def generate_preference_pairs(source: GeneratedPreferencesSource, tokenizer: Tokenizer) -> list[PreferencePair]:
     """Addition problems: chosen is the right sum, rejected a plausible wrong one (off by 1..3)."""
     task, rng = AdditionTask(source.max_operand), random.Random(source.seed)
     pairs = []
@@ -76,13 +76,13 @@ def generate_preference_pairs(source: GeneratedPreferencesSource, tokenizer: Byt
     return pairs
 
 
-def load_preference_pairs(source: PreferenceSource, tokenizer: ByteTokenizer) -> list[PreferencePair]:
+def load_preference_pairs(source: PreferenceSource, tokenizer: Tokenizer) -> list[PreferencePair]:
     if isinstance(source, PreferencesJsonlSource):
         return read_preference_jsonl(source, tokenizer)
     return generate_preference_pairs(source, tokenizer)
 
 
-def pack_pairs(pairs: list[PreferencePair], seq_len: int) -> PackedRows:
+def pack_pairs(pairs: list[PreferencePair], seq_len: int, pad_id: int) -> PackedRows:
     """Rows of seq_len + 1 tokens holding whole pairs (chosen id, then rejected id), padded at the end."""
     if not pairs:
         raise DataError("cannot pack an empty list of preference pairs")
@@ -95,7 +95,7 @@ def pack_pairs(pairs: list[PreferencePair], seq_len: int) -> PackedRows:
 
     def close_row() -> None:
         padding = width - len(tokens)
-        rows.append((tokens + [PAD] * padding, ids + [ids[-1]] * padding, targets + [False] * padding))
+        rows.append((tokens + [pad_id] * padding, ids + [ids[-1]] * padding, targets + [False] * padding))
 
     for pair in pairs:
         if len(pair) > width:
@@ -119,13 +119,14 @@ def pack_pairs(pairs: list[PreferencePair], seq_len: int) -> PackedRows:
     )
 
 
-def preference_rows(config: DataConfig, seed: int, tokenizer: ByteTokenizer) -> tuple[PackedRows, PackedRows | None]:
+def preference_rows(config: DataConfig, seed: int, tokenizer: Tokenizer) -> tuple[PackedRows, PackedRows | None]:
     """Train and eval rows (eval None when nothing is held out); pairs, not documents, are split."""
     source = config.source
     if not isinstance(source, (PreferencesJsonlSource, GeneratedPreferencesSource)):
         raise DataError(f"data.source.type {source.type!r} holds no preference pairs")
     train, held_out = split_documents(load_preference_pairs(source, tokenizer), config.eval_fraction, seed)
-    return pack_pairs(train, config.seq_len), pack_pairs(held_out, config.seq_len) if held_out else None
+    pad = tokenizer.pad_id
+    return pack_pairs(train, config.seq_len, pad), pack_pairs(held_out, config.seq_len, pad) if held_out else None
 
 
 @dataclass

@@ -1,8 +1,18 @@
-"""Byte-level tokenizer: every UTF-8 byte is a token, so no vocabulary file is ever needed."""
+"""The run's tokenizer: one interface, the byte tokenizer as the default, a Hugging Face tokenizer from local files.
+
+Everything that turns text into ids or back (data sets, chat records, rollouts, generation, HF export)
+takes a `Tokenizer` object built once per run by `build_tokenizer`; nothing imports special ids.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from fastlm.data.config import TokenizerConfig
 
 BYTE_TOKENS = 256
 BOS = 256
@@ -11,10 +21,46 @@ PAD = 258
 SEP = 259
 SPECIAL_TOKENS: dict[int, str] = {BOS: "<bos>", EOS: "<eos>", PAD: "<pad>", SEP: "<sep>"}
 
+Message = dict[str, str]  # {"role": "user" | "assistant" | "system", "content": str}
+
+# Files that make a directory a Hugging Face tokenizer (any one of them).
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot serve the run (missing files, no EOS); the message names the file and the fix."""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What fastlm needs from a tokenizer. `bos_id` may be None (Qwen2 has no BOS); `eos_id` never is."""
+
+    name: str
+    bos_id: int | None
+    eos_id: int
+    pad_id: int
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str: ...
+
+    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str: ...
+
 
 class ByteTokenizer:
-    """Ids 0..255 are bytes; BOS/EOS/PAD/SEP follow, giving the default model vocab of 260."""
+    """Ids 0..255 are bytes; BOS/EOS/PAD/SEP follow, giving the default model vocab of 260.
 
+    Its chat format is plain text ("### role\\ncontent\\n" per turn); EOS is appended as a target after a
+    conversation's last assistant turn (fastlm/data/chat.py) so a model learns to stop.
+    """
+
+    name = "byte"
     bos_id: int = BOS
     eos_id: int = EOS
     pad_id: int = PAD
@@ -23,6 +69,10 @@ class ByteTokenizer:
     @property
     def vocab_size(self) -> int:
         return BYTE_TOKENS + len(SPECIAL_TOKENS)
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(f"byte:{self.vocab_size}:{sorted(SPECIAL_TOKENS.items())}".encode()).hexdigest()[:16]
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         """UTF-8 bytes of `text`, optionally framed by BOS/EOS."""
@@ -46,3 +96,35 @@ class ByteTokenizer:
                 raise ValueError(f"token id {token} is outside the byte tokenizer vocab 0..{self.vocab_size - 1}")
         pieces.append(out.decode("utf-8", errors="replace"))
         return "".join(pieces)
+
+    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
+        text = "".join(f"### {m['role']}\n{m['content']}\n" for m in messages)
+        return text + ("### assistant\n" if add_generation_prompt else "")
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write a `tokenizers` file that transformers loads and that gives the same ids (fastlm/data/byte_export.py)."""
+        from fastlm.data.byte_export import save_byte_tokenizer
+
+        save_byte_tokenizer(self, Path(directory))
+
+
+def holds_hf_tokenizer(directory: str | Path) -> bool:
+    """Whether a local directory (e.g. `run.init_path`) carries tokenizer files."""
+    path = Path(directory)
+    return path.is_dir() and any((path / name).is_file() for name in HF_TOKENIZER_FILES)
+
+
+def build_tokenizer(config: "TokenizerConfig | None", init_path: str | None = None) -> Tokenizer:
+    """The run's tokenizer: `data.tokenizer` when set; else the tokenizer saved with `run.init_path`; else bytes."""
+    from fastlm.data.config import HuggingFaceTokenizerConfig
+
+    if config is None:
+        if init_path is not None and holds_hf_tokenizer(init_path):
+            config = HuggingFaceTokenizerConfig(path=str(init_path))
+        else:
+            return ByteTokenizer()
+    if isinstance(config, HuggingFaceTokenizerConfig):
+        from fastlm.data.hf_tokenizer import HuggingFaceTokenizer
+
+        return HuggingFaceTokenizer.load(config)
+    return ByteTokenizer()

@@ -31,7 +31,7 @@ from fastlm.data.batch import Batch
 from fastlm.data.datasets import DataError
 from fastlm.data.fingerprint import data_fingerprint, describe_change
 from fastlm.data.loader import BatchLoader, build_loaders
-from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.data.tokenizer import Tokenizer, build_tokenizer
 from fastlm.engine.checkpoint import (
     CheckpointError,
     LoadedCheckpoint,
@@ -53,6 +53,7 @@ from fastlm.engine.distributed import (
 )
 from fastlm.engine.optim import build_optimizer, build_scheduler
 from fastlm.engine.disk_space import ensure_space
+from fastlm.engine.preflight import preflight_issues
 from fastlm.engine.run_dir import FreshStart, RunDirError, RunDirLock
 from fastlm.engine.runtime import autocast, autocast_dtype, rng_state, seed_everything, select_device, set_rng_state
 from fastlm.engine.signals import StopRequest
@@ -92,6 +93,7 @@ class TrainSummary:
     run_dir: Path
     losses: list[float] = field(default_factory=list)  # train/loss of every step this call ran
     stopped_by: str | None = None  # the signal that ended the run early (a checkpoint of `steps` was written)
+    already_finished: bool = False  # a --resume of a run whose checkpoint is at trainer.steps: nothing ran
 
 
 def step_normalizers(batches: Iterable[Batch]) -> LossNormalizers:
@@ -115,11 +117,11 @@ class Trainer:
     """Builds everything from a `RunConfig`; `train()` runs (or resumes) to `trainer.steps`."""
 
     def __init__(self, config: RunConfig, rank: int | None = None):
-        issues = cross_check(config)
+        issues = [*cross_check(config), *preflight_issues(config)]
         if issues:
             raise ConfigError(issues)
-        tokenizer = ByteTokenizer()  # cross_check has already checked model.vocab_size covers it
         self.config = config
+        self.tokenizer = build_tokenizer(config.data.tokenizer, config.run.init_path)  # vocab checked by cross_check
         self.device = local_device(select_device(config.trainer))
         self.parallel = build_parallel(config.distributed, self.device)
         self.rank = self.parallel.rank if self.parallel.distributed else rank
@@ -134,7 +136,7 @@ class Trainer:
         self.train_model = parallelize(self.model, self.parallel, self.device)
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.scheduler = build_scheduler(self.optimizer, config.trainer.steps, config.schedule)
-        self.train_loader, eval_loader = self.build_loaders(tokenizer)
+        self.train_loader, eval_loader = self.build_loaders(self.tokenizer)
         self.data_fingerprint = data_fingerprint(config.data.source)  # what this run trains on, for resume checks
         self.eval_set = (
             [eval_loader.next_batch() for _ in range(config.trainer.eval_batches)] if eval_loader is not None else []
@@ -144,8 +146,9 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.checkpoints_written = 0  # by this process: a start that wrote one is not undone on failure
+        self.wandb_run_id: str | None = None  # kept in checkpoints: a resume logs to the same wandb run
 
-    def build_loaders(self, tokenizer: ByteTokenizer) -> tuple[Any, BatchLoader | None]:
+    def build_loaders(self, tokenizer: Tokenizer) -> tuple[Any, BatchLoader | None]:
         """The train data source (`next_batch`, `state_dict`, `load_state_dict`) and the eval loader; RL overrides it.
 
         Data parallel: batches of micro_batch_size * dp from the same seeded order, each dp rank keeping
@@ -263,6 +266,7 @@ class Trainer:
             "data": self.train_loader.state_dict(),
             "data_fingerprint": self.data_fingerprint,
             "rng": rng_state(),
+            "wandb_run_id": self.wandb_run_id,
         }
 
     def save(self) -> Path:
@@ -317,6 +321,7 @@ class Trainer:
             set_rng_state(state["rng"])
             self.step = int(state["step"])
             self.skipped_steps = int(state["skipped_steps"])
+            self.wandb_run_id = state.get("wandb_run_id")
         except CheckpointError:
             raise
         except Exception as error:  # noqa: BLE001 - a malformed piece of a hostile checkpoint: skip it
@@ -392,6 +397,8 @@ class Trainer:
         try:
             if resume:
                 self.resume()
+                if self.step >= self.config.trainer.steps:  # nothing to run: no logger, no wandb run, no writes
+                    return self._summary([], None, 0, 0.0, None, already_finished=True)
                 if self.rank in (None, 0) and self.config.logging.jsonl:  # steps past the checkpoint are re-run
                     drop_records_after(self.run_dir / METRICS_FILE, self.step)
             else:
@@ -424,8 +431,11 @@ class Trainer:
         total_tokens, total_seconds = 0, 0.0  # throughput counts step time only (not eval, checkpoints, logging)
         window_tokens, window_seconds = 0, 0.0
         with StopRequest() as stop, MetricLogger(
-            self.config.logging, self.run_dir, self.config.run.name, trainer.steps, self._run_config(), self.rank
+            self.config.logging, self.run_dir, self.config.run.name, trainer.steps, self._run_config(), self.rank,
+            self.wandb_run_id,
         ) as logger:
+            if logger.wandb is not None and logger.wandb.run_id is not None:
+                self.wandb_run_id = logger.wandb.run_id
             while self.step < trainer.steps:
                 started = time.perf_counter()
                 result = self.train_step()
@@ -452,14 +462,19 @@ class Trainer:
                         print(f"fastlm: stopped by {stopped_by} after step {self.step}/{trainer.steps}; checkpoint "
                               f"{path}; continue with --resume", file=sys.stderr, flush=True)
                     break
+        return self._summary(losses, eval_loss, total_tokens, total_seconds, stopped_by)
+
+    def _summary(self, losses: list[float], eval_loss: float | None, tokens: int, seconds: float,
+                 stopped_by: str | None, already_finished: bool = False) -> TrainSummary:
         return TrainSummary(
             steps=self.step,
             first_loss=losses[0] if losses else None,
             last_loss=losses[-1] if losses else None,
-            tokens_per_second=total_tokens / max(total_seconds, 1e-9),
+            tokens_per_second=tokens / max(seconds, 1e-9),
             skipped_steps=self.skipped_steps,
             eval_loss=eval_loss,
             run_dir=self.run_dir,
             losses=losses,
             stopped_by=stopped_by,
+            already_finished=already_finished,
         )

@@ -23,7 +23,8 @@ class Sink(Protocol):
 class MetricLogger:
     """Only rank 0 writes; other ranks get a logger with no sinks, so call sites need no rank checks.
 
-    `run_config` (the resolved config plus facts such as the loss implementation) goes to wandb once.
+    `run_config` (the resolved config plus facts such as the loss implementation) goes to wandb once;
+    `wandb_run_id` continues an earlier wandb run (a resume).
     """
 
     def __init__(
@@ -34,6 +35,7 @@ class MetricLogger:
         total_steps: int,
         run_config: dict[str, Any] | None = None,
         rank: int | None = None,
+        wandb_run_id: str | None = None,
     ):
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self.run_dir = Path(run_dir)
@@ -44,7 +46,7 @@ class MetricLogger:
         if config.jsonl:
             self.sinks.append(JsonlSink(self.run_dir / METRICS_FILE))
         if config.wandb.enabled and config.wandb.mode != "disabled":
-            self.wandb = WandbSink(config.wandb, self.run_dir, run_name, run_config or {})
+            self.wandb = WandbSink(config.wandb, self.run_dir, run_name, run_config or {}, wandb_run_id)
             self.sinks.append(self.wandb)
         if config.progress:
             self.sinks.append(ProgressLine(total_steps))

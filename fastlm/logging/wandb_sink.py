@@ -36,7 +36,9 @@ def resolve_mode(config: WandbConfig) -> str:
 class WandbSink:
     """Logs to a wandb run whose files live under the run directory."""
 
-    def __init__(self, config: WandbConfig, run_dir: Path, default_name: str, run_config: dict[str, Any]):
+    def __init__(self, config: WandbConfig, run_dir: Path, default_name: str, run_config: dict[str, Any],
+                 run_id: str | None = None):
+        """`run_id` (a resumed run's, from its checkpoint) continues that wandb run instead of starting one."""
         self.mode = resolve_mode(config)
         self._run = None
         self._warned = False
@@ -52,6 +54,8 @@ class WandbSink:
                 dir=str(run_dir),
                 config=run_config,
                 reinit="create_new",
+                id=run_id,
+                resume="allow" if run_id is not None else None,
             )
         except Exception as error:  # noqa: BLE001 - wandb may fail in many ways; training must go on
             self._warn("init", error)
@@ -59,6 +63,11 @@ class WandbSink:
     @property
     def active(self) -> bool:
         return self._run is not None
+
+    @property
+    def run_id(self) -> str | None:
+        """The wandb run's id, which a checkpoint keeps so that a resume logs to the same run."""
+        return None if self._run is None else self._run.id
 
     def _warn(self, stage: str, error: BaseException) -> None:
         if not self._warned:

@@ -27,7 +27,7 @@ from pydantic import TypeAdapter, ValidationError
 from safetensors.torch import load_file, save_file
 
 from fastlm.config.errors import ConfigError, ConfigIssue
-from fastlm.data.tokenizer import BOS, EOS, PAD
+from fastlm.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from fastlm.models.config import GPT2Config, LlamaConfig, ModelConfig
 from fastlm.models.build import num_parameters
 from fastlm.models.decoder import DecoderLM, build_model
@@ -212,10 +212,14 @@ def hf_model_type(config: DecoderConfigType) -> str:
     return "mistral" if config.sliding_window else "llama"
 
 
-def config_to_hf(config: DecoderConfigType, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """The config.json of the HF model that computes the same logits; `ConfigError` if none does."""
+def config_to_hf(config: DecoderConfigType, tokenizer: Tokenizer, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The config.json of the HF model that computes the same logits, with the tokenizer's special ids;
+    `ConfigError` if no HF model does."""
     issues = []
     head = config.head
+    if tokenizer.vocab_size > config.vocab_size:
+        issues.append(ConfigIssue("model.vocab_size", f"smaller than the {tokenizer.name} tokenizer's "
+                                  f"{tokenizer.vocab_size} ids", config.vocab_size, hint="export with the run's tokenizer"))
     if head.logit_scale != 1.0:
         issues.append(ConfigIssue("model.head.logit_scale", "HF causal LMs have no logit scale", head.logit_scale,
                                   hint="export a model trained with logit_scale 1.0"))
@@ -231,8 +235,8 @@ def config_to_hf(config: DecoderConfigType, dtype: torch.dtype = torch.float32) 
               "dtype": str(dtype).removeprefix("torch."),
               "vocab_size": config.vocab_size, "initializer_range": config.init_std,
               "tie_word_embeddings": config.tie_embeddings,
-              **{key: token for key, token in (("bos_token_id", BOS), ("eos_token_id", EOS), ("pad_token_id", PAD))
-                 if token < config.vocab_size}}
+              **{key: token for key, token in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.eos_id),
+                                               ("pad_token_id", tokenizer.pad_id)) if token is not None}}
     if isinstance(config, GPT2Config):
         return {**common, "n_embd": config.hidden_size, "n_layer": config.num_layers, "n_head": config.num_heads,
                 "n_positions": config.max_seq_len, "n_inner": config.ffn_size, "activation_function": "gelu_new",
@@ -421,7 +425,7 @@ def _inside(directory: Path, name: Any, source: Path) -> Path:
     return path
 
 
-def _weight_files(directory: Path) -> list[Path]:
+def weight_files(directory: Path) -> list[Path]:
     """The safetensors files of a checkpoint: those its index names, else every *.safetensors, all inside it."""
     index = directory / INDEX_FILE
     if index.exists():
@@ -440,7 +444,7 @@ def _weight_files(directory: Path) -> list[Path]:
 def read_hf_tensors(directory: str | Path) -> StateDict:
     """All tensors of a (possibly sharded) safetensors checkpoint, on CPU, in the stored dtype."""
     directory = Path(directory)
-    files = _weight_files(directory)
+    files = weight_files(directory)
     if not files:
         pickled = [p.name for p in directory.glob("*.bin")]
         hint = (f"found {pickled}: pickle checkpoints are not loaded; re-save with save_pretrained(safe_serialization=True)"
@@ -534,19 +538,22 @@ def import_hf(directory: str | Path, device: torch.device | str | None = None) -
     return model
 
 
-def save_hf(config: DecoderConfigType, state: Mapping[str, torch.Tensor], directory: str | Path) -> Path:
-    """Write config.json + model.safetensors that transformers' `from_pretrained` loads."""
-    hf_config = config_to_hf(config, next(iter(state.values())).dtype)
+def save_hf(config: DecoderConfigType, state: Mapping[str, torch.Tensor], directory: str | Path,
+            tokenizer: Tokenizer) -> Path:
+    """Write config.json + model.safetensors + the tokenizer's files: transformers' `from_pretrained` loads
+    the model and `AutoTokenizer` its tokenizer from the one folder."""
+    hf_config = config_to_hf(config, tokenizer, next(iter(state.values())).dtype)
     tensors = to_hf_state(state, config)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tokenizer.save_pretrained(directory)
     return directory
 
 
-def export_hf(model: DecoderLM, directory: str | Path) -> Path:
-    return save_hf(model.config, model.state_dict(), directory)
+def export_hf(model: DecoderLM, directory: str | Path, tokenizer: Tokenizer) -> Path:
+    return save_hf(model.config, model.state_dict(), directory, tokenizer)
 
 
 # --- the fastlm side of `fastlm convert` ----------------------------------------------------------
@@ -560,27 +567,31 @@ def save_fastlm(model: DecoderLM, directory: str | Path, init_path: str | None =
     return directory
 
 
-def load_fastlm(source: str | Path) -> tuple[DecoderConfigType, StateDict]:
-    """Model config + weights from a `save_fastlm` folder, a checkpoint step folder (manifest.json),
-    a checkpoints folder (`latest`) or a run folder (checkpoints/): the newest verified checkpoint."""
+def load_fastlm(source: str | Path) -> tuple[DecoderConfigType, StateDict, Tokenizer]:
+    """Model config, weights and the run's tokenizer from a `save_fastlm` folder, a checkpoint step folder
+    (manifest.json), a checkpoints folder (`latest`) or a run folder (checkpoints/): the newest verified
+    checkpoint. The tokenizer is the stored run config's (`data.tokenizer`, else `run.init_path`'s, else bytes)."""
+    from fastlm.data.config import TokenizerConfig
     from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, load_latest_checkpoint
 
     path = Path(source)
     if (path / FASTLM_CONFIG_FILE).is_file():
-        section = yaml.safe_load((path / FASTLM_CONFIG_FILE).read_text(encoding="utf-8"))["model"]
+        stored = yaml.safe_load((path / FASTLM_CONFIG_FILE).read_text(encoding="utf-8"))
     else:
         if not (path / MANIFEST_FILE).is_file():
             folder = path if (path / LATEST_FILE).is_file() else path / "checkpoints"
             path = load_latest_checkpoint(folder).path
-        section = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))["config"]["model"]
+        stored = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))["config"]
     try:
-        config = TypeAdapter(ModelConfig).validate_python(section)
+        config = TypeAdapter(ModelConfig).validate_python(stored["model"])
+        tokenizer_config = TypeAdapter(TokenizerConfig | None).validate_python(stored.get("data", {}).get("tokenizer"))
     except ValidationError as error:
-        raise ConfigError(f"{path}: stored model config is invalid: {error}") from None
+        raise ConfigError(f"{path}: stored config is invalid: {error}") from None
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
         raise ConfigError(ConfigIssue("", f"{weights} is missing", source=str(path)))
-    return config, load_file(str(weights), device="cpu")
+    tokenizer = build_tokenizer(tokenizer_config, stored.get("run", {}).get("init_path"))
+    return config, load_file(str(weights), device="cpu"), tokenizer
 
 
 def convert_command(from_hf: str | None, to: str | None, from_fastlm: str | None, to_hf: str | None) -> int:
@@ -598,9 +609,12 @@ def convert_command(from_hf: str | None, to: str | None, from_fastlm: str | None
             return 0
         if from_fastlm is None or to is not None:
             raise ConfigError("--to-hf DIR needs --from SRC (a checkpoint or a `convert --to` folder) and no --to")
-        config, state = load_fastlm(from_fastlm)
-        print(f"wrote {save_hf(config, state, to_hf)} ({hf_model_type(config)})")
+        config, state, tokenizer = load_fastlm(from_fastlm)
+        print(f"wrote {save_hf(config, state, to_hf, tokenizer)} ({hf_model_type(config)}, {tokenizer.name} tokenizer)")
         return 0
     except ConfigError as error:
         print(error.render(), file=sys.stderr)
+        return 2
+    except TokenizerError as error:
+        print(f"fastlm convert: {error}", file=sys.stderr)
         return 2

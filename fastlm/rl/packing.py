@@ -17,7 +17,6 @@ from fastlm.data.batch import Batch, batch_from_rows
 from fastlm.data.datasets import PackedRows
 from fastlm.data.loader import BatchLoader
 from fastlm.data.offline_rl import PolicySample
-from fastlm.data.tokenizer import PAD
 from fastlm.engine.runtime import autocast
 from fastlm.losses.spec import IGNORE_INDEX, transform_logits
 from fastlm.models.decoder import DecoderLM
@@ -51,14 +50,14 @@ def _first_fit_rows(lengths: list[int], width: int) -> list[list[int]]:
     return rows
 
 
-def pack_policy_samples(samples: list[PolicySample], seq_len: int) -> PolicyRows:
+def pack_policy_samples(samples: list[PolicySample], seq_len: int, pad_id: int) -> PolicyRows:
     """Pack whole documents into rows of seq_len + 1 tokens; padding is its own document, never a target."""
     if not samples:
         raise ValueError("pack_policy_samples needs at least one sample")
     width = seq_len + 1
     layout = _first_fit_rows([len(s.prompt_tokens) + len(s.completion_tokens) for s in samples], width)
     shape = (len(layout), width)
-    tokens = torch.full(shape, PAD, dtype=torch.int64)
+    tokens = torch.full(shape, pad_id, dtype=torch.int64)
     document_ids = torch.zeros(shape, dtype=torch.int64)
     target_mask = torch.zeros(shape, dtype=torch.bool)
     old_logp = torch.zeros(shape, dtype=torch.float32)

@@ -19,7 +19,7 @@ and rollout metrics are those of the global rollout, identical on every rank. dp
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from fastlm.data.batch import Batch
 from fastlm.data.offline_rl import PolicySample
 from fastlm.data.tasks import AdditionTask, Problem, ReverseTask, Task, demonstrations, score
-from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.data.tokenizer import Tokenizer
 from fastlm.engine.distributed import RankShardLoader
 from fastlm.losses.validation import ProcessGroup
 from fastlm.models.decoder import DecoderLM
@@ -37,7 +37,6 @@ from fastlm.rl.config import AdditionTaskConfig, RLConfig, TaskConfig
 from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples, policy_logprobs, split_into_batches
 from fastlm.rl.sampler import Completion, SamplingOptions, sample_completions
 
-TOKENIZER = ByteTokenizer()
 SEED_STRIDE = 1_000_003  # between the sampling seeds of dp ranks (a prime: runs with nearby seeds never share one)
 
 
@@ -47,10 +46,10 @@ def build_task(config: TaskConfig) -> Task:
     return ReverseTask(config.length, config.alphabet)
 
 
-def completion_text(completion: Completion) -> str:
+def completion_text(completion: Completion, tokenizer: Tokenizer) -> str:
     """The answer text before the stop token; other special tokens stay visible (so they cost reward)."""
     body = completion.tokens[:-1] if completion.stopped else completion.tokens
-    return TOKENIZER.decode(body, skip_special=False)
+    return tokenizer.decode(body, skip_special=False)
 
 
 @dataclass(frozen=True)
@@ -99,6 +98,7 @@ def draw_rollout(
     config: RLConfig,
     options: SamplingOptions,
     generator: torch.Generator,
+    tokenizer: Tokenizer,
     amp_dtype: torch.dtype | None = None,
     shard: RolloutShard = RolloutShard(),
 ) -> Rollout:
@@ -108,11 +108,11 @@ def draw_rollout(
     the samples are this rank's.
     """
     group = config.group_size
-    prompts = [TOKENIZER.encode(p.prompt, bos=True) for p in problems for _ in range(group)]
+    prompts = [tokenizer.encode(p.prompt, bos=True) for p in problems for _ in range(group)]
     completions = sample_completions(model, prompts, options, generator, amp_dtype)
     local = torch.tensor(
         [
-            [score(task, problems[i // group], completion_text(c), c.stopped, config.format_reward),
+            [score(task, problems[i // group], completion_text(c, tokenizer), c.stopped, config.format_reward),
              len(c.tokens), float(c.stopped)]
             for i, c in enumerate(completions)
         ],
@@ -130,13 +130,13 @@ def draw_rollout(
 @torch.no_grad()
 def evaluate_greedy(
     model: DecoderLM, task: Task, problems: list[Problem], options: SamplingOptions, format_reward: float,
-    amp_dtype: torch.dtype | None = None,
+    tokenizer: Tokenizer, amp_dtype: torch.dtype | None = None,
 ) -> dict[str, float]:
     """Mean reward and exact-answer accuracy of greedy completions on fixed problems."""
-    greedy = SamplingOptions(options.max_new_tokens, 0.0, 1.0, options.stop_token, options.logit_scale, options.softcap)
-    prompts = [TOKENIZER.encode(p.prompt, bos=True) for p in problems]
+    greedy = replace(options, temperature=0.0, top_p=1.0)
+    prompts = [tokenizer.encode(p.prompt, bos=True) for p in problems]
     completions = sample_completions(model, prompts, greedy, torch.Generator(), amp_dtype)
-    texts = [completion_text(c) for c in completions]
+    texts = [completion_text(c, tokenizer) for c in completions]
     rewards = [score(task, p, t, c.stopped, format_reward) for p, t, c in zip(problems, texts, completions)]
     correct = [c.stopped and t == p.answer for p, t, c in zip(problems, texts, completions)]
     return {"reward": sum(rewards) / len(rewards), "accuracy": sum(correct) / len(correct)}
@@ -158,10 +158,12 @@ class RolloutLoader:
         micro_batch_size: int,
         grad_accumulation: int,
         seed: int,
+        tokenizer: Tokenizer,
         amp_dtype: torch.dtype | None = None,
         shard: RolloutShard = RolloutShard(),
     ):
         self.model = model
+        self.tokenizer = tokenizer
         self.config = config
         self.options = options
         self.seq_len = seq_len
@@ -175,10 +177,10 @@ class RolloutLoader:
         if config.warmup_steps:
             shown = demonstrations(self.task, config.warmup_demonstrations, config.warmup_noise, seed + 1)
             samples = [
-                PolicySample(TOKENIZER.encode(p.prompt, bos=True), TOKENIZER.encode(p.answer, eos=True), 0.0)
+                PolicySample(tokenizer.encode(p.prompt, bos=True), tokenizer.encode(p.answer, eos=True), 0.0)
                 for p in shown
             ]
-            self.demos = rank_rows(PolicyBatchLoader(pack_policy_samples(samples, seq_len),
+            self.demos = rank_rows(PolicyBatchLoader(pack_policy_samples(samples, seq_len, tokenizer.pad_id),
                                                      micro_batch_size * shard.count, seed), shard)
         self.prompt_rng = random.Random(seed + 2)
         self.generator = torch.Generator().manual_seed(self.sampling_seed())
@@ -202,8 +204,9 @@ class RolloutLoader:
         count = self.config.prompts_per_rollout * self.shard.count
         problems = self.shard.block([self.task.sample(self.prompt_rng) for _ in range(count)])
         rollout = draw_rollout(self.model, self.task, problems, self.config, self.options, self.generator,
-                               self.amp_dtype, self.shard)
-        batches = split_into_batches(pack_policy_samples(rollout.samples, self.seq_len), self.grad_accumulation)
+                               self.tokenizer, self.amp_dtype, self.shard)
+        rows = pack_policy_samples(rollout.samples, self.seq_len, self.tokenizer.pad_id)
+        batches = split_into_batches(rows, self.grad_accumulation)
         for batch in batches:
             batch.old_logp = policy_logprobs(
                 self.model, batch, self.options.logit_scale, self.options.softcap, self.amp_dtype

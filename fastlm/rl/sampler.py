@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from fastlm.data.tokenizer import EOS, PAD
 from fastlm.engine.runtime import autocast
 from fastlm.losses.spec import transform_logits
 from fastlm.models.decoder import DecoderLM
@@ -22,9 +21,10 @@ from fastlm.models.decoder import DecoderLM
 @dataclass(frozen=True)
 class SamplingOptions:
     max_new_tokens: int
+    stop_token: int  # the tokenizer's EOS
+    pad_token: int  # fills positions after a row stopped (never read by a later token)
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
-    stop_token: int = EOS
     logit_scale: float = 1.0
     softcap: float | None = None
 
@@ -83,7 +83,7 @@ def sample_completions(
     model.eval()
     lengths = torch.tensor([len(p) for p in prompts])
     width = int(lengths.max()) + options.max_new_tokens
-    tokens = torch.full((len(prompts), width), PAD, dtype=torch.int64)
+    tokens = torch.full((len(prompts), width), options.pad_token, dtype=torch.int64)
     for row, prompt in enumerate(prompts):
         tokens[row, : len(prompt)] = torch.tensor(prompt)
     rows = torch.arange(len(prompts))
@@ -104,7 +104,7 @@ def sample_completions(
             probs = next_token_distribution(logits, options.temperature, options.top_p)
             choice = torch.multinomial(probs, 1, generator=generator).squeeze(1)
             logprob = probs.gather(1, choice[:, None]).squeeze(1).log()
-        choice = torch.where(done, torch.full_like(choice, PAD), choice)
+        choice = torch.where(done, torch.full_like(choice, options.pad_token), choice)
         tokens[rows, positions + 1] = choice
         drawn.append(choice)
         logprobs.append(logprob)

@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.config.schema import RunConfig
 from fastlm.data.config import OfflineRLSource
 from fastlm.data.offline_rl import load_offline_rl
+from fastlm.data.summary import check_batch_fits
 from fastlm.data.tasks import Problem
-from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.data.tokenizer import Tokenizer
 from fastlm.engine.distributed import RankShardLoader
 from fastlm.engine.optim import lr_multiplier
 from fastlm.engine.trainer import StepResult, Trainer, TrainSummary
@@ -45,26 +45,6 @@ class RLSummary(TrainSummary):
     eval_rewards: list[tuple[int, float]] = field(default_factory=list)  # (step, greedy eval reward)
 
 
-def _policy_child(config: RunConfig) -> str:
-    kinds = [c.type for c in config.model.head.losses.values() if c.type in ("grpo", "gspo")]
-    if len(kinds) != 1:
-        raise ConfigError(ConfigIssue(
-            "model.head.losses", f"an RL run needs exactly one grpo or gspo child, found {kinds or 'none'}",
-            sorted(config.model.head.losses), hint="e.g. losses: {grpo: {type: grpo}, z_loss: {type: z_loss}}",
-        ))
-    return kinds[0]
-
-
-def _check(config: RunConfig, rl: RLConfig, offline: bool) -> None:
-    _policy_child(config)
-    if offline and rl.warmup_steps:
-        raise ConfigError(ConfigIssue("rl.warmup_steps", "the supervised warm-up needs the online task, not "
-                                      "offline_rl data", rl.warmup_steps, hint="set rl.warmup_steps: 0"))
-    if rl.warmup_steps >= config.trainer.steps:
-        raise ConfigError(ConfigIssue("rl.warmup_steps", f"leaves no RL steps out of trainer.steps "
-                                      f"({config.trainer.steps})", rl.warmup_steps, hint="lower it or raise trainer.steps"))
-
-
 def warmup_head_config(head: LMHeadConfig) -> LMHeadConfig:
     """Cross-entropy plus the policy head's z_loss (if any), same numerics (scale, softcap, path)."""
     losses: dict[str, Any] = {"cross_entropy": CrossEntropyConfig()}
@@ -72,9 +52,11 @@ def warmup_head_config(head: LMHeadConfig) -> LMHeadConfig:
     return head.model_copy(update={"losses": losses})
 
 
-def sampling_options(rl: RLConfig, head: LMHeadConfig) -> SamplingOptions:
-    """The rollout sampler's settings; the head's logit transform so sampling sees the loss's softmax."""
-    return SamplingOptions(rl.max_new_tokens, rl.temperature, rl.top_p, logit_scale=head.logit_scale, softcap=head.softcap)
+def sampling_options(rl: RLConfig, head: LMHeadConfig, tokenizer: Tokenizer) -> SamplingOptions:
+    """The rollout sampler's settings: stop at the tokenizer's EOS; the head's logit transform so sampling
+    sees the loss's softmax."""
+    return SamplingOptions(rl.max_new_tokens, tokenizer.eos_id, tokenizer.pad_id, rl.temperature, rl.top_p,
+                           logit_scale=head.logit_scale, softcap=head.softcap)
 
 
 def rl_scheduler(optimizer: torch.optim.Optimizer, config: RunConfig, rl: RLConfig) -> torch.optim.lr_scheduler.LambdaLR:
@@ -91,11 +73,10 @@ class RLTrainer(Trainer):
     def __init__(self, config: RunConfig, rank: int | None = None):
         self.rl = config.rl or RLConfig()
         self.offline = isinstance(config.data.source, OfflineRLSource)
-        _check(config, self.rl, self.offline)
         super().__init__(config, rank)
         # Replaces the base schedule before any step; base_lrs stay the optimizer's initial lr.
         self.scheduler = rl_scheduler(self.optimizer, config, self.rl)
-        self.options = sampling_options(self.rl, config.model.head)
+        self.options = sampling_options(self.rl, config.model.head, self.tokenizer)
         self.policy_head = self.model.head
         self.warmup_head = LMHead(warmup_head_config(config.model.head))
         self.eval_problems: list[Problem] = []
@@ -105,16 +86,17 @@ class RLTrainer(Trainer):
             self.eval_problems = [task.sample(rng) for _ in range(self.rl.eval_prompts)]
         self.eval_rewards: list[tuple[int, float]] = []
 
-    def build_loaders(self, tokenizer: ByteTokenizer) -> tuple[RolloutLoader | PolicyBatchLoader | RankShardLoader, None]:
+    def build_loaders(self, tokenizer: Tokenizer) -> tuple[RolloutLoader | PolicyBatchLoader | RankShardLoader, None]:
         data, seed, parallel = self.config.data, self.config.run.seed, self.parallel
         shard = RolloutShard(parallel.dp_rank, parallel.dp_size, parallel.dp_group, self.device)
         if self.offline:
             samples = load_offline_rl(self.config.data.source.path, tokenizer)
-            rows = pack_policy_samples(samples, data.seq_len)
+            rows = pack_policy_samples(samples, data.seq_len, tokenizer.pad_id)
+            check_batch_fits(rows, None, data.micro_batch_size * shard.count)
             return rank_rows(PolicyBatchLoader(rows, data.micro_batch_size * shard.count, seed), shard), None
-        options = sampling_options(self.rl, self.config.model.head)
+        options = sampling_options(self.rl, self.config.model.head, tokenizer)
         loader = RolloutLoader(self.model, self.rl, options, data.seq_len, data.micro_batch_size,
-                               self.config.trainer.grad_accumulation, seed, self.amp_dtype, shard)
+                               self.config.trainer.grad_accumulation, seed, tokenizer, self.amp_dtype, shard)
         return loader, None
 
     @property
@@ -143,7 +125,7 @@ class RLTrainer(Trainer):
             record["train/rl/rollouts"] = float(loader.rollouts)
         if self._eval_due():
             scores = evaluate_greedy(self.model, loader.task, self.eval_problems, self.options,
-                                     self.rl.format_reward, self.amp_dtype)
+                                     self.rl.format_reward, self.tokenizer, self.amp_dtype)
             record["eval/reward"], record["eval/accuracy"] = scores["reward"], scores["accuracy"]
             self.eval_rewards.append((self.step, scores["reward"]))
         return record
@@ -152,7 +134,7 @@ class RLTrainer(Trainer):
         summary = super().train(resume)
         rewards = list(self.train_loader.rewards) if isinstance(self.train_loader, RolloutLoader) else []
         result = RLSummary(**vars(summary), rewards=rewards, eval_rewards=list(self.eval_rewards))
-        if self.rank in (None, 0):
+        if self.rank in (None, 0) and not summary.already_finished:
             print(describe_rl(result), file=sys.stderr)
         return result
 

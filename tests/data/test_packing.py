@@ -19,7 +19,7 @@ def _docs(*texts: str) -> list[Document]:
 
 
 def _rows_batch(documents: list[Document], seq_len: int):
-    rows = pack_documents(documents, seq_len)
+    rows = pack_documents(documents, seq_len, PAD)
     return rows, batch_from_rows(rows.tokens, rows.document_ids, rows.target_mask)
 
 
@@ -48,7 +48,7 @@ def test_prompt_tokens_are_never_labels() -> None:
 
 
 def test_batch_ids_unique_across_rows_when_a_row_repeats() -> None:
-    rows = pack_documents(_docs("abcdef"), seq_len=7)  # exactly one row of 8, no padding
+    rows = pack_documents(_docs("abcdef"), seq_len=7, pad_id=PAD)  # exactly one row of 8, no padding
     loader = BatchLoader(rows, batch_size=3, seed=0)
     batch = loader.next_batch()  # one row, drawn three times
     assert batch.num_documents == 3
@@ -65,13 +65,13 @@ def test_generated_corpus_is_deterministic_and_split() -> None:
 
 def test_loader_resume_continues_exactly() -> None:
     config = DataConfig(source=GeneratedSource(num_documents=4, seed=1), seq_len=16, micro_batch_size=4)
-    loader, _ = build_loaders(config, seed=5)
+    loader, _ = build_loaders(config, seed=5, tokenizer=ByteTokenizer())
     for _ in range(7):  # 28 rows drawn from fewer than 28: crosses an epoch boundary
         loader.next_batch()
     state = loader.state_dict()
     assert state["epoch"] >= 1 and len(loader.rows) < 28
     expected = [loader.next_batch().input_ids for _ in range(5)]
-    resumed, _ = build_loaders(config, seed=5)
+    resumed, _ = build_loaders(config, seed=5, tokenizer=ByteTokenizer())
     resumed.load_state_dict(state)
     for want in expected:
         assert torch.equal(resumed.next_batch().input_ids, want)

@@ -13,7 +13,6 @@ import torch
 from fastlm.config.errors import ConfigError
 from fastlm.config.loader import load_config
 from fastlm.config.schema import RunConfig
-from fastlm.engine.checkpoint import CheckpointError
 from fastlm.engine.distill import DistillationTrainer
 from fastlm.engine.select import trainer_class_for
 from fastlm.engine.trainer import Trainer
@@ -131,12 +130,13 @@ def test_teacher_path_errors(teacher_dir: Path, tmp_path: Path) -> None:
 
     other_vocab = Trainer(load_config(CONFIGS / "tiny.yaml", [*_small(tmp_path, 1), "run.name=wide", "model.vocab_size=272"]))
     other_vocab.train()
-    with pytest.raises(CheckpointError, match=rf"{TEACHER_FIELD}: .*vocab_size is 272.*260"):
+    # Found by the start-up checks (validate runs the same), before any model is built.
+    with pytest.raises(ConfigError, match=rf"{TEACHER_FIELD}: .*vocab_size is 272.*260"):
         DistillationTrainer(_student(tmp_path, other_vocab.run_dir, 1))
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(CheckpointError, match="no usable checkpoint"):
+    with pytest.raises(ConfigError, match=rf"{TEACHER_FIELD}: no fastlm checkpoint there"):
         DistillationTrainer(_student(tmp_path, empty, 1))
 
 

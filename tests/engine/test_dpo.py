@@ -137,7 +137,7 @@ def test_preference_jsonl_packs_pairs_in_loss_order(tmp_path: Path) -> None:
     pairs = [{"prompt": f"{a}+{a}=", "chosen": str(2 * a), "rejected": str(2 * a + 1)} for a in range(7)]
     path = _write(tmp_path / "pairs.jsonl", [json.dumps(p) for p in pairs[:3]] + [""] + [json.dumps(p) for p in pairs[3:]])
     tokenizer = ByteTokenizer()
-    rows = pack_pairs(read_preference_jsonl(PreferencesJsonlSource(path=str(path)), tokenizer), seq_len=40)
+    rows = pack_pairs(read_preference_jsonl(PreferencesJsonlSource(path=str(path)), tokenizer), seq_len=40, pad_id=tokenizer.pad_id)
     batch = batch_from_rows(rows.tokens, rows.document_ids, rows.target_mask)
     assert len(rows) > 1  # pairs spill over rows, whole
     assert batch.num_documents == 2 * len(pairs)  # padding joins a document, never one of its own
@@ -174,7 +174,7 @@ def test_pair_longer_than_a_row_is_an_error(tmp_path: Path) -> None:
     path = _write(tmp_path / "long.jsonl", ['{"prompt": "' + "x" * 30 + '", "chosen": "a", "rejected": "b"}'])
     pairs = read_preference_jsonl(PreferencesJsonlSource(path=str(path)), ByteTokenizer())
     with pytest.raises(DataError, match=r"long.jsonl line 1: the pair is 66 tokens .* data.seq_len \+ 1 = 33"):
-        pack_pairs(pairs, seq_len=32)
+        pack_pairs(pairs, seq_len=32, pad_id=0)
 
 
 def test_accumulation_equals_one_big_batch(tmp_path: Path) -> None:

@@ -126,7 +126,7 @@ def test_init_path_starts_from_hf_weights(tiny_config: Callable[..., RunConfig],
     from fastlm.models.hf import export_hf
 
     source = Trainer(tiny_config("source", run={"seed": 7}))
-    export_hf(source.model, tmp_path / "hf")
+    export_hf(source.model, tmp_path / "hf", source.tokenizer)
     started = Trainer(tiny_config("started", run={"init_path": str(tmp_path / "hf")}))
     assert all(torch.equal(a, b) for a, b in zip(source.model.state_dict().values(),
                                                  started.model.state_dict().values(), strict=True))

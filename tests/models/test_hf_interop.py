@@ -22,6 +22,7 @@ from fastlm.config.loader import load_config
 from fastlm.losses.spec import LossNormalizers, LossTargets
 from fastlm.models.config import GPT2Config, LlamaConfig
 from fastlm.models.decoder import build_model
+from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.models.hf import (
     check_matches,
     config_from_hf,
@@ -142,7 +143,7 @@ def test_loss_and_gradients_match_in_float64(kind: str, saved: Callable[..., tup
 def test_export_reloads_with_identical_weights(kind: str, saved: Callable[..., tuple[torch.nn.Module, Path]],
                                                tmp_path: Path) -> None:
     reference, directory = saved(kind)
-    exported = export_hf(import_hf(directory), tmp_path / "exported")
+    exported = export_hf(import_hf(directory), tmp_path / "exported", ByteTokenizer())
     reloaded = _reload(exported)
     assert type(reloaded) is type(reference)
     original, again = reference.state_dict(), reloaded.state_dict()
@@ -164,7 +165,7 @@ def test_sharded_bf16_checkpoint_imports(tmp_path: Path) -> None:
     theirs = to_hf_state(model.state_dict(), model.config)
     assert all(value.dtype == torch.float32 for value in theirs.values())
     assert all(torch.equal(value, theirs[name].to(torch.bfloat16)) for name, value in reference.state_dict().items())
-    exported = export_hf(model.to(torch.bfloat16), tmp_path / "bf16")
+    exported = export_hf(model.to(torch.bfloat16), tmp_path / "bf16", ByteTokenizer())
     assert json.loads((exported / "config.json").read_text())["dtype"] == "bfloat16"
 
 
@@ -190,7 +191,7 @@ def test_fastlm_model_exports_to_transformers(config: LlamaConfig | GPT2Config, 
     torch.manual_seed(0)
     model = build_model(config).eval()
     _randomize(model, seed=7)
-    reloaded = _reload(export_hf(model, tmp_path / "out"))
+    reloaded = _reload(export_hf(model, tmp_path / "out", ByteTokenizer()))
     check_matches(config, config_from_hf(json.loads((tmp_path / "out" / "config.json").read_text())), "export")
     ids, _ = _inputs(seed=4)
     with torch.no_grad():
@@ -234,7 +235,7 @@ def test_unsupported_options_name_the_field(kind: str, overrides: dict[str, Any]
 def test_export_refuses_what_hf_cannot_express(tmp_path: Path) -> None:
     config = LlamaConfig(hidden_size=64, num_heads=4, dropout=0.1, head={"softcap": 30.0})
     with pytest.raises(ConfigError) as caught:
-        export_hf(build_model(config, "meta"), tmp_path / "out")
+        export_hf(build_model(config, "meta"), tmp_path / "out", ByteTokenizer())
     assert {issue.path for issue in caught.value.issues} == {"model.dropout", "model.head.softcap"}
     assert not (tmp_path / "out").exists()
 

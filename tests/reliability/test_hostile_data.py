@@ -17,6 +17,7 @@ from fastlm.data.batch import Batch
 from fastlm.data.config import DataConfig, JsonlSource
 from fastlm.data.datasets import DataError
 from fastlm.data.loader import build_loaders
+from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.checkpoint import CheckpointError, load_latest_checkpoint
 from fastlm.engine.trainer import Trainer
 
@@ -39,7 +40,7 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path: Path, bad_line: byte
     path = tmp_path / "data.jsonl"
     path.write_bytes(GOOD.encode() * 2 + bad_line + GOOD.encode())
     with pytest.raises(DataError, match=message) as caught:
-        build_loaders(DataConfig(source=JsonlSource(path=str(path)), seq_len=16, micro_batch_size=2), seed=0)
+        build_loaders(DataConfig(source=JsonlSource(path=str(path)), seq_len=16, micro_batch_size=2), 0, ByteTokenizer())
     assert f"{path} line 3" in str(caught.value)
 
 
@@ -48,11 +49,11 @@ def test_empty_completion_and_overlong_prompt_record(tmp_path: Path) -> None:
     fields = {"prompt_field": "q", "completion_field": "a"}
     path.write_text('{"q": "1+1=", "a": "2"}\n{"q": "", "a": ""}\n', encoding="utf-8")
     with pytest.raises(DataError, match=f"{path} line 2: field 'a' is empty"):
-        build_loaders(DataConfig(source=JsonlSource(path=str(path), **fields), seq_len=16, micro_batch_size=2), 0)
+        build_loaders(DataConfig(source=JsonlSource(path=str(path), **fields), seq_len=16, micro_batch_size=2), 0, ByteTokenizer())
     path.write_text('{"q": "1+1=", "a": "2"}\n{"q": "' + "x" * 40 + '", "a": "y"}\n{"q": "2+2=", "a": "4"}\n',
                     encoding="utf-8")
     with pytest.raises(DataError, match=rf"{path} line 2: prompt \+ completion is 43 tokens.*data.seq_len \+ 1 = 17"):
-        build_loaders(DataConfig(source=JsonlSource(path=str(path), **fields), seq_len=16, micro_batch_size=2), 0)
+        build_loaders(DataConfig(source=JsonlSource(path=str(path), **fields), seq_len=16, micro_batch_size=2), 0, ByteTokenizer())
 
 
 def test_long_plain_text_documents_are_split_not_refused(tmp_path: Path) -> None:
@@ -60,7 +61,7 @@ def test_long_plain_text_documents_are_split_not_refused(tmp_path: Path) -> None
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"text": "z" * 100}) + "\n" + GOOD, encoding="utf-8")
     train, _ = build_loaders(DataConfig(source=JsonlSource(path=str(path)), seq_len=16, micro_batch_size=2,
-                                        eval_fraction=0.0), seed=0)
+                                        eval_fraction=0.0), seed=0, tokenizer=ByteTokenizer())
     assert len(train.rows) == 7  # 102 + 17 tokens in rows of 17
 
 

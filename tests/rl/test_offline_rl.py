@@ -12,6 +12,7 @@ import torch
 from fastlm.config.schema import RunConfig
 from fastlm.data.datasets import DataError
 from fastlm.data.offline_rl import load_offline_rl, write_offline_rl
+from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.select import trainer_class_for
 from fastlm.rl.packing import pack_policy_samples, policy_logprobs, rows_to_batch
 from fastlm.rl.trainer import RLTrainer
@@ -27,7 +28,7 @@ GOOD = {"prompt": "2+2=", "completion": "4", "advantage": 1.0, "old_logprobs": [
         (json.dumps({k: v for k, v in GOOD.items() if k != "advantage"}), "line 2: missing field 'advantage'"),
         (json.dumps({**GOOD, "prompt": 3}), "line 2: field 'prompt' must be a string, got int"),
         (json.dumps({**GOOD, "advantage": "high"}), "line 2: field 'advantage' must be a finite number"),
-        (json.dumps({**GOOD, "old_logprobs": [-0.5]}), r"must be a list of 2 numbers .*1 UTF-8 bytes \+ EOS\), got 1 values"),
+        (json.dumps({**GOOD, "old_logprobs": [-0.5]}), r"must be a list of 2 numbers .*1 tokens under the byte tokenizer \+ EOS\), got 1 values"),
         (json.dumps({**GOOD, "old_logprobs": [-0.5, 0.3]}), r"old_logprobs\[1\] = 0.3 is not a finite log-probability"),
         (json.dumps({**GOOD, "old_logprobs": [-0.5, None]}), r"old_logprobs\[1\] = None"),
     ],
@@ -36,19 +37,19 @@ def test_bad_records_name_file_and_line(tmp_path: Path, line: str, message: str)
     path = tmp_path / "rl.jsonl"
     path.write_text(json.dumps(GOOD) + "\n" + line + "\n")
     with pytest.raises(DataError, match=message) as error:
-        load_offline_rl(path)
+        load_offline_rl(path, ByteTokenizer())
     assert str(path) in str(error.value)
 
 
 def test_missing_and_empty_files(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="offline RL data file not found"):
-        load_offline_rl(tmp_path / "nope.jsonl")
+        load_offline_rl(tmp_path / "nope.jsonl", ByteTokenizer())
     (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "\xe9"}\n')
     with pytest.raises(DataError, match="not valid UTF-8 at byte 12"):
-        load_offline_rl(tmp_path / "latin1.jsonl")
+        load_offline_rl(tmp_path / "latin1.jsonl", ByteTokenizer())
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(DataError, match="no samples"):
-        load_offline_rl(tmp_path / "empty.jsonl")
+        load_offline_rl(tmp_path / "empty.jsonl", ByteTokenizer())
 
 
 def _records() -> list[dict]:
@@ -77,8 +78,8 @@ def test_offline_grpo_moves_logprobs_with_advantages(tmp_path: Path) -> None:
     })
     assert trainer_class_for(config) is RLTrainer
     trainer = RLTrainer(config)
-    samples = load_offline_rl(path)
-    rows = pack_policy_samples(samples, 32)
+    samples = load_offline_rl(path, trainer.tokenizer)
+    rows = pack_policy_samples(samples, 32, trainer.tokenizer.pad_id)
     batch = rows_to_batch(rows, torch.arange(len(rows)))
     before = policy_logprobs(trainer.model, batch, 1.0, None)
     summary = trainer.train()

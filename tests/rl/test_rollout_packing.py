@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastlm.data.offline_rl import PolicySample
-from fastlm.data.tokenizer import BOS, EOS
+from fastlm.data.tokenizer import BOS, EOS, PAD
 from fastlm.losses.spec import IGNORE_INDEX
 from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples, policy_logprobs, rows_to_batch, split_into_batches
 from tests.rl.rl_helpers import reference_logprobs, rel_err, tiny_model
@@ -25,7 +25,7 @@ def _samples(count: int, seed: int = 0) -> list[PolicySample]:
 
 def test_packed_batch_layout() -> None:
     samples = _samples(12)
-    rows = pack_policy_samples(samples, seq_len=15)
+    rows = pack_policy_samples(samples, seq_len=15, pad_id=PAD)
     batch = rows_to_batch(rows, torch.arange(len(rows)))
     found = 0
     for row in range(batch.labels.shape[0]):
@@ -51,7 +51,7 @@ def test_packed_batch_layout() -> None:
 
 
 def test_split_and_loader() -> None:
-    rows = pack_policy_samples(_samples(20), seq_len=15)
+    rows = pack_policy_samples(_samples(20), seq_len=15, pad_id=PAD)
     parts = split_into_batches(rows, 3)
     assert sum(b.labels.shape[0] for b in parts) == len(rows) and len(parts) == 3
     assert sum(b.num_documents for b in parts) == 20
@@ -67,14 +67,14 @@ def test_split_and_loader() -> None:
 def test_too_long_sample_is_named() -> None:
     sample = PolicySample([BOS] * 10, [EOS] * 10, 1.0)
     with pytest.raises(ValueError, match="sample 0 has 20 tokens .* data.seq_len \\+ 1 = 16"):
-        pack_policy_samples([sample], seq_len=15)
+        pack_policy_samples([sample], seq_len=15, pad_id=PAD)
 
 
 @pytest.mark.parametrize(("scale", "softcap"), [(1.0, None), (0.8, 3.0)])
 def test_policy_logprobs_match_float64_unpacked_forward(scale: float, softcap: float | None) -> None:
     model = tiny_model(1)
     samples = _samples(10, seed=2)
-    rows = pack_policy_samples(samples, seq_len=20)
+    rows = pack_policy_samples(samples, seq_len=20, pad_id=PAD)
     batch = rows_to_batch(rows, torch.arange(len(rows)))
     got = policy_logprobs(model, batch, scale, softcap)
     masked = batch.labels == IGNORE_INDEX

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastlm.data.tokenizer import BOS, EOS, ByteTokenizer
+from fastlm.data.tokenizer import BOS, EOS, PAD, ByteTokenizer
 from fastlm.rl.sampler import SamplingOptions, next_token_distribution, sample_completions
 from tests.rl.rl_helpers import reference_logprobs, rel_err, tiny_model
 
@@ -38,7 +38,7 @@ def test_sampled_logprobs_match_float64_forward(scale: float, softcap: float | N
     model = tiny_model()
     tokenizer = ByteTokenizer()
     prompts = [tokenizer.encode(text, bos=True) for text in ("1+2=", "7+8=", "ab>", "3+3=")]
-    options = SamplingOptions(max_new_tokens=6, logit_scale=scale, softcap=softcap)
+    options = SamplingOptions(max_new_tokens=6, stop_token=EOS, pad_token=PAD, logit_scale=scale, softcap=softcap)
     completions = sample_completions(model, prompts, options, torch.Generator().manual_seed(0))
     assert model.training  # mode restored
     worst = 0.0
@@ -54,7 +54,7 @@ def test_sampled_logprobs_match_float64_forward(scale: float, softcap: float | N
 def test_sampling_is_seeded_and_stops() -> None:
     model = tiny_model()
     prompts = [[BOS, 50, 43, 50, 61]] * 8
-    options = SamplingOptions(max_new_tokens=5, temperature=1.0)
+    options = SamplingOptions(max_new_tokens=5, stop_token=EOS, pad_token=PAD, temperature=1.0)
     first = sample_completions(model, prompts, options, torch.Generator().manual_seed(11))
     again = sample_completions(model, prompts, options, torch.Generator().manual_seed(11))
     other = sample_completions(model, prompts, options, torch.Generator().manual_seed(12))
@@ -63,13 +63,13 @@ def test_sampling_is_seeded_and_stops() -> None:
     # greedy picks the argmax; with that token as the stop token every completion ends right there
     with torch.no_grad():
         expected = int(model.logits(torch.tensor([prompts[0]]))[0, -1].argmax())
-    greedy = sample_completions(model, prompts, SamplingOptions(5, temperature=0.0, stop_token=expected), torch.Generator())
+    greedy = sample_completions(model, prompts, SamplingOptions(5, stop_token=expected, pad_token=PAD, temperature=0.0), torch.Generator())
     assert all(c.tokens == [expected] and c.stopped and c.logprobs == [0.0] for c in greedy)
 
 
 def test_bad_requests_are_named() -> None:
     model = tiny_model()
     with pytest.raises(ValueError, match="exceeds model.max_seq_len 48"):
-        sample_completions(model, [[BOS] * 45], SamplingOptions(max_new_tokens=4), torch.Generator())
+        sample_completions(model, [[BOS] * 45], SamplingOptions(max_new_tokens=4, stop_token=EOS, pad_token=PAD), torch.Generator())
     with pytest.raises(ValueError, match="every prompt needs a token"):
-        sample_completions(model, [[]], SamplingOptions(max_new_tokens=4), torch.Generator())
+        sample_completions(model, [[]], SamplingOptions(max_new_tokens=4, stop_token=EOS, pad_token=PAD), torch.Generator())

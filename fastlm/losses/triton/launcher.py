@@ -48,7 +48,7 @@ def _block_size(vocab: int, max_block: int) -> int:
 
 def default_max_block(vocab: int, distillation: bool = False) -> int:
     """Label-based children: a quarter of the row per block, 16384 at most (8192 at V=32000, 16384 at
-    V=131072: the fastest points of the H200 sweep, docs/benchmarks.md entry 12); a row of at most
+    V=131072: the fastest points of the H200 sweep, docs/tuning-log.md entry 12); a row of at most
     4096 columns is one block. With distillation (two live rows per block) 4096."""
     if distillation:
         return 4096
@@ -66,7 +66,7 @@ def default_num_warps(block: int) -> int:
 def default_prefetch(distillation: bool = False) -> bool:
     """Looped rows load the next vocab block before the current block's math: with distillation (two
     16-bit blocks per step) 7-9% faster on the H200 at 4096/4, every swept shape; the label-based
-    kernel is not faster with it (docs/benchmarks.md entry 17)."""
+    kernel is not faster with it (docs/tuning-log.md entry 17)."""
     return distillation
 
 

@@ -1,0 +1,82 @@
+"""How much data a run has and whether one batch fits in it: the dry run's data summary and size checks.
+
+A micro-batch larger than the data set would repeat rows inside one batch (the loader wraps epochs
+mid-batch), so it is an error; an eval split smaller than one micro-batch still gives an eval/loss
+(some rows counted twice), so it is a warning. Both name the numbers and the fields to change.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+from fastlm.config.errors import ConfigError, ConfigIssue
+from fastlm.data.datasets import PackedRows
+
+
+@dataclass(frozen=True)
+class SplitSize:
+    rows: int  # packed rows of seq_len + 1 tokens
+    tokens: int  # real tokens (padding excluded)
+    labels: int  # tokens that are training targets
+    documents: int | None  # documents (pairs count as two) where the tokenizer marks their start
+
+    def describe(self) -> str:
+        documents = "" if self.documents is None else f"{self.documents:,} documents, "
+        return f"{documents}{self.tokens:,} tokens ({self.labels:,} targets) in {self.rows:,} rows"
+
+
+def split_size(rows: PackedRows, pad_id: int, bos_id: int | None) -> SplitSize:
+    documents = None if bos_id is None else int((rows.tokens == bos_id).sum())
+    return SplitSize(len(rows), int((rows.tokens != pad_id).sum()), int(rows.target_mask.sum()), documents)
+
+
+@dataclass(frozen=True)
+class DataSummary:
+    train: SplitSize
+    eval: SplitSize | None
+    seq_len: int
+    batch_rows: int  # rows of one micro-batch over all data-parallel ranks
+    rows_per_step: int  # batch_rows * grad_accumulation
+    steps: int
+
+    @property
+    def epochs(self) -> float:
+        return self.rows_per_step * self.steps / self.train.rows
+
+    def describe(self) -> str:
+        lines = [
+            f"data: train {self.train.describe()} of {self.seq_len + 1} tokens",
+            f"data: eval {self.eval.describe()}" if self.eval is not None else "data: eval split: none",
+            f"data: {self.rows_per_step:,} rows per step x {self.steps:,} steps = {self.epochs:.2f} epochs "
+            f"of the train split",
+        ]
+        return "\n".join(lines)
+
+
+def check_batch_fits(train: PackedRows, evaluation: PackedRows | None, batch_rows: int, evaluated: bool = True) -> None:
+    """ConfigError when one micro-batch (`batch_rows`, all dp ranks) is larger than the train split; a
+    warning when it is larger than an eval split that is used."""
+    if len(train) < batch_rows:
+        raise ConfigError(ConfigIssue(
+            "data.micro_batch_size", f"one micro-batch needs {batch_rows} rows (micro_batch_size x data-parallel "
+            f"ranks), but the train split packs into only {len(train)} rows of data.seq_len + 1 tokens, so every "
+            "batch would repeat rows", batch_rows,
+            hint=f"lower data.micro_batch_size to at most {len(train)} (per rank), lower data.seq_len, or add data",
+        ))
+    if evaluated and evaluation is not None and len(evaluation) < batch_rows:
+        warnings.warn(
+            f"the eval split packs into {len(evaluation)} rows, fewer than one micro-batch of {batch_rows}: eval/loss "
+            "counts some rows twice; raise data.eval_fraction or lower data.micro_batch_size",
+            UserWarning, stacklevel=2,
+        )
+
+
+def summarize(train: PackedRows, evaluation: PackedRows | None, seq_len: int, batch_rows: int, grad_accumulation: int,
+              steps: int, pad_id: int, bos_id: int | None) -> DataSummary:
+    return DataSummary(
+        train=split_size(train, pad_id, bos_id),
+        eval=split_size(evaluation, pad_id, bos_id) if evaluation is not None else None,
+        seq_len=seq_len, batch_rows=batch_rows, rows_per_step=batch_rows * grad_accumulation, steps=steps,
+    )
+

@@ -1,0 +1,199 @@
+"""Checks of the machine and the files a config names, run before `train` touches the run directory.
+
+`cross_check` (fastlm/config/checks.py) judges the config alone; these look outside it: do the data
+files open, do the init / teacher / reference checkpoints hold loadable weights (headers only, no
+tensor is read), does this machine have the device, kernel and world size the config asks for.
+`fastlm validate`, `train --dry-run` and the trainer all call `preflight_issues`, so validate catches
+what train would fail on before its first step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import torch
+from pydantic import TypeAdapter, ValidationError
+from safetensors import safe_open
+
+from fastlm.config.errors import ConfigError, ConfigIssue
+from fastlm.config.schema import RunConfig
+from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, MODEL_FILE
+from fastlm.models.config import ModelConfig
+
+
+def preflight_issues(config: RunConfig) -> list[ConfigIssue]:
+    """Every problem `train` would hit before its first step that the config alone cannot show."""
+    return [*_data_file_issues(config), *_checkpoint_issues(config), *_device_issues(config), *_world_issues(config)]
+
+
+# --- data files ------------------------------------------------------------------------------------
+def _data_file_issues(config: RunConfig) -> list[ConfigIssue]:
+    path = getattr(config.data.source, "path", None)
+    if path is None:
+        return []
+    problem = _unreadable(Path(path))
+    if problem is None:
+        return []
+    return [ConfigIssue("data.source.path", problem, path, hint="point it at an existing, readable file")]
+
+
+def _unreadable(path: Path) -> str | None:
+    """Why `path` cannot be read as a data file, or None when it can."""
+    if not path.exists():
+        return f"data file not found (looked in {path.absolute().parent})"
+    if not path.is_file():
+        return "not a file"
+    try:
+        with path.open("rb") as handle:
+            handle.read(1)
+    except OSError as error:
+        return f"cannot be read ({error.strerror or error})"
+    return None
+
+
+# --- checkpoints -----------------------------------------------------------------------------------
+_FROZEN_FIELDS = {"distillation": "teacher_path", "dpo": "reference_path"}
+
+
+def _checkpoint_issues(config: RunConfig) -> list[ConfigIssue]:
+    issues: list[ConfigIssue] = []
+    for name, child in config.model.head.losses.items():
+        key = _FROZEN_FIELDS.get(child.type)
+        path = getattr(child, key) if key else None
+        if path is None or not Path(path).exists():  # a missing path is cross_check's "checkpoint not found"
+            continue
+        field = f"model.head.losses.{name}.{key}"
+        problem = fastlm_checkpoint_problem(Path(path), config)
+        if problem is not None:
+            issues.append(ConfigIssue(field, problem, path, hint="point it at a run, checkpoints/ or step-* "
+                                      "directory of a finished fastlm run with the same tokenizer"))
+    if config.run.init_path is not None and Path(config.run.init_path).is_dir():
+        problem = hf_weights_problem(Path(config.run.init_path))
+        if problem is not None:
+            issues.append(ConfigIssue("run.init_path", problem, config.run.init_path,
+                                      hint="point it at a folder with config.json + *.safetensors (save_pretrained)"))
+    return issues
+
+
+def resolve_step_dir(path: Path) -> Path | None:
+    """The checkpoint a run dir, `checkpoints/` dir, `latest` file or `step-*` dir names (the frozen-model
+    loader's rules), or None. Reads the `latest` pointer only; verifying hashes is the loader's job."""
+    if path.is_file() and path.name == LATEST_FILE:
+        path = path.parent
+    if (path / MANIFEST_FILE).is_file():
+        return path
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    pointer = path / LATEST_FILE
+    if pointer.is_file():
+        target = path / pointer.read_text(encoding="utf-8").strip()
+        if (target / MANIFEST_FILE).is_file():
+            return target
+    steps = sorted(p for p in path.glob("step-*") if (p / MANIFEST_FILE).is_file()) if path.is_dir() else []
+    return steps[-1] if steps else None
+
+
+def fastlm_checkpoint_problem(path: Path, config: RunConfig) -> str | None:
+    """Why the frozen model at `path` would not load into this run, read from the manifest and the
+    safetensors header (names and shapes against the model built on meta), or None."""
+    from fastlm.models.decoder import build_model
+
+    step_dir = resolve_step_dir(path)
+    if step_dir is None:
+        return "no fastlm checkpoint there (no manifest.json in it, its checkpoints/ or its `latest`)"
+    try:
+        section = json.loads((step_dir / MANIFEST_FILE).read_text(encoding="utf-8"))["config"]["model"]
+        model_config = TypeAdapter(ModelConfig).validate_python(section)
+    except (OSError, ValueError, KeyError, TypeError, ValidationError, RecursionError) as error:
+        return f"{step_dir / MANIFEST_FILE} holds no valid model config ({type(error).__name__})"
+    if model_config.vocab_size != config.model.vocab_size:
+        return f"its model.vocab_size is {model_config.vocab_size}, this run's is {config.model.vocab_size}"
+    if model_config.max_seq_len < config.data.seq_len:
+        return f"its model.max_seq_len {model_config.max_seq_len} is shorter than data.seq_len {config.data.seq_len}"
+    expected = {name: tuple(t.shape) for name, t in build_model(model_config, device="meta").state_dict().items()}
+    stored = _safetensors_shapes(step_dir / MODEL_FILE)
+    if isinstance(stored, str):
+        return stored
+    # Tied embeddings are stored once (save_model), so a stored name must be expected, not the reverse.
+    wrong = sorted(name for name, shape in stored.items() if expected.get(name) != shape)
+    if wrong or not stored:
+        return f"{step_dir / MODEL_FILE} does not fit its own model config (tensors {wrong[:3] or 'none'})"
+    return None
+
+
+def hf_weights_problem(directory: Path) -> str | None:
+    """Why a HF checkpoint folder holds no loadable safetensors weights (headers parsed), or None."""
+    from fastlm.models.hf import weight_files
+
+    try:
+        files = weight_files(directory)  # bounded reads, every path confined to the folder
+    except ConfigError as error:
+        return "; ".join(issue.message for issue in error.issues)
+    if not files:
+        return "no *.safetensors weights in it"
+    for file in files:
+        shapes = _safetensors_shapes(file)
+        if isinstance(shapes, str):
+            return shapes
+    return None
+
+
+def _safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]] | str:
+    """name -> shape from the header alone, or why the file is not loadable."""
+    if not file.is_file():
+        return f"{file} is missing"
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    except Exception as error:  # noqa: BLE001 - safetensors raises several types for a damaged header
+        return f"{file} is not a readable safetensors file ({error})"
+
+
+# --- this machine ----------------------------------------------------------------------------------
+def _device_issues(config: RunConfig) -> list[ConfigIssue]:
+    issues: list[ConfigIssue] = []
+    cuda = torch.cuda.is_available()
+    device = config.trainer.device
+    if device == "cuda" and not cuda:
+        issues.append(ConfigIssue("trainer.device", "no CUDA device is available on this machine", device,
+                                  hint="use 'auto' or 'cpu'"))
+    on_gpu = cuda and device != "cpu"
+    if config.model.head.use_triton is True:
+        if importlib.util.find_spec("triton") is None:
+            issues.append(ConfigIssue("model.head.use_triton", "triton is not installed", True,
+                                      hint="pip install triton, or set use_triton: null (picks the compiled path)"))
+        elif not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+            where = "trainer.device is 'cpu'" if cuda else "this machine has no CUDA GPU"
+            issues.append(ConfigIssue("model.head.use_triton", f"the fused Triton kernel needs a CUDA GPU, and {where}",
+                                      True, hint="set use_triton: null (Triton on GPU, compiled PyTorch elsewhere) "
+                                      "or false; TRITON_INTERPRET=1 runs it on CPU, slowly, for tests"))
+    if config.distributed.backend == "nccl" and not on_gpu:
+        issues.append(ConfigIssue("distributed.backend", "nccl needs CUDA, and this run is on CPU", "nccl",
+                                  hint="use 'auto' or 'gloo'"))
+    return issues
+
+
+def _world_issues(config: RunConfig) -> list[ConfigIssue]:
+    """The world size (the process group's, else torchrun's WORLD_SIZE, else 1) against the parallel layout,
+    and GPUs per node."""
+    issues: list[ConfigIssue] = []
+    grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
+    world = torch.distributed.get_world_size() if grouped else int(os.environ.get("WORLD_SIZE", "1"))
+    tp = config.distributed.tensor_parallel
+    if world % tp:
+        started = f"the job has {world} processes" if grouped or "WORLD_SIZE" in os.environ else "this is a single process"
+        issues.append(ConfigIssue("distributed.tensor_parallel", f"must divide the world size, and {started}", tp,
+                                  hint=f"start with `torchrun --nproc-per-node {tp} -m fastlm train ...` "
+                                  "(or a multiple), or set tensor_parallel: 1"))
+    if config.distributed.data_parallel == "fsdp" and tp > 1:
+        issues.append(ConfigIssue("distributed.data_parallel", "fsdp with tensor_parallel > 1 is not supported", "fsdp",
+                                  hint="use ddp, or tensor_parallel: 1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available() and config.trainer.device != "cpu" and local_rank >= torch.cuda.device_count():
+        issues.append(ConfigIssue("trainer.device", f"LOCAL_RANK {local_rank} has no GPU: this node has "
+                                  f"{torch.cuda.device_count()}", config.trainer.device,
+                                  hint="start at most one process per GPU (torchrun --nproc-per-node)"))
+    return issues
