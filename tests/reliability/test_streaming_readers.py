@@ -12,6 +12,7 @@ import pytest
 from fastlm.data.config import DataConfig, JsonlSource, TextSource
 from fastlm.data.datasets import DataError, _paragraphs, jsonl_records
 from fastlm.data.loader import build_loaders
+from fastlm.data.tokenizer import ByteTokenizer
 
 LINE_BYTES = 1 << 20
 LINES = 16  # a 16 MiB file whose longest line is 1 MiB
@@ -63,7 +64,7 @@ def test_malformed_jsonl_record_names_file_and_line(tmp_path: Path, case: str) -
     path.write_bytes(GOOD.encode() * 2 + (line if isinstance(line, bytes) else line.encode()) + b"\n" + GOOD.encode())
     config = DataConfig(source=JsonlSource(path=str(path)), seq_len=16, micro_batch_size=2, eval_fraction=0.0)
     with pytest.raises(DataError, match=f"{path} line 3: {message}"):
-        build_loaders(config, seed=0)
+        build_loaders(config, seed=0, tokenizer=ByteTokenizer())
 
 
 def test_surrogate_pairs_are_text_not_errors(tmp_path: Path) -> None:
@@ -76,6 +77,6 @@ def test_text_documents_keep_their_line_for_errors(tmp_path: Path) -> None:
     path = tmp_path / "corpus.txt"
     path.write_bytes(b"first document\n\n  \nsecond\r\ndocument\n\nthird \xff\n")
     with pytest.raises(DataError, match=f"{path} line 7: not valid UTF-8 at byte 43"):
-        build_loaders(DataConfig(source=TextSource(path=str(path)), seq_len=16, micro_batch_size=2), seed=0)
+        build_loaders(DataConfig(source=TextSource(path=str(path)), seq_len=16, micro_batch_size=2), seed=0, tokenizer=ByteTokenizer())
     path.write_bytes(b"first document\n\n  \nsecond\r\ndocument\n")
     assert [text for _, text in _paragraphs(path)] == ["first document", "second\r\ndocument"]
