@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from fastlm.cli import main
+from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.models.config import LlamaConfig
 from fastlm.models.decoder import build_model
 from fastlm.models.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, export_hf, import_hf
@@ -20,7 +22,7 @@ from fastlm.models.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, export_hf, i
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = build_model(LlamaConfig(hidden_size=32, num_layers=1, num_heads=2, max_seq_len=32), "cpu")
-    return export_hf(model, tmp_path_factory.mktemp("hf") / "tiny")
+    return export_hf(model, tmp_path_factory.mktemp("hf") / "tiny", ByteTokenizer())
 
 
 def _edit_config(edit: Callable[[dict], dict]) -> Callable[[Path], None]:
@@ -72,9 +74,7 @@ HOSTILE: dict[str, tuple[Callable[[Path], None], str]] = {
 def test_hostile_hf_folder_is_one_clear_error(folder: Path, tmp_path: Path, case: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     directory = tmp_path / "hf"
-    directory.mkdir()
-    for file in folder.iterdir():
-        (directory / file.name).write_bytes(file.read_bytes())
+    shutil.copytree(folder, directory)
     damage, message = HOSTILE[case]
     damage(directory)
     assert main(["convert", "--from-hf", str(directory)]) == 2
