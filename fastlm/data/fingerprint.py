@@ -5,9 +5,9 @@ file it reads, the resolved path, size, modification time and a sha256 of the co
 up to `FULL_HASH_BYTES`, beyond that `SAMPLES` evenly spaced blocks (bounded cost on a 100 GB memmap),
 where the modification time stands in for the unsampled bytes.
 
-Sources name their files through `data_files()` when they have one (several files, a memmap prefix),
-else every `path` / `*_path` string field is a file. `fingerprint_files` is the building block for
-anything else that reads files (e.g. `fastlm prepare`'s outputs).
+Sources name their files through `data_files()` when they have one, else every `path` / `*_path` field,
+nested ones included (a blend's entries), is a file or a directory of files (a `fastlm prepare` output).
+`fingerprint_files` is the building block for anything else that reads files.
 """
 
 from __future__ import annotations
@@ -52,12 +52,33 @@ def fingerprint_files(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
     return records
 
 
+def _path_fields(node: Any) -> list[Path]:
+    """Every `path` / `*_path` string of a config, nested sections and lists included (a blend's entries)."""
+    if isinstance(node, BaseModel):
+        found = []
+        for name, value in node:
+            if isinstance(value, str) and (name == "path" or name.endswith("_path")):
+                found.append(Path(value))
+            else:
+                found += _path_fields(value)
+        return found
+    if isinstance(node, (list, tuple)):
+        return [path for item in node for path in _path_fields(item)]
+    return []
+
+
 def source_files(source: BaseModel) -> list[Path]:
-    """The files a data source reads: its `data_files()`, else its `path` / `*_path` string fields."""
+    """The files a data source reads: its `data_files()` if it has one, else its path fields, where a
+    directory (a prepared data set) stands for every regular file under it, in sorted order."""
     own = getattr(source, "data_files", None)
-    if callable(own):
-        return [Path(path) for path in own()]
-    return [Path(value) for name, value in source if isinstance(value, str) and (name == "path" or name.endswith("_path"))]
+    paths = [Path(path) for path in own()] if callable(own) else _path_fields(source)
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            files += sorted(child for child in path.rglob("*") if child.is_file())
+        else:
+            files.append(path)
+    return files
 
 
 def data_fingerprint(source: BaseModel) -> dict[str, Any]:
@@ -65,17 +86,27 @@ def data_fingerprint(source: BaseModel) -> dict[str, Any]:
     return {"source": source.model_dump(mode="json"), "files": fingerprint_files(source_files(source))}
 
 
+def _without_paths(node: Any) -> Any:
+    """A source config without its file locations: moved data with the same content is the same data."""
+    if isinstance(node, dict):
+        return {key: _without_paths(value) for key, value in node.items() if not (key == "path" or key.endswith("_path"))}
+    if isinstance(node, list):
+        return [_without_paths(item) for item in node]
+    return node
+
+
 def describe_change(stored: dict[str, Any], current: dict[str, Any]) -> str | None:
-    """What differs between a checkpoint's fingerprint and today's data, in words; None if nothing does."""
-    if stored.get("source") != current.get("source"):
-        before, now = stored.get("source") or {}, current.get("source") or {}
+    """What differs between a checkpoint's fingerprint and today's data, in words; None if nothing does.
+    Files are compared in order by content (size, hash; the time only where the hash is sampled)."""
+    before, now = _without_paths(stored.get("source") or {}), _without_paths(current.get("source") or {})
+    if before != now:
         keys = sorted(key for key in set(before) | set(now) if before.get(key) != now.get(key))
         return "data.source changed: " + ", ".join(f"{key} {before.get(key)!r} -> {now.get(key)!r}" for key in keys)
-    old_files = {record.get("path"): record for record in stored.get("files", []) if isinstance(record, dict)}
-    for record in current.get("files", []):
-        old = old_files.get(record["path"])
-        if old is None:
-            return f"{record['path']} was not read by the checkpointed run"
+    old_files = [record for record in stored.get("files", []) if isinstance(record, dict)]
+    new_files = current.get("files", [])
+    if len(old_files) != len(new_files):
+        return f"the source reads {len(new_files)} files now, {len(old_files)} then"
+    for old, record in zip(old_files, new_files):
         if old.get("size") != record["size"]:
             return f"{record['path']} changed: {old.get('size')} bytes then, {record['size']} now"
         if old.get("sha256") != record["sha256"]:
