@@ -39,25 +39,23 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402 - TRITON_INTERPRET must be set (in main) before triton is imported
 
 from fastlm.losses.validation import deferred_value_checks  # noqa: E402
-from fastlm.losses.spec import (  # noqa: E402
-    ClippedPolicySpec,
-    DistillationSpec,
-    GSPOSpec,
-    LossNormalizers,
-    LossSpec,
-    LossTargets,
-    WeightedSpec,
-)
+from fastlm.losses.children import CISPO, GRPO, GSPO, CrossEntropy, Distillation, ZLoss  # noqa: E402
+from fastlm.losses.spec import LossNormalizers, LossSpec, LossTargets  # noqa: E402
 
-CE, Z = WeightedSpec("ce", 1.0), WeightedSpec("z", 1e-4)
-GRPO = ClippedPolicySpec("grpo", 1.0, 0.2, 0.2)
+CE, Z = CrossEntropy("ce", 1.0), ZLoss("z", 1e-4)
+PLAIN_GRPO = GRPO("grpo", 1.0, eps_low=0.2, eps_high=0.2)
 SPECS: dict[str, LossSpec] = {
-    "ce": LossSpec(cross_entropy=CE),
-    "ce+z": LossSpec(cross_entropy=CE, z_loss=Z),
-    "grpo+z": LossSpec(z_loss=Z, grpo=GRPO),
-    "ce+z+grpo": LossSpec(cross_entropy=CE, z_loss=Z, grpo=GRPO),
-    "gspo+z": LossSpec(z_loss=Z, gspo=GSPOSpec("gspo", 1.0, 3e-4, 4e-4)),
-    "ce+kd": LossSpec(cross_entropy=CE, distillation=DistillationSpec("kd", 1.0, 2.0, False)),
+    "ce": LossSpec((CE,)),
+    "ce+z": LossSpec((CE, Z)),
+    "grpo+z": LossSpec((Z, PLAIN_GRPO)),
+    "ce+z+grpo": LossSpec((CE, Z, PLAIN_GRPO)),
+    "gspo+z": LossSpec((Z, GSPO("gspo", 1.0, eps_low=3e-4, eps_high=4e-4))),
+    "ce+kd": LossSpec((CE, Distillation("kd", 1.0, temperature=2.0))),
+    # The policy family's options, each next to plain GRPO+z (issue 20: within 5% of it).
+    "grpo(seq)+z": LossSpec((Z, GRPO("grpo", 1.0, eps_low=0.2, eps_high=0.2, loss_type="grpo"))),
+    "grpo(delta,H)+z": LossSpec((Z, GRPO("grpo", 1.0, eps_low=0.2, eps_high=0.2, delta=3.0, entropy_coeff=1e-3))),
+    "grpo(beta)+z": LossSpec((Z, GRPO("grpo", 1.0, eps_low=0.2, eps_high=0.2, beta=0.04))),
+    "cispo+z": LossSpec((Z, CISPO("cispo", 1.0))),
 }
 GPU_SHAPES = [(4096, 32000), (4096, 131072), (16384, 32000), (16384, 131072)]
 SMOKE_SHAPES = [(8, 96)]
@@ -92,9 +90,11 @@ def make_case(tokens: int, vocab: int, seed: int, device: torch.device, teacher:
     teacher_logits = (
         torch.randn(tokens, vocab, device=device, generator=generator, dtype=torch.bfloat16) if teacher else None
     )
+    ref_logp = old_logp + 0.1 * torch.randn(tokens, device=device, generator=generator)
     mask = labels != -100
     normalizers = LossNormalizers(float(mask.sum()), float(document_ids[mask].unique().numel()))
-    return Case(logits, LossTargets(labels, old_logp, advantages, document_ids, teacher_logits), normalizers)
+    targets = LossTargets(labels, old_logp, advantages, document_ids, teacher_logits, ref_logp=ref_logp)
+    return Case(logits, targets, normalizers)
 
 
 def roofline_bytes(case: Case, spec: LossSpec) -> int:
@@ -102,12 +102,8 @@ def roofline_bytes(case: Case, spec: LossSpec) -> int:
     (labels, policy inputs, document ids read; lse/new_logp/entropy written)."""
     logits, targets = case.logits, case.targets
     total = 2 * logits.numel() * logits.element_size() + targets.labels.numel() * targets.labels.element_size()
-    if spec.needs_policy_inputs:
-        total += sum(t.numel() * t.element_size() for t in (targets.old_logp, targets.advantages))
-    if spec.gspo is not None:
-        total += targets.document_ids.numel() * targets.document_ids.element_size()
-    if spec.distillation is not None:
-        total += targets.teacher_logits.numel() * targets.teacher_logits.element_size()
+    read = {name for child in spec.children for name in (*child.reads, *getattr(child, "target_names", ()))}
+    total += sum(getattr(targets, name).numel() * getattr(targets, name).element_size() for name in sorted(read))
     return total + 3 * 4 * logits.shape[0]
 
 
@@ -193,7 +189,7 @@ def implementations(
     def same_shape_copy(case: Case) -> object:
         """The R1 bytes moved by the plainest torch op, timed the same way: a yardstick for what a
         kernel of this shape can reach (launch, ramp and drain included)."""
-        if spec.distillation is not None:
+        if spec.teacher is not None:
             return torch.add(case.logits, case.targets.teacher_logits, out=case.buffer)
         return case.buffer.copy_(case.logits)
 
@@ -206,13 +202,14 @@ def implementations(
         return z.grad
 
     found: dict[str, Callable[[Case], object]] = {"triton": triton, "triton-deferred": triton, "triton-inplace": triton_inplace}
-    if spec.gspo is None:
+    if not spec.per_document:
         found["triton-kernel"] = triton_kernel
     found["copy"] = same_shape_copy
     found.update(compiled=compiled, eager=eager)
     if liger is not None and device.type == "cuda" and name in LIGER_SPECS:
         # Liger writes the gradient over its input during forward, like triton-inplace.
-        module = liger(lse_square_scale=spec.z_loss.weight if spec.z_loss is not None else 0.0)
+        z_weight = sum(child.weight for child in spec.children if child.kind == "z_loss")
+        module = liger(lse_square_scale=z_weight)
 
         def liger_step(case: Case) -> object:
             leaf = case.buffer.detach().requires_grad_()
@@ -233,11 +230,13 @@ def grad_error(spec: LossSpec, case: Case) -> float:
     return float((grad.double() - expected.double()).norm() / expected.double().norm())
 
 
-def benchmark(shapes: list[tuple[int, int]], bench: Bench, copy_gb_s: float, liger: type | None) -> list[dict]:
+def benchmark(
+    shapes: list[tuple[int, int]], bench: Bench, copy_gb_s: float, liger: type | None, spec_names: list[str]
+) -> list[dict]:
     rows = []
     for tokens, vocab in shapes:
-        for name, spec in SPECS.items():
-            cases = [make_case(tokens, vocab, seed, bench.device, spec.distillation is not None) for seed in range(SETS)]
+        for name, spec in ((name, SPECS[name]) for name in spec_names):
+            cases = [make_case(tokens, vocab, seed, bench.device, spec.teacher is not None) for seed in range(SETS)]
             for case in cases:
                 case.buffer = case.logits.clone()
             r1_bytes = roofline_bytes(cases[0], spec)
@@ -279,7 +278,7 @@ def tune(
     rows = []
     for spec_name, tokens, vocab in ((s, t, v) for s in spec_names for t in token_counts for v in vocabs):
         spec = SPECS[spec_name]
-        distill = spec.distillation is not None
+        distill = spec.teacher is not None
         cases = [make_case(tokens, vocab, seed, bench.device, distill) for seed in range(SETS)]
         for case in cases:
             case.buffer = case.logits.clone()
@@ -387,6 +386,7 @@ def tune_table(rows: list[dict], suggestions: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, Triton interpreted")
+    parser.add_argument("--specs", nargs="+", default=list(SPECS), choices=list(SPECS), help="specs of the full table")
     parser.add_argument("--tune", action="store_true", help="sweep block size x num_warps (x prefetch), the kernel alone")
     parser.add_argument("--tune-spec", nargs="+", default=TUNE_SPECS, choices=list(SPECS))
     parser.add_argument("--tune-tokens", type=int, nargs="+", default=[16384])
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         report["suggested"] = suggest_defaults(report["tune"])
         table = tune_table(report["tune"], report["suggested"])
     else:
-        report["rows"] = benchmark(SMOKE_SHAPES if args.cpu_smoke else GPU_SHAPES, bench, copy_gb_s, liger)
+        report["rows"] = benchmark(SMOKE_SHAPES if args.cpu_smoke else GPU_SHAPES, bench, copy_gb_s, liger, args.specs)
         table = results_table(report["rows"], copy_gb_s)
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"]) / "bench_losses.json"

@@ -53,7 +53,7 @@ class _Recorder:
 def recorded_launch(spec_name: str, vocab: int, block: int | None, warps: int | None, prefetch: bool | None) -> tuple:
     """(args, kwargs) of the fused launch for a tiny case (8 tokens; only dtypes and constexprs matter)."""
     spec = SPECS[spec_name]
-    case = make_case(8, vocab, 0, torch.device("cpu"), spec.distillation is not None)
+    case = make_case(8, vocab, 0, torch.device("cpu"), spec.teacher is not None)
     recorder = _Recorder()
     original, launcher.lm_loss_kernel = launcher.lm_loss_kernel, recorder
     try:

@@ -9,6 +9,7 @@ from fastlm.config.errors import ConfigIssue
 from fastlm.config.schema import RunConfig
 from fastlm.data.config import PREFERENCE_SOURCE_TYPES
 from fastlm.data.tokenizer import TokenizerError, build_tokenizer
+from fastlm.losses.children.policy import PolicyConfig
 
 
 def cross_check(config: RunConfig) -> list[ConfigIssue]:
@@ -51,9 +52,9 @@ def _rl_checks(config: RunConfig) -> list[ConfigIssue]:
     if config.rl is None and not offline:
         return []
     issues: list[ConfigIssue] = []
-    kinds = [c.type for c in config.model.head.losses.values() if c.type in ("grpo", "gspo")]
+    kinds = [c.type for c in config.model.head.losses.values() if isinstance(c, PolicyConfig)]
     if len(kinds) != 1:
-        issues.append(ConfigIssue("model.head.losses", f"an RL run needs exactly one grpo or gspo child, found "
+        issues.append(ConfigIssue("model.head.losses", f"an RL run needs exactly one policy child (grpo, gspo or cispo), found "
                                   f"{kinds or 'none'}", sorted(config.model.head.losses),
                                   hint="e.g. losses: {grpo: {type: grpo}, z_loss: {type: z_loss}}"))
     warmup = config.rl.warmup_steps if config.rl is not None else 0

@@ -76,6 +76,19 @@ def _is_path_key(key: str) -> bool:
     return key == "path" or key.endswith("_path")
 
 
+def _resolve_path(key: str, value: Any, base_dir: Path | None) -> Any:
+    """A relative path under a path key, made absolute against the YAML file's folder; lists of mappings
+    (`data.source.sources: [{path, weight}]`) have their path keys resolved too."""
+    if base_dir is None:
+        return value
+    if isinstance(value, list):
+        return [{k: _resolve_path(k, v, base_dir) for k, v in item.items()} if isinstance(item, dict) else item
+                for item in value]
+    if _is_path_key(key) and isinstance(value, str) and not Path(value).is_absolute():
+        return str((base_dir / value).resolve())
+    return value
+
+
 def _merge(target: LayeredDict, layer: dict[str, Any], source: str, prefix: str = "", base_dir: Path | None = None) -> None:
     node = target.data
     for part in prefix.split(".") if prefix else []:
@@ -93,12 +106,10 @@ def _merge(target: LayeredDict, layer: dict[str, Any], source: str, prefix: str 
                 target.set_source(dotted, source)
             _merge(target, value, source, dotted, base_dir)
             continue
-        if base_dir is not None and _is_path_key(key) and isinstance(value, str) and not Path(value).is_absolute():
-            value = str((base_dir / value).resolve())
         replaced = node.get(key)
         if isinstance(replaced, dict):
             target.drop_sources_below(dotted, replaced)
-        node[key] = value
+        node[key] = _resolve_path(key, value, base_dir)
         target.set_source(dotted, source)
 
 

@@ -19,6 +19,7 @@ class Batch:
     old_logp: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     teacher_logits: torch.Tensor | None = None  # (B, S, V)
+    ref_logp: torch.Tensor | None = None  # policy loss with beta > 0: label log-prob under the frozen reference
 
     def __post_init__(self) -> None:
         shape = tuple(self.input_ids.shape)
@@ -59,6 +60,7 @@ class Batch:
             teacher_logits=None
             if self.teacher_logits is None
             else self.teacher_logits.reshape(-1, self.teacher_logits.shape[-1]),
+            ref_logp=None if self.ref_logp is None else self.ref_logp.reshape(-1),
         )
 
     def to(self, device: torch.device | str) -> "Batch":

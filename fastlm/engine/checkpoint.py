@@ -116,7 +116,8 @@ def save_checkpoint(
     except Exception as error:
         shutil.rmtree(temporary, ignore_errors=True)  # a failed write leaves nothing half-written behind
         intact = f"the previous checkpoint {previous[-1].name} is intact" if previous else "no earlier checkpoint"
-        raise_if_disk_full(error, f"checkpoint {final.name}", directory, checkpoint_bytes(model, optimizer), intact)
+        raise_if_disk_full(error, f"checkpoint {final.name}", directory, checkpoint_bytes(model, optimizer), intact,
+                           then="continue with --resume")
         raise
     for old in _step_dirs(directory)[:-keep]:
         _discard(old)

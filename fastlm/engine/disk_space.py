@@ -37,14 +37,15 @@ def is_disk_full(error: BaseException) -> bool:
     return any(words in str(error).lower() for words in _FULL_WORDS)
 
 
-def raise_if_disk_full(error: BaseException, what: str, where: Path, needed: int, intact: str = "") -> None:
+def raise_if_disk_full(error: BaseException, what: str, where: Path, needed: int, intact: str = "",
+                       then: str = "run again") -> None:
     """Raise `DiskFullError` for `error` if it is a full disk (`what`: the thing being written;
-    `intact`: what is still safe, e.g. the previous checkpoint); otherwise return (the caller re-raises)."""
+    `intact`: what is still safe, e.g. the previous checkpoint; `then`: what to do once space is free);
+    otherwise return (the caller re-raises)."""
     free = free_bytes(where)
     if is_disk_full(error) or (isinstance(error, (OSError, RuntimeError)) and free < needed):
         raise DiskFullError(f"no space left on device writing {what} in {where}: it needs about {_mib(needed)}, "
-                            f"{_mib(free)} is free{'; ' + intact if intact else ''}. Free some space "
-                            "(or move run.output_dir) and run again with --resume") from None
+                            f"{_mib(free)} is free{'; ' + intact if intact else ''}. Free some space and {then}") from None
 
 
 def ensure_space(where: Path, needed: int, what: str, intact: str = "") -> None:
@@ -52,4 +53,4 @@ def ensure_space(where: Path, needed: int, what: str, intact: str = "") -> None:
     free = free_bytes(where)
     if free < needed:
         raise DiskFullError(f"not enough space in {where} for {what}: it needs about {_mib(needed)}, {_mib(free)} "
-                            f"is free{'; ' + intact if intact else ''}. Free some space (or move run.output_dir)")
+                            f"is free{'; ' + intact if intact else ''}. Free some space (or move run.output_dir) first")

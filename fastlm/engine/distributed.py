@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fastlm.data.batch import Batch
 from fastlm.engine.config import DistributedConfig
 from fastlm.layers.vocab_parallel import gather_vocab, make_vocab_parallel, sharded_parameter_names
-from fastlm.losses.validation import ProcessGroup
+from fastlm.losses.spec import ProcessGroup
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 

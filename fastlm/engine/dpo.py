@@ -16,7 +16,7 @@ import torch
 from fastlm.config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.data.preferences import PreferenceBatch
-from fastlm.engine.frozen import check_compatible, copy_frozen, frozen_logits, load_frozen_model
+from fastlm.engine.frozen import frozen_logits, reference_model
 from fastlm.engine.runtime import autocast
 from fastlm.engine.trainer import Trainer
 from fastlm.losses.dpo import label_sequence_logps
@@ -31,12 +31,9 @@ class DPOTrainer(Trainer):
         if found is None:
             raise ValueError("DPOTrainer needs a dpo loss in model.head.losses")
         name, child = found
-        if child.reference_path is None:
-            self.reference = copy_frozen(self.model, self.device)
-        else:
-            field = f"model.head.losses.{name}.reference_path"
-            self.reference = load_frozen_model(child.reference_path, field, self.device)
-            check_compatible(self.reference, self.model, field, config.data.seq_len)
+        self.reference = reference_model(
+            self.model, child.reference_path, f"model.head.losses.{name}.reference_path", self.device, config.data.seq_len
+        )
         self.eval_set = [self.with_reference(batch) for batch in self.eval_set]
 
     @torch.no_grad()

@@ -75,6 +75,19 @@ def copy_frozen(model: torch.nn.Module, device: torch.device) -> DecoderLM:
     return freeze(copy)
 
 
+def reference_model(
+    model: torch.nn.Module, path: str | None, field: str, device: torch.device, seq_len: int
+) -> DecoderLM:
+    """The frozen reference of a DPO or policy loss with a KL penalty: a copy of `model` as it is now
+    (the initial policy: built before any step, and a resume rebuilds that same policy from the seed),
+    or the checkpoint at `path` (named by the config key `field`), checked against `model`."""
+    if path is None:
+        return copy_frozen(model, device)
+    reference = load_frozen_model(path, field, device)
+    check_compatible(reference, getattr(model, "module", model), field, seq_len)
+    return reference
+
+
 def check_compatible(frozen: DecoderLM, trained: DecoderLM, field: str, seq_len: int) -> None:
     """Same vocab (same tokenizer, logits of one shape) and room for the run's sequences."""
     if frozen.config.vocab_size != trained.config.vocab_size:

@@ -2,6 +2,10 @@
 
 The implementation (Triton or compiled) is chosen once, from the config and the device of the first
 call (or the device given at construction), and kept: a head never switches paths mid-run.
+
+The head is opaque to torch.compile (`torch.compiler.disable`): a compiled model breaks its graph once,
+here, and runs the loss as its own implementation (Triton kernels, or the loss's own compiled
+chunks) instead of dynamo tracing into the Triton launcher and its helpers.
 """
 
 from __future__ import annotations
@@ -12,8 +16,7 @@ from torch import nn
 from fastlm.losses.config import DPOConfig, LMHeadConfig
 from fastlm.losses.dispatch import describe_implementation, monolithic_loss, resolve_implementation
 from fastlm.losses.dpo import dpo_head_loss
-from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets
-from fastlm.losses.validation import ProcessGroup
+from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets, ProcessGroup
 
 
 class LMHead(nn.Module):
@@ -56,6 +59,7 @@ class LMHead(nn.Module):
         implementation = self._implementation or resolve_implementation(self.monolithic, device)
         return describe_implementation(self.monolithic, implementation, device)
 
+    @torch.compiler.disable
     def forward(
         self,
         hidden: torch.Tensor,

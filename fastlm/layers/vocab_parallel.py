@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastlm.losses.spec import LossNormalizers, LossResult, LossTargets
-from fastlm.losses.validation import ProcessGroup
+from fastlm.losses.spec import LossNormalizers, LossResult, LossTargets, ProcessGroup
 
 if TYPE_CHECKING:  # the head module imports the losses stack; the model imports this module
     from fastlm.layers.lm_head import LMHead

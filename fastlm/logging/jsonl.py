@@ -25,15 +25,17 @@ class JsonlSink:
         self.path = path
         self._file = path.open("a", encoding="utf-8")
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, "time": time.time(), **{k: _plain(float(v)) for k, v in metrics.items()}}
+    def log(self, step: int, metrics: dict[str, float | list[dict]]) -> None:
+        """A list value (a table's rows) is written as it is; scalar readers skip it."""
+        values = {k: v if isinstance(v, list) else _plain(float(v)) for k, v in metrics.items()}
+        record = {"step": step, "time": time.time(), **values}
         line = json.dumps(record, allow_nan=False) + "\n"
         try:
             self._file.write(line)
             self._file.flush()
         except OSError as error:  # a torn last line is dropped by the next --resume
             raise_if_disk_full(error, f"the step {step} record of {self.path.name}", self.path.parent, len(line),
-                               "the checkpoints are intact")
+                               "the checkpoints are intact", then="continue with --resume")
             raise
 
     def close(self) -> None:
@@ -69,7 +71,7 @@ def drop_records_after(path: Path, step: int) -> int:
             os.replace(temporary, path)
     except OSError as error:
         raise_if_disk_full(error, f"a repaired copy of {path.name}", path.parent, path.stat().st_size,
-                           f"{path.name} itself is unchanged")
+                           f"{path.name} itself is unchanged", then="resume again")
         raise
     finally:
         temporary.unlink(missing_ok=True)

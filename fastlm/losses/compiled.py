@@ -2,18 +2,15 @@
 
 Pass 1 (per chunk of `spec.chunk_tokens` tokens): upcast to fp32, transform the logits, and compute
 the per-token statistics (lse, new_logp, entropy; teacher lse and the KL for distillation). Then the
-eager middle (`label_children`: coefficients, the GSPO seam, losses, metrics) sees every token.
+eager middle (`coefficients.tail`: each child's coefficients, losses, metrics) sees every token.
 Pass 2 (per chunk): recompute the softmax and write the gradient with respect to the raw logits,
 
-    dL/dx_tj = prob_coeff_t * p_tj - label_coeff_t * [j == y_t] + distillation term,
+    dL/dx_tj = prob_coeff_t * p_tj - label_coeff_t * [j == y_t] + teacher term + x_coeff_t * p_tj * x_tj,
 
 times the chain rule of logit scaling/softcap, stored in the logits dtype.
 
-Distillation (q = softmax(teacher/T), student p untempered, coefficient k_t = w/N on unmasked tokens):
-- forward KL(q || p): d/dx_j = k_t * (p_j - q_j);
-- reverse KL(p || q) = sum_j p_j l_j with l_j = log p_j - log q_j:
-  d/dx_k = sum_j p_j (d_jk - p_k) l_j + sum_j p_j (d_jk - p_k) = p_k * (l_k - KL_t),
-  so d/dx_j = k_t * p_j * (log p_j - log q_j - KL_t).
+With a teacher (the distillation child: q = softmax(teacher/T)) pass 1 also computes the teacher's
+log-partition and the KL per token, and pass 2 adds the child's teacher term (children/distillation.py).
 
 Tensor parallelism (vocab-parallel head, `group` given): the logits (and teacher logits) hold this
 rank's vocab shard, labels are global ids. Each chunk all-reduces the max (MAX), then the sums
@@ -35,10 +32,17 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from fastlm.losses.coefficients import TokenStats, label_children
-from fastlm.losses.seam import safe_inverse
-from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets, transform_logits
-from fastlm.losses.validation import ProcessGroup, check_inputs, raise_on_bad_values, value_flags, vocab_shard
+from fastlm.losses.coefficients import tail
+from fastlm.losses.spec import (
+    LossNormalizers,
+    LossResult,
+    LossSpec,
+    LossTargets,
+    ProcessGroup,
+    assemble_result,
+    transform_logits,
+)
+from fastlm.losses.validation import check_inputs, raise_on_bad_values, value_flags, vocab_shard
 
 COMPILE_ENV = "FASTLM_COMPILE"
 BACKEND_ENV = "FASTLM_COMPILE_BACKEND"  # torch.compile backend, default inductor ("aot_eager" compiles fast)
@@ -123,24 +127,27 @@ def _chunk_grad(
     prob_coeff: torch.Tensor,
     label_coeff: torch.Tensor,
     teacher_lse: torch.Tensor,
-    kd_coeff: torch.Tensor,
-    kl: torch.Tensor,
+    teacher_coeff: torch.Tensor,
+    x_coeff: torch.Tensor | None,
     scale: float,
     softcap: float | None,
     inv_temperature: float,
     reverse: bool,
 ) -> torch.Tensor:
-    """Gradient of the total loss wrt the raw logits z of one chunk, in z's dtype."""
+    """Gradient of the total loss wrt the raw logits z of one chunk, in z's dtype (the coefficient
+    form of children/base.py; the teacher term is -k*q_j, or k*p_j*(x_j - u_j) for reverse KL)."""
     x = transform_logits(_upcast(z), scale, softcap)
     p = torch.exp(x - lse[:, None])
     hit = torch.arange(x.shape[-1], device=x.device) == local_label[:, None]
     grad = prob_coeff[:, None] * p - torch.where(hit, label_coeff[:, None], torch.zeros_like(p))
     if teacher is not None:
-        log_q = _upcast(teacher) * inv_temperature - teacher_lse[:, None]
+        u = _upcast(teacher) * inv_temperature
         if reverse:
-            grad = grad + kd_coeff[:, None] * p * ((x - lse[:, None]) - log_q - kl[:, None])
+            grad = grad + teacher_coeff[:, None] * p * (x - u)
         else:
-            grad = grad + kd_coeff[:, None] * (p - torch.exp(log_q))
+            grad = grad - teacher_coeff[:, None] * torch.exp(u - teacher_lse[:, None])
+    if x_coeff is not None:
+        grad = grad + x_coeff[:, None] * p * x
     if softcap is not None:
         grad = grad * (scale * (1.0 - (x / softcap).square()))
     elif scale != 1.0:
@@ -192,7 +199,7 @@ def _compiled_loss(
     offset, _ = vocab_shard(logits, group)
     local_label = torch.where(mask, targets.labels - offset, -1)
     local_label = torch.where((local_label >= 0) & (local_label < logits.shape[-1]), local_label, -1)
-    distill = spec.distillation
+    distill = spec.teacher
     teacher = targets.teacher_logits if distill is not None else None
     inv_t = 1.0 / distill.temperature if distill is not None else 1.0
     reverse = distill is not None and distill.reverse
@@ -209,40 +216,32 @@ def _compiled_loss(
     table = torch.cat(stats) if stats else logits.new_zeros((0, 4 if teacher is None else 7), dtype=torch.promote_types(logits.dtype, torch.float32))
     sums = table[:, 1:] if teacher is None else table[:, 2:]
     lse = table[:, 0] + torch.log(sums[:, 0])
-    token_stats = TokenStats(lse, sums[:, 2] - lse, lse - sums[:, 1] / sums[:, 0], mask)
-    children = label_children(token_stats, targets, normalizers, spec, grad_scale)
-    losses = dict(children.losses)
-
-    zero = torch.zeros((), device=logits.device)
-    teacher_lse, kl, kd_coeff = zero.expand(len(mask)), zero.expand(len(mask)), zero.expand(len(mask))
-    if distill is not None:
+    token_stats = {"lse": lse, "new_logp": sums[:, 2] - lse, "entropy": lse - sums[:, 1] / sums[:, 0]}
+    teacher_lse = lse
+    if teacher is not None:
         teacher_lse = table[:, 1] + torch.log(sums[:, 3])
-        cross = sums[:, 4] / (sums[:, 0] if reverse else sums[:, 3])
-        kl = cross - lse + teacher_lse if reverse else cross - teacher_lse + lse
-        kl = torch.where(mask, kl, zero)
-        per_token = safe_inverse(normalizers.tokens)
-        losses[distill.name] = kl.sum() * per_token
-        kd_coeff = mask.float() * (distill.weight * per_token * grad_scale)
-
-    weights = {child.name: child.weight for child in spec.children}
-    total = sum((weights[name] * value for name, value in losses.items()), zero)
-    result = LossResult(total, losses, children.metrics)
+        mean_gap = sums[:, 4] / (sums[:, 0] if reverse else sums[:, 3])  # E_p[x - u] or E_q[u - x]
+        token_stats["teacher_kl"] = mean_gap - lse + teacher_lse if reverse else mean_gap - teacher_lse + lse
+        token_stats["teacher_gap"] = mean_gap
+    out = tail(token_stats, mask, targets, normalizers, spec, grad_scale)
+    result = assemble_result(spec, out.losses, out.metrics)
     if not compute_grad:
         return result, None
 
     grad = torch.empty_like(logits)
-    grad_teacher = teacher if distill is not None and distill.weight != 0 else None
+    grad_teacher = teacher if out.teacher is not None else None
+    teacher_coeff = out.teacher if out.teacher is not None else out.prob
     for rows in chunks:
         grad[rows] = chunk_grad(
             logits[rows],
             None if grad_teacher is None else grad_teacher[rows],
             local_label[rows],
             lse[rows],
-            children.prob_coeff[rows],
-            children.label_coeff[rows],
+            out.prob[rows],
+            out.label[rows],
             teacher_lse[rows],
-            kd_coeff[rows],
-            kl[rows],
+            teacher_coeff[rows],
+            None if out.x is None else out.x[rows],
             *numbers,
             reverse,
         )

@@ -11,57 +11,10 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Field, model_validator
 
 from fastlm.config.base import ConfigModel
+from fastlm.losses.children import CHILD_CLASSES, CHILD_CONFIGS, ChildConfig, CrossEntropyConfig
 
 
-class LossChildConfig(ConfigModel):
-    """Common to every child: weight 0 keeps the metrics and writes no gradient."""
-
-    weight: float = Field(1.0, ge=0.0, description="Multiplier of this child's loss; 0 = metrics only.")
-
-
-class CrossEntropyConfig(LossChildConfig):
-    type: Literal["cross_entropy"] = "cross_entropy"
-
-
-class ZLossConfig(LossChildConfig):
-    type: Literal["z_loss"] = "z_loss"
-    weight: float = Field(1e-4, ge=0.0)
-
-
-class _ClippedPolicyConfig(LossChildConfig):
-    eps_low: float = Field(0.2, gt=0.0, lt=1.0, description="Clip the ratio from below at 1 - eps_low.")
-    eps_high: float = Field(0.2, gt=0.0, description="Clip the ratio from above at 1 + eps_high.")
-
-
-class GRPOConfig(_ClippedPolicyConfig):
-    type: Literal["grpo"] = "grpo"
-
-
-class GSPOConfig(_ClippedPolicyConfig):
-    type: Literal["gspo"] = "gspo"
-    eps_low: float = Field(3e-4, gt=0.0, lt=1.0)
-    eps_high: float = Field(4e-4, gt=0.0)
-    normalization: Literal["sequence_mean", "length_proportional"] = Field(
-        "sequence_mean",
-        description=(
-            "sequence_mean: each document's loss once, divided by the number of documents (GSPO paper). "
-            "length_proportional: every token carries its document's loss, divided by the number of tokens."
-        ),
-    )
-
-
-class DistillationConfig(LossChildConfig):
-    type: Literal["distillation"] = "distillation"
-    temperature: float = Field(1.0, gt=0.0)
-    kl: Literal["forward", "reverse"] = Field(
-        "forward", description="forward: KL(teacher || student); reverse: KL(student || teacher)."
-    )
-    teacher_path: str | None = Field(
-        None, description="Checkpoint directory of the frozen teacher; None means the batch brings teacher logits."
-    )
-
-
-class DPOConfig(LossChildConfig):
+class DPOConfig(ChildConfig):
     type: Literal["dpo"] = "dpo"
     beta: float = Field(0.1, gt=0.0)
     reference_path: str | None = Field(
@@ -69,16 +22,14 @@ class DPOConfig(LossChildConfig):
     )
 
 
-LossChild = Annotated[
-    Union[CrossEntropyConfig, ZLossConfig, GRPOConfig, GSPOConfig, DistillationConfig, DPOConfig],
-    Field(discriminator="type"),
-]
-MonolithicChild = Union[CrossEntropyConfig, ZLossConfig, GRPOConfig, GSPOConfig, DistillationConfig]
+# The shared-softmax children come from the registry (fastlm/losses/children); DPO works on summed
+# sequence log-probs, outside the shared softmax.
+MonolithicChild = Annotated[Union[CHILD_CONFIGS], Field(discriminator="type")]  # type: ignore[valid-type]
+LossChild = Annotated[Union[(*CHILD_CONFIGS, DPOConfig)], Field(discriminator="type")]  # type: ignore[valid-type]
 
-CHILD_TYPES: frozenset[str] = frozenset({"cross_entropy", "z_loss", "grpo", "gspo", "distillation", "dpo"})
-# Children the fused Triton kernel covers: the label-based superposition set plus distillation
-# (DPO works on summed sequence log-probs, outside the shared softmax).
-TRITON_CHILD_TYPES: frozenset[str] = frozenset({"cross_entropy", "z_loss", "grpo", "gspo", "distillation"})
+CHILD_TYPES: frozenset[str] = frozenset({*(child.kind for child in CHILD_CLASSES), "dpo"})
+# Children the fused Triton kernel covers (a constexpr slot in triton/kernel.py).
+TRITON_CHILD_TYPES: frozenset[str] = frozenset(child.kind for child in CHILD_CLASSES if child.kernel)
 
 
 class MonolithicLossConfig(ConfigModel):
@@ -142,7 +93,7 @@ class LMHeadConfig(ConfigModel):
                 )
         return self
 
-    def child_of_type(self, kind: str) -> tuple[str, LossChildConfig] | None:
+    def child_of_type(self, kind: str) -> tuple[str, ChildConfig] | None:
         """The (name, config) of the child of this type, if present (validation allows one per type)."""
         for name, child in self.losses.items():
             if child.type == kind:

@@ -15,8 +15,7 @@ import torch
 from fastlm.losses.compiled import compile_wanted, compiled_loss
 from fastlm.losses.config import TRITON_CHILD_TYPES, MonolithicLossConfig
 from fastlm.losses.function import LossImplementation, apply_loss
-from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets
-from fastlm.losses.validation import ProcessGroup
+from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets, ProcessGroup
 
 IMPLEMENTATIONS: tuple[str, ...] = ("triton", "compiled")
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fastlm.losses.seam import safe_inverse
-from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossResult, LossTargets, transform_logits
+from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossResult, LossTargets, safe_inverse, transform_logits
 
 
 def sequence_logps(token_logp: torch.Tensor, sequence_index: torch.Tensor, num_sequences: int) -> torch.Tensor:

@@ -10,8 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
-from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets
-from fastlm.losses.validation import ProcessGroup
+from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets, ProcessGroup
 
 
 class LossImplementation(Protocol):

@@ -1,88 +1,58 @@
 """Plain-number description of a monolithic loss, plus the tensors it reads.
 
-Config objects stop here: `LossSpec.from_config` is the one place that turns a validated
-`MonolithicLossConfig` into floats and flags, shared by the compiled and Triton paths. Kernels and
-launchers take a `LossSpec` and tensors, never a config.
+Config objects stop here: `LossSpec.from_config` turns a validated `MonolithicLossConfig` into the
+children's plain objects (`fastlm.losses.children`), shared by the compiled, Triton and reference
+paths. Kernels and launchers take a `LossSpec` and tensors, never a config.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
-from fastlm.losses.config import MonolithicLossConfig
+if TYPE_CHECKING:
+    from fastlm.losses.children.base import LossChild
+    from fastlm.losses.config import MonolithicLossConfig
 
 IGNORE_INDEX = -100
+ProcessGroup = dist.ProcessGroup
 
 
-@dataclass(frozen=True)
-class ClippedPolicySpec:
-    name: str
-    weight: float
-    eps_low: float
-    eps_high: float
-
-
-@dataclass(frozen=True)
-class GSPOSpec(ClippedPolicySpec):
-    length_proportional: bool = False
-
-
-@dataclass(frozen=True)
-class DistillationSpec:
-    name: str
-    weight: float
-    temperature: float
-    reverse: bool
-
-
-@dataclass(frozen=True)
-class WeightedSpec:
-    name: str
-    weight: float
+def safe_inverse(count: float) -> float:
+    """1/count, or 0 when nothing is counted (then every sum it scales is empty anyway)."""
+    return 1.0 / count if count > 0 else 0.0
 
 
 @dataclass(frozen=True)
 class LossSpec:
-    """Which children run, with their numbers. `None` means the child is absent."""
+    """The children sharing one softmax (in config order, at most one of each kind), with the head's numbers."""
 
-    cross_entropy: WeightedSpec | None = None
-    z_loss: WeightedSpec | None = None
-    grpo: ClippedPolicySpec | None = None
-    gspo: GSPOSpec | None = None
-    distillation: DistillationSpec | None = None
+    children: tuple[LossChild, ...] = ()
     logit_scale: float = 1.0
     softcap: float | None = None
     chunk_tokens: int = 4096
 
     @classmethod
     def from_config(cls, config: MonolithicLossConfig) -> "LossSpec":
-        parts: dict[str, object] = {}
-        for name, child in config.children.items():
-            if child.type in ("cross_entropy", "z_loss"):
-                parts[child.type] = WeightedSpec(name, child.weight)
-            elif child.type == "grpo":
-                parts["grpo"] = ClippedPolicySpec(name, child.weight, child.eps_low, child.eps_high)
-            elif child.type == "gspo":
-                parts["gspo"] = GSPOSpec(
-                    name, child.weight, child.eps_low, child.eps_high, child.normalization == "length_proportional"
-                )
-            elif child.type == "distillation":
-                parts["distillation"] = DistillationSpec(name, child.weight, child.temperature, child.kl == "reverse")
-        return cls(
-            **parts, logit_scale=config.logit_scale, softcap=config.softcap, chunk_tokens=config.chunk_tokens
-        )
+        children = tuple(child.to_child(name) for name, child in config.children.items())
+        return cls(children, logit_scale=config.logit_scale, softcap=config.softcap, chunk_tokens=config.chunk_tokens)
+
+    def reads(self, target: str) -> bool:
+        """Whether some child reads this `LossTargets` field (besides the labels every child reads)."""
+        return any(target in child.reads for child in self.children)
 
     @property
-    def children(self) -> tuple[WeightedSpec | ClippedPolicySpec | DistillationSpec, ...]:
-        """Present children in a fixed order (CE, z, GRPO, GSPO, distillation)."""
-        found = (self.cross_entropy, self.z_loss, self.grpo, self.gspo, self.distillation)
-        return tuple(child for child in found if child is not None)
+    def teacher(self) -> LossChild | None:
+        """The child that reads teacher logits (at most one: validation keeps one child per kind)."""
+        return next((child for child in self.children if child.uses_teacher), None)
 
     @property
-    def needs_policy_inputs(self) -> bool:
-        return self.grpo is not None or self.gspo is not None
+    def per_document(self) -> tuple[LossChild, ...]:
+        """Children whose coefficients need every token's log-prob first (the seam between two launches)."""
+        return tuple(child for child in self.children if child.per_document)
 
 
 @dataclass
@@ -90,13 +60,15 @@ class LossTargets:
     """Per-token tensors, flattened to (tokens,): what the children read besides the logits."""
 
     labels: torch.Tensor  # int64, IGNORE_INDEX (-100) masks a token
-    old_logp: torch.Tensor | None = None  # GRPO/GSPO: log-prob of the label under the sampling policy
-    advantages: torch.Tensor | None = None  # GRPO/GSPO: per token (GSPO: constant within a document)
-    document_ids: torch.Tensor | None = None  # GSPO: int64, tokens of one document share an id
+    old_logp: torch.Tensor | None = None  # policy children: log-prob of the label under the sampling policy
+    advantages: torch.Tensor | None = None  # policy children: per token (GSPO: constant within a document)
+    document_ids: torch.Tensor | None = None  # GSPO, loss_type grpo/dr_grpo: int64, tokens of one document share an id
     teacher_logits: torch.Tensor | None = None  # distillation: (tokens, vocab), any float dtype
     # DPO: (sequences,) summed log-probs under the frozen reference; sequences are document_ids in
     # sorted order, and sequence 2k / 2k+1 are the chosen / rejected answer of pair k
     reference_logps: torch.Tensor | None = None
+    # policy children with beta > 0: (tokens,) log-prob of the label under the frozen reference model
+    ref_logp: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +80,8 @@ class LossNormalizers:
     """
 
     tokens: float  # unmasked labels
-    documents: float = 1.0  # GSPO documents (with at least one unmasked token)
+    documents: float = 1.0  # documents (sequences) with at least one unmasked token
+    micro_batches: float = 1.0  # loss calls of the step over all ranks (loss_type bnpo averages their means)
 
 
 @dataclass
@@ -119,6 +92,24 @@ class LossResult:
     loss: torch.Tensor
     losses: dict[str, torch.Tensor] = field(default_factory=dict)  # child name -> unweighted loss
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # "<child>/<metric>" -> value
+
+
+def assemble_result(
+    spec: LossSpec,
+    losses: dict[str, torch.Tensor],
+    metrics: dict[str, torch.Tensor],
+    kernel_total: torch.Tensor | None = None,
+) -> LossResult:
+    """The one result assembly of every path: losses in child order and the weighted total. The fused
+    kernel sums its own children's total (`kernel_total`); the per-document children are added here."""
+    ordered = {child.name: losses[child.name] for child in spec.children}
+    if kernel_total is None:
+        added, total = spec.children, torch.zeros((), dtype=torch.float32)
+    else:
+        added, total = spec.per_document, kernel_total
+    for child in added:
+        total = total + child.weight * ordered[child.name]
+    return LossResult(total, ordered, metrics)
 
 
 def transform_logits(logits: torch.Tensor, logit_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:

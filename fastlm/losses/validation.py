@@ -28,9 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossSpec, LossTargets
-
-ProcessGroup = dist.ProcessGroup
+from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossSpec, LossTargets, ProcessGroup
 
 
 def vocab_shard(logits: torch.Tensor, group: ProcessGroup | None) -> tuple[int, int]:
@@ -44,20 +42,12 @@ def vocab_shard(logits: torch.Tensor, group: ProcessGroup | None) -> tuple[int, 
     return dist.get_rank(group) * local, dist.get_world_size(group) * local
 
 
-def _check_per_token(name: str, tensor: torch.Tensor | None, tokens: int, needed_by: str) -> torch.Tensor:
-    if tensor is None:
-        raise ValueError(f"targets.{name} is required by {needed_by} but is None")
-    if tensor.shape != (tokens,):
-        raise ValueError(f"targets.{name} must have shape ({tokens},) like the labels, got {tuple(tensor.shape)}")
-    return tensor
-
-
-POLICY_INPUTS = ("old_logp", "advantages")
+POLICY_INPUTS = ("old_logp", "advantages")  # counted non-finite on unmasked tokens
 
 
 def value_flag_count(spec: LossSpec) -> int:
     """Length of the value-check counts: labels out of range, unmasked tokens (+ one per policy input)."""
-    return 2 + (len(POLICY_INPUTS) if spec.needs_policy_inputs else 0)
+    return 2 + (len(POLICY_INPUTS) if spec.reads("old_logp") else 0)
 
 
 def _raise_non_finite(name: str, tensor: torch.Tensor, mask: torch.Tensor) -> None:
@@ -92,8 +82,8 @@ def check_inputs(
         raise ValueError(f"targets.labels must be int64 (or int32), got {labels.dtype}")
     if normalizers.tokens < 0:
         raise ValueError(f"normalizers.tokens must be > 0 when tokens are unmasked, got {normalizers.tokens}")
-    _check_policy_inputs(targets, spec, tokens)
-    _check_documents(targets, spec, tokens)
+    for child in spec.children:
+        child.check_targets(targets, tokens)
     _check_teacher(logits, targets, spec, group)
 
 
@@ -105,7 +95,7 @@ def value_flags(
     labels = targets.labels
     mask = labels != IGNORE_INDEX
     counts = [(mask & ((labels < 0) | (labels >= vocab))).sum(), mask.sum()]
-    if spec.needs_policy_inputs:
+    if spec.reads("old_logp"):
         counts += [(~torch.isfinite(getattr(targets, name).float()) & mask).sum() for name in POLICY_INPUTS]
     return mask, torch.stack(counts)
 
@@ -138,9 +128,9 @@ class ValueCheck:
         for name, bad in zip(POLICY_INPUTS, non_finite):
             if bad:
                 _raise_non_finite(name, getattr(self, name), labels != IGNORE_INDEX)
-        gspo = self.spec.gspo
-        if gspo is not None and not gspo.length_proportional and self.normalizers.documents <= 0 and tokens:
-            raise ValueError(f"normalizers.documents must be > 0 for gspo sequence_mean, got {self.normalizers.documents}")
+        if tokens:
+            for child in self.spec.children:
+                child.check_normalizers(self.normalizers)
 
 
 _PENDING: ContextVar[list[ValueCheck] | None] = ContextVar("fastlm_pending_value_checks", default=None)
@@ -186,28 +176,10 @@ def deferred_value_checks() -> Iterator[None]:
             start += size
 
 
-def _check_policy_inputs(targets: LossTargets, spec: LossSpec, tokens: int) -> None:
-    """Shape and dtype of old_logp / advantages when a policy child needs them."""
-    policy = [child.name for child in (spec.grpo, spec.gspo) if child is not None]
-    for name in POLICY_INPUTS if policy else ():
-        tensor = _check_per_token(name, getattr(targets, name), tokens, f"policy loss {policy}")
-        if not tensor.is_floating_point():
-            raise ValueError(f"targets.{name} must be a float tensor, got {tensor.dtype}")
-
-
-def _check_documents(targets: LossTargets, spec: LossSpec, tokens: int) -> None:
-    if spec.gspo is not None:
-        ids = _check_per_token("document_ids", targets.document_ids, tokens, f"gspo loss '{spec.gspo.name}'")
-        if ids.is_floating_point():
-            raise ValueError(f"targets.document_ids must be an integer tensor, got {ids.dtype}")
-
-
 def _check_teacher(logits: torch.Tensor, targets: LossTargets, spec: LossSpec, group: ProcessGroup | None) -> None:
-    if spec.distillation is None:
+    if spec.teacher is None:
         return
     teacher = targets.teacher_logits
-    if teacher is None:
-        raise ValueError(f"targets.teacher_logits is required by distillation loss '{spec.distillation.name}' but is None")
     if teacher.shape != logits.shape:
         raise ValueError(
             f"targets.teacher_logits must have the student's shape {tuple(logits.shape)} "

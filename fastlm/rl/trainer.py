@@ -20,23 +20,29 @@ from typing import Any
 import torch
 
 from fastlm.config.schema import RunConfig
+from fastlm.data.batch import Batch
 from fastlm.data.config import OfflineRLSource
 from fastlm.data.offline_rl import load_offline_rl
 from fastlm.data.summary import check_batch_fits
 from fastlm.data.tasks import Problem
 from fastlm.data.tokenizer import Tokenizer
 from fastlm.engine.distributed import RankShardLoader
+from fastlm.engine.frozen import reference_model
 from fastlm.engine.optim import lr_multiplier
 from fastlm.engine.trainer import StepResult, Trainer, TrainSummary
 from fastlm.layers.lm_head import LMHead
-from fastlm.losses.config import CrossEntropyConfig, LMHeadConfig
+from fastlm.losses.children import CrossEntropyConfig
+from fastlm.losses.children.policy import PolicyConfig
+from fastlm.losses.config import LMHeadConfig
 from fastlm.rl.config import RLConfig
-from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples
+from fastlm.models.decoder import DecoderLM
+from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples, policy_logprobs
 from fastlm.rl.rollouts import RolloutLoader, RolloutShard, build_task, evaluate_greedy, rank_rows
 from fastlm.rl.sampler import SamplingOptions
 
 
 SUMMARY_WINDOW = 3  # rollouts averaged at each end of the run for the reward summary
+COMPLETIONS_KEY = "train/completions_table"  # rollout, prompt, completion, reward, advantage per row
 
 
 @dataclass
@@ -85,8 +91,10 @@ class RLTrainer(Trainer):
             task = build_task(self.rl.task)
             self.eval_problems = [task.sample(rng) for _ in range(self.rl.eval_prompts)]
         self.eval_rewards: list[tuple[int, float]] = []
+        self.logged_rollout = 0  # the last rollout whose completions table was logged
 
     def build_loaders(self, tokenizer: Tokenizer) -> tuple[RolloutLoader | PolicyBatchLoader | RankShardLoader, None]:
+        self.reference = self._reference()
         data, seed, parallel = self.config.data, self.config.run.seed, self.parallel
         shard = RolloutShard(parallel.dp_rank, parallel.dp_size, parallel.dp_group, self.device)
         if self.offline:
@@ -98,6 +106,26 @@ class RLTrainer(Trainer):
         loader = RolloutLoader(self.model, self.rl, options, data.seq_len, data.micro_batch_size,
                                self.config.trainer.grad_accumulation, seed, tokenizer, self.amp_dtype, shard)
         return loader, None
+
+    def _reference(self) -> DecoderLM | None:
+        """The frozen reference of a policy loss with `beta` > 0: the initial policy or its
+        `reference_path` checkpoint (engine/frozen.py, shared with DPO); None without a KL penalty."""
+        for name, child in self.config.model.head.losses.items():
+            if isinstance(child, PolicyConfig) and child.beta > 0:
+                field = f"model.head.losses.{name}.reference_path"
+                return reference_model(self.model, child.reference_path, field, self.device, self.config.data.seq_len)
+        return None
+
+    def micro_batches(self) -> list[Batch]:
+        """With a reference, each policy batch gets the reference's label log-probs once: the rollout
+        loader serves the same batch objects to every update of a rollout, so once per rollout."""
+        batches = super().micro_batches()
+        if self.reference is not None and not self.in_warmup:
+            head = self.reference.config.head
+            for batch in batches:
+                if batch.ref_logp is None:
+                    batch.ref_logp = policy_logprobs(self.reference, batch, head.logit_scale, head.softcap, self.amp_dtype)
+        return batches
 
     @property
     def in_warmup(self) -> bool:
@@ -115,14 +143,17 @@ class RLTrainer(Trainer):
         every, steps = self.config.trainer.eval_every, self.config.trainer.steps
         return bool(self.eval_problems) and bool(every) and (self.step % every == 0 or self.step == steps)
 
-    def _log_record(self, result: StepResult, tokens_per_second: float) -> dict[str, float]:
-        record = super()._log_record(result, tokens_per_second)
+    def _log_record(self, result: StepResult, tokens_per_second: float) -> dict[str, Any]:
+        record: dict[str, Any] = super()._log_record(result, tokens_per_second)
         warmup = self.step <= self.rl.warmup_steps and not self.offline  # the step just taken
         record["train/rl/warmup"] = float(warmup)
         loader = self.train_loader
         if isinstance(loader, RolloutLoader) and loader.metrics and not warmup:
             record.update({f"train/{name}": value for name, value in loader.metrics.items()})
             record["train/rl/rollouts"] = float(loader.rollouts)
+            if loader.rollouts != self.logged_rollout:  # each rollout's sample completions once (a table)
+                record[COMPLETIONS_KEY] = [{"rollout": loader.rollouts, **row} for row in loader.examples]
+                self.logged_rollout = loader.rollouts
         if self._eval_due():
             scores = evaluate_greedy(self.model, loader.task, self.eval_problems, self.options,
                                      self.rl.format_reward, self.tokenizer, self.amp_dtype)

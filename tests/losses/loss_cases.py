@@ -8,38 +8,34 @@ import zlib
 import torch
 
 from fastlm.losses.reference import _label_logp, reference_loss
-from fastlm.losses.spec import (
-    IGNORE_INDEX,
-    ClippedPolicySpec,
-    DistillationSpec,
-    GSPOSpec,
-    LossNormalizers,
-    LossResult,
-    LossSpec,
-    LossTargets,
-    WeightedSpec,
-)
+from fastlm.losses.children import CISPO, GRPO, GSPO, CrossEntropy, Distillation, ZLoss
+from fastlm.losses.children.base import LossChild
+from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossResult, LossSpec, LossTargets
+
+# Short names of the test children; a name's options (after ':' in make_spec) override these.
+CHILDREN = {
+    "ce": lambda w, **o: CrossEntropy("ce", w),
+    "z": lambda w, **o: ZLoss("z", w),
+    "grpo": lambda w, **o: GRPO("grpo", w, **{"eps_low": 0.2, "eps_high": 0.25, **o}),
+    "gspo": lambda w, **o: GSPO("gspo", w, **{"eps_low": 0.05, "eps_high": 0.08, **o}),
+    "gspo_len": lambda w, **o: GSPO("gspo", w, **{"eps_low": 0.05, "eps_high": 0.08, "loss_type": "dapo", **o}),
+    "cispo": lambda w, **o: CISPO("cispo", w, **{"eps_high": 0.3, **o}),
+    "kd": lambda w, **o: Distillation("kd", w, **{"temperature": 1.7, **o}),
+    "kd_rev": lambda w, **o: Distillation("kd", w, **{"temperature": 1.7, "reverse": True, **o}),
+}
 
 
-def make_spec(kinds: str, weights: dict[str, float] | None = None, **numbers: object) -> LossSpec:
-    """kinds: '+'-joined short names among ce, z, grpo, gspo, gspo_len, kd, kd_rev."""
-    weights = weights or {}
-    parts: dict[str, object] = {}
+def make_spec(
+    kinds: str, weights: dict[str, float] | None = None, options: dict[str, dict] | None = None, **numbers: object
+) -> LossSpec:
+    """kinds: '+'-joined short names (CHILDREN); `options` per short name override the child's fields."""
+    weights, options = weights or {}, options or {}
+    children: list[LossChild] = []
     for kind in kinds.split("+"):
-        w = weights.get(kind, {"z": 0.1}.get(kind, 1.0))
-        if kind == "ce":
-            parts["cross_entropy"] = WeightedSpec("ce", w)
-        elif kind == "z":
-            parts["z_loss"] = WeightedSpec("z", w)
-        elif kind == "grpo":
-            parts["grpo"] = ClippedPolicySpec("grpo", w, 0.2, 0.25)
-        elif kind in ("gspo", "gspo_len"):
-            parts["gspo"] = GSPOSpec("gspo", w, 0.05, 0.08, kind == "gspo_len")
-        elif kind in ("kd", "kd_rev"):
-            parts["distillation"] = DistillationSpec("kd", w, 1.7, kind == "kd_rev")
-        else:
+        if kind not in CHILDREN:
             raise ValueError(kind)
-    return LossSpec(**parts, **numbers)
+        children.append(CHILDREN[kind](weights.get(kind, {"z": 0.1}.get(kind, 1.0)), **options.get(kind, {})))
+    return LossSpec(tuple(children), **numbers)
 
 
 def random_documents(tokens: int, generator: torch.Generator) -> torch.Tensor:
@@ -78,9 +74,12 @@ def make_case(
     old_logp = (new_logp + 0.3 * torch.randn(tokens, generator=generator, dtype=torch.float64)).float()
     old_logp[labels == IGNORE_INDEX] = float("nan")  # masked tokens must never be read
     per_document = torch.randn(int(document_ids.max()) + 1, generator=generator)
-    advantages = torch.randn(tokens, generator=generator) if spec is None or spec.gspo is None else per_document[document_ids]
+    per_document_advantages = spec is not None and spec.per_document
+    advantages = per_document[document_ids] if per_document_advantages else torch.randn(tokens, generator=generator)
     teacher = torch.randn(tokens, vocab, generator=generator, dtype=torch.float64).to(dtype) * 1.5
-    targets = LossTargets(labels, old_logp, advantages, document_ids, teacher)
+    ref_logp = (new_logp + 0.3 * torch.randn(tokens, generator=generator, dtype=torch.float64)).float()
+    ref_logp[labels == IGNORE_INDEX] = float("nan")
+    targets = LossTargets(labels, old_logp, advantages, document_ids, teacher, ref_logp=ref_logp)
     mask = labels != IGNORE_INDEX
     normalizers = LossNormalizers(float(mask.sum()), float(document_ids[mask].unique().numel()))
     return logits, targets, normalizers
@@ -106,6 +105,7 @@ def reference_with_grad(
         None if targets.advantages is None else targets.advantages.double(),
         targets.document_ids,
         None if targets.teacher_logits is None else targets.teacher_logits.double(),
+        ref_logp=None if targets.ref_logp is None else targets.ref_logp.double(),
     )
     result = reference_loss(leaf, double_targets, normalizers, spec)
     (result.loss * grad_scale).backward()

@@ -85,16 +85,20 @@ def test_terms_match_the_torch_tail_in_fp32(name: str) -> None:
 
 
 def test_layout_rows() -> None:
-    """Groups in child order, total after them, then the counts; GSPO adds its token metrics (no loss
-    row: the seam makes it) and the per-token state after the counts, outside the summed rows."""
+    """Each child's rows from its start in child order, the total after them, then the counts; a
+    per-document child (GSPO) writes no rows of its own, only the per-token state after the counts,
+    outside the summed rows."""
     layout = fused_layout(make_spec("ce+z+grpo+kd"))
-    assert (layout.ce, layout.z, layout.grpo, layout.kd, layout.total, layout.flags, layout.rows) == (0, 1, 3, 12, 13, 14, 18)
-    assert layout.keys[layout.z + 1] == (False, "z/lse") and layout.keys[layout.grpo + 3] == (False, "grpo/kl")
-    assert (layout.gspo, layout.state, layout.summed) == (-1, -1, 18)
+    assert layout.starts == {"ce": 0, "z": 1, "grpo": 3, "kd": 12}
+    assert (layout.total, layout.flags, layout.rows) == (13, 14, 18)
+    assert layout.keys[2] == (False, "z/lse") and layout.keys[3 + 3] == (False, "grpo/kl_old")
+    assert (layout.state, layout.summed) == (-1, 18)
     assert fused_layout(make_spec("ce")).rows == 4  # ce, total, 2 counts
     gspo = fused_layout(make_spec("gspo+z+kd"))
-    assert (gspo.z, gspo.gspo, gspo.kd, gspo.total, gspo.flags, gspo.summed, gspo.state, gspo.rows) == (0, 2, 5, 6, 7, 11, 11, 18)
-    assert gspo.keys[gspo.gspo :gspo.kd] == tuple((False, f"gspo/{name}") for name in ("new_logp", "entropy", "kl"))
+    assert gspo.starts == {"gspo": 0, "z": 0, "kd": 2}
+    assert (gspo.total, gspo.flags, gspo.summed, gspo.state, gspo.rows) == (3, 4, 8, 8, 15)
+    with_reference = fused_layout(make_spec("grpo", options={"grpo": {"beta": 0.1}}))
+    assert with_reference.keys[4] == (False, "grpo/kl") and with_reference.total == 10
 
 
 def _spoil(targets: LossTargets) -> LossTargets:

@@ -97,7 +97,7 @@ def test_prefetch_distillation(prefetch: bool, kinds: str) -> None:
 def test_temperature(temperature: float, reverse: bool) -> None:
     """Only the teacher is divided by T; plain logits (no scale, no softcap), looped blocks."""
     spec, logits, targets, normalizers = _case("ce+kd_rev" if reverse else "ce+kd", seed=int(temperature * 10))
-    spec = replace(spec, distillation=replace(spec.distillation, temperature=temperature))
+    spec = replace(spec, children=(spec.children[0], replace(spec.teacher, temperature=temperature)))
     result, grad = triton_loss(logits, targets, normalizers, spec, max_block=16)
     expected, expected_grad = reference_with_grad(logits, targets, normalizers, spec)
     _check(f"T={temperature} reverse={reverse}", result, grad, expected, expected_grad, FP32_TOL)
@@ -138,9 +138,9 @@ def test_gspo_with_distillation_uses_stats_and_grad_launches(kinds: str, block: 
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 def test_weight_zero_distillation_logs_loss_without_gradient(reverse: bool) -> None:
     spec, logits, targets, normalizers = _case("ce+kd_rev" if reverse else "ce+kd", seed=9)
-    spec = replace(spec, distillation=replace(spec.distillation, weight=0.0))
+    spec = replace(spec, children=(spec.children[0], replace(spec.teacher, weight=0.0)))
     result, grad = triton_loss(logits, targets, normalizers, spec, max_block=16)
-    _, ce_grad = triton_loss(logits, targets, normalizers, LossSpec(cross_entropy=spec.cross_entropy), max_block=16)
+    _, ce_grad = triton_loss(logits, targets, normalizers, LossSpec(spec.children[:1]), max_block=16)
     expected, _ = reference_with_grad(logits, targets, normalizers, spec)
     print(f"weight 0 reverse={reverse}: grad rel to CE-only {_rel(grad, ce_grad):.2e}, "
           f"kd rel {_rel(result.losses['kd'], expected.losses['kd']):.2e}")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from crash_harness import finish, run_dir, start, write_config
 
+from fastlm.cli import main
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.disk_space import DiskFullError
 from fastlm.logging.jsonl import JsonlSink, read_metrics
@@ -75,3 +76,17 @@ def test_full_disk_while_logging_names_the_record(small_disk: Path) -> None:
     sink = JsonlSink(small_disk / "metrics.jsonl")
     with pytest.raises(DiskFullError, match="no space left on device writing the step 7 record of metrics.jsonl"):
         sink.log(7, {"train/loss": 1.0})
+
+
+def test_full_disk_during_prepare_is_one_line_and_leaves_nothing(small_disk: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    corpus = tmp_path / "corpus.txt"  # about 2 MiB of tokens (2-byte ids) for a 700 KiB disk
+    corpus.write_text("\n\n".join(f"document {i} " + "words " * 160 for i in range(1000)), encoding="utf-8")
+    config = tmp_path / "prepare.yaml"
+    config.write_text(f"input_path: {corpus}\noutput_path: {small_disk / 'prepared'}\n")
+    assert main(["prepare", str(config)]) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    print(line)
+    assert line.startswith("fastlm prepare: no space left on device writing the prepared data set prepared")
+    assert "nothing was moved into place" in line and "Traceback" not in line
+    assert list(small_disk.iterdir()) == []  # no staging directory left

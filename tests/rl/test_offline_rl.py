@@ -104,5 +104,29 @@ def test_offline_rejects_warmup(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="rl.warmup_steps"):
         RLTrainer(config)
     plain = config.model_copy(update={"model": config.model.model_copy(update={"head": type(config.model.head)()})})
-    with pytest.raises(Exception, match="exactly one grpo or gspo child"):
+    with pytest.raises(Exception, match="exactly one policy child"):
         RLTrainer(plain)
+
+
+def test_offline_grpo_with_reference_kl_logs_trl_kl(tmp_path: Path) -> None:
+    """beta > 0: a frozen copy of the initial policy gives each batch its reference log-probs; the
+    head logs TRL's `kl` (k3 to the reference: 0 before the first update, > 0 after) next to `kl_old`."""
+    path = tmp_path / "rl.jsonl"
+    write_offline_rl(path, _records())
+    config = RunConfig.model_validate({
+        "run": {"name": "offline-kl", "output_dir": str(tmp_path / "{name}"), "seed": 0},
+        "model": {"type": "llama", "hidden_size": 32, "num_layers": 1, "num_heads": 2, "max_seq_len": 32,
+                  "head": {"losses": {"grpo": {"type": "grpo", "beta": 0.1, "loss_type": "grpo"}}}},
+        "data": {"source": {"type": "offline_rl", "path": str(path)}, "seq_len": 32, "micro_batch_size": 2},
+        "optimizer": {"lr": 1e-2}, "schedule": {"warmup_steps": 0, "decay": "constant"},
+        "trainer": {"steps": 4, "log_every": 1, "eval_every": 0, "checkpoint_every": 0},
+        "logging": {"wandb": {"enabled": False}, "progress": False},
+    })
+    trainer = RLTrainer(config)
+    assert trainer.reference is not None and not any(p.requires_grad for p in trainer.reference.parameters())
+    summary = trainer.train()
+    records = [json.loads(line) for line in (summary.run_dir / "metrics.jsonl").read_text().splitlines()]
+    kl = [r["train/grpo/kl"] for r in records if "train/grpo/kl" in r]
+    print(f"reference kl per step: {kl}")
+    assert len(kl) == 4 and abs(kl[0]) < 1e-6 and kl[-1] > 1e-6
+    assert all("train/grpo/kl_old" in r for r in records if "train/grpo/kl" in r)

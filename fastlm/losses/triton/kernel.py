@@ -206,70 +206,90 @@ def _store_term(terms_ptr, index, n_tokens, row, value):
 
 
 @triton.jit
+def _policy_terms(terms_ptr, n_tokens, row, ROW: tl.constexpr, REF: tl.constexpr, token_loss, new_logp, entropy,
+                  old_logp, ref_gap, beta, entropy_coeff, w, token_scale):
+    """A policy child's loss row (times its weight w_t) and its token metrics: new_logp, entropy,
+    kl_old[, kl] (children/policy.py). Returns its loss term for the weighted total, unscaled by 1/N."""
+    delta = old_logp - new_logp
+    kl_old = _expm1(delta) - delta  # k3 against the sampling policy
+    token_loss -= entropy_coeff * entropy
+    if REF:
+        token_loss += beta * (_expm1(ref_gap) - ref_gap)
+    _store_term(terms_ptr, ROW, n_tokens, row, token_loss * w)
+    _store_term(terms_ptr, ROW + 1, n_tokens, row, new_logp * token_scale)
+    _store_term(terms_ptr, ROW + 2, n_tokens, row, entropy * token_scale)
+    _store_term(terms_ptr, ROW + 3, n_tokens, row, kl_old * token_scale)
+    if REF:
+        _store_term(terms_ptr, ROW + 4, n_tokens, row, (_expm1(ref_gap) - ref_gap) * token_scale)
+    return token_loss * w
+
+
+@triton.jit
 def _store_terms(
-    terms_ptr, row, n_tokens, lse, new_logp, entropy, in_vocab, old_logp_ptr, advantages_ptr, kl_kd, prob_coeff,
-    label_coeff, teacher_lse, ce_weight, z_weight, grpo_weight, kd_weight, token_scale, eps_low, eps_high,
-    ROW_CE: tl.constexpr, ROW_Z: tl.constexpr, ROW_GRPO: tl.constexpr, ROW_GSPO: tl.constexpr, ROW_KD: tl.constexpr,
+    terms_ptr, row, n_tokens, lse, new_logp, entropy, in_vocab, old_logp, advantage, ratio, ref_gap, kl_kd,
+    prob_coeff, label_coeff, x_coeff, teacher_lse, token_scale, ce_weight, z_weight, kd_weight, grpo_weight,
+    grpo_beta, grpo_entropy, w_grpo, eps_low, eps_high, grpo_delta, cispo_weight, cispo_beta, cispo_entropy, w_cispo,
+    cispo_cap, ROW_CE: tl.constexpr, ROW_Z: tl.constexpr, ROW_GRPO: tl.constexpr, ROW_GSPO: tl.constexpr,
+    ROW_CISPO: tl.constexpr, ROW_KD: tl.constexpr, GRPO_REF: tl.constexpr, CISPO_REF: tl.constexpr,
     ROW_TOTAL: tl.constexpr, ROW_FLAGS: tl.constexpr, ROW_STATE: tl.constexpr,
 ):
-    """The per-token terms of an unmasked row (order: coefficients.fused_layout / metrics.GRPO_METRICS),
-    scaled by `token_scale`; then the value-check counts, unscaled; then (GSPO) the seam's per-token
-    state, unscaled (coefficients.STATE_ROWS)."""
+    """The per-token terms of an unmasked row (order: each child's `fused_keys`), scaled by
+    `token_scale` (policy losses by their w_t); the weighted total (scaled); the value-check counts,
+    unscaled; then (per-document children) the per-token state, unscaled (coefficients.STATE_ROWS)."""
     total = 0.0
     if ROW_CE >= 0:
         _store_term(terms_ptr, ROW_CE, n_tokens, row, -new_logp * token_scale)
-        total -= ce_weight * new_logp
+        total -= ce_weight * new_logp * token_scale
     if ROW_Z >= 0:
         _store_term(terms_ptr, ROW_Z, n_tokens, row, lse * lse * token_scale)
         _store_term(terms_ptr, ROW_Z + 1, n_tokens, row, lse * token_scale)
-        total += z_weight * lse * lse
-    if ROW_GRPO >= 0 or ROW_GSPO >= 0:
-        old_logp = tl.load(old_logp_ptr + row).to(tl.float32)
-        advantage = tl.load(advantages_ptr + row).to(tl.float32)
-        delta = old_logp - new_logp
-        kl = _expm1(delta) - delta  # k3 KL
+        total += z_weight * lse * lse * token_scale
+    if ROW_GRPO >= 0 or ROW_GSPO >= 0 or ROW_CISPO >= 0:
         _store_term(terms_ptr, ROW_FLAGS + 2, n_tokens, row, _non_finite(old_logp))
         _store_term(terms_ptr, ROW_FLAGS + 3, n_tokens, row, _non_finite(advantage))
     if ROW_GRPO >= 0:
-        ratio = tl.exp(new_logp - old_logp)
         clipped = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
-        token_loss = -tl.minimum(ratio * advantage, clipped * advantage)
+        capped = tl.minimum(ratio, grpo_delta)
+        token_loss = -tl.minimum(capped * advantage, clipped * advantage)
+        total += grpo_weight * _policy_terms(terms_ptr, n_tokens, row, ROW_GRPO, GRPO_REF, token_loss, new_logp,
+                                             entropy, old_logp, ref_gap, grpo_beta, grpo_entropy, w_grpo, token_scale)
         low = ((ratio < 1.0 - eps_low) & (advantage < 0.0)).to(tl.float32)
         high = ((ratio > 1.0 + eps_high) & (advantage > 0.0)).to(tl.float32)
-        _store_term(terms_ptr, ROW_GRPO, n_tokens, row, token_loss * token_scale)
-        _store_term(terms_ptr, ROW_GRPO + 1, n_tokens, row, new_logp * token_scale)
-        _store_term(terms_ptr, ROW_GRPO + 2, n_tokens, row, entropy * token_scale)
-        _store_term(terms_ptr, ROW_GRPO + 3, n_tokens, row, kl * token_scale)
-        _store_term(terms_ptr, ROW_GRPO + 4, n_tokens, row, ratio * token_scale)
-        _store_term(terms_ptr, ROW_GRPO + 5, n_tokens, row, advantage * token_scale)
-        _store_term(terms_ptr, ROW_GRPO + 6, n_tokens, row, low * token_scale)
-        _store_term(terms_ptr, ROW_GRPO + 7, n_tokens, row, high * token_scale)
-        _store_term(terms_ptr, ROW_GRPO + 8, n_tokens, row, tl.maximum(low, high) * token_scale)
-        total += grpo_weight * token_loss
-    if ROW_GSPO >= 0:  # the token means; the ratio is per document (the seam)
-        _store_term(terms_ptr, ROW_GSPO, n_tokens, row, new_logp * token_scale)
-        _store_term(terms_ptr, ROW_GSPO + 1, n_tokens, row, entropy * token_scale)
-        _store_term(terms_ptr, ROW_GSPO + 2, n_tokens, row, kl * token_scale)
+        first = ROW_GRPO + 4 + GRPO_REF
+        _store_term(terms_ptr, first, n_tokens, row, ratio * token_scale)
+        _store_term(terms_ptr, first + 1, n_tokens, row, advantage * token_scale)
+        _store_term(terms_ptr, first + 2, n_tokens, row, low * token_scale)
+        _store_term(terms_ptr, first + 3, n_tokens, row, high * token_scale)
+        _store_term(terms_ptr, first + 4, n_tokens, row, tl.maximum(low, high) * token_scale)
+    if ROW_CISPO >= 0:
+        token_loss = -tl.minimum(ratio, cispo_cap) * advantage * new_logp
+        total += cispo_weight * _policy_terms(terms_ptr, n_tokens, row, ROW_CISPO, CISPO_REF, token_loss, new_logp,
+                                              entropy, old_logp, ref_gap, cispo_beta, cispo_entropy, w_cispo,
+                                              token_scale)
+        first = ROW_CISPO + 4 + CISPO_REF
+        _store_term(terms_ptr, first, n_tokens, row, ratio * token_scale)
+        _store_term(terms_ptr, first + 1, n_tokens, row, advantage * token_scale)
+        _store_term(terms_ptr, first + 2, n_tokens, row, ((ratio > cispo_cap) & (advantage > 0.0)).to(tl.float32) * token_scale)
     if ROW_KD >= 0:
         _store_term(terms_ptr, ROW_KD, n_tokens, row, kl_kd * token_scale)
-        total += kd_weight * kl_kd
-    _store_term(terms_ptr, ROW_TOTAL, n_tokens, row, total * token_scale)
+        total += kd_weight * kl_kd * token_scale
+    _store_term(terms_ptr, ROW_TOTAL, n_tokens, row, total)
     _store_term(terms_ptr, ROW_FLAGS, n_tokens, row, 1.0 - in_vocab.to(tl.float32))
     _store_term(terms_ptr, ROW_FLAGS + 1, n_tokens, row, 1.0)
     if ROW_STATE >= 0:
         _store_term(terms_ptr, ROW_STATE, n_tokens, row, lse)
         _store_term(terms_ptr, ROW_STATE + 1, n_tokens, row, new_logp)
-        _store_term(terms_ptr, ROW_STATE + 2, n_tokens, row, prob_coeff)
-        _store_term(terms_ptr, ROW_STATE + 3, n_tokens, row, label_coeff)
-        _store_term(terms_ptr, ROW_STATE + 4, n_tokens, row, old_logp)
-        _store_term(terms_ptr, ROW_STATE + 5, n_tokens, row, advantage)
+        _store_term(terms_ptr, ROW_STATE + 2, n_tokens, row, entropy)
+        _store_term(terms_ptr, ROW_STATE + 3, n_tokens, row, prob_coeff)
+        _store_term(terms_ptr, ROW_STATE + 4, n_tokens, row, label_coeff)
+        _store_term(terms_ptr, ROW_STATE + 5, n_tokens, row, x_coeff)
         if ROW_KD >= 0:
             _store_term(terms_ptr, ROW_STATE + 6, n_tokens, row, teacher_lse)
 
 
 @triton.jit
-def _grad(p, x2, u2, prob_coeff, kd_coeff, teacher_lse2, label_term, inv_softcap2, HAS_SOFTCAP: tl.constexpr,
-          KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr):
+def _grad(p, x2, u2, prob_coeff, kd_coeff, x_coeff, teacher_lse2, label_term, inv_softcap2, HAS_SOFTCAP: tl.constexpr,
+          KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr, X_TERM: tl.constexpr):
     """d loss / d z for a block (or the label element, `label_term` != 0) from the student softmax p.
     The coefficients already carry grad_scale and logit_scale (and ln 2 for the reverse-KL term), so
     without a softcap this is one multiply per element: (prob_coeff*p - label_term + kd term) * dx/dz."""
@@ -279,6 +299,8 @@ def _grad(p, x2, u2, prob_coeff, kd_coeff, teacher_lse2, label_term, inv_softcap
             grad += kd_coeff * p * (x2 - u2)
         else:
             grad -= kd_coeff * tl.exp2(u2 - teacher_lse2)
+    if X_TERM:  # the entropy bonus: x_coeff carries ln 2, so x_coeff * x2 = e * x
+        grad += x_coeff * p * x2
     if HAS_SOFTCAP:
         ratio = x2 * inv_softcap2  # x / c
         grad = grad * (1.0 - ratio * ratio)
@@ -287,14 +309,16 @@ def _grad(p, x2, u2, prob_coeff, kd_coeff, teacher_lse2, label_term, inv_softcap
 
 @triton.jit
 def _write_grad_block(
-    grad_row_ptr, offsets, n_cols, p, x2, u2, prob_coeff, kd_coeff, teacher_lse2, inv_softcap2,
-    HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr, MASKED: tl.constexpr,
+    grad_row_ptr, offsets, n_cols, p, x2, u2, prob_coeff, kd_coeff, x_coeff, teacher_lse2, inv_softcap2,
+    HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr, X_TERM: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """Store one block's gradient (without the label term) in the buffer's dtype, streaming past L2."""
     if MASKED:  # finite past the row end (those columns are not stored): no inf*0 in the softcap/KD terms
         x2 = tl.where(offsets < n_cols, x2, 0.0)
         u2 = tl.where(offsets < n_cols, u2, 0.0)
-    grad = _grad(p, x2, u2, prob_coeff, kd_coeff, teacher_lse2, 0.0, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE)
+    grad = _grad(p, x2, u2, prob_coeff, kd_coeff, x_coeff, teacher_lse2, 0.0, inv_softcap2, HAS_SOFTCAP, KD_GRAD,
+                 KD_REVERSE, X_TERM)
     value = grad.to(grad_row_ptr.dtype.element_ty)
     if MASKED:
         tl.store(grad_row_ptr + offsets, value, mask=offsets < n_cols, cache_modifier=".cs")
@@ -305,16 +329,16 @@ def _write_grad_block(
 @triton.jit
 def _store_grad_block(
     grad_row_ptr, z_raw, teacher_raw, offsets, n_cols, x_scale, softcap, u_scale, lse2, teacher_lse2, prob_coeff,
-    kd_coeff, inv_softcap2, HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr,
-    MASKED: tl.constexpr,
+    kd_coeff, x_coeff, inv_softcap2, HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr,
+    X_TERM: tl.constexpr, MASKED: tl.constexpr,
 ):
     """Second pass: the gradient of one loaded block."""
     x2 = _x2_of(z_raw, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, MASKED)
     u2 = x2
     if KD_GRAD:
         u2 = teacher_raw.to(tl.float32) * u_scale
-    _write_grad_block(grad_row_ptr, offsets, n_cols, tl.exp2(x2 - lse2), x2, u2, prob_coeff, kd_coeff, teacher_lse2,
-                      inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE, MASKED)
+    _write_grad_block(grad_row_ptr, offsets, n_cols, tl.exp2(x2 - lse2), x2, u2, prob_coeff, kd_coeff, x_coeff,
+                      teacher_lse2, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE, X_TERM, MASKED)
 
 
 @triton.jit
@@ -330,37 +354,57 @@ def lm_loss_kernel(
     vocab_start,
     logit_scale,
     softcap,
-    inv_temperature,
     out0_ptr,  # FUSED: the (K, T) term buffer; STATS: max; GRAD: lse (read)
     out1_ptr,  # STATS: sum-exp; GRAD: prob_coeff (read); unused in FUSED
     out2_ptr,  # STATS: label logit (0 off shard); GRAD: label_coeff (read); unused in FUSED
-    out3_ptr,  # STATS: sum exp(x-max)*(x-max); unused otherwise
+    out3_ptr,  # STATS: sum exp(x-max)*(x-max); GRAD: x_coeff (read, X_TERM); unused in FUSED
     kd0_ptr,  # STATS: teacher max; GRAD: teacher lse (read); unused in FUSED
     kd1_ptr,  # STATS: teacher sum-exp; unused otherwise
     kd2_ptr,  # STATS: cross sum; unused otherwise
     old_logp_ptr,
     advantages_ptr,
+    ref_logp_ptr,  # policy children with beta > 0: the frozen reference's label log-prob
+    token_scale,  # 1 / tokens of the step (0 when none)
+    grad_scale,
+    # Child slots (children/*.py `kernel_arguments`): ROW_<KIND> is the first term row of the child in
+    # FUSED mode, -1 when absent (coefficients.fused_layout), then its numbers.
     ce_weight,
     z_weight,
-    grpo_weight,
     kd_weight,
-    token_scale,  # 1 / tokens of the step (0 when none)
+    inv_temperature,
+    grpo_weight,
+    grpo_beta,
+    grpo_entropy,
+    grpo_token_weights_ptr,  # loss_type != dapo: per-token aggregation weight w_t (else token_scale)
     eps_low,
     eps_high,
-    grad_scale,
+    grpo_delta,
+    cispo_weight,
+    cispo_beta,
+    cispo_entropy,
+    cispo_token_weights_ptr,
+    cispo_cap,
     MODE: tl.constexpr,
-    ROW_CE: tl.constexpr,  # FUSED: first term row of each child, -1 when absent (coefficients.fused_layout)
+    ROW_CE: tl.constexpr,
     ROW_Z: tl.constexpr,
     ROW_GRPO: tl.constexpr,
-    ROW_GSPO: tl.constexpr,  # token-mean metrics only
+    ROW_GSPO: tl.constexpr,  # a per-document child follows: write the per-token state (ROW_STATE)
+    ROW_CISPO: tl.constexpr,
     ROW_KD: tl.constexpr,
+    GRPO_TOKEN_WEIGHTS: tl.constexpr,
+    GRPO_REF: tl.constexpr,  # 1 when grpo_beta > 0 (its `kl` row), else 0
+    GRPO_ENTROPY: tl.constexpr,
+    CISPO_TOKEN_WEIGHTS: tl.constexpr,
+    CISPO_REF: tl.constexpr,
+    CISPO_ENTROPY: tl.constexpr,
     ROW_TOTAL: tl.constexpr,
     ROW_FLAGS: tl.constexpr,
-    ROW_STATE: tl.constexpr,  # GSPO: per-token state for the seam and the grad launch
+    ROW_STATE: tl.constexpr,  # per-document children: per-token state for their tail and the grad launch
     N_TERMS: tl.constexpr,  # K, rows of the term buffer
     HAS_KD: tl.constexpr,  # teacher statistics in this launch (FUSED, STATS)
     KD_GRAD: tl.constexpr,  # distillation term in the gradient (FUSED, GRAD; weight != 0)
     KD_REVERSE: tl.constexpr,
+    X_TERM: tl.constexpr,  # entropy bonus p_j * x_j in the gradient (FUSED: from the children; GRAD: out3 read)
     HAS_SOFTCAP: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
@@ -396,10 +440,13 @@ def lm_loss_kernel(
         z_label = tl.load(logits_row + local_label, mask=in_shard, other=0.0).to(tl.float32)
         x2_label = tl.where(in_shard, _transform(z_label, x_scale, softcap, HAS_SOFTCAP), 0.0)
         teacher_lse2 = 0.0
+        x_coeff = 0.0
         if MODE == MODE_GRAD:
             lse = tl.load(out0_ptr + row)
             prob_coeff = tl.load(out1_ptr + row)
             label_coeff = tl.load(out2_ptr + row)
+            if X_TERM:
+                x_coeff = tl.load(out3_ptr + row)
             if KD_GRAD:
                 teacher_lse2 = tl.load(kd0_ptr + row) * LOG2E
         else:
@@ -409,7 +456,7 @@ def lm_loss_kernel(
             mu = float("-inf")
             su = tl.zeros([ACC], dtype=tl.float32)
             cross = tl.zeros([ACC], dtype=tl.float32)
-            need_moment = MODE == MODE_STATS or ROW_GRPO >= 0 or ROW_GSPO >= 0
+            need_moment = MODE == MODE_STATS or ROW_GRPO >= 0 or ROW_GSPO >= 0 or ROW_CISPO >= 0
             if SINGLE_PASS:
                 m, s, t, mu, su, cross, e = _block_stats(
                     x2, u2, m, s, t, mu, su, cross, True, need_moment, HAS_KD, KD_REVERSE, ACC)
@@ -454,7 +501,8 @@ def lm_loss_kernel(
                 log_s = tl.log(s)
                 lse = m + log_s
                 new_logp = x_label - lse
-                # In-kernel coefficients: the minimal copy of coefficients.py that fusion forces.
+                entropy = log_s - t / s
+                # In-kernel coefficients: the minimal copy of the children's tails that fusion forces.
                 prob_coeff = 0.0
                 label_coeff = 0.0
                 if ROW_CE >= 0:
@@ -462,14 +510,46 @@ def lm_loss_kernel(
                     label_coeff += ce_weight * token_scale
                 if ROW_Z >= 0:
                     prob_coeff += 2.0 * z_weight * token_scale * lse
-                if ROW_GRPO >= 0:
+                old_logp = 0.0
+                advantage = 0.0
+                ratio = 1.0
+                ref_gap = 0.0
+                w_grpo = token_scale
+                w_cispo = token_scale
+                if ROW_GRPO >= 0 or ROW_CISPO >= 0 or ROW_GSPO >= 0:
+                    old_logp = tl.load(old_logp_ptr + row).to(tl.float32)
                     advantage = tl.load(advantages_ptr + row).to(tl.float32)
-                    ratio = tl.exp(new_logp - tl.load(old_logp_ptr + row).to(tl.float32))
+                    ratio = tl.exp(new_logp - old_logp)
+                    if GRPO_REF or CISPO_REF:
+                        ref_gap = tl.load(ref_logp_ptr + row).to(tl.float32) - new_logp
+                if ROW_GRPO >= 0:
+                    if GRPO_TOKEN_WEIGHTS:
+                        w_grpo = tl.load(grpo_token_weights_ptr + row)
                     gain = tl.where(ratio <= 1.0 + eps_high, tl.maximum(advantage, 0.0), 0.0)
-                    loss_side = tl.where(ratio >= 1.0 - eps_low, tl.minimum(advantage, 0.0), 0.0)
-                    policy = grpo_weight * token_scale * ratio * (gain + loss_side)
+                    loss_side = tl.where((ratio >= 1.0 - eps_low) & (ratio <= grpo_delta), tl.minimum(advantage, 0.0), 0.0)
+                    slope = ratio * (gain + loss_side)
+                    if GRPO_REF:
+                        slope += grpo_beta * _expm1(ref_gap)
+                    policy = grpo_weight * w_grpo * slope
                     prob_coeff += policy
                     label_coeff += policy
+                    if GRPO_ENTROPY:
+                        bonus = grpo_weight * w_grpo * grpo_entropy
+                        x_coeff += bonus
+                        prob_coeff -= bonus * (lse - entropy)
+                if ROW_CISPO >= 0:
+                    if CISPO_TOKEN_WEIGHTS:
+                        w_cispo = tl.load(cispo_token_weights_ptr + row)
+                    slope = tl.minimum(ratio, cispo_cap) * advantage
+                    if CISPO_REF:
+                        slope += cispo_beta * _expm1(ref_gap)
+                    policy = cispo_weight * w_cispo * slope
+                    prob_coeff += policy
+                    label_coeff += policy
+                    if CISPO_ENTROPY:
+                        bonus = cispo_weight * w_cispo * cispo_entropy
+                        x_coeff += bonus
+                        prob_coeff -= bonus * (lse - entropy)
                 kl_kd = 0.0
                 if HAS_KD:
                     teacher_sum = tl.sum(su, 0)
@@ -483,24 +563,26 @@ def lm_loss_kernel(
                         kl_kd = cross_sum / teacher_sum - teacher_lse2 * LN2 + lse
                         prob_coeff += kd_coeff
                 _store_terms(
-                    out0_ptr, row, n_rows, lse, new_logp, log_s - t / s, in_shard, old_logp_ptr, advantages_ptr,
-                    kl_kd, prob_coeff, label_coeff, teacher_lse2 * LN2, ce_weight, z_weight, grpo_weight, kd_weight,
-                    token_scale, eps_low, eps_high, ROW_CE, ROW_Z, ROW_GRPO, ROW_GSPO, ROW_KD, ROW_TOTAL, ROW_FLAGS,
-                    ROW_STATE,
+                    out0_ptr, row, n_rows, lse, new_logp, entropy, in_shard, old_logp, advantage, ratio, ref_gap,
+                    kl_kd, prob_coeff, label_coeff, x_coeff, teacher_lse2 * LN2, token_scale, ce_weight, z_weight,
+                    kd_weight, grpo_weight, grpo_beta, grpo_entropy, w_grpo, eps_low, eps_high, grpo_delta,
+                    cispo_weight, cispo_beta, cispo_entropy, w_cispo, cispo_cap, ROW_CE, ROW_Z, ROW_GRPO, ROW_GSPO,
+                    ROW_CISPO, ROW_KD, GRPO_REF, CISPO_REF, ROW_TOTAL, ROW_FLAGS, ROW_STATE,
                 )
         if COMPUTE_GRAD:
             lse2 = lse * LOG2E
             prob_coeff = prob_coeff * grad_coeff
             label_coeff = label_coeff * grad_coeff
             kd_grad_coeff = kd_coeff * grad_coeff * (LN2 if KD_REVERSE else 1.0)
+            x_coeff = x_coeff * grad_coeff * LN2
             if SINGLE_PASS:
                 # One row in one block: p = 2^(x2 - m) / s reuses the stats pass's exponentials.
                 if MODE == MODE_GRAD:
                     p = tl.exp2(x2 - lse2)
                 else:
                     p = e * (1.0 / s)
-                _write_grad_block(grad_row, offsets, n_cols, p, x2, u2, prob_coeff, kd_grad_coeff, teacher_lse2,
-                                  inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE, True)
+                _write_grad_block(grad_row, offsets, n_cols, p, x2, u2, prob_coeff, kd_grad_coeff, x_coeff,
+                                  teacher_lse2, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE, X_TERM, True)
             else:
                 # Backwards, so the blocks the stats pass read last are the first re-read (L2 hits); the
                 # re-read is evict-first. In place is safe: each thread stores only elements it loaded
@@ -512,8 +594,8 @@ def lm_loss_kernel(
                     tail = n_full * BLOCK + offsets
                     z_raw, teacher_raw = _load_pair(logits_row, teacher_row, tail, n_cols, KD_GRAD, True, "evict_first")
                     _store_grad_block(grad_row, z_raw, teacher_raw, tail, n_cols, x_scale, softcap, u_scale, lse2,
-                                      teacher_lse2, prob_coeff, kd_grad_coeff, inv_softcap2, HAS_SOFTCAP, KD_GRAD,
-                                      KD_REVERSE, True)
+                                      teacher_lse2, prob_coeff, kd_grad_coeff, x_coeff, inv_softcap2, HAS_SOFTCAP,
+                                      KD_GRAD, KD_REVERSE, X_TERM, True)
                 for step in range(0, n_full):
                     block_offsets = (n_full - 1 - step) * BLOCK + offsets
                     if PREFETCH:
@@ -525,8 +607,8 @@ def lm_loss_kernel(
                         z_raw, teacher_raw = _load_pair(logits_row, teacher_row, block_offsets, n_cols, KD_GRAD, False,
                                                         "evict_first")
                     _store_grad_block(grad_row, z_raw, teacher_raw, block_offsets, n_cols, x_scale, softcap, u_scale,
-                                      lse2, teacher_lse2, prob_coeff, kd_grad_coeff, inv_softcap2, HAS_SOFTCAP,
-                                      KD_GRAD, KD_REVERSE, False)
+                                      lse2, teacher_lse2, prob_coeff, kd_grad_coeff, x_coeff, inv_softcap2,
+                                      HAS_SOFTCAP, KD_GRAD, KD_REVERSE, X_TERM, False)
             if in_shard:
                 # The label's element: the blocks above left out -label_coeff; rewrite it once the
                 # whole CTA's block stores are done (the barrier orders them before this one).
@@ -534,8 +616,8 @@ def lm_loss_kernel(
                 u2_label = x2_label
                 if KD_GRAD:
                     u2_label = _load_u2(teacher_row + local_label, 0, 1, u_scale, False, "evict_first")
-                label_grad = _grad(tl.exp2(x2_label - lse2), x2_label, u2_label, prob_coeff, kd_grad_coeff,
-                                   teacher_lse2, label_coeff, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE)
+                label_grad = _grad(tl.exp2(x2_label - lse2), x2_label, u2_label, prob_coeff, kd_grad_coeff, x_coeff,
+                                   teacher_lse2, label_coeff, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE, X_TERM)
                 tl.store(grad_row + local_label, label_grad.to(grad_ptr.dtype.element_ty))
     else:
         # Neutral, finite values: a masked row contributes nothing and never makes a NaN.

@@ -20,7 +20,6 @@ everything is enqueued, so the host never waits for the GPU before the end of th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -28,12 +27,20 @@ import torch.distributed as dist
 
 import triton
 
-from fastlm.losses.coefficients import FusedLayout, LabelChildren, TokenStats, fused_layout, fused_result, label_children
-from fastlm.losses.metrics import Sums, gspo_document_metrics
-from fastlm.losses.seam import gspo_seam, safe_inverse
-from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossResult, LossSpec, LossTargets
+from fastlm.losses.children import CHILD_CLASSES
+from fastlm.losses.coefficients import FusedLayout, fused_layout, fused_result, tail
+from fastlm.losses.spec import (
+    IGNORE_INDEX,
+    LossNormalizers,
+    LossResult,
+    LossSpec,
+    LossTargets,
+    ProcessGroup,
+    assemble_result,
+    safe_inverse,
+)
 from fastlm.losses.triton.kernel import MODE_FUSED, MODE_GRAD, MODE_STATS, lm_loss_kernel, row_sums_kernel
-from fastlm.losses.validation import ProcessGroup, check_inputs, raise_on_bad_values, value_flags, vocab_shard
+from fastlm.losses.validation import check_inputs, raise_on_bad_values, value_flags, vocab_shard
 
 MAX_BLOCK = 32768
 ROW_SUM_BLOCK, ROW_SUM_WARPS = 8192, 16  # the term-sum launch: columns per step, warps (run 5: the fastest of 3)
@@ -88,7 +95,7 @@ def _check_supported(logits: torch.Tensor, targets: LossTargets, spec: LossSpec,
     if logits.ndim == 2 and logits.stride(1) != 1:
         raise ValueError(f"logits must be contiguous along the vocab dim (stride 1), got strides {logits.stride()}")
     teacher = targets.teacher_logits
-    if spec.distillation is not None and teacher is not None and teacher.ndim == 2:
+    if spec.teacher is not None and teacher is not None and teacher.ndim == 2:
         if teacher.dtype not in KERNEL_DTYPES:
             raise ValueError(
                 f"targets.teacher_logits must be float32, float16 or bfloat16 for the Triton kernel, got {teacher.dtype}"
@@ -99,23 +106,14 @@ def _check_supported(logits: torch.Tensor, targets: LossTargets, spec: LossSpec,
             )
 
 
-@dataclass
-class TeacherStats:
-    """Per-token distillation quantities (0 on masked tokens)."""
-
-    kl: torch.Tensor  # (T,) KL(q || p) or KL(p || q)
-    teacher_lse: torch.Tensor  # (T,) log sum_j exp(u_j), u = teacher / T
-    prob_coeff: torch.Tensor  # (T,) distillation part of prob_coeff: k (forward) or -k*E_p[x - u] (reverse)
-
-
 class _Launch:
     """The arguments every launch shares for one call; `run` fills in the mode-specific ones."""
 
     def __init__(
         self,
         logits: torch.Tensor,
-        labels: torch.Tensor,
-        teacher: torch.Tensor | None,
+        targets: LossTargets,
+        normalizers: LossNormalizers,
         spec: LossSpec,
         vocab_start: int,
         max_block: int | None,
@@ -123,19 +121,39 @@ class _Launch:
         prefetch: bool | None,
     ):
         self.logits = logits
-        self.labels = labels
-        self.teacher = teacher
+        self.labels = targets.labels.contiguous()
+        self.targets = targets
+        self.normalizers = normalizers
         self.spec = spec
+        self.teacher = targets.teacher_logits if spec.teacher is not None else None
         self.vocab_start = vocab_start
+        distillation = spec.teacher is not None
         if max_block is None:
-            max_block = default_max_block(logits.shape[1], spec.distillation is not None)
+            max_block = default_max_block(logits.shape[1], distillation)
         self.block = _block_size(logits.shape[1], max_block)
         self.num_warps = num_warps if num_warps is not None else default_num_warps(self.block)
-        self.kd_grad = spec.distillation is not None and spec.distillation.weight != 0
-        self.prefetch = default_prefetch(spec.distillation is not None) if prefetch is None else prefetch
+        self.kd_grad = distillation and spec.teacher.weight != 0
+        self.prefetch = default_prefetch(distillation) if prefetch is None else prefetch
 
     def vector(self) -> torch.Tensor:
         return torch.empty(self.logits.shape[0], dtype=torch.float32, device=self.logits.device)
+
+    def _per_token(self, name: str) -> torch.Tensor:
+        tensor = getattr(self.targets, name)
+        return self.logits if tensor is None else tensor.float().contiguous()
+
+    def child_arguments(self, layout: FusedLayout | None) -> dict[str, object]:
+        """Every child slot of the kernel: absent ones neutral, present ones from the children (all of
+        them in FUSED mode, where `layout` places their rows; else the teacher's numbers only)."""
+        arguments: dict[str, object] = {}
+        for child_class in CHILD_CLASSES:
+            if child_class.kernel:
+                arguments.update(child_class.kernel_absent())
+        present = self.spec.children if layout is not None else (self.spec.teacher,) if self.spec.teacher else ()
+        for child in present:
+            row = layout.starts[child.name] if layout is not None else -1
+            arguments.update(child.kernel_arguments(row, self.targets, self.normalizers))
+        return {name: self.logits if value is None else value for name, value in arguments.items()}
 
     def run(
         self,
@@ -143,24 +161,22 @@ class _Launch:
         outputs: tuple[torch.Tensor, ...],
         grad: torch.Tensor | None,
         kd_outputs: tuple[torch.Tensor, ...] = (),
-        policy: tuple[torch.Tensor, torch.Tensor] | None = None,
         token_scale: float = 0.0,
         grad_scale: float = 1.0,
         layout: FusedLayout | None = None,
+        x_term: bool = False,
     ) -> None:
-        """`layout` (FUSED only) places the per-token terms; the children's weights and `token_scale`
-        (1/tokens) make the in-kernel coefficients (FUSED) and the distillation one (GRAD)."""
-        spec = self.spec
+        """`layout` (FUSED only) places the per-token terms; the children's numbers and `token_scale`
+        (1/tokens) make the in-kernel coefficients (FUSED) and the distillation one (GRAD); `x_term`
+        (GRAD) reads the entropy-bonus coefficient from `outputs[3]`."""
         out = outputs + (outputs[0],) * (4 - len(outputs))
         kd_out = kd_outputs + (outputs[0],) * (3 - len(kd_outputs))
-        old_logp, advantages = policy if policy is not None else (out[0], out[0])
-        policy_spec = spec.grpo
-        distill = spec.distillation
+        fused = mode == MODE_FUSED.value
+        distill = self.spec.teacher
         teacher = self.teacher if self.teacher is not None else self.logits
-        weights = (spec.cross_entropy, spec.z_loss, spec.grpo, distill)
-        names = ("ROW_CE", "ROW_Z", "ROW_GRPO", "ROW_GSPO", "ROW_KD", "ROW_TOTAL", "ROW_FLAGS", "ROW_STATE", "N_TERMS")
-        rows = (layout.ce, layout.z, layout.grpo, layout.gspo, layout.kd, layout.total, layout.flags, layout.state,
-                layout.rows) if layout else (-1,) * len(names)
+        rows = (layout.total, layout.flags, layout.state, layout.rows) if layout else (-1,) * 4
+        if fused:
+            x_term = any(child.kernel_x_term() for child in self.spec.children)
         lm_loss_kernel[(self.logits.shape[0],)](
             self.logits,
             self.logits.stride(0),
@@ -171,24 +187,20 @@ class _Launch:
             teacher.stride(0),
             self.logits.shape[1],
             self.vocab_start,
-            float(spec.logit_scale),
-            float(spec.softcap) if spec.softcap is not None else 1.0,
-            1.0 / distill.temperature if distill is not None else 1.0,
+            float(self.spec.logit_scale),
+            float(self.spec.softcap) if self.spec.softcap is not None else 1.0,
             *out,
             *kd_out,
-            old_logp,
-            advantages,
-            *(float(child.weight) if child is not None else 0.0 for child in weights),
+            *(self._per_token(name) if fused else self.logits for name in ("old_logp", "advantages", "ref_logp")),
             float(token_scale),
-            float(policy_spec.eps_low) if policy_spec is not None else 0.0,
-            float(policy_spec.eps_high) if policy_spec is not None else 0.0,
             float(grad_scale),
+            **self.child_arguments(layout if fused else None),
             MODE=mode,
-            **dict(zip(names, rows)),
+            **dict(zip(("ROW_TOTAL", "ROW_FLAGS", "ROW_STATE", "N_TERMS"), rows)),
             HAS_KD=mode != MODE_GRAD.value and distill is not None,
             KD_GRAD=mode != MODE_STATS.value and grad is not None and self.kd_grad,
-            KD_REVERSE=distill is not None and distill.reverse,
-            HAS_SOFTCAP=spec.softcap is not None,
+            X_TERM=x_term,
+            HAS_SOFTCAP=self.spec.softcap is not None,
             COMPUTE_GRAD=grad is not None,
             SINGLE_PASS=self.logits.shape[1] <= self.block,
             PREFETCH=self.prefetch and self.logits.shape[1] > self.block,
@@ -199,65 +211,52 @@ class _Launch:
         )
 
 
-def _kd_coeff(spec: LossSpec, normalizers: LossNormalizers) -> float:
-    """k = w/N of the distillation child (0 without one)."""
-    distill = spec.distillation
-    return distill.weight * safe_inverse(normalizers.tokens) if distill is not None else 0.0
-
-
-def _fused_terms(
-    launch: _Launch, targets: LossTargets, normalizers: LossNormalizers, grad: torch.Tensor | None, grad_scale: float
-) -> tuple[torch.Tensor, FusedLayout]:
+def _fused_terms(launch: _Launch, grad: torch.Tensor | None, grad_scale: float) -> tuple[torch.Tensor, FusedLayout]:
     """One launch: stats, in-kernel coefficients, the gradient (unless None) and the (K, T) per-token
     term buffer."""
     layout = fused_layout(launch.spec)
     terms = torch.empty((layout.rows, launch.logits.shape[0]), dtype=torch.float32, device=launch.logits.device)
-    policy = None
-    if launch.spec.needs_policy_inputs:
-        policy = (targets.old_logp.float().contiguous(), targets.advantages.float().contiguous())
-    launch.run(MODE_FUSED.value, (terms,), grad, (), policy, safe_inverse(normalizers.tokens), grad_scale, layout)
+    launch.run(MODE_FUSED.value, (terms,), grad, (), safe_inverse(launch.normalizers.tokens), grad_scale, layout)
     return terms, layout
 
 
-def _reduce_fused(terms: torch.Tensor, layout: FusedLayout) -> tuple[LossResult, torch.Tensor]:
-    """The result from the term buffer: the token sums of its first `layout.summed` rows in one launch."""
+def _reduce_fused(
+    terms: torch.Tensor, layout: FusedLayout
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """`fused_result` of the term buffer: the token sums of its first `layout.summed` rows in one launch."""
     totals = torch.empty(layout.summed, dtype=torch.float32, device=terms.device)
     block = min(ROW_SUM_BLOCK, triton.next_power_of_2(max(terms.shape[1], 1)))
     row_sums_kernel[(layout.summed,)](terms, totals, terms.shape[1], BLOCK=block, num_warps=ROW_SUM_WARPS)
     return fused_result(totals, layout)
 
 
-def _seam_terms(
-    launch: _Launch, targets: LossTargets, normalizers: LossNormalizers, grad: torch.Tensor | None, grad_scale: float
-) -> tuple[LossResult, torch.Tensor]:
-    """GSPO without tensor parallelism: the fused launch without the gradient (every other child's
-    terms and coefficients, GSPO's token metrics, the per-token state), the seam on that state, then
-    the grad launch with the seam's coefficient added. No sync, ~45 device ops in all."""
-    spec = launch.spec
-    gspo = spec.gspo
-    terms, layout = _fused_terms(launch, targets, normalizers, None, grad_scale)
-    result, counts = _reduce_fused(terms, layout)
+def _seam_terms(launch: _Launch, grad: torch.Tensor | None, grad_scale: float) -> tuple[LossResult, torch.Tensor]:
+    """Per-document children without tensor parallelism: the fused launch without the gradient (every
+    other child's terms and coefficients, the per-token state), the per-document children's tail on
+    that state (the seam), then the grad launch with their coefficients added. No sync."""
+    spec, targets, normalizers = launch.spec, launch.targets, launch.normalizers
+    terms, layout = _fused_terms(launch, None, grad_scale)
+    losses, metrics, kernel_total, counts = _reduce_fused(terms, layout)
     state = partial(layout.state_row, terms)
-    seam = gspo_seam(state("new_logp"), state("old_logp"), state("advantages"), targets.document_ids,
-                     targets.labels != IGNORE_INDEX, gspo, normalizers)
-    sums = Sums()
-    gspo_document_metrics(sums, result.metrics, gspo, seam, normalizers)
-    sums.resolve()
-    result.losses[gspo.name] = seam.loss
+    stats = {name: state(name) for name in ("lse", "new_logp", "entropy")}
+    out = tail(stats, targets.labels != IGNORE_INDEX, targets, normalizers, spec, children=spec.per_document)
+    losses.update(out.losses)
+    metrics.update(out.metrics)
     if grad is not None:
-        kd_out = (state("teacher_lse"),) if spec.distillation is not None else ()
-        coefficients = (state("lse"), state("prob_coeff") + seam.coefficient, state("label_coeff") + seam.coefficient)
+        kd_out = (state("teacher_lse"),) if spec.teacher is not None else ()
+        x_term = out.x is not None or any(child.kernel_x_term() for child in spec.children)
+        x_coeff = state("x_coeff") if out.x is None else state("x_coeff") + out.x
+        coefficients = (state("lse"), state("prob_coeff") + out.prob, state("label_coeff") + out.label, x_coeff)
         launch.run(MODE_GRAD.value, coefficients, grad, kd_out, token_scale=safe_inverse(normalizers.tokens),
-                   grad_scale=grad_scale)
-    return LossResult(result.loss + gspo.weight * seam.loss, result.losses, result.metrics), counts
+                   grad_scale=grad_scale, x_term=x_term)
+    return assemble_result(spec, losses, metrics, kernel_total), counts
 
 
-def _reduce_stats(
-    launch: _Launch, spec: LossSpec, normalizers: LossNormalizers, mask: torch.Tensor, group: ProcessGroup | None
-) -> tuple[TokenStats, TeacherStats | None]:
+def _reduce_stats(launch: _Launch, group: ProcessGroup | None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """Stats launch, then merge the shards' pieces over `group`: (max, sum-exp, label logit, shifted
-    moment) of the student and (max, sum-exp, cross sum) of the teacher."""
-    distill = spec.distillation
+    moment) of the student and (max, sum-exp, cross sum) of the teacher. Returns the tail's
+    statistics and the teacher's log-partition (None without a teacher)."""
+    distill = launch.spec.teacher
     maximum, sum_exp, label_logit, moment = (launch.vector() for _ in range(4))
     kd = tuple(launch.vector() for _ in range(3)) if distill is not None else ()
     launch.run(MODE_STATS.value, (maximum, sum_exp, label_logit, moment), None, kd)
@@ -276,32 +275,14 @@ def _reduce_stats(
         dist.all_reduce(sums, group=group)
     log_sum = torch.log(sums[0])
     lse = maxima[0] + log_sum
-    zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
-    stats = TokenStats(
-        torch.where(mask, lse, zero),
-        torch.where(mask, sums[1] - lse, zero),
-        torch.where(mask, log_sum - sums[2] / sums[0], zero),
-        mask,
-    )
+    stats = {"lse": lse, "new_logp": sums[1] - lse, "entropy": log_sum - sums[2] / sums[0]}
     if distill is None:
         return stats, None
     teacher_lse = maxima[1] + torch.log(sums[3])
     mean_gap = sums[4] / (sums[0] if distill.reverse else sums[3])  # E_p[x - u] or E_q[u - x]
-    kl = mean_gap - lse + teacher_lse if distill.reverse else mean_gap - teacher_lse + lse
-    k = _kd_coeff(spec, normalizers) if launch.kd_grad else 0.0
-    prob = -k * mean_gap if distill.reverse else torch.full_like(lse, k)
-    return stats, TeacherStats(torch.where(mask, kl, zero), torch.where(mask, teacher_lse, zero), torch.where(mask, prob, zero))
-
-
-def _result(
-    children: LabelChildren, kl: torch.Tensor | None, spec: LossSpec, normalizers: LossNormalizers
-) -> LossResult:
-    """loss = sum of weight * unweighted child loss (detached; the autograd Function carries the gradient)."""
-    losses = dict(children.losses)
-    if spec.distillation is not None:
-        losses[spec.distillation.name] = kl.sum() * safe_inverse(normalizers.tokens)
-    loss = sum((child.weight * losses[child.name] for child in spec.children), children.prob_coeff.new_zeros(()))
-    return LossResult(loss, losses, children.metrics)
+    stats["teacher_kl"] = mean_gap - lse + teacher_lse if distill.reverse else mean_gap - teacher_lse + lse
+    stats["teacher_gap"] = mean_gap
+    return stats, teacher_lse
 
 
 def triton_loss(
@@ -325,29 +306,25 @@ def triton_loss(
     _check_supported(logits, targets, spec, num_warps)
     check_inputs(logits, targets, normalizers, spec, group)
     vocab_start, _ = vocab_shard(logits, group)
-    teacher = targets.teacher_logits if spec.distillation is not None else None
-    launch = _Launch(logits, targets.labels.contiguous(), teacher, spec, vocab_start, max_block, num_warps, prefetch)
+    launch = _Launch(logits, targets, normalizers, spec, vocab_start, max_block, num_warps, prefetch)
     grad = None
     if compute_grad:
         grad = logits if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
-    if group is None and spec.gspo is None:
-        result, counts = _reduce_fused(*_fused_terms(launch, targets, normalizers, grad, grad_scale))
+    if group is None and not spec.per_document:
+        losses, metrics, kernel_total, counts = _reduce_fused(*_fused_terms(launch, grad, grad_scale))
+        result = assemble_result(spec, losses, metrics, kernel_total)
     elif group is None:
-        result, counts = _seam_terms(launch, targets, normalizers, grad, grad_scale)
+        result, counts = _seam_terms(launch, grad, grad_scale)
     else:
         mask, counts = value_flags(logits, targets, spec, group)
-        stats, teacher_stats = _reduce_stats(launch, spec, normalizers, mask, group)
-        children = label_children(stats, targets, normalizers, spec)
-        kl = teacher_stats.kl if teacher_stats is not None else None
+        stats, teacher_lse = _reduce_stats(launch, group)
+        out = tail(stats, mask, targets, normalizers, spec)
         if grad is not None:
-            prob_coeff = children.prob_coeff.float()
-            kd_out: tuple[torch.Tensor, ...] = ()
-            if teacher_stats is not None:
-                prob_coeff = prob_coeff + teacher_stats.prob_coeff
-                kd_out = (teacher_stats.teacher_lse.float().contiguous(),)
-            launch.run(MODE_GRAD.value, (stats.lse, prob_coeff, children.label_coeff.float()), grad, kd_out,
-                       token_scale=safe_inverse(normalizers.tokens), grad_scale=grad_scale)
-        result = _result(children, kl, spec, normalizers)
+            kd_out = () if teacher_lse is None else (teacher_lse.float().contiguous(),)
+            x_coeff = out.prob if out.x is None else out.x.float()
+            launch.run(MODE_GRAD.value, (stats["lse"], out.prob.float(), out.label.float(), x_coeff), grad, kd_out,
+                       token_scale=safe_inverse(normalizers.tokens), grad_scale=grad_scale, x_term=out.x is not None)
+        result = assemble_result(spec, out.losses, out.metrics)
     raise_on_bad_values(counts, logits, targets, normalizers, spec, group)
     return result, grad
 
@@ -367,7 +344,6 @@ def fused_kernel_only(
     without GSPO: the benchmark times it next to `triton_loss` to split kernel time from host-side
     work. Returns the (K, T) per-token term buffer."""
     _check_supported(logits, targets, spec, num_warps)
-    teacher = targets.teacher_logits if spec.distillation is not None else None
-    launch = _Launch(logits, targets.labels, teacher, spec, 0, max_block, num_warps, prefetch)
-    terms, _ = _fused_terms(launch, targets, normalizers, grad, 1.0)
+    launch = _Launch(logits, targets, normalizers, spec, 0, max_block, num_warps, prefetch)
+    terms, _ = _fused_terms(launch, grad, 1.0)
     return terms

@@ -1,0 +1,77 @@
+"""CISPO (MiniMax-M1; TRL's loss_type "cispo"): `-sg(min(r, 1+eps_high)) * A * new_logp` per token.
+
+The importance weight is clipped and detached, never the token: every token keeps a gradient,
+`c = w*min(r, 1+eps_high)*A` in `c*(p_j - [j == y])`. Metric `cispo_clip_ratio`: tokens with r above
+the cap and A > 0 (TRL's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+
+from fastlm.losses.children.base import ReferenceInputs, Tail, TailInputs
+from fastlm.losses.children.policy import PolicyChild, PolicyConfig
+from fastlm.losses.spec import LossNormalizers, LossTargets
+
+RATIO_METRICS = ("ratio", "advantage", "cispo_clip_ratio")
+
+
+class CISPOConfig(PolicyConfig):
+    type: Literal["cispo"] = "cispo"
+    eps_high: float = Field(
+        4.0, gt=0.0, description="Cap the detached ratio at 1 + eps_high (TRL's epsilon_high = 5.0 is the cap itself)."
+    )
+
+    def to_child(self, name: str) -> "CISPO":
+        return CISPO(name, self.weight, **self.policy_numbers(), eps_high=self.eps_high)
+
+
+@dataclass(frozen=True)
+class CISPO(PolicyChild):
+    eps_high: float = 4.0
+
+    kind = "cispo"
+
+    def metric_names(self) -> tuple[str, ...]:
+        return self.token_metric_names() + RATIO_METRICS
+
+    def tail(self, inputs: TailInputs, out: Tail) -> None:
+        advantage = inputs.target("advantages")
+        ratio = torch.exp(inputs.new_logp - inputs.target("old_logp"))
+        slope = ratio.clamp(max=1.0 + self.eps_high) * advantage
+        w = self.aggregation(inputs)
+        extra = self.regularizers(inputs, w, out)
+        token_loss = -slope * inputs.new_logp
+        token_loss = token_loss if extra is None else token_loss + extra
+        if isinstance(w, float):
+            out.loss(self.name, token_loss, w)
+        else:
+            out.loss(self.name, token_loss * w)
+        self.token_metrics(inputs, out)
+        clipped = (ratio > 1.0 + self.eps_high) & (advantage > 0)
+        for metric, value in zip(RATIO_METRICS, (ratio * inputs.mask, advantage, clipped), strict=True):
+            out.metric(self.name, metric, value, inputs.per_token)
+        if self.weight != 0:
+            out.add_label_form(slope * (w * self.weight))
+
+    def reference(self, inputs: ReferenceInputs) -> torch.Tensor:
+        mask = inputs.mask
+        old = torch.where(mask, inputs.targets.old_logp.to(inputs.new_logp.dtype), 0.0)
+        advantage = torch.where(mask, inputs.targets.advantages.to(inputs.new_logp.dtype), 0.0)
+        weight = torch.exp(inputs.new_logp - old).clamp(max=1.0 + self.eps_high).detach()
+        token_loss = -weight * advantage * inputs.new_logp + self.reference_regularizers(inputs)
+        return (token_loss * self.reference_weights(inputs)).sum()
+
+    def fused_keys(self) -> tuple[tuple[bool, str], ...]:
+        return self.fused_metric_keys(self.metric_names())
+
+    def kernel_arguments(self, row: int, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
+        return {**self.policy_kernel_arguments("cispo", row, targets, normalizers), "cispo_cap": 1.0 + self.eps_high}
+
+    @classmethod
+    def kernel_absent(cls) -> dict[str, Any]:
+        return {**cls.policy_kernel_absent("cispo"), "cispo_cap": 0.0}

@@ -1,0 +1,77 @@
+"""Distillation: KL between the tempered teacher q = softmax(t / T) and the student p = softmax(x).
+
+Gradient with k_t = w/N on unmasked tokens (shared/design/losses.md):
+- forward KL(q || p): d/dx_j = k*(p_j - q_j): `prob += k`, teacher term `-k*q_j`;
+- reverse KL(p || q) = sum_j p_j l_j with l_j = log p_j - log q_j: d/dx_j = k*p_j*(l_j - KL)
+  = k*p_j*((x_j - u_j) - E_p[x - u]) (the lse terms cancel): `prob -= k*E_p[x - u]`, teacher term
+  `k*p_j*(x_j - u_j)`.
+The vocab pass (compiled chunks or the kernel) computes the teacher's softmax and the KL per token;
+this child turns them into its loss and coefficients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+
+from fastlm.losses.children.base import ChildConfig, LossChild, ReferenceInputs, Tail, TailInputs
+from fastlm.losses.spec import LossNormalizers, LossTargets, safe_inverse
+
+
+class DistillationConfig(ChildConfig):
+    type: Literal["distillation"] = "distillation"
+    temperature: float = Field(1.0, gt=0.0)
+    kl: Literal["forward", "reverse"] = Field(
+        "forward", description="forward: KL(teacher || student); reverse: KL(student || teacher)."
+    )
+    teacher_path: str | None = Field(
+        None, description="Checkpoint directory of the frozen teacher; None means the batch brings teacher logits."
+    )
+
+    def to_child(self, name: str) -> "Distillation":
+        return Distillation(name, self.weight, self.temperature, self.kl == "reverse")
+
+
+@dataclass(frozen=True)
+class Distillation(LossChild):
+    temperature: float = 1.0
+    reverse: bool = False
+
+    kind = "distillation"
+    reads = ("teacher_logits",)
+    uses_teacher = True
+
+    def tail(self, inputs: TailInputs, out: Tail) -> None:
+        out.loss(self.name, inputs.stat("teacher_kl"), inputs.per_token)
+        if self.weight == 0:
+            return
+        k = inputs.mask.to(inputs.dtype) * (self.weight * inputs.per_token)
+        out.teacher = k
+        out.prob += -k * inputs.stat("teacher_gap") if self.reverse else k
+
+    def reference(self, inputs: ReferenceInputs) -> torch.Tensor:
+        student = inputs.log_probs
+        teacher = torch.log_softmax(inputs.targets.teacher_logits.to(student.dtype) / self.temperature, dim=-1)
+        if self.reverse:
+            per_token = (student.exp() * (student - teacher)).sum(-1)
+        else:
+            per_token = (teacher.exp() * (teacher - student)).sum(-1)
+        return (per_token * inputs.mask).sum() * safe_inverse(inputs.normalizers.tokens)
+
+    def fused_keys(self) -> tuple[tuple[bool, str], ...]:
+        return ((True, self.name),)
+
+    def kernel_arguments(self, row: int, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
+        return {"ROW_KD": row, "kd_weight": float(self.weight), "inv_temperature": 1.0 / self.temperature,
+                "KD_REVERSE": self.reverse}
+
+    @classmethod
+    def kernel_absent(cls) -> dict[str, Any]:
+        return {"ROW_KD": -1, "kd_weight": 0.0, "inv_temperature": 1.0, "KD_REVERSE": False}
+
+    def check_targets(self, targets: LossTargets, tokens: int) -> None:
+        if targets.teacher_logits is None:
+            raise ValueError(f"targets.teacher_logits is required by distillation loss '{self.name}' but is None")

@@ -1,0 +1,116 @@
+"""GSPO: the clipped surrogate on a per-document ratio s_i = exp(mean_{t in i}(new_t - old_t)).
+
+GSPO needs every token's new log-prob before any coefficient (the ratio is per document), so both
+the compiled and the Triton path stop after the statistics pass and run this child's tail (the
+"seam"), then write the gradient with a per-token coefficient that superposes with the others.
+
+With W_i = sum_{t in i} w_t (the loss_type weights of its tokens): loss = sum_i W_i * loss_i (+ the
+per-token regularisers), and token t of document i gets `c_t = W_i * s_i * A_i / |i|` where the
+unclipped term is active (`delta` caps s in it, as for GRPO). `loss_type: grpo` (the default, the
+GSPO paper's sequence mean) gives W_i = 1/S; `dapo` gives |i|/N (every token carries its document's
+loss: the former `length_proportional`).
+
+Documents are grouped by id value (ids need not be contiguous or sorted, and a row may hold several
+documents); ids must therefore be unique across the flattened batch. Masked tokens belong to no
+document, and a document without unmasked tokens does not exist. No device->host sync: the
+per-document vectors have T + 2 slots (`policy.document_slots`), empty ones hold exact zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+
+from fastlm.losses.children.base import ReferenceInputs, Tail, TailInputs
+from fastlm.losses.children.grpo import RATIO_METRICS, ClippedPolicyConfig, clipped_surrogate
+from fastlm.losses.children.policy import LossType, PolicyChild, document_slots, dual_clip
+from fastlm.losses.metrics import clip_fractions
+from fastlm.losses.spec import LossNormalizers, LossTargets, safe_inverse
+
+
+class GSPOConfig(ClippedPolicyConfig):
+    type: Literal["gspo"] = "gspo"
+    eps_low: float = Field(3e-4, gt=0.0, lt=1.0)
+    eps_high: float = Field(4e-4, gt=0.0)
+    loss_type: LossType = Field(
+        "grpo",
+        description="grpo (default, the GSPO paper): each document's loss once, mean over documents; dapo: every "
+        "token carries its document's loss, mean over tokens; bnpo, dr_grpo as for the grpo child.",
+    )
+
+    def to_child(self, name: str) -> "GSPO":
+        return GSPO(name, self.weight, **self.policy_numbers(), eps_low=self.eps_low, eps_high=self.eps_high,
+                    delta=dual_clip(self.delta))
+
+
+@dataclass(frozen=True)
+class GSPO(PolicyChild):
+    eps_low: float = 3e-4
+    eps_high: float = 4e-4
+    delta: float = float("inf")
+    loss_type: str = "grpo"
+
+    kind = "gspo"
+    reads = ("old_logp", "advantages", "document_ids")
+    per_document = True
+
+    def metric_names(self) -> tuple[str, ...]:
+        return self.token_metric_names() + RATIO_METRICS + ("num_documents",)
+
+    def tail(self, inputs: TailInputs, out: Tail) -> None:
+        mask, dtype = inputs.mask, inputs.dtype
+        w = self.aggregation(inputs)
+        token_w = mask.to(dtype) * w if isinstance(w, float) else w
+        slot = document_slots(inputs.targets.document_ids, mask)
+        per_token = torch.stack(
+            [mask.to(dtype), inputs.new_logp - inputs.target("old_logp"), inputs.target("advantages"), token_w], dim=1
+        )
+        sums = per_token.new_zeros((slot.numel() + 2, 4)).index_add_(0, slot, per_token)
+        lengths, document_w = sums[:, 0], sums[:, 3]
+        present = lengths > 0
+        divisor = lengths.clamp(min=1.0)  # empty slots divide zeros by 1
+        ratio = torch.where(present, torch.exp(sums[:, 1] / divisor), 0.0)
+        advantage = sums[:, 2] / divisor
+        document_loss, slope = clipped_surrogate(ratio, advantage, self.eps_low, self.eps_high, self.delta)
+        document_terms = document_loss * document_w
+        extra = self.regularizers(inputs, w, out)
+        out.loss(self.name, document_terms if extra is None else torch.cat([document_terms, extra * token_w]))
+        self.token_metrics(inputs, out)
+        low, high, region = clip_fractions(ratio, advantage, 1.0 - self.eps_low, 1.0 + self.eps_high)
+        per_document = safe_inverse(inputs.normalizers.documents)
+        for metric, value in zip(RATIO_METRICS, (ratio, advantage, low, high, region), strict=True):
+            out.metric(self.name, metric, value, per_document)
+        out.metric(self.name, "num_documents", present, 1.0)
+        if self.weight != 0:
+            out.add_label_form((slope * document_w / divisor * self.weight)[slot])  # slot 0 (masked): 0
+
+    def reference(self, inputs: ReferenceInputs) -> torch.Tensor:
+        mask, targets = inputs.mask, inputs.targets
+        weights = self.reference_weights(inputs)
+        total = (self.reference_regularizers(inputs) * weights).sum()
+        for document in targets.document_ids[mask].unique().tolist():
+            tokens = mask & (targets.document_ids == document)
+            delta = inputs.new_logp[tokens] - targets.old_logp[tokens].to(inputs.new_logp.dtype)
+            ratio = torch.exp(delta.mean())
+            advantage = targets.advantages[tokens].to(inputs.new_logp.dtype).mean()
+            clipped = ratio.clamp(1.0 - self.eps_low, 1.0 + self.eps_high)
+            capped = ratio.clamp(max=self.delta)
+            loss = -torch.min(capped * advantage, clipped * advantage)
+            total = total + loss * weights[tokens].sum()
+        return total
+
+    def fused_keys(self) -> tuple[tuple[bool, str], ...]:
+        return ()  # the kernel writes the per-token state (launcher.STATE_ROWS); this tail does the rest
+
+    def kernel_arguments(self, row: int, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
+        return {"ROW_GSPO": 0}
+
+    @classmethod
+    def kernel_absent(cls) -> dict[str, Any]:
+        return {"ROW_GSPO": -1}
+
+
+

@@ -1,0 +1,224 @@
+"""What the policy children (GRPO, GSPO, CISPO) share: options named like TRL's GRPOConfig, the
+per-token aggregation weight of `loss_type`, the reference-KL and entropy terms, the token metrics.
+
+Aggregation (`loss_type`) is a per-token weight w_t on the token loss and on its coefficient:
+- `dapo`: w_t = 1/N_step (unmasked tokens of the optimizer step; one big batch under accumulation);
+- `grpo`: w_t = 1/(|i| * S_step) for token t of sequence i (sequence mean, then mean over sequences);
+- `bnpo`: w_t = 1/(N_call * calls), the mean over this call's tokens, averaged over the step's loss
+  calls (`normalizers.micro_batches`; accumulation then no longer equals one big batch, by definition);
+- `dr_grpo`: w_t = 1/(L_max * S_step), L_max = `max_completion_length`.
+`|i|` counts the unmasked tokens of document i in this call (a document never spans two calls).
+
+Regularisers, per token, both times w_t and the child's weight:
+- `beta` (reference KL, TRL's k3): `beta*k3(new, ref)`, coefficient `beta*(exp(ref - new) - 1)` in
+  `c*(p_j - [j == y])`;
+- `entropy_coeff` e: `-e*H_t`; gradient `e*p_j*(x_j - E_p[x])`: `x` term e, `prob -= e*E_p[x]`.
+
+Metrics (token means over the step's unmasked tokens, every loss_type): `new_logp`, `entropy`,
+`kl_old` (k3 against the sampling policy), and `kl` (k3 against the frozen reference) when beta > 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from fastlm.losses.children.base import ChildConfig, LossChild, ReferenceInputs, Tail, TailInputs, metric_key
+from fastlm.losses.metrics import k3_kl
+from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets, safe_inverse
+
+LossType = Literal["dapo", "grpo", "bnpo", "dr_grpo"]
+POLICY_INPUTS = ("old_logp", "advantages")
+
+
+class PolicyConfig(ChildConfig):
+    loss_type: LossType = Field(
+        "dapo",
+        description="dapo: token mean over the step; grpo: sequence mean, then mean over sequences; "
+        "bnpo: token mean over each micro-batch; dr_grpo: sum over tokens / (max_completion_length x sequences).",
+    )
+    max_completion_length: int | None = Field(
+        None, ge=1, description="dr_grpo's constant normaliser L_max (TRL's max_completion_length)."
+    )
+    beta: float = Field(0.0, ge=0.0, description="KL penalty to the frozen reference model (k3); 0 = no reference model.")
+    reference_path: str | None = Field(
+        None, description="Checkpoint of the frozen reference (beta > 0); None means a copy of the initial policy."
+    )
+    entropy_coeff: float = Field(0.0, ge=0.0, description="Entropy bonus: the loss subtracts entropy_coeff x entropy.")
+
+    @model_validator(mode="after")
+    def _check_loss_type(self) -> "PolicyConfig":
+        if self.loss_type == "dr_grpo" and self.max_completion_length is None:
+            raise ValueError("loss_type dr_grpo divides by max_completion_length x sequences; set max_completion_length")
+        return self
+
+    def policy_numbers(self) -> dict[str, object]:
+        return {"loss_type": self.loss_type, "max_completion_length": self.max_completion_length or 0,
+                "beta": self.beta, "entropy_coeff": self.entropy_coeff}
+
+
+@dataclass(frozen=True)
+class PolicyChild(LossChild):
+    """Fields shared by the policy children; subclasses add their ratio and clipping numbers."""
+
+    loss_type: str = "dapo"
+    max_completion_length: int = 0
+    beta: float = 0.0
+    entropy_coeff: float = 0.0
+
+    reads = POLICY_INPUTS
+
+    @property
+    def target_names(self) -> tuple[str, ...]:
+        return POLICY_INPUTS + (("ref_logp",) if self.beta > 0 else ()) + (
+            ("document_ids",) if self.loss_type in ("grpo", "dr_grpo") or self.per_document else ())
+
+    def check_targets(self, targets: LossTargets, tokens: int) -> None:
+        for name in self.target_names:
+            tensor = getattr(targets, name)
+            if tensor is None:
+                raise ValueError(f"targets.{name} is required by {self.kind} loss '{self.name}' but is None")
+            if tensor.shape != (tokens,):
+                raise ValueError(f"targets.{name} must have shape ({tokens},) like the labels, got {tuple(tensor.shape)}")
+            if name == "document_ids" and tensor.is_floating_point():
+                raise ValueError(f"targets.document_ids must be an integer tensor, got {tensor.dtype}")
+            if name != "document_ids" and not tensor.is_floating_point():
+                raise ValueError(f"targets.{name} must be a float tensor, got {tensor.dtype}")
+
+    def check_normalizers(self, normalizers: LossNormalizers) -> None:
+        if self.loss_type in ("grpo", "dr_grpo") and normalizers.documents <= 0:
+            raise ValueError(
+                f"normalizers.documents must be > 0 for {self.kind} loss_type {self.loss_type}, got {normalizers.documents}"
+            )
+
+    def token_metric_names(self) -> tuple[str, ...]:
+        return ("new_logp", "entropy", "kl_old") + (("kl",) if self.beta > 0 else ())
+
+    # -- aggregation ---------------------------------------------------------------------------
+
+    def token_weights(
+        self, mask: torch.Tensor, document_ids: torch.Tensor | None, normalizers: LossNormalizers,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor | None:
+        """w_t of `loss_type` as a (T,) vector (0 on masked tokens), or None for dapo (the scalar 1/N)."""
+        if self.loss_type == "dapo":
+            return None
+        weights = mask.to(dtype)
+        if self.loss_type == "bnpo":
+            return weights / (weights.sum().clamp(min=1.0) * normalizers.micro_batches)
+        sequences = safe_inverse(normalizers.documents)
+        if self.loss_type == "dr_grpo":
+            return weights * (sequences / self.max_completion_length)
+        slot = document_slots(document_ids, mask)
+        lengths = weights.new_zeros(slot.numel() + 2).index_add_(0, slot, weights)
+        return weights * sequences / lengths[slot].clamp(min=1.0)
+
+    def aggregation(self, inputs: TailInputs) -> torch.Tensor | float:
+        weights = self.token_weights(inputs.mask, inputs.targets.document_ids, inputs.normalizers, inputs.dtype)
+        return inputs.per_token if weights is None else weights
+
+    # -- shared terms --------------------------------------------------------------------------
+
+    def regularizers(self, inputs: TailInputs, w: torch.Tensor | float, out: Tail) -> torch.Tensor | None:
+        """beta*k3(ref) - e*H per token (unscaled; None without either); adds their coefficients to `out`."""
+        extra = None
+        if self.beta > 0:
+            gap = inputs.target("ref_logp") - inputs.new_logp
+            extra = self.beta * (torch.expm1(gap) - gap)
+            if self.weight != 0:
+                out.add_label_form(torch.expm1(gap) * inputs.mask * (w * self.beta * self.weight))
+        if self.entropy_coeff > 0:
+            bonus = -self.entropy_coeff * inputs.entropy
+            extra = bonus if extra is None else extra + bonus
+            if self.weight != 0:
+                e = inputs.mask.to(inputs.dtype) * (w * self.entropy_coeff * self.weight)
+                out.prob -= e * (inputs.lse - inputs.entropy)  # E_p[x] = lse - H
+                out.add_x_term(e)
+        return extra
+
+    def token_metrics(self, inputs: TailInputs, out: Tail) -> None:
+        new_logp, old_logp = inputs.new_logp, inputs.target("old_logp")
+        values = [new_logp, inputs.entropy, k3_kl(new_logp, old_logp)]
+        if self.beta > 0:
+            values.append(k3_kl(new_logp, inputs.target("ref_logp")))
+        for metric, value in zip(self.token_metric_names(), values, strict=True):
+            out.metric(self.name, metric, value, inputs.per_token)
+
+    def reference_regularizers(self, inputs: ReferenceInputs) -> torch.Tensor:
+        """(T,) beta*k3(ref) - e*H by autograd (0 when neither is set)."""
+        extra = torch.zeros_like(inputs.new_logp)
+        if self.beta > 0:
+            gap = inputs.targets.ref_logp.to(extra.dtype) - inputs.new_logp
+            extra = extra + self.beta * (torch.exp(gap) - gap - 1.0)
+        if self.entropy_coeff > 0:
+            entropy = -(inputs.log_probs.exp() * inputs.log_probs).sum(-1)
+            extra = extra - self.entropy_coeff * entropy
+        return torch.where(inputs.mask, extra, torch.zeros_like(extra))
+
+    def reference_weights(self, inputs: ReferenceInputs) -> torch.Tensor:
+        """w_t by a plain loop over documents (independent of `token_weights`)."""
+        mask, normalizers = inputs.mask, inputs.normalizers
+        ones = mask.to(inputs.new_logp.dtype)
+        if self.loss_type == "dapo":
+            return ones * safe_inverse(normalizers.tokens)
+        if self.loss_type == "bnpo":
+            return ones / (max(int(mask.sum()), 1) * normalizers.micro_batches)
+        if self.loss_type == "dr_grpo":
+            return ones / (self.max_completion_length * normalizers.documents)
+        weights = torch.zeros_like(ones)
+        for document in inputs.targets.document_ids[mask].unique().tolist():
+            tokens = mask & (inputs.targets.document_ids == document)
+            weights[tokens] = 1.0 / (int(tokens.sum()) * normalizers.documents)
+        return weights
+
+    # -- the fused kernel's policy slot (GRPO, CISPO) ------------------------------------------
+
+    def policy_kernel_arguments(self, prefix: str, row: int, targets: LossTargets, normalizers: LossNormalizers) -> dict:
+        weights = self.token_weights(targets.labels != IGNORE_INDEX, targets.document_ids, normalizers)
+        return {
+            f"ROW_{prefix.upper()}": row,
+            f"{prefix}_weight": float(self.weight),
+            f"{prefix}_beta": float(self.beta),
+            f"{prefix}_entropy": float(self.entropy_coeff),
+            f"{prefix}_token_weights_ptr": weights,
+            f"{prefix.upper()}_TOKEN_WEIGHTS": weights is not None,
+            f"{prefix.upper()}_REF": int(self.beta > 0),
+            f"{prefix.upper()}_ENTROPY": self.entropy_coeff > 0,
+        }
+
+    def kernel_x_term(self) -> bool:
+        return self.entropy_coeff > 0
+
+    @staticmethod
+    def policy_kernel_absent(prefix: str) -> dict:
+        return {f"ROW_{prefix.upper()}": -1, f"{prefix}_weight": 0.0, f"{prefix}_beta": 0.0, f"{prefix}_entropy": 0.0,
+                f"{prefix}_token_weights_ptr": None, f"{prefix.upper()}_TOKEN_WEIGHTS": False,
+                f"{prefix.upper()}_REF": 0, f"{prefix.upper()}_ENTROPY": False}
+
+    def fused_metric_keys(self, names: tuple[str, ...]) -> tuple[tuple[bool, str], ...]:
+        return ((True, self.name),) + tuple((False, metric_key(self.name, name)) for name in names)
+
+
+def dual_clip(delta: float | None) -> float:
+    """`delta` (None = off) as the bound the ratio is capped at in the unclipped term."""
+    return math.inf if delta is None else delta
+
+
+def document_slots(document_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token slot: 0 for masked tokens, 1 + rank of the document id among the unmasked ids
+    otherwise (at most T), with no device->host sync (a sort and a cumulative sum, where
+    `torch.unique` would read its output size back). A sentinel below every id stands for the masked
+    tokens and is prepended once, so it always sorts first and takes rank 0. Per-document vectors
+    then have T + 2 slots; empty slots hold zeros."""
+    ids = document_ids.to(torch.int64)
+    if ids.numel() == 0:
+        return ids
+    sentinel = (ids.min() - 1).view(1)
+    keys, order = torch.sort(torch.cat([sentinel, torch.where(mask, ids, sentinel)]))
+    rank = (keys[1:] != keys[:-1]).cumsum(0)  # rank of sorted keys 1..T; key 0 is the sentinel (rank 0)
+    slots = torch.zeros_like(keys).scatter_(0, order[1:], rank)
+    return slots[1:]

@@ -1,0 +1,46 @@
+"""z-loss: `lse^2` per token, pushing the log-partition towards 0; gradient `2 w/N lse p_j`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+
+from fastlm.losses.children.base import ChildConfig, LossChild, ReferenceInputs, Tail, TailInputs, metric_key
+from fastlm.losses.spec import LossNormalizers, LossTargets, safe_inverse
+
+
+class ZLossConfig(ChildConfig):
+    type: Literal["z_loss"] = "z_loss"
+    weight: float = Field(1e-4, ge=0.0)
+
+    def to_child(self, name: str) -> "ZLoss":
+        return ZLoss(name, self.weight)
+
+
+@dataclass(frozen=True)
+class ZLoss(LossChild):
+    kind = "z_loss"
+    metrics = ("lse",)  # the mean log-partition, the quantity it pushes towards 0
+
+    def tail(self, inputs: TailInputs, out: Tail) -> None:
+        out.loss(self.name, inputs.lse.square(), inputs.per_token)
+        out.metric(self.name, "lse", inputs.lse, inputs.per_token)
+        if self.weight != 0:
+            out.prob += inputs.lse * (2.0 * self.weight * inputs.per_token)
+
+    def reference(self, inputs: ReferenceInputs) -> torch.Tensor:
+        lse = torch.logsumexp(inputs.x, dim=-1)
+        return (lse.square() * inputs.mask).sum() * safe_inverse(inputs.normalizers.tokens)
+
+    def fused_keys(self) -> tuple[tuple[bool, str], ...]:
+        return ((True, self.name), (False, metric_key(self.name, "lse")))
+
+    def kernel_arguments(self, row: int, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
+        return {"ROW_Z": row, "z_weight": float(self.weight)}
+
+    @classmethod
+    def kernel_absent(cls) -> dict[str, Any]:
+        return {"ROW_Z": -1, "z_weight": 0.0}

@@ -1,0 +1,185 @@
+"""The policy family (loss_type, delta, beta, entropy_coeff, CISPO) in every path, against float64.
+
+One table (`VARIANTS`) drives the compiled path, the fused Triton kernel (single block and looped
+blocks with a tail; the seam for GSPO) and both under tensor parallelism: losses, total and gradient
+against the float64 reference (autograd), metrics against the compiled path in float64. Inputs from
+loss_cases.make_case: ~30% masked labels (their old_logp / ref_logp are NaN, so a masked token that
+is read shows up), several documents per row (runs of 1-6 tokens, one id split in two runs).
+Without CUDA the kernel runs on Triton's interpreter (tests/conftest.py), so shapes stay tiny.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from loss_cases import make_case, make_spec, reference_with_grad, rel_err, seed_of
+
+from fastlm.losses.compiled import compiled_loss
+from fastlm.losses.spec import LossResult, LossSpec, LossTargets
+from fastlm.losses.triton import triton_loss
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FP32_TOL = 1e-5
+# name: (kinds, child options, child weights, head numbers)
+VARIANTS = {
+    "grpo seq-mean+z": ("grpo+z", {"grpo": {"loss_type": "grpo"}}, {}, {}),
+    "grpo bnpo+ce": ("ce+grpo", {"grpo": {"loss_type": "bnpo"}}, {}, {"logit_scale": 1.3}),
+    "grpo dr_grpo": ("grpo", {"grpo": {"loss_type": "dr_grpo", "max_completion_length": 16}}, {}, {}),
+    "grpo delta+z": ("grpo+z", {"grpo": {"delta": 1.3}}, {}, {"softcap": 4.0}),
+    "grpo entropy": ("grpo", {"grpo": {"entropy_coeff": 0.05}}, {}, {"softcap": 3.0, "logit_scale": 0.8}),
+    "grpo beta+z": ("grpo+z", {"grpo": {"beta": 0.1}}, {}, {}),
+    "grpo all+ce+z+kd": ("ce+z+grpo+kd", {"grpo": {"loss_type": "grpo", "delta": 1.4, "entropy_coeff": 0.03,
+                                                  "beta": 0.2}}, {}, {}),
+    "cispo+z": ("cispo+z", {}, {}, {}),
+    "cispo bnpo beta entropy": ("cispo", {"cispo": {"loss_type": "bnpo", "beta": 0.1, "entropy_coeff": 0.05}}, {}, {}),
+    "gspo dapo delta entropy beta+z": ("gspo+z", {"gspo": {"loss_type": "dapo", "delta": 1.2, "entropy_coeff": 0.05,
+                                                          "beta": 0.1}}, {}, {}),
+    "gspo dr_grpo+kd_rev": ("gspo+kd_rev", {"gspo": {"loss_type": "dr_grpo", "max_completion_length": 12}}, {}, {}),
+    "grpo w0 entropy beta+ce": ("ce+grpo", {"grpo": {"entropy_coeff": 0.05, "beta": 0.1}}, {"grpo": 0.0}, {}),
+    "cispo w0 entropy+ce": ("ce+cispo", {"cispo": {"entropy_coeff": 0.05}}, {"cispo": 0.0}, {}),
+}
+BLOCKS = {"single": 64, "looped": 16}  # vocab 37: one block of 64, or three blocks of 16 with a tail
+
+
+def _case(name: str) -> tuple[LossSpec, torch.Tensor, LossTargets, object]:
+    kinds, options, weights, numbers = VARIANTS[name]
+    spec = make_spec(kinds, weights, options, **numbers)
+    logits, targets, normalizers = make_case(seed_of("policy" + name), tokens=24, vocab=37, spec=spec)
+    return spec, logits, targets, normalizers
+
+
+def _on(targets: LossTargets, device: torch.device) -> LossTargets:
+    return LossTargets(*(None if t is None else t.to(device) for t in dataclasses.astuple(targets)))
+
+
+def _double(targets: LossTargets) -> LossTargets:
+    return LossTargets(*(t.double() if t is not None and t.is_floating_point() else t for t in dataclasses.astuple(targets)))
+
+
+def _errors(result: LossResult, grad: torch.Tensor, expected: LossResult, expected_grad: torch.Tensor,
+            metrics64: dict[str, torch.Tensor]) -> dict[str, float]:
+    errors = {child: rel_err(value.cpu(), expected.losses[child]) for child, value in result.losses.items()}
+    errors["total"] = rel_err(result.loss.cpu(), expected.loss)
+    errors["grad"] = rel_err(grad.cpu(), expected_grad)
+    errors.update({key: rel_err(value.cpu(), metrics64[key].cpu()) for key, value in result.metrics.items()})
+    assert set(result.losses) == set(expected.losses) and set(result.metrics) == set(metrics64)
+    assert torch.isfinite(grad).all()
+    return errors
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_matches_float64_in_every_path(name: str) -> None:
+    """compiled, fused single block, fused looped: loss, each child, gradient, every metric."""
+    spec, logits, targets, normalizers = _case(name)
+    expected, expected_grad = reference_with_grad(logits, targets, normalizers, spec, grad_scale=2.0)
+    metrics64 = compiled_loss(logits.double(), _double(targets), normalizers, spec)[0].metrics
+    runs = {"compiled": compiled_loss(logits, targets, normalizers, spec, grad_scale=2.0)}
+    device_targets = _on(targets, DEVICE)
+    for block, max_block in BLOCKS.items():
+        runs[f"triton {block}"] = triton_loss(logits.to(DEVICE), device_targets, normalizers, spec, grad_scale=2.0,
+                                              max_block=max_block)
+    for path, (result, grad) in runs.items():
+        errors = _errors(result, grad, expected, expected_grad, metrics64)
+        print(f"{name} / {path}: " + ", ".join(f"{k}={v:.1e}" for k, v in errors.items()))
+        assert max(errors.values()) < FP32_TOL, (path, errors)
+    for child in spec.children:
+        if child.weight == 0:  # metrics and loss logged, nothing in the gradient
+            others = LossSpec(tuple(c for c in spec.children if c is not child), spec.logit_scale, spec.softcap)
+            _, without = compiled_loss(logits, targets, normalizers, others, grad_scale=2.0)
+            assert rel_err(runs["triton looped"][1].cpu(), without) < 1e-6
+            assert float(expected.losses[child.name]) != 0.0
+            assert {f"{child.name}/entropy", f"{child.name}/kl_old"} <= set(runs["triton single"][0].metrics)
+
+
+def test_metric_names_follow_trl() -> None:
+    """`kl` is k3 against the reference (only with beta); today's sampling-policy k3 is `kl_old`."""
+    spec, logits, targets, normalizers = _case("grpo beta+z")
+    metrics = compiled_loss(logits, targets, normalizers, spec)[0].metrics
+    assert {"grpo/kl", "grpo/kl_old"} <= set(metrics) and float(metrics["grpo/kl"]) > 0
+    mask = targets.labels != -100
+    new_logp = torch.log_softmax(logits.double(), -1).gather(1, targets.labels.clamp(min=0)[:, None])[:, 0]
+    gap = targets.ref_logp.double()[mask] - new_logp[mask]
+    expected = (torch.exp(gap) - gap - 1).sum() / normalizers.tokens
+    assert abs(float(metrics["grpo/kl"]) - float(expected)) < 1e-6
+    plain = make_spec("grpo+z")
+    assert "grpo/kl" not in compiled_loss(logits, targets, normalizers, plain)[0].metrics
+
+
+def test_delta_caps_negative_advantage_tokens() -> None:
+    """Dual clip: a token with A < 0 and r > delta has loss -delta*A and no gradient."""
+    spec = make_spec("grpo", options={"grpo": {"delta": 1.3}})
+    child = spec.children[0]
+    logits, targets, normalizers = make_case(seed_of("delta"), tokens=64, vocab=37, spec=spec)
+    mask = targets.labels != -100
+    new_logp = torch.log_softmax(logits.double(), -1).gather(1, targets.labels.clamp(min=0)[:, None])[:, 0]
+    capped = mask & (targets.advantages < 0) & (torch.exp(new_logp - targets.old_logp.double()) > child.delta)
+    assert capped.any(), "the case should exercise the cap"
+    keep = targets.labels.clone()
+    keep[~capped] = -100
+    only = dataclasses.replace(targets, labels=keep)
+    result, grad = compiled_loss(logits, only, normalizers, spec)
+    expected = -(child.delta * targets.advantages[capped].double()).sum() / normalizers.tokens
+    assert abs(float(result.losses["grpo"]) - float(expected)) < 1e-5
+    assert float(grad.abs().max()) == 0.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+TP_VARIANTS = ["grpo all+ce+z+kd", "cispo bnpo beta entropy", "gspo dapo delta entropy beta+z"]
+
+
+def _tp_worker(rank: int, world: int, port: int, folder: str) -> None:
+    """One rank of a vocab-parallel head (vocab 38: equal shards of 19): its shard of the logits and
+    teacher logits, global labels; both implementations; saves its results."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        saved = {}
+        for name in TP_VARIANTS:
+            spec, logits, targets, normalizers = _tp_case(name)
+            shard = logits.chunk(world, dim=1)[rank].contiguous()
+            local = dataclasses.replace(targets, teacher_logits=targets.teacher_logits.chunk(world, dim=1)[rank].contiguous())
+            for path, run in (("compiled", compiled_loss), ("triton", triton_loss)):
+                options = {"max_block": 16} if path == "triton" else {}
+                result, grad = run(shard, local, normalizers, spec, group=dist.group.WORLD, **options)
+                saved[name, path] = (result.loss, result.losses, result.metrics, grad)
+        torch.save(saved, os.path.join(folder, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _tp_case(name: str):
+    kinds, options, weights, numbers = VARIANTS[name]
+    spec = make_spec(kinds, weights, options, **numbers)
+    logits, targets, normalizers = make_case(seed_of("tp" + name), tokens=20, vocab=38, spec=spec)
+    return spec, logits, targets, normalizers
+
+
+def test_tensor_parallel_two_ranks(tmp_path: os.PathLike) -> None:
+    """gloo, world size 2, each rank 19 of 38 vocab ids (Triton: blocks of 16 and a tail), both paths."""
+    world = 2
+    mp.spawn(_tp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for name in TP_VARIANTS:
+        spec, logits, targets, normalizers = _tp_case(name)
+        expected, expected_grad = reference_with_grad(logits, targets, normalizers, spec)
+        metrics64 = compiled_loss(logits.double(), _double(targets), normalizers, spec)[0].metrics
+        for path in ("compiled", "triton"):
+            grad = torch.cat([saved[name, path][3] for saved in ranks], dim=1)
+            for rank, saved in enumerate(ranks):
+                errors = _errors(LossResult(*saved[name, path][:3]), grad, expected, expected_grad, metrics64)
+                print(f"TP {name} / {path} rank {rank}: " + ", ".join(f"{k}={v:.1e}" for k, v in errors.items()))
+                assert max(errors.values()) < FP32_TOL, errors
