@@ -71,9 +71,10 @@ class LayeredDict:
         return DEFAULT_SOURCE
 
 
-def _is_path_key(key: str) -> bool:
-    """Keys whose string values are file paths, resolved relative to the YAML file that sets them."""
-    return key == "path" or key.endswith("_path")
+def _is_path_key(key: Any) -> bool:
+    """Keys whose string values are file paths, resolved relative to the YAML file that sets them (a key
+    inside a list may be anything YAML allows: only string keys name paths)."""
+    return isinstance(key, str) and (key == "path" or key.endswith("_path"))
 
 
 def _resolve_path(key: str, value: Any, base_dir: Path | None) -> Any:

@@ -571,27 +571,40 @@ def load_fastlm(source: str | Path) -> tuple[DecoderConfigType, StateDict, Token
     """Model config, weights and the run's tokenizer from a `save_fastlm` folder, a checkpoint step folder
     (manifest.json), a checkpoints folder (`latest`) or a run folder (checkpoints/): the newest verified
     checkpoint. The tokenizer is the stored run config's (`data.tokenizer`, else `run.init_path`'s, else bytes)."""
+    from fastlm.config.yaml_reader import parse_yaml, read_config_file
     from fastlm.data.config import TokenizerConfig
-    from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, load_latest_checkpoint
+    from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, CheckpointError, load_checkpoint, load_latest_checkpoint
 
     path = Path(source)
-    if (path / FASTLM_CONFIG_FILE).is_file():
-        stored = yaml.safe_load((path / FASTLM_CONFIG_FILE).read_text(encoding="utf-8"))
-    else:
-        if not (path / MANIFEST_FILE).is_file():
-            folder = path if (path / LATEST_FILE).is_file() else path / "checkpoints"
-            path = load_latest_checkpoint(folder).path
-        stored = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))["config"]
+    try:  # the stored config is read as hostile as any: bounded YAML, or a verified checkpoint's manifest
+        if (path / FASTLM_CONFIG_FILE).is_file():
+            stored = parse_yaml(read_config_file(path / FASTLM_CONFIG_FILE, str(path)), str(path / FASTLM_CONFIG_FILE))
+        elif (path / MANIFEST_FILE).is_file():
+            stored = load_checkpoint(path).config
+        else:
+            folder = path if (path / LATEST_FILE).exists() else path / "checkpoints"
+            loaded = load_latest_checkpoint(folder)
+            path, stored = loaded.path, loaded.config
+    except CheckpointError as error:
+        raise ConfigError(ConfigIssue("", str(error), source=str(source))) from None
     try:
-        config = TypeAdapter(ModelConfig).validate_python(stored["model"])
+        if not isinstance(stored, dict) or not isinstance(stored.get("data", {}), dict):
+            raise ValueError(f"expected a mapping with a 'model' section, got {type(stored).__name__}")
+        config = TypeAdapter(ModelConfig).validate_python(stored.get("model"))
         tokenizer_config = TypeAdapter(TokenizerConfig | None).validate_python(stored.get("data", {}).get("tokenizer"))
-    except ValidationError as error:
+        init_path = (stored.get("run") or {}).get("init_path")
+    except (ValidationError, ValueError, AttributeError) as error:
         raise ConfigError(f"{path}: stored config is invalid: {error}") from None
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
         raise ConfigError(ConfigIssue("", f"{weights} is missing", source=str(path)))
-    tokenizer = build_tokenizer(tokenizer_config, stored.get("run", {}).get("init_path"))
-    return config, load_file(str(weights), device="cpu"), tokenizer
+    tokenizer = build_tokenizer(tokenizer_config, init_path)
+    try:
+        state = load_file(str(weights), device="cpu")
+    except Exception as error:  # noqa: BLE001 - safetensors raises its own error type for any bad header
+        raise ConfigError(ConfigIssue("", f"{weights} is not a readable safetensors file: {str(error)[:200]}",
+                                      source=str(path))) from None
+    return config, state, tokenizer
 
 
 def convert_command(from_hf: str | None, to: str | None, from_fastlm: str | None, to_hf: str | None) -> int:
