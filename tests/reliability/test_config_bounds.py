@@ -69,6 +69,14 @@ def test_only_regular_files_are_configs_or_bases(tmp_path: Path, target: str) ->
             load_config(path)
 
 
+def test_non_string_keys_inside_lists_are_schema_errors(tmp_path: Path) -> None:
+    """Path keys are resolved inside lists too (a blend's entries); an int key there was an AttributeError."""
+    path = tmp_path / "list_keys.yaml"
+    path.write_text("data:\n- {0: null}\n")
+    with pytest.raises(ConfigError, match="data: Input should be a valid dictionary"):
+        load_config(path)
+
+
 def test_oversized_config_is_refused_without_reading_it_all(tmp_path: Path) -> None:
     path = tmp_path / "huge.yaml"
     path.write_text("# " + "x" * (2 << 20) + "\n")
