@@ -8,11 +8,11 @@ boolean (B, 1, S, S) mask "causal AND same document AND within the window" built
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from typing import TYPE_CHECKING
 
 from fastlm.layers.init import init_linear
 from fastlm.layers.rotary import apply_rotary
