@@ -102,3 +102,21 @@ def _greedy_agrees(directory: Path, prompts: list[list[int]], tokenizer: Tokeniz
             assert completion.tokens == generated
             outputs.append(tuple(generated))
     return outputs
+
+
+def test_readme_commands_validate_the_shipped_configs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """README's "Fine-tune a Hugging Face model" up to training, on a copy of configs/: the demo model, the
+    model section, `fastlm prepare configs/prepare/chat.yaml`, then `fastlm validate configs/sft_hf.yaml`."""
+    import shutil
+
+    shutil.copytree(TOOL.parents[1] / "configs", tmp_path / "configs")
+    monkeypatch.chdir(tmp_path)
+    make_tiny_hf.tiny_hf_checkpoint(tmp_path / "demo" / "hf-model")
+    make_tiny_hf.addition_chat_jsonl(tmp_path / "demo" / "chat.jsonl", 200, seed=1)
+    assert main(["convert", "--from-hf", "demo/hf-model"]) == 0
+    (tmp_path / "hf_model.yaml").write_text(capsys.readouterr().out)
+    assert main(["prepare", "configs/prepare/chat.yaml"]) == 0
+    assert main(["validate", "configs/sft_hf.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "config OK" in out and "data: " in out and "huggingface:hf-model" in out
