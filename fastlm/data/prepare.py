@@ -24,7 +24,7 @@ import numpy as np
 from pydantic import Field
 
 from fastlm.data.config import ByteTokenizerConfig, RecordFields, TokenizerConfig
-from fastlm.data.datasets import DataError, record_document
+from fastlm.data.datasets import DataError, record_document, string_field
 from fastlm.data.prepared import (
     FORMAT,
     METADATA_FILE,
@@ -116,12 +116,13 @@ class _Tokenize:
     def __call__(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
         names = list(batch)
         records = [{name: batch[name][row] for name in names} for row in range(len(indices))]
+        if self.plain_text:  # one tokenizer call for the batch: the fast path for pretraining text
+            texts = [string_field(record, self.fields.text_field, f"{self.path} row {index + 1}")
+                     for record, index in zip(records, indices)]
+            return {"input_ids": self.tokenizer.encode_batch(texts, bos=True, eos=True)}
         documents = [record_document(record, self.fields, self.tokenizer, f"{self.path} row {index + 1}")
                      for record, index in zip(records, indices)]
-        out: dict[str, list[Any]] = {"input_ids": [d.tokens for d in documents]}
-        if not self.plain_text:
-            out["targets"] = [d.target_mask for d in documents]
-        return out
+        return {"input_ids": [d.tokens for d in documents], "targets": [d.target_mask for d in documents]}
 
 
 def _load(path: Path, fmt: FileFormat, cache: Path) -> Any:
