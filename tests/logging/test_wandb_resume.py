@@ -27,8 +27,8 @@ def _config_file(tmp_path: Path) -> Path:
 
 
 def _offline_runs(run_dir: Path) -> list[str]:
-    """The wandb run id of every offline run directory (offline-run-<time>-<id>), in creation order."""
-    return [path.name.rsplit("-", 1)[1] for path in sorted((run_dir / "wandb").glob("offline-run-*"))]
+    """The wandb run id of every offline run (its offline-run-* dir holds run-<id>.wandb), oldest first."""
+    return [file.stem.removeprefix("run-") for file in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))]
 
 
 def test_resume_continues_the_wandb_run_and_a_finished_run_is_left_alone(
