@@ -41,6 +41,7 @@ from fastlm.engine.checkpoint import (
     step_dir_name,
 )
 from fastlm.engine.compile import CompileFallback, compile_wanted
+from fastlm.engine.disk_space import ensure_space
 from fastlm.engine.distributed import (
     RankShardLoader,
     build_parallel,
@@ -53,7 +54,6 @@ from fastlm.engine.distributed import (
     sum_over,
 )
 from fastlm.engine.optim import build_optimizer, build_scheduler
-from fastlm.engine.disk_space import ensure_space
 from fastlm.engine.preflight import preflight_issues
 from fastlm.engine.run_dir import FreshStart, RunDirError, RunDirLock
 from fastlm.engine.runtime import autocast, autocast_dtype, rng_state, seed_everything, select_device, set_rng_state
