@@ -41,6 +41,7 @@ def _wait_for_records(path: Path, count: int, process: subprocess.Popen, timeout
     raise AssertionError(f"no {count} records in {path} after {timeout} s")
 
 
+@pytest.mark.slow
 def test_second_writer_is_refused_and_deletes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """train, --resume and run.overwrite=true while another process trains there: each exits 1 naming
     the holder's pid and host; the holder finishes with every step logged once and its checkpoints intact."""
