@@ -152,10 +152,12 @@ def _tp_worker(rank: int, world: int, port: int, folder: str) -> None:
             spec, logits, targets, normalizers = _tp_case(name)
             shard = logits.chunk(world, dim=1)[rank].contiguous()
             local = dataclasses.replace(targets, teacher_logits=targets.teacher_logits.chunk(world, dim=1)[rank].contiguous())
-            for path, run in (("compiled", compiled_loss), ("triton", triton_loss)):
-                options = {"max_block": 16} if path == "triton" else {}
-                result, grad = run(shard, local, normalizers, spec, group=dist.group.WORLD, **options)
-                saved[name, path] = (result.loss, result.losses, result.metrics, grad)
+            result, grad = compiled_loss(shard, local, normalizers, spec, group=dist.group.WORLD)
+            saved[name, "compiled"] = (result.loss, result.losses, result.metrics, grad)
+            result, grad = triton_loss(shard.to(DEVICE), _on(local, DEVICE), normalizers, spec, group=dist.group.WORLD,
+                                       max_block=16)
+            saved[name, "triton"] = (result.loss.cpu(), {k: v.cpu() for k, v in result.losses.items()},
+                                     {k: v.cpu() for k, v in result.metrics.items()}, grad.cpu())
         torch.save(saved, os.path.join(folder, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
