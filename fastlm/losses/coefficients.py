@@ -15,6 +15,7 @@ child order), and `fused_result` turns its token sums (one reduction launch) int
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -73,6 +74,7 @@ class FusedLayout:
         return terms[self.state + STATE_ROWS.index(name)]
 
 
+@lru_cache(maxsize=256)
 def fused_layout(spec: LossSpec) -> FusedLayout:
     """The row table shared by the launcher (each child's `ROW_<KIND>` constexpr) and `fused_result`."""
     keys: list[tuple[bool, str]] = []

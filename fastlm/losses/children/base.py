@@ -5,8 +5,9 @@ Every path iterates `spec.children` and asks each child, never branches on a kin
 - the torch tail (`coefficients.tail`, used by the compiled path and the tensor-parallel Triton
   path) calls `child.tail(inputs, out)`: the child adds its loss and metric sums and its gradient
   coefficients to `out`;
-- the fused Triton launch asks `child.kernel_arguments(...)` for its constexpr slot (`ROW_<KIND>`,
-  the first row of its terms in the (K, T) buffer) and its numbers; `kernel_absent()` gives the
+- the fused Triton launch asks `child.kernel_arguments(row)` for its constexpr slot (`ROW_<KIND>`,
+  the first row of its terms in the (K, T) buffer) and its numbers, `child.kernel_tensors(...)` for
+  per-call tensors; `kernel_absent()` gives the
   values of an absent child; `fused_keys()` names the rows the kernel writes for it;
 - the reference (`reference.reference_loss`) calls `child.reference(inputs)`: plain autograd.
 
@@ -148,8 +149,13 @@ class LossChild:
         """(is a loss, result key) of each (K, T) row the fused kernel writes for this child, in kernel order."""
         return ()
 
-    def kernel_arguments(self, row: int, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
-        """This child's slot of the fused kernel: `ROW_<KIND>` (its first term row) and its numbers."""
+    def kernel_arguments(self, row: int) -> dict[str, Any]:
+        """This child's slot of the fused kernel: `ROW_<KIND>` (its first term row), its numbers and
+        constexprs (the same every call of a spec: the launcher caches them)."""
+        return {}
+
+    def kernel_tensors(self, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
+        """Per-call tensors of this child's slot (e.g. per-token weights); none by default."""
         return {}
 
     def kernel_x_term(self) -> bool:

@@ -18,7 +18,7 @@ import torch
 from pydantic import Field
 
 from fastlm.losses.children.base import ChildConfig, LossChild, ReferenceInputs, Tail, TailInputs
-from fastlm.losses.spec import LossNormalizers, LossTargets, safe_inverse
+from fastlm.losses.spec import LossTargets, safe_inverse
 
 
 class DistillationConfig(ChildConfig):
@@ -64,7 +64,7 @@ class Distillation(LossChild):
     def fused_keys(self) -> tuple[tuple[bool, str], ...]:
         return ((True, self.name),)
 
-    def kernel_arguments(self, row: int, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
+    def kernel_arguments(self, row: int) -> dict[str, Any]:
         return {"ROW_KD": row, "kd_weight": float(self.weight), "inv_temperature": 1.0 / self.temperature,
                 "KD_REVERSE": self.reverse}
 

@@ -100,9 +100,12 @@ class GRPO(PolicyChild):
     def fused_keys(self) -> tuple[tuple[bool, str], ...]:
         return self.fused_metric_keys(self.metric_names())
 
-    def kernel_arguments(self, row: int, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
-        return {**self.policy_kernel_arguments("grpo", row, targets, normalizers), "eps_low": float(self.eps_low),
+    def kernel_arguments(self, row: int) -> dict[str, Any]:
+        return {**self.policy_kernel_arguments("grpo", row), "eps_low": float(self.eps_low),
                 "eps_high": float(self.eps_high), "grpo_delta": min(float(self.delta), 3.0e38)}
+
+    def kernel_tensors(self, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
+        return self.policy_kernel_tensors("grpo", targets, normalizers)
 
     @classmethod
     def kernel_absent(cls) -> dict[str, Any]:

@@ -20,7 +20,7 @@ everything is enqueued, so the host never waits for the GPU before the end of th
 
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 import torch.distributed as dist
@@ -142,17 +142,14 @@ class _Launch:
         tensor = getattr(self.targets, name)
         return self.logits if tensor is None else tensor.float().contiguous()
 
-    def child_arguments(self, layout: FusedLayout | None) -> dict[str, object]:
-        """Every child slot of the kernel: absent ones neutral, present ones from the children (all of
-        them in FUSED mode, where `layout` places their rows; else the teacher's numbers only)."""
-        arguments: dict[str, object] = {}
-        for child_class in CHILD_CLASSES:
-            if child_class.kernel:
-                arguments.update(child_class.kernel_absent())
-        present = self.spec.children if layout is not None else (self.spec.teacher,) if self.spec.teacher else ()
-        for child in present:
-            row = layout.starts[child.name] if layout is not None else -1
-            arguments.update(child.kernel_arguments(row, self.targets, self.normalizers))
+    def child_arguments(self, fused: bool) -> dict[str, object]:
+        """Every child slot of the kernel (`_slot_arguments`, cached per spec) with the children's
+        per-call tensors (FUSED); absent tensors point at the logits (never read)."""
+        arguments = dict(_slot_arguments(self.spec, fused))
+        if fused:
+            for child in self.spec.children:
+                arguments.update(child.kernel_tensors(self.targets, self.normalizers))
+        del arguments["X_TERM"]  # the launch sets it per mode
         return {name: self.logits if value is None else value for name, value in arguments.items()}
 
     def run(
@@ -176,7 +173,7 @@ class _Launch:
         teacher = self.teacher if self.teacher is not None else self.logits
         rows = (layout.total, layout.flags, layout.state, layout.rows) if layout else (-1,) * 4
         if fused:
-            x_term = any(child.kernel_x_term() for child in self.spec.children)
+            x_term = _slot_arguments(self.spec, True)["X_TERM"]
         lm_loss_kernel[(self.logits.shape[0],)](
             self.logits,
             self.logits.stride(0),
@@ -194,7 +191,7 @@ class _Launch:
             *(self._per_token(name) if fused else self.logits for name in ("old_logp", "advantages", "ref_logp")),
             float(token_scale),
             float(grad_scale),
-            **self.child_arguments(layout if fused else None),
+            **self.child_arguments(fused),
             MODE=mode,
             **dict(zip(("ROW_TOTAL", "ROW_FLAGS", "ROW_STATE", "N_TERMS"), rows)),
             HAS_KD=mode != MODE_GRAD.value and distill is not None,
@@ -209,6 +206,22 @@ class _Launch:
             num_warps=self.num_warps,
             enable_fp_fusion=True,  # the fused multiply-adds the kernel is costed with; Triton 3.10 turns the default off
         )
+
+
+@lru_cache(maxsize=256)
+def _slot_arguments(spec: LossSpec, fused: bool) -> dict[str, object]:
+    """Every child slot of the kernel: absent children neutral, present ones from the children (all of
+    them in FUSED mode, at their `fused_layout` rows; else the teacher's numbers only), and X_TERM."""
+    arguments: dict[str, object] = {}
+    for child_class in CHILD_CLASSES:
+        if child_class.kernel:
+            arguments.update(child_class.kernel_absent())
+    layout = fused_layout(spec)
+    present = spec.children if fused else (spec.teacher,) if spec.teacher else ()
+    for child in present:
+        arguments.update(child.kernel_arguments(layout.starts[child.name] if fused else -1))
+    arguments["X_TERM"] = any(child.kernel_x_term() for child in spec.children)
+    return arguments
 
 
 def _fused_terms(launch: _Launch, grad: torch.Tensor | None, grad_scale: float) -> tuple[torch.Tensor, FusedLayout]:
