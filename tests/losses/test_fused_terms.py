@@ -86,8 +86,8 @@ def test_terms_match_the_torch_tail_in_fp32(name: str) -> None:
 
 def test_layout_rows() -> None:
     """Each child's rows from its start in child order, the total after them, then the counts; a
-    per-document child (GSPO) writes no rows of its own, only the per-token state after the counts,
-    outside the summed rows."""
+    per-document child (GSPO) has its token metrics only (its tail makes its loss) and the per-token
+    state after the counts, outside the summed rows."""
     layout = fused_layout(make_spec("ce+z+grpo+kd"))
     assert layout.starts == {"ce": 0, "z": 1, "grpo": 3, "kd": 12}
     assert (layout.total, layout.flags, layout.rows) == (13, 14, 18)
@@ -95,8 +95,9 @@ def test_layout_rows() -> None:
     assert (layout.state, layout.summed) == (-1, 18)
     assert fused_layout(make_spec("ce")).rows == 4  # ce, total, 2 counts
     gspo = fused_layout(make_spec("gspo+z+kd"))
-    assert gspo.starts == {"gspo": 0, "z": 0, "kd": 2}
-    assert (gspo.total, gspo.flags, gspo.summed, gspo.state, gspo.rows) == (3, 4, 8, 8, 15)
+    assert gspo.starts == {"gspo": 0, "z": 3, "kd": 5}
+    assert gspo.keys[:3] == tuple((False, f"gspo/{name}") for name in ("new_logp", "entropy", "kl_old"))
+    assert (gspo.total, gspo.flags, gspo.summed, gspo.state, gspo.rows) == (6, 7, 11, 11, 18)
     with_reference = fused_layout(make_spec("grpo", options={"grpo": {"beta": 0.1}}))
     assert with_reference.keys[4] == (False, "grpo/kl") and with_reference.total == 10
 

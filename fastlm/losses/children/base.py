@@ -53,11 +53,13 @@ class TailInputs:
     targets: LossTargets
     normalizers: LossNormalizers
     dtype: torch.dtype
+    from_kernel: bool = False  # `stats` are the fused kernel's state rows (0 on masked tokens), whose
+    # launch also wrote every child's `fused_keys` rows
     _masked: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def _get(self, name: str, values: torch.Tensor) -> torch.Tensor:
+    def _get(self, name: str, values: torch.Tensor, premasked: bool = False) -> torch.Tensor:
         if name not in self._masked:
-            self._masked[name] = masked(values, self.mask, self.dtype)
+            self._masked[name] = values.to(self.dtype) if premasked else masked(values, self.mask, self.dtype)
         return self._masked[name]
 
     @property
@@ -66,19 +68,19 @@ class TailInputs:
 
     @property
     def lse(self) -> torch.Tensor:  # log sum_j exp(x_tj)
-        return self._get("lse", self.stats["lse"])
+        return self._get("lse", self.stats["lse"], self.from_kernel)
 
     @property
     def new_logp(self) -> torch.Tensor:  # x_{t,y} - lse_t
-        return self._get("new_logp", self.stats["new_logp"])
+        return self._get("new_logp", self.stats["new_logp"], self.from_kernel)
 
     @property
     def entropy(self) -> torch.Tensor:  # lse_t - sum_j p_tj x_tj
-        return self._get("entropy", self.stats["entropy"])
+        return self._get("entropy", self.stats["entropy"], self.from_kernel)
 
     def stat(self, name: str) -> torch.Tensor:
         """Another vocab-pass statistic (teacher_kl, teacher_gap)."""
-        return self._get(name, self.stats[name])
+        return self._get(name, self.stats[name], self.from_kernel)
 
     def target(self, name: str) -> torch.Tensor:
         """A per-token target (old_logp, advantages, ref_logp)."""

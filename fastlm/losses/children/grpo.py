@@ -50,12 +50,12 @@ def clipped_surrogate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss -min(min(r, delta) A, clip(r) A), slope r*A where the unclipped term is active, else 0)."""
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    capped = ratio.clamp(max=delta) if delta != float("inf") else ratio
+    dual = delta != float("inf")
+    capped = ratio.clamp(max=delta) if dual else ratio
     loss = -torch.minimum(capped * advantage, clipped * advantage)
-    upper = ratio <= 1.0 + eps_high
-    lower = (ratio >= 1.0 - eps_low) & (ratio <= delta)
-    slope = ratio * (advantage.clamp(min=0) * upper + advantage.clamp(max=0) * lower)
-    return loss, slope
+    lower = (ratio >= 1.0 - eps_low) & (ratio <= delta) if dual else ratio >= 1.0 - eps_low
+    active = torch.where(advantage >= 0, ratio <= 1.0 + eps_high, lower)
+    return loss, ratio * advantage * active
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from fastlm.losses.children.base import ReferenceInputs, Tail, TailInputs
+from fastlm.losses.children.base import ReferenceInputs, Tail, TailInputs, metric_key
 from fastlm.losses.children.grpo import RATIO_METRICS, ClippedPolicyConfig, clipped_surrogate
 from fastlm.losses.children.policy import LossType, PolicyChild, document_slots, dual_clip
 from fastlm.losses.metrics import clip_fractions
@@ -79,14 +79,15 @@ class GSPO(PolicyChild):
             w = self.aggregation(inputs, slot)
             extra = self.regularizers(inputs, w, out) * (mask.to(dtype) * w if isinstance(w, float) else w)
         out.loss(self.name, document_terms if extra is None else torch.cat([document_terms, extra]))
-        self.token_metrics(inputs, out)
+        if not inputs.from_kernel:  # else the fused launch wrote them (`fused_keys`)
+            self.token_metrics(inputs, out)
         low, high, region = clip_fractions(ratio, advantage, 1.0 - self.eps_low, 1.0 + self.eps_high)
         per_document = safe_inverse(inputs.normalizers.documents)
         for metric, value in zip(RATIO_METRICS, (ratio, advantage, low, high, region), strict=True):
             out.metric(self.name, metric, value, per_document)
         out.metric(self.name, "num_documents", present, 1.0)
         if self.weight != 0:
-            out.add_label_form((slope * document_w / divisor * self.weight)[slot])  # slot 0 (masked): 0
+            out.add_label_form((slope * (document_w / divisor) * self.weight)[slot])  # slot 0 (masked): 0
 
     def reference(self, inputs: ReferenceInputs) -> torch.Tensor:
         mask, targets = inputs.mask, inputs.targets
@@ -104,14 +105,16 @@ class GSPO(PolicyChild):
         return total
 
     def fused_keys(self) -> tuple[tuple[bool, str], ...]:
-        return ()  # the kernel writes the per-token state (launcher.STATE_ROWS); this tail does the rest
+        """The token metrics only: the loss and the document metrics come from this tail, after the
+        launch (which also writes the per-token state, coefficients.STATE_ROWS)."""
+        return tuple((False, metric_key(self.name, name)) for name in self.token_metric_names())
 
     def kernel_arguments(self, row: int) -> dict[str, Any]:
-        return {"ROW_GSPO": 0}
+        return {"ROW_GSPO": row, "GSPO_REF": int(self.beta > 0)}
 
     @classmethod
     def kernel_absent(cls) -> dict[str, Any]:
-        return {"ROW_GSPO": -1}
+        return {"ROW_GSPO": -1, "GSPO_REF": 0}
 
 
 

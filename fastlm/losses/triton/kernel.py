@@ -208,20 +208,26 @@ def _store_term(terms_ptr, index, n_tokens, row, value):
 @triton.jit
 def _policy_terms(terms_ptr, n_tokens, row, ROW: tl.constexpr, REF: tl.constexpr, token_loss, new_logp, entropy,
                   old_logp, ref_gap, beta, entropy_coeff, w, token_scale):
-    """A policy child's loss row (times its weight w_t) and its token metrics: new_logp, entropy,
-    kl_old[, kl] (children/policy.py). Returns its loss term for the weighted total, unscaled by 1/N."""
-    delta = old_logp - new_logp
-    kl_old = _expm1(delta) - delta  # k3 against the sampling policy
+    """A policy child's loss row (times its weight w_t) and its token metrics (`_token_metrics`).
+    Returns its loss term for the weighted total."""
     token_loss -= entropy_coeff * entropy
     if REF:
         token_loss += beta * (_expm1(ref_gap) - ref_gap)
     _store_term(terms_ptr, ROW, n_tokens, row, token_loss * w)
+    _token_metrics(terms_ptr, n_tokens, row, ROW, REF, new_logp, entropy, old_logp, ref_gap, token_scale)
+    return token_loss * w
+
+
+@triton.jit
+def _token_metrics(terms_ptr, n_tokens, row, ROW: tl.constexpr, REF: tl.constexpr, new_logp, entropy, old_logp,
+                   ref_gap, token_scale):
+    """Rows ROW+1.. : new_logp, entropy, kl_old[, kl] (children/policy.py `token_metric_names`)."""
+    delta = old_logp - new_logp
     _store_term(terms_ptr, ROW + 1, n_tokens, row, new_logp * token_scale)
     _store_term(terms_ptr, ROW + 2, n_tokens, row, entropy * token_scale)
-    _store_term(terms_ptr, ROW + 3, n_tokens, row, kl_old * token_scale)
+    _store_term(terms_ptr, ROW + 3, n_tokens, row, (_expm1(delta) - delta) * token_scale)
     if REF:
         _store_term(terms_ptr, ROW + 4, n_tokens, row, (_expm1(ref_gap) - ref_gap) * token_scale)
-    return token_loss * w
 
 
 @triton.jit
@@ -231,7 +237,7 @@ def _store_terms(
     grpo_beta, grpo_entropy, w_grpo, eps_low, eps_high, grpo_delta, cispo_weight, cispo_beta, cispo_entropy, w_cispo,
     cispo_cap, ROW_CE: tl.constexpr, ROW_Z: tl.constexpr, ROW_GRPO: tl.constexpr, ROW_GSPO: tl.constexpr,
     ROW_CISPO: tl.constexpr, ROW_KD: tl.constexpr, GRPO_REF: tl.constexpr, CISPO_REF: tl.constexpr,
-    ROW_TOTAL: tl.constexpr, ROW_FLAGS: tl.constexpr, ROW_STATE: tl.constexpr,
+    GSPO_REF: tl.constexpr, ROW_TOTAL: tl.constexpr, ROW_FLAGS: tl.constexpr, ROW_STATE: tl.constexpr,
 ):
     """The per-token terms of an unmasked row (order: each child's `fused_keys`), scaled by
     `token_scale` (policy losses by their w_t); the weighted total (scaled); the value-check counts,
@@ -270,6 +276,9 @@ def _store_terms(
         _store_term(terms_ptr, first, n_tokens, row, ratio * token_scale)
         _store_term(terms_ptr, first + 1, n_tokens, row, advantage * token_scale)
         _store_term(terms_ptr, first + 2, n_tokens, row, ((ratio > cispo_cap) & (advantage > 0.0)).to(tl.float32) * token_scale)
+    if ROW_GSPO >= 0:  # token metrics; its loss is per document (its tail, after the launch)
+        _token_metrics(terms_ptr, n_tokens, row, ROW_GSPO - 1, GSPO_REF, new_logp, entropy, old_logp, ref_gap,
+                       token_scale)
     if ROW_KD >= 0:
         _store_term(terms_ptr, ROW_KD, n_tokens, row, kl_kd * token_scale)
         total += kd_weight * kl_kd * token_scale
@@ -388,7 +397,7 @@ def lm_loss_kernel(
     ROW_CE: tl.constexpr,
     ROW_Z: tl.constexpr,
     ROW_GRPO: tl.constexpr,
-    ROW_GSPO: tl.constexpr,  # a per-document child follows: write the per-token state (ROW_STATE)
+    ROW_GSPO: tl.constexpr,  # token metrics only; a per-document child also gets the per-token state (ROW_STATE)
     ROW_CISPO: tl.constexpr,
     ROW_KD: tl.constexpr,
     GRPO_TOKEN_WEIGHTS: tl.constexpr,
@@ -397,6 +406,7 @@ def lm_loss_kernel(
     CISPO_TOKEN_WEIGHTS: tl.constexpr,
     CISPO_REF: tl.constexpr,
     CISPO_ENTROPY: tl.constexpr,
+    GSPO_REF: tl.constexpr,
     ROW_TOTAL: tl.constexpr,
     ROW_FLAGS: tl.constexpr,
     ROW_STATE: tl.constexpr,  # per-document children: per-token state for their tail and the grad launch
@@ -520,7 +530,7 @@ def lm_loss_kernel(
                     old_logp = tl.load(old_logp_ptr + row).to(tl.float32)
                     advantage = tl.load(advantages_ptr + row).to(tl.float32)
                     ratio = tl.exp(new_logp - old_logp)
-                    if GRPO_REF or CISPO_REF:
+                    if GRPO_REF or CISPO_REF or GSPO_REF:
                         ref_gap = tl.load(ref_logp_ptr + row).to(tl.float32) - new_logp
                 if ROW_GRPO >= 0:
                     if GRPO_TOKEN_WEIGHTS:
@@ -567,7 +577,7 @@ def lm_loss_kernel(
                     kl_kd, prob_coeff, label_coeff, x_coeff, teacher_lse2 * LN2, token_scale, ce_weight, z_weight,
                     kd_weight, grpo_weight, grpo_beta, grpo_entropy, w_grpo, eps_low, eps_high, grpo_delta,
                     cispo_weight, cispo_beta, cispo_entropy, w_cispo, cispo_cap, ROW_CE, ROW_Z, ROW_GRPO, ROW_GSPO,
-                    ROW_CISPO, ROW_KD, GRPO_REF, CISPO_REF, ROW_TOTAL, ROW_FLAGS, ROW_STATE,
+                    ROW_CISPO, ROW_KD, GRPO_REF, CISPO_REF, GSPO_REF, ROW_TOTAL, ROW_FLAGS, ROW_STATE,
                 )
         if COMPUTE_GRAD:
             lse2 = lse * LOG2E

@@ -252,14 +252,15 @@ def _seam_terms(launch: _Launch, grad: torch.Tensor | None, grad_scale: float) -
     losses, metrics, kernel_total, counts = _reduce_fused(terms, layout)
     state = partial(layout.state_row, terms)
     stats = {name: state(name) for name in ("lse", "new_logp", "entropy")}
-    out = tail(stats, targets.labels != IGNORE_INDEX, targets, normalizers, spec, children=spec.per_document)
+    out = tail(stats, targets.labels != IGNORE_INDEX, targets, normalizers, spec, children=spec.per_document,
+               from_kernel=True, coefficients=(state("prob_coeff"), state("label_coeff")))
     losses.update(out.losses)
     metrics.update(out.metrics)
     if grad is not None:
         kd_out = (state("teacher_lse"),) if spec.teacher is not None else ()
         x_term = out.x is not None or any(child.kernel_x_term() for child in spec.children)
         x_coeff = state("x_coeff") if out.x is None else state("x_coeff") + out.x
-        coefficients = (state("lse"), state("prob_coeff") + out.prob, state("label_coeff") + out.label, x_coeff)
+        coefficients = (state("lse"), out.prob, out.label, x_coeff)
         launch.run(MODE_GRAD.value, coefficients, grad, kd_out, token_scale=safe_inverse(normalizers.tokens),
                    grad_scale=grad_scale, x_term=x_term)
     return assemble_result(spec, losses, metrics, kernel_total), counts
