@@ -41,6 +41,10 @@ class ChildConfig(ConfigModel):
         """The plain object the loss paths run (no pydantic past this point)."""
         raise NotImplementedError
 
+    def triton_unsupported(self) -> str | None:
+        """Why the fused Triton kernel cannot run this child as configured (None: it can)."""
+        return None
+
 
 @dataclass
 class TailInputs:
@@ -159,6 +163,10 @@ class LossChild:
     def kernel_tensors(self, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
         """Per-call tensors of this child's slot (e.g. per-token weights); none by default."""
         return {}
+
+    def kernel_supported(self) -> bool:
+        """Whether the fused kernel runs this child as configured (its kind has a slot: `kernel`)."""
+        return self.kernel
 
     def kernel_x_term(self) -> bool:
         """Whether the fused kernel's coefficients of this child include a `p_j * x_j` term."""

@@ -81,6 +81,9 @@ def _check_supported(logits: torch.Tensor, targets: LossTargets, spec: LossSpec,
     """What this kernel cannot run, named; the shared checks live in validation.py."""
     if not spec.children:
         raise ValueError("the loss spec has no children; nothing for the Triton kernel to compute")
+    unsupported = [child.name for child in spec.children if not child.kernel_supported()]
+    if unsupported:
+        raise ValueError(f"the Triton kernel cannot run {unsupported} as configured; use the compiled path")
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps}")
     if not spec.logit_scale > 0 or (spec.softcap is not None and not spec.softcap > 0):
