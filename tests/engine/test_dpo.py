@@ -25,7 +25,7 @@ from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.dpo import DPOTrainer
 from fastlm.engine.select import trainer_class_for
 from fastlm.logging.jsonl import read_metrics
-from fastlm.logging.wandb_reader import read_wandb_run
+from wandb_reader import read_wandb_run
 from fastlm.losses.spec import IGNORE_INDEX
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -13,7 +13,7 @@ from fastlm.config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.engine.trainer import NonFiniteError, Trainer
 from fastlm.logging.jsonl import read_metrics
-from fastlm.logging.wandb_reader import read_wandb_run
+from wandb_reader import read_wandb_run
 
 
 def test_tiny_llama_learns_and_logs(tiny_config: Callable[..., RunConfig], monkeypatch: pytest.MonkeyPatch) -> None:
