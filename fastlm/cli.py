@@ -1,4 +1,4 @@
-"""`fastlm train | validate | print-config | convert`: the one command users run."""
+"""`fastlm train | validate | print-config | convert | prepare | generate`: the one command users run."""
 
 from __future__ import annotations
 
@@ -37,6 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--to", metavar="DIR", help="with --from-hf: also write model.yaml + model.safetensors here")
     convert.add_argument("--from", dest="from_fastlm", metavar="DIR",
                          help="with --to-hf: a checkpoint (step, checkpoints or run folder) or a --to folder")
+    prepare = commands.add_parser("prepare", help="tokenize local text/JSONL/Parquet/CSV files into a memory-mapped "
+                                  "data set (data.source: {type: memmap, path})")
+    prepare.add_argument("config", help="YAML prepare config: tokenizer, input_path, output_path, record fields, num_proc")
+    prepare.add_argument("overrides", nargs="*", default=[], help="dotted.key=value overrides, values parsed as YAML")
+    generate = commands.add_parser("generate", help="print a trained model's completions of prompts")
+    from fastlm.engine.generate import add_arguments
+
+    add_arguments(generate)
     return parser
 
 
@@ -44,6 +52,7 @@ def describe_run(config: RunConfig) -> str:
     """What a dry run reports: the model's size, memory estimate, the loss implementation and the data."""
     import torch
 
+    from fastlm.engine.compile import describe_training_path
     from fastlm.layers.lm_head import LMHead
     from fastlm.models import build_model, count_parameters, estimate_memory
 
@@ -55,6 +64,8 @@ def describe_run(config: RunConfig) -> str:
         f"model: {config.model.type}, {parameters:,} parameters ({parameters / 1e6:.2f} M)",
         f"estimated training memory (params + grads + AdamW, fp32): {memory / 2**30:.3f} GiB",
         LMHead(config.model.head, device).describe(),
+        describe_training_path(config.trainer.compile, config.trainer.activation_checkpointing, device,
+                               config.distributed.data_parallel),
         describe_data(config),
         f"run directory: {config.run.directory}",
     ]
@@ -63,6 +74,7 @@ def describe_run(config: RunConfig) -> str:
 
 def describe_data(config: RunConfig) -> str:
     """The data summary, from the rows the trainer would pack (raises what the trainer's loaders raise)."""
+    from fastlm.data.config import PREPARED_SOURCE_TYPES
     from fastlm.data.loader import build_loaders
     from fastlm.data.summary import check_batch_fits, summarize
     from fastlm.data.tokenizer import build_tokenizer
@@ -75,6 +87,10 @@ def describe_data(config: RunConfig) -> str:
         rl = config.rl
         return (f"data: online RL on the {rl.task.type} task, {rl.prompts_per_rollout * dp} prompts x {rl.group_size} "
                 f"completions per rollout, {rl.warmup_steps} supervised warm-up steps")
+    if data.source.type in PREPARED_SOURCE_TYPES:
+        from fastlm.data.memmap import describe_prepared
+
+        return describe_prepared(data, config.run.seed, tokenizer, batch_rows * trainer.grad_accumulation, trainer.steps)
     if data.source.type == "offline_rl":
         from fastlm.data.offline_rl import load_offline_rl
         from fastlm.rl.packing import pack_policy_samples
@@ -95,12 +111,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # Overrides may also follow flags (`train c.yaml --dry-run a.b=1`), where argparse leaves them over.
     stray = [item for item in extra if item.startswith("-") or "=" not in item]
-    if stray or (extra and args.command == "convert"):
+    if stray or (extra and args.command in ("convert", "generate")):
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if args.command == "generate":
+        from fastlm.engine.generate import generate_command
+
+        return generate_command(args)
     if args.command == "convert":
         from fastlm.models.hf import convert_command
 
         return convert_command(args.from_hf, args.to, args.from_fastlm, args.to_hf)
+    if args.command == "prepare":
+        from fastlm.data.prepare import prepare_command
+
+        return prepare_command(args.config, [*args.overrides, *extra])
     overrides = [*args.overrides, *extra, *args.set_overrides]
     try:
         config = load_config(args.config, overrides)

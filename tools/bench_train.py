@@ -1,7 +1,13 @@
 """Training throughput and MFU of the model presets, Triton loss against the compiled loss, in one run.
 
     python tools/bench_train.py                      # CUDA: llama-350m and llama-1b, seq 2048, bf16
+    python tools/bench_train.py --packed --compile-model   # + packed ~300-token documents, + compiled blocks
+    python tools/bench_train.py --variants packed packed+dense packed+compile packed+compile+ac
     python tools/bench_train.py --cpu-smoke          # CPU: the tiny preset, two steps (CI smoke test)
+
+A step is what the trainer does: bf16 autocast forward with the fused loss, backward, fused AdamW; the
+variants add packed documents (the trainer's real rows: FlexAttention on CUDA), compiled blocks
+(`trainer.compile`, the LM head opaque) and activation checkpointing (`trainer.activation_checkpointing`).
 
 MFU = model_flops_per_token(config, seq_len) * tokens/s / peak, with the peak measured in the same
 run as an 8192^3 bf16 matmul (so the ratio does not depend on a datasheet number).
@@ -24,17 +30,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fastlm.config.schema import RunConfig  # noqa: E402 - after the path fix
+from fastlm.engine.compile import CompileFallback  # noqa: E402
 from fastlm.engine.optim import build_optimizer  # noqa: E402
 from fastlm.engine.runtime import autocast  # noqa: E402
-from fastlm.losses.spec import LossNormalizers, LossTargets  # noqa: E402
+from fastlm.layers.embedding import document_positions  # noqa: E402
+from fastlm.layers.packed_attention import attention_layout  # noqa: E402
+from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets  # noqa: E402
 from fastlm.models import build_model, count_parameters, model_flops_per_token  # noqa: E402
+
+DOC_MIN, DOC_MAX = 150, 450  # packed documents: lengths uniform in [150, 450], ~300 tokens on average
 
 
 @dataclass
 class Row:
     preset: str
     loss: str
-    compiled_model: bool
+    variant: str  # plain / packed, +compile (blocks compiled like trainer.compile), +ac (activation checkpointing)
+    attention: str  # the layout the rows took: causal, flex or dense
     parameters: int
     batch: int
     seq_len: int
@@ -42,6 +54,32 @@ class Row:
     tokens_per_second: float
     mfu: float
     peak_memory_gib: float
+    note: str = ""
+
+
+VARIANT_PARTS = ("packed", "compile", "ac", "dense")
+
+
+def parse_variant(variant: str) -> set[str]:
+    """'plain', or '+'-joined parts: packed (~300-token documents), compile, ac, dense (force the dense mask)."""
+    parts = set() if variant == "plain" else set(variant.split("+"))
+    unknown = parts - set(VARIANT_PARTS)
+    if unknown:
+        raise SystemExit(f"unknown variant part(s) {sorted(unknown)} in {variant!r}; use 'plain' or {VARIANT_PARTS}")
+    return parts
+
+
+def packed_document_ids(batch: int, seq_len: int, low: int, high: int, generator: torch.Generator) -> torch.Tensor:
+    """(B, S) ids of contiguous documents with lengths uniform in [low, high], cut at the row end, unique per batch."""
+    ids = torch.empty(batch, seq_len, dtype=torch.long)
+    next_id = 0
+    for row in range(batch):
+        start = 0
+        while start < seq_len:
+            length = int(torch.randint(low, high + 1, (1,), generator=generator))
+            ids[row, start : start + length] = next_id
+            start, next_id = start + length, next_id + 1
+    return ids
 
 
 def model_config(preset: str, loss: str, vocab_override: int | None) -> RunConfig:
@@ -75,25 +113,48 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def bench(preset: str, loss: str, compile_model: bool, batch: int, seq_len: int, steps: int, warmup: int,
+def bench(preset: str, loss: str, variant: str, batch: int, seq_len: int, steps: int, warmup: int,
           device: torch.device, peak: float, vocab_override: int | None = None) -> Row:
+    parts = parse_variant(variant)
     config = model_config(preset, loss, vocab_override)
     torch.manual_seed(0)
     model = build_model(config.model, device=device)
-    optimizer = build_optimizer(model, config.optimizer)
+    model.set_activation_checkpointing("ac" in parts)
+    if "dense" in parts:
+        model.attention_kind = "dense"
+    if "compile" in parts:
+        model.compile_blocks()
+    fallback = CompileFallback(model, verbose=False)
+    optimizer = build_optimizer(model, config.optimizer)  # fused AdamW on CUDA, as in the trainer
     amp = torch.bfloat16 if device.type == "cuda" else None
-    forward = torch.compile(model) if compile_model else model
     vocab = config.model.vocab_size
-    inputs = [torch.randint(0, vocab, (batch, seq_len + 1), device=device) for _ in range(2)]
-    normalizers = LossNormalizers(tokens=float(batch * seq_len))
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(2):
+        tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=generator)
+        labels = tokens[:, 1:].clone()
+        documents = None
+        if "packed" in parts:
+            documents = packed_document_ids(batch, seq_len, DOC_MIN, DOC_MAX, generator)
+            ends = torch.ones_like(documents, dtype=torch.bool)
+            ends[:, :-1] = documents[:, 1:] != documents[:, :-1]
+            labels[ends] = IGNORE_INDEX  # a document's last token predicts nothing (as packing does)
+        batches.append((tokens[:, :-1].to(device), labels.reshape(-1).to(device),
+                        None if documents is None else documents.to(device), float((labels != IGNORE_INDEX).sum())))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
     def step(index: int) -> None:
-        tokens = inputs[index % len(inputs)]
-        with autocast(device, amp):
-            result = forward(tokens[:, :-1], LossTargets(labels=tokens[:, 1:].reshape(-1)), normalizers)
-        result.loss.backward()
+        input_ids, labels, documents, count = batches[index % len(batches)]
+
+        def forward_backward() -> None:
+            targets = LossTargets(labels=labels, document_ids=None if documents is None else documents.reshape(-1))
+            with autocast(device, amp):
+                result = model(input_ids, targets,
+                               LossNormalizers(tokens=count), documents)
+            result.loss.backward()
+
+        fallback.run(forward_backward, lambda: optimizer.zero_grad(set_to_none=True))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -108,9 +169,14 @@ def bench(preset: str, loss: str, compile_model: bool, batch: int, seq_len: int,
     tokens_per_second = batch * seq_len / seconds
     mfu = model_flops_per_token(config.model, seq_len) * tokens_per_second / peak
     memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
-    row = Row(preset, loss, compile_model, count_parameters(model), batch, seq_len, seconds * 1e3,
-              tokens_per_second, mfu, memory)
-    del model, optimizer, forward, inputs
+    documents = batches[0][2]
+    positions = None if documents is None else document_positions(documents)
+    attention = model.attention_kind or attention_layout(
+        batch, seq_len, positions, getattr(config.model, "sliding_window", None),
+        device).kind  # what the model's forward built
+    row = Row(preset, loss, variant, attention, count_parameters(model), batch, seq_len, seconds * 1e3,
+              tokens_per_second, mfu, memory, fallback.note or "")
+    del model, optimizer, batches
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -119,41 +185,63 @@ def bench(preset: str, loss: str, compile_model: bool, batch: int, seq_len: int,
 def table(rows: list[Row], peak: float, device_name: str) -> str:
     lines = [
         f"device: {device_name}; measured matmul peak {peak / 1e12:.1f} TFLOP/s; torch {torch.__version__}",
-        "| preset | loss | torch.compile model | params | batch x seq | step ms | tokens/s | MFU | peak mem GiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| preset | loss | variant | attention | params | batch x seq | step ms | tokens/s | MFU | peak mem GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
-            f"| {r.preset} | {r.loss} | {r.compiled_model} | {r.parameters / 1e6:.0f}M | {r.batch}x{r.seq_len} "
+            f"| {r.preset} | {r.loss} | {r.variant} | {r.attention} | {r.parameters / 1e6:.0f}M | {r.batch}x{r.seq_len} "
             f"| {r.step_ms:.1f} | {r.tokens_per_second:,.0f} | {r.mfu:.1%} | {r.peak_memory_gib:.1f} |"
         )
+        if r.note:
+            lines.append(f"note ({r.preset} {r.loss} {r.variant}): {r.note}")
     return "\n".join(lines)
+
+
+def variants(args: argparse.Namespace) -> list[str]:
+    """--variants as given, else the cross product of the flags (plain always; --packed adds packed rows)."""
+    if args.variants:
+        for variant in args.variants:
+            parse_variant(variant)
+        return args.variants
+    result = ["plain"] + (["packed"] if args.packed else [])
+    if args.compile_model:
+        result += [("compile" if v == "plain" else f"{v}+compile") for v in result]
+    if args.activation_checkpointing:
+        result += [("ac" if v == "plain" else f"{v}+ac") for v in result]
+    return result
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu-smoke", action="store_true", help="tiny preset on CPU, two steps")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny preset on CPU, two steps, plain and packed")
     parser.add_argument("--presets", nargs="+", default=["llama-350m", "llama-1b"])
     parser.add_argument("--batch", type=int, nargs="+", default=[8, 4], help="micro-batch per preset")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--compile-model", action="store_true", help="also time torch.compile'd models")
+    parser.add_argument("--losses", nargs="+", choices=["triton", "compiled"], default=["triton", "compiled"])
+    parser.add_argument("--packed", action="store_true", help=f"also time packed rows ({DOC_MIN}-{DOC_MAX}-token documents)")
+    parser.add_argument("--compile-model", action="store_true", help="also time compiled blocks (trainer.compile)")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="also time with activation checkpointing")
+    parser.add_argument("--variants", nargs="+", help="explicit list, e.g. plain packed packed+compile packed+dense")
     args = parser.parse_args()
     if args.cpu_smoke:
         device, presets, batches, seq_len, steps, warmup, losses = (
             torch.device("cpu"), ["tiny-llama"], [2], 32, 2, 1, ["compiled"])
+        chosen = ["plain", "packed"]
     else:
         if not torch.cuda.is_available():
             print("needs a CUDA device; use --cpu-smoke on CPU", file=sys.stderr)
             return 2
         device, presets, batches, seq_len, steps, warmup, losses = (
-            torch.device("cuda"), args.presets, args.batch, args.seq_len, args.steps, 3, ["triton", "compiled"])
+            torch.device("cuda"), args.presets, args.batch, args.seq_len, args.steps, 3, args.losses)
+        chosen = variants(args)
     peak = measured_peak_flops(device)
     rows = []
     for preset, batch in zip(presets, batches * len(presets)):
         for loss in losses:
-            for compiled in [False, True] if args.compile_model else [False]:
-                rows.append(bench(preset, loss, compiled, batch, seq_len, steps, warmup, device, peak))
+            for variant in chosen:
+                rows.append(bench(preset, loss, variant, batch, seq_len, steps, warmup, device, peak))
                 print(f"{rows[-1]}", flush=True)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(table(rows, peak, device_name))

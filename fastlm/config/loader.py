@@ -52,6 +52,19 @@ def _is_path_key(key: str) -> bool:
     return key == "path" or key.endswith("_path")
 
 
+def _resolve_path(key: str, value: Any, base_dir: Path | None) -> Any:
+    """A relative path under a path key, made absolute against the YAML file's folder; lists of mappings
+    (`data.source.sources: [{path, weight}]`) have their path keys resolved too."""
+    if base_dir is None:
+        return value
+    if isinstance(value, list):
+        return [{k: _resolve_path(k, v, base_dir) for k, v in item.items()} if isinstance(item, dict) else item
+                for item in value]
+    if _is_path_key(key) and isinstance(value, str) and not Path(value).is_absolute():
+        return str((base_dir / value).resolve())
+    return value
+
+
 def _merge(target: LayeredDict, layer: dict[str, Any], source: str, prefix: str = "", base_dir: Path | None = None) -> None:
     node = target.data
     for part in prefix.split(".") if prefix else []:
@@ -69,9 +82,7 @@ def _merge(target: LayeredDict, layer: dict[str, Any], source: str, prefix: str 
                 target.sources[dotted] = source
             _merge(target, value, source, dotted, base_dir)
             continue
-        if base_dir is not None and _is_path_key(key) and isinstance(value, str) and not Path(value).is_absolute():
-            value = str((base_dir / value).resolve())
-        node[key] = value
+        node[key] = _resolve_path(key, value, base_dir)
         target.sources[dotted] = source
         for stale in [p for p in target.sources if p.startswith(dotted + ".")]:
             del target.sources[stale]

@@ -24,20 +24,31 @@ class TextSource(ConfigModel):
     path: str
 
 
-class JsonlSource(ConfigModel):
-    """One JSON object per line: either `text_field`, or `prompt_field` + `completion_field` (SFT, prompt masked)."""
+class RecordFields(ConfigModel):
+    """Which fields of a record hold the document (TRL's data set conventions), in this order of precedence:
+    `messages_field` (a conversation rendered with the tokenizer's chat template, loss on assistant turns),
+    `prompt_field` + `completion_field` (strings, or lists of messages; loss on the completion), else
+    `text_field` (plain text, every token a target)."""
 
-    type: Literal["jsonl"] = "jsonl"
-    path: str
     text_field: str = "text"
     prompt_field: str | None = None
     completion_field: str | None = None
+    messages_field: str | None = None
 
     @model_validator(mode="after")
-    def _check_fields(self) -> "JsonlSource":
+    def _check_fields(self) -> "RecordFields":
         if (self.prompt_field is None) != (self.completion_field is None):
             raise ValueError("set both prompt_field and completion_field (SFT) or neither (plain text_field)")
+        if self.messages_field is not None and self.prompt_field is not None:
+            raise ValueError("set messages_field (conversations) or prompt_field + completion_field, not both")
         return self
+
+
+class JsonlSource(RecordFields):
+    """One JSON object per line; the fields are read as `RecordFields` says."""
+
+    type: Literal["jsonl"] = "jsonl"
+    path: str
 
 
 class OfflineRLSource(ConfigModel):
@@ -67,10 +78,31 @@ class GeneratedPreferencesSource(ConfigModel):
     seed: int = 1234
 
 
+class MemmapSource(ConfigModel):
+    """A data set written by `fastlm prepare` (tokens on disk, read row by row; fastlm/data/prepared.py)."""
+
+    type: Literal["memmap"] = "memmap"
+    path: str
+
+
+class BlendEntry(ConfigModel):
+    path: str = Field(description="A directory written by `fastlm prepare`.")
+    weight: float = Field(gt=0.0, description="Share of rows drawn from it (weights are normalised).")
+
+
+class BlendSource(ConfigModel):
+    """Several prepared data sets, rows drawn by weight."""
+
+    type: Literal["blend"] = "blend"
+    sources: list[BlendEntry] = Field(min_length=1)
+
+
+PREPARED_SOURCE_TYPES: frozenset[str] = frozenset({"memmap", "blend"})
 PREFERENCE_SOURCE_TYPES: frozenset[str] = frozenset({"preferences_jsonl", "generated_preferences"})
 
 DataSource = Annotated[
-    Union[GeneratedSource, TextSource, JsonlSource, OfflineRLSource, PreferencesJsonlSource, GeneratedPreferencesSource],
+    Union[GeneratedSource, TextSource, JsonlSource, MemmapSource, BlendSource, OfflineRLSource, PreferencesJsonlSource,
+          GeneratedPreferencesSource],
     Field(discriminator="type"),
 ]
 

@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from fastlm.data.config import DataSource, GeneratedSource, JsonlSource, TextSource
+from fastlm.data.chat import ChatError, check_messages, encode_chat
+from fastlm.data.config import DataSource, GeneratedSource, JsonlSource, RecordFields, TextSource
 from fastlm.data.corpus import generate_documents
 from fastlm.data.tokenizer import Tokenizer
 
@@ -55,6 +56,10 @@ class PackedRows:
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
+
+    def take(self, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, document ids, target flags) of rows `picks` (the interface `BatchLoader` reads rows through)."""
+        return self.tokens[picks], self.document_ids[picks], self.target_mask[picks]
 
 
 def _text_document(tokenizer: Tokenizer, text: str, origin: str = "") -> Document:
@@ -89,15 +94,46 @@ def _text_documents(source: TextSource, tokenizer: Tokenizer) -> list[Document]:
     return documents
 
 
-def _jsonl_field(record: dict, name: str, path: Path, line: int, allow_empty: bool = False) -> str:
+def _field(record: dict, name: str, where: str) -> Any:
     if name not in record:
-        raise DataError(f"{path} line {line}: missing field '{name}' (keys: {sorted(record)})")
-    value = record[name]
+        raise DataError(f"{where}: missing field '{name}' (keys: {sorted(record)}); name the right field in the "
+                        "data config (text_field, prompt_field, completion_field, messages_field)")
+    return record[name]
+
+
+def string_field(record: dict, name: str, where: str, allow_empty: bool = False) -> str:
+    value = _field(record, name, where)
     if not isinstance(value, str):
-        raise DataError(f"{path} line {line}: field '{name}' must be a string, got {type(value).__name__}")
+        raise DataError(f"{where}: field '{name}' must be a string, got {type(value).__name__}")
     if not allow_empty and not value.strip():
-        raise DataError(f"{path} line {line}: field '{name}' is empty (an empty document trains on nothing)")
+        raise DataError(f"{where}: field '{name}' is empty (an empty document trains on nothing)")
     return value
+
+
+def _jsonl_field(record: dict, name: str, path: Path, line: int, allow_empty: bool = False) -> str:
+    return string_field(record, name, f"{path} line {line}", allow_empty)
+
+
+def _chat_document(tokenizer: Tokenizer, messages: Any, where: str, trainable_from: int = 0) -> Document:
+    try:
+        tokens, targets = encode_chat(tokenizer, check_messages(messages), trainable_from)
+    except ChatError as error:
+        raise DataError(f"{where}: {error}") from None
+    return Document(tokens, targets, where)
+
+
+def record_document(record: dict, fields: RecordFields, tokenizer: Tokenizer, where: str) -> Document:
+    """One record (a JSONL line, a Parquet/CSV row) -> a Document, as `RecordFields` describes; errors name `where`."""
+    if fields.messages_field is not None:
+        return _chat_document(tokenizer, _field(record, fields.messages_field, where), where)
+    if fields.prompt_field is not None and fields.completion_field is not None:
+        prompt, completion = _field(record, fields.prompt_field, where), _field(record, fields.completion_field, where)
+        if isinstance(prompt, list) and isinstance(completion, list):  # TRL's conversational prompt/completion
+            return _chat_document(tokenizer, prompt + completion, where, trainable_from=len(prompt))
+        prompt = string_field(record, fields.prompt_field, where, allow_empty=True)
+        completion = string_field(record, fields.completion_field, where)
+        return _prompt_document(tokenizer, prompt, completion, where)
+    return _text_document(tokenizer, string_field(record, fields.text_field, where), where)
 
 
 def jsonl_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -119,14 +155,7 @@ def _jsonl_documents(source: JsonlSource, tokenizer: Tokenizer) -> list[Document
     path = Path(source.path)
     documents = []
     for line_number, record in jsonl_records(path):
-        origin = f"{path} line {line_number}"
-        if source.prompt_field is not None and source.completion_field is not None:
-            prompt = _jsonl_field(record, source.prompt_field, path, line_number, allow_empty=True)
-            completion = _jsonl_field(record, source.completion_field, path, line_number)
-            documents.append(_prompt_document(tokenizer, prompt, completion, origin))
-        else:
-            text = _jsonl_field(record, source.text_field, path, line_number)
-            documents.append(_text_document(tokenizer, text, origin))
+        documents.append(record_document(record, source, tokenizer, f"{path} line {line_number}"))
     if not documents:
         raise DataError(f"{path}: no documents (the file is empty)")
     return documents

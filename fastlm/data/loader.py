@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from fastlm.data.batch import Batch, batch_from_rows
-from fastlm.data.config import PREFERENCE_SOURCE_TYPES, DataConfig
+from fastlm.data.config import PREFERENCE_SOURCE_TYPES, PREPARED_SOURCE_TYPES, DataConfig
 from fastlm.data.datasets import PackedRows, load_documents, pack_documents, split_documents
 from fastlm.data.preferences import preference_rows
 from fastlm.data.summary import check_batch_fits
@@ -37,7 +37,7 @@ class BatchLoader:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(len(self.rows), generator=generator)
 
-    def _next_index(self) -> int:
+    def next_index(self) -> int:
         if self.position == len(self.rows):
             self.epoch += 1
             self.position = 0
@@ -47,8 +47,8 @@ class BatchLoader:
         return index
 
     def next_batch(self) -> Batch:
-        picks = torch.tensor([self._next_index() for _ in range(self.batch_size)])
-        return batch_from_rows(self.rows.tokens[picks], self.rows.document_ids[picks], self.rows.target_mask[picks])
+        picks = torch.tensor([self.next_index() for _ in range(self.batch_size)])
+        return batch_from_rows(*self.rows.take(picks))
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "rows": len(self.rows)}
@@ -67,6 +67,10 @@ class BatchLoader:
 
 def build_loaders(config: DataConfig, seed: int, tokenizer: Tokenizer) -> tuple[BatchLoader, BatchLoader | None]:
     """Train loader (shuffled) and eval loader (fixed order), or None for eval when nothing is held out."""
+    if config.source.type in PREPARED_SOURCE_TYPES:  # prepared data sets on disk, read row by row
+        from fastlm.data.memmap import memmap_loaders
+
+        return memmap_loaders(config, seed, tokenizer)
     if config.source.type in PREFERENCE_SOURCE_TYPES:  # DPO: whole pairs per row, not a document stream
         train_rows, eval_rows = preference_rows(config, seed, tokenizer)
     else:

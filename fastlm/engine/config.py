@@ -37,6 +37,14 @@ class TrainerConfig(ConfigModel):
     nonfinite: Literal["skip_step", "stop"] = Field(
         "skip_step", description="What to do with a non-finite loss or gradient."
     )
+    compile: Literal["auto"] | bool = Field(
+        "auto",
+        description="torch.compile each decoder block (the LM head stays opaque). auto: on for CUDA, except "
+        "FSDP; true: always (CPU compiles are slow); false: eager. A failed compile falls back to eager.",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each block in backward instead of keeping its activations (less memory, ~1/3 more compute)."
+    )
 
 
 class DistributedConfig(ConfigModel):

@@ -28,9 +28,22 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def fused_available(model: torch.nn.Module) -> bool:
+    """torch's fused AdamW (one kernel for the whole update) takes plain CUDA tensors; FSDP's sharded
+    DTensors and CPU parameters keep the default (foreach) implementation."""
+    from torch.distributed.tensor import DTensor
+
+    parameters = list(model.parameters())
+    return bool(parameters) and all(p.is_cuda and not isinstance(p, DTensor) for p in parameters)
+
+
 def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(
-        parameter_groups(model, config.weight_decay), lr=config.lr, betas=config.betas, eps=config.eps
+        parameter_groups(model, config.weight_decay),
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        fused=True if fused_available(model) else None,
     )
 
 

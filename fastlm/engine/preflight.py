@@ -20,6 +20,8 @@ from safetensors import safe_open
 
 from fastlm.config.errors import ConfigIssue
 from fastlm.config.schema import RunConfig
+from fastlm.data.config import PREPARED_SOURCE_TYPES
+from fastlm.data.prepared import prepared_source_issues
 from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, MODEL_FILE
 from fastlm.models.config import ModelConfig
 
@@ -31,6 +33,8 @@ def preflight_issues(config: RunConfig) -> list[ConfigIssue]:
 
 # --- data files ------------------------------------------------------------------------------------
 def _data_file_issues(config: RunConfig) -> list[ConfigIssue]:
+    if config.data.source.type in PREPARED_SOURCE_TYPES:
+        return prepared_source_issues(config)
     path = getattr(config.data.source, "path", None)
     if path is None:
         return []

@@ -31,6 +31,7 @@ from fastlm.data.batch import Batch
 from fastlm.data.loader import BatchLoader, build_loaders
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
 from fastlm.engine.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint, step_dir_name
+from fastlm.engine.compile import CompileFallback, compile_wanted
 from fastlm.engine.distributed import (
     RankShardLoader,
     build_parallel,
@@ -49,7 +50,7 @@ from fastlm.engine.signals import StopRequest
 from fastlm.layers.lm_head import LMHead
 from fastlm.logging.jsonl import drop_records_after
 from fastlm.logging.logger import METRICS_FILE, MetricLogger
-from fastlm.losses.spec import LossNormalizers
+from fastlm.losses.spec import LossNormalizers, LossResult
 from fastlm.losses.validation import deferred_value_checks
 from fastlm.models.decoder import build_model
 
@@ -123,6 +124,11 @@ class Trainer:
             from fastlm.models.hf import load_hf_weights_into
 
             load_hf_weights_into(self.model, config.run.init_path)
+        self.model.set_activation_checkpointing(config.trainer.activation_checkpointing)
+        data_parallel = self.parallel.data_parallel if self.parallel.dp_size > 1 else None
+        if compile_wanted(config.trainer.compile, self.device, data_parallel):
+            self.model.compile_blocks()
+        self.compile_fallback = CompileFallback(self.model, verbose=self.rank in (None, 0))
         # What forward_backward calls: the DDP wrapper, or the model itself (FSDP shards it in place).
         self.train_model = parallelize(self.model, self.parallel, self.device)
         self.optimizer = build_optimizer(self.model, config.optimizer)
@@ -189,10 +195,15 @@ class Trainer:
             for index, batch in enumerate(batches):
                 batch.check_token_ids(self.config.model.vocab_size)  # on the host, before the embedding could assert
                 batch = self.prepare(batch)
-                with gradient_sync(self.train_model, index == len(batches) - 1):
-                    with autocast(self.device, self.amp_dtype):
-                        result = self.train_model(batch.input_ids, batch.targets(), normalizers, batch.document_ids)
-                    (result.loss * scale if scale != 1.0 else result.loss).backward()
+
+                def micro_step(batch: Batch = batch, last: bool = index == len(batches) - 1) -> LossResult:
+                    with gradient_sync(self.train_model, last):
+                        with autocast(self.device, self.amp_dtype):
+                            result = self.train_model(batch.input_ids, batch.targets(), normalizers, batch.document_ids)
+                        (result.loss * scale if scale != 1.0 else result.loss).backward()
+                    return result
+
+                result = self.compile_fallback.run(micro_step, lambda: self.optimizer.zero_grad(set_to_none=True))
                 loss_sum += result.loss.detach().float()
                 _accumulate(losses, result.losses)
                 _accumulate(metrics, result.metrics)

@@ -1,11 +1,14 @@
-"""Multi-head / grouped-query self-attention, always through `F.scaled_dot_product_attention`.
+"""Multi-head / grouped-query self-attention: projections here, the kernel chosen per forward.
 
-Masking rule: with neither packed documents nor a sliding window the mask is `is_causal=True`
-(lets SDPA pick flash attention on GPU); otherwise a boolean (B, 1, S, S) mask "causal AND same
-document AND within the window" is built once per forward and shared by all layers.
+The decoder builds one `AttentionLayout` per forward (fastlm/layers/packed_attention.py) and every
+layer attends through it: SDPA `is_causal` when nothing else is masked (flash attention on GPU),
+FlexAttention with a document / sliding-window block mask for packed rows on GPU, or SDPA with the
+boolean (B, 1, S, S) mask "causal AND same document AND within the window" built here.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +16,9 @@ from torch import nn
 
 from fastlm.layers.init import init_linear
 from fastlm.layers.rotary import apply_rotary
+
+if TYPE_CHECKING:
+    from fastlm.layers.packed_attention import AttentionLayout
 
 Rotary = tuple[torch.Tensor, torch.Tensor]
 
@@ -43,17 +49,18 @@ def attend(
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + mask) v for q (B, Hq, S, D) and k, v (B, Hkv, S, D), Hq = g * Hkv.
 
-    The causal path passes `enable_gqa` (flash attention handles grouped heads natively); the masked
-    path repeats k/v per group first, because the memory-efficient kernel that takes a mask does not
-    accept `enable_gqa` and SDPA would fall back to the slow math kernel.
+    The causal path passes `enable_gqa` (flash attention handles grouped heads natively). On CUDA the
+    masked path repeats k/v per group first, because the memory-efficient kernel that takes a mask does
+    not accept `enable_gqa` and SDPA would fall back to the slow math kernel; the CPU kernels take both.
     """
     groups = q.shape[1] // k.shape[1]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=groups > 1)
-    if groups > 1:
+    if groups > 1 and q.device.type == "cuda":
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        groups = 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=groups > 1)
 
 
 class Attention(nn.Module):
@@ -80,8 +87,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
         self.out_proj = nn.Linear(q_size, hidden_size, bias=out_bias)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary | None, mask: torch.Tensor | None) -> torch.Tensor:
-        """x (B, S, H) -> (B, S, H); rotary = (cos, sin) from `rotary_angles`, or None (GPT-2)."""
+    def forward(self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout) -> torch.Tensor:
+        """x (B, S, H) -> (B, S, H); rotary = (cos, sin) from `rotary_angles`, or None (GPT-2); `layout`
+        from `attention_layout`, built once per forward."""
         batch, seq_len, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = q.view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
@@ -89,7 +97,7 @@ class Attention(nn.Module):
         v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        out = attend(q, k, v, mask, self.dropout if self.training else 0.0)
+        out = layout.attend(q, k, v, self.dropout if self.training else 0.0)
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def reset_parameters(self, std: float, residual_std: float) -> None:

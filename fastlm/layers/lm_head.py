@@ -2,6 +2,10 @@
 
 The implementation (Triton or compiled) is chosen once, from the config and the device of the first
 call (or the device given at construction), and kept: a head never switches paths mid-run.
+
+The head is opaque to torch.compile (`torch.compiler.disable`): a compiled model breaks its graph once,
+here, and runs the loss as its own implementation (Triton kernels, or the loss's own compiled
+chunks) instead of dynamo tracing into the Triton launcher and its helpers.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class LMHead(nn.Module):
         implementation = self._implementation or resolve_implementation(self.monolithic, device)
         return describe_implementation(self.monolithic, implementation, device)
 
+    @torch.compiler.disable
     def forward(
         self,
         hidden: torch.Tensor,

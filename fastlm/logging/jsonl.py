@@ -22,8 +22,10 @@ class JsonlSink:
         self.path = path
         self._file = path.open("a", encoding="utf-8")
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, "time": time.time(), **{k: _plain(float(v)) for k, v in metrics.items()}}
+    def log(self, step: int, metrics: dict[str, float | list[dict]]) -> None:
+        """A list value (a table's rows) is written as it is; scalar readers skip it."""
+        values = {k: v if isinstance(v, list) else _plain(float(v)) for k, v in metrics.items()}
+        record = {"step": step, "time": time.time(), **values}
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
 

@@ -14,8 +14,11 @@ from fastlm.logging.wandb_sink import WandbSink
 METRICS_FILE = "metrics.jsonl"
 
 
+Rows = list[dict[str, Any]]  # a table value: one dict per row, the same keys in each (e.g. sample completions)
+
+
 class Sink(Protocol):
-    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+    def log(self, step: int, metrics: dict[str, float | Rows]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -51,10 +54,11 @@ class MetricLogger:
         if config.progress:
             self.sinks.append(ProgressLine(total_steps))
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float | Rows]) -> None:
+        """A list value is a table (rows of dicts): JSONL keeps it in the step's record, wandb as a `wandb.Table`."""
         if not metrics:
             return
-        plain = {key: float(value) for key, value in metrics.items()}
+        plain = {key: value if isinstance(value, list) else float(value) for key, value in metrics.items()}
         for sink in self.sinks:
             sink.log(step, plain)
 

@@ -33,6 +33,13 @@ def resolve_mode(config: WandbConfig) -> str:
     return "offline"
 
 
+def _table(rows: list[dict[str, Any]]) -> Any:
+    import wandb
+
+    columns = list(rows[0]) if rows else []
+    return wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in rows])
+
+
 class WandbSink:
     """Logs to a wandb run whose files live under the run directory."""
 
@@ -79,11 +86,13 @@ class WandbSink:
             self._warned = True
         self._run = None
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float | list[dict[str, Any]]]) -> None:
+        """A list value (rows of dicts) becomes a `wandb.Table`, as TRL logs its completions."""
         if self._run is None:
             return
         try:
-            self._run.log(dict(metrics), step=step)
+            self._run.log({key: _table(value) if isinstance(value, list) else value for key, value in metrics.items()},
+                          step=step)
         except Exception as error:  # noqa: BLE001
             self._warn("log", error)
 

@@ -8,14 +8,17 @@ GPT-2 = LayerNorm + learned positions + GELU MLP + biases; Llama = RMSNorm + RoP
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from fastlm.layers.attention import Attention, attention_mask
+from fastlm.layers.attention import Attention
 from fastlm.layers.embedding import Embeddings, document_positions
 from fastlm.layers.mlp import GeluMLP, SwiGLUMLP
 from fastlm.layers.norm import build_norm
+from fastlm.layers.packed_attention import AttentionLayout, LayoutKind, attention_layout
 from fastlm.layers.rotary import rotary_angles
 from fastlm.layers.vocab_parallel import gather_vocab, vocab_parallel_loss
 from fastlm.losses.spec import LossNormalizers, LossResult, LossTargets, ProcessGroup
@@ -42,11 +45,20 @@ class DecoderBlock(nn.Module):
         mlp_type = GeluMLP if is_gpt2 else SwiGLUMLP
         self.mlp = mlp_type(config.hidden_size, config.ffn_size)
         self.dropout = nn.Dropout(config.dropout)
+        self.activation_checkpointing = False  # set by DecoderLM.set_activation_checkpointing
 
     def forward(
-        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None, layout: AttentionLayout
     ) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rotary, mask))
+        """With activation checkpointing (and grad on), only x is kept; backward recomputes the block."""
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, rotary, layout, use_reentrant=False)
+        return self._forward(x, rotary, layout)
+
+    def _forward(
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None, layout: AttentionLayout
+    ) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rotary, layout))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -69,6 +81,9 @@ class DecoderLM(nn.Module):
         )
         self.head = LMHead(config.head)
         self.tp_group: ProcessGroup | None = None  # set by fastlm.layers.vocab_parallel.make_vocab_parallel
+        # torch.compile'd views of the blocks (`compile_blocks`): a plain list, so the state dict keeps its keys.
+        self._compiled_blocks: list[nn.Module] | None = None
+        self.attention_kind: LayoutKind | None = None  # force a layout (tests, benchmarks); None: attention_layout picks
         self.init_weights()
 
     @property
@@ -97,20 +112,42 @@ class DecoderLM(nn.Module):
         """Same as `init_weights` (the name torch's meta-device utilities look for)."""
         self.init_weights()
 
+    def compile_blocks(self, backend: str | Callable = "inductor") -> None:
+        """Compile each block for the training forward (torchtitan-style regions: the embedding, the mask
+        build and the LM head stay eager, so dynamo never meets the loss kernels); parameters are shared."""
+        self._compiled_blocks = [torch.compile(block, backend=backend) for block in self.blocks]
+
+    def uncompile_blocks(self) -> None:
+        self._compiled_blocks = None
+
+    @property
+    def blocks_compiled(self) -> bool:
+        return self._compiled_blocks is not None
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Keep only each block's input in the forward and recompute the block in backward (memory for time)."""
+        for block in self.blocks:
+            block.activation_checkpointing = enabled
+
     def hidden_states(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """(B, S) token ids [+ (B, S) document ids of packed rows] -> (B, S, H) after the final norm."""
         _check_inputs(input_ids, document_ids, self.config.vocab_size)
-        seq_len = input_ids.shape[1]
+        batch, seq_len = input_ids.shape
         doc_positions = None if document_ids is None else document_positions(document_ids)
         positions = (
             torch.arange(seq_len, device=input_ids.device)[None] if doc_positions is None else doc_positions
         )
         window = None if self.is_gpt2 else self.config.sliding_window
-        mask = attention_mask(seq_len, doc_positions, window, input_ids.device)
+        dropout_active = self.training and self.config.dropout > 0
+        layout = attention_layout(
+            batch, seq_len, doc_positions, window, input_ids.device, dropout_active, self.attention_kind
+        )
         rotary = None if self.is_gpt2 else rotary_angles(positions, self.config.head_dim, self.config.rope_theta)
         hidden = self.embeddings(input_ids, positions)
-        for block in self.blocks:
-            hidden = block(hidden, rotary, mask)
+        # Compiled blocks serve the training forward only: evaluation and sampling (no grad, other shapes) stay eager.
+        training_forward = self._compiled_blocks is not None and torch.is_grad_enabled()
+        for block in self._compiled_blocks if training_forward else self.blocks:
+            hidden = block(hidden, rotary, layout)
         return self.final_norm(hidden)
 
     def logits(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,12 +173,13 @@ class DecoderLM(nn.Module):
 
 def _check_inputs(input_ids: torch.Tensor, document_ids: torch.Tensor | None, vocab_size: int) -> None:
     """Clear errors for malformed inputs. The id range is checked on CPU only: on GPU it would cost a
-    host sync every step, and an out-of-range id there already fails loudly (device-side assert)."""
+    host sync every step, and an out-of-range id there already fails loudly (device-side assert); under
+    torch.compile it would break the graph, and the CPU embedding raises on a bad id anyway."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
-    if input_ids.device.type == "cpu" and input_ids.numel():
+    if input_ids.device.type == "cpu" and input_ids.numel() and not torch.compiler.is_compiling():
         low, high = int(input_ids.min()), int(input_ids.max())
         if low < 0 or high >= vocab_size:
             raise ValueError(f"input_ids has values in [{low}, {high}] but vocab_size is {vocab_size}")

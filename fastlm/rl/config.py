@@ -52,6 +52,10 @@ class RLConfig(ConfigModel):
     warmup_noise: float = Field(0.0, ge=0.0, lt=1.0, description="Share of demonstrations with a wrong answer.")
     warmup_demonstrations: int = Field(1024, ge=1)
     eval_prompts: int = Field(64, ge=0, description="Fixed prompts decoded greedily for eval/reward; 0 = off.")
+    log_completions: int = Field(
+        4, ge=0, description="Prompts, completions and rewards of the latest rollout logged at each log step "
+        "(a wandb table and a metrics.jsonl record, as TRL's completions table); 0 = off."
+    )
 
     @model_validator(mode="before")
     @classmethod

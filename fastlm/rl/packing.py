@@ -104,7 +104,7 @@ class PolicyBatchLoader(BatchLoader):
     rows: PolicyRows
 
     def next_batch(self) -> Batch:
-        return rows_to_batch(self.rows, torch.tensor([self._next_index() for _ in range(self.batch_size)]))
+        return rows_to_batch(self.rows, torch.tensor([self.next_index() for _ in range(self.batch_size)]))
 
 
 @torch.no_grad()

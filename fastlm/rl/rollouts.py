@@ -89,6 +89,7 @@ class RolloutShard:
 class Rollout:
     samples: list[PolicySample]
     metrics: dict[str, float]  # rollout_metrics names, without the train/ prefix
+    examples: list[dict[str, Any]]  # the first rl.log_completions samples, as text: what a user reads
 
 
 def draw_rollout(
@@ -124,7 +125,12 @@ def draw_rollout(
         PolicySample(prompt, c.tokens, float(a))
         for prompt, c, a in zip(prompts, completions, shard.block(advantages.tolist()))
     ]
-    return Rollout(samples, rollout_metrics(rewards, advantages, lengths, stopped.bool(), group))
+    examples = [
+        {"prompt": problems[i // group].prompt, "completion": completion_text(c, tokenizer), "reward": float(local[i, 0]),
+         "advantage": sample.advantage}
+        for i, (c, sample) in enumerate(zip(completions[: config.log_completions], samples))
+    ]
+    return Rollout(samples, rollout_metrics(rewards, advantages, lengths, stopped.bool(), group), examples)
 
 
 @torch.no_grad()
@@ -189,6 +195,7 @@ class RolloutLoader:
         self.position = 0
         self.rollouts = 0
         self.metrics: dict[str, float] = {}
+        self.examples: list[dict[str, Any]] = []  # the latest rollout's, for the completions table
         self.rewards: list[float] = []  # mean reward of every rollout, in order
 
     @property
@@ -213,6 +220,7 @@ class RolloutLoader:
             )
         self.batches, self.position = batches, 0
         self.metrics = rollout.metrics
+        self.examples = rollout.examples
         self.rewards.append(rollout.metrics["reward"])
         self.rollouts += 1
 

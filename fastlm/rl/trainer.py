@@ -42,6 +42,7 @@ from fastlm.rl.sampler import SamplingOptions
 
 
 SUMMARY_WINDOW = 3  # rollouts averaged at each end of the run for the reward summary
+COMPLETIONS_KEY = "train/completions_table"  # rollout, prompt, completion, reward, advantage per row
 
 
 @dataclass
@@ -90,6 +91,7 @@ class RLTrainer(Trainer):
             task = build_task(self.rl.task)
             self.eval_problems = [task.sample(rng) for _ in range(self.rl.eval_prompts)]
         self.eval_rewards: list[tuple[int, float]] = []
+        self.logged_rollout = 0  # the last rollout whose completions table was logged
 
     def build_loaders(self, tokenizer: Tokenizer) -> tuple[RolloutLoader | PolicyBatchLoader | RankShardLoader, None]:
         self.reference = self._reference()
@@ -141,14 +143,17 @@ class RLTrainer(Trainer):
         every, steps = self.config.trainer.eval_every, self.config.trainer.steps
         return bool(self.eval_problems) and bool(every) and (self.step % every == 0 or self.step == steps)
 
-    def _log_record(self, result: StepResult, tokens_per_second: float) -> dict[str, float]:
-        record = super()._log_record(result, tokens_per_second)
+    def _log_record(self, result: StepResult, tokens_per_second: float) -> dict[str, Any]:
+        record: dict[str, Any] = super()._log_record(result, tokens_per_second)
         warmup = self.step <= self.rl.warmup_steps and not self.offline  # the step just taken
         record["train/rl/warmup"] = float(warmup)
         loader = self.train_loader
         if isinstance(loader, RolloutLoader) and loader.metrics and not warmup:
             record.update({f"train/{name}": value for name, value in loader.metrics.items()})
             record["train/rl/rollouts"] = float(loader.rollouts)
+            if loader.rollouts != self.logged_rollout:  # each rollout's sample completions once (a table)
+                record[COMPLETIONS_KEY] = [{"rollout": loader.rollouts, **row} for row in loader.examples]
+                self.logged_rollout = loader.rollouts
         if self._eval_due():
             scores = evaluate_greedy(self.model, loader.task, self.eval_problems, self.options,
                                      self.rl.format_reward, self.tokenizer, self.amp_dtype)

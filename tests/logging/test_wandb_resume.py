@@ -47,9 +47,13 @@ def test_resume_continues_the_wandb_run_and_a_finished_run_is_left_alone(
     assert ids == [first_id, first_id], "the resume must log to the same wandb run id"
     assert load_latest_checkpoint(run_dir / "checkpoints").trainer_state["wandb_run_id"] == first_id
 
-    before = {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")}
+    # wandb's service may still append to its own logs of the finished runs: compare paths, and our files' bytes.
+    paths, metrics = set(run_dir.rglob("*")), (run_dir / "metrics.jsonl").read_bytes()
+    checkpoints = {p: p.read_bytes() for p in (run_dir / "checkpoints").rglob("*") if p.is_file()}
     assert main(["train", str(config_file), "--resume"]) == 0
     err = capsys.readouterr().err
     print(err)
     assert "run already finished" in err and "step 4" in err
-    assert {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")} == before, "nothing created or touched"
+    assert set(run_dir.rglob("*")) == paths, "nothing created (no new wandb run)"
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+    assert {p: p.read_bytes() for p in (run_dir / "checkpoints").rglob("*") if p.is_file()} == checkpoints

@@ -1,4 +1,8 @@
-"""Attention against a naive float64 softmax(QK^T/sqrt(d) + mask)V, masks against loops, GQA against MHA."""
+"""Attention against a naive float64 softmax(QK^T/sqrt(d) + mask)V, masks against loops, GQA against MHA.
+
+Every layout (SDPA causal, SDPA dense mask, FlexAttention block mask; the latter through its unfused
+CPU kernel, which runs float64) is checked against the same naive formula.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,9 @@ import math
 import pytest
 import torch
 
-from fastlm.layers.attention import Attention, attend, attention_mask
+from fastlm.layers.attention import Attention, attention_mask
 from fastlm.layers.embedding import document_positions
+from fastlm.layers.packed_attention import attention_layout
 from model_helpers import relative_error
 
 DOCS = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 3, 3]])
@@ -53,12 +58,20 @@ def test_attention_mask_matches_loop(with_docs: bool, window: int | None) -> Non
     assert torch.equal(mask.expand(naive_mask(docs, seq_len, window).shape), naive_mask(docs, seq_len, window))
 
 
+LAYOUT_CASES = [
+    ("causal", "causal"),
+    ("dense", "documents"), ("dense", "window"), ("dense", "documents+window"),
+    ("flex", "causal"), ("flex", "documents"), ("flex", "window"), ("flex", "documents+window"),
+]
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
-@pytest.mark.parametrize("case", ["causal", "documents", "window", "documents+window"])
-def test_attend_matches_naive_float64(kv_heads: int, case: str, dtype: torch.dtype) -> None:
-    """The SDPA paths (is_causal + enable_gqa, or mask + repeated kv) in float64 and float32 against
-    the naive formula in float64, forward and gradients."""
+@pytest.mark.parametrize(("kind", "case"), LAYOUT_CASES)
+def test_layouts_match_naive_float64(kind: str, kv_heads: int, case: str, dtype: torch.dtype) -> None:
+    """Each layout (SDPA is_causal + enable_gqa, SDPA dense mask + enable_gqa, FlexAttention block mask
+    + enable_gqa) in float64 and float32 against the naive formula in float64, forward and gradients.
+    FlexAttention has no CPU backward: its gradients are checked on CUDA (tests/models/test_packed_attention_cuda.py)."""
     torch.manual_seed(kv_heads)
     batch, heads, seq_len, dim = 2, 4, DOCS.shape[1], 8
     q = torch.randn(batch, heads, seq_len, dim, dtype=torch.float64, requires_grad=True)
@@ -67,17 +80,19 @@ def test_attend_matches_naive_float64(kv_heads: int, case: str, dtype: torch.dty
     docs = DOCS if "documents" in case else None
     window = 4 if "window" in case else None
     positions = None if docs is None else document_positions(docs)
-    mask = attention_mask(seq_len, positions, window, q.device)
+    layout = attention_layout(batch, seq_len, positions, window, q.device, kind=kind)
     weight = torch.randn(batch, heads, seq_len, dim, dtype=torch.float64)
 
-    inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    out = attend(*inputs, mask)
-    grads = torch.autograd.grad((out * weight.to(dtype)).sum(), inputs)
+    with_grad = kind != "flex"
+    inputs = [t.detach().to(dtype).requires_grad_(with_grad) for t in (q, k, v)]
+    out = layout.attend(*inputs)
     ref = naive_attention(q, k, v, naive_mask(docs, seq_len, window))
-    ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
-
-    errors = [relative_error(out, ref)] + [relative_error(g, r) for g, r in zip(grads, ref_grads)]
-    print(f"attend {case} kv_heads={kv_heads} {dtype}: rel err out/dq/dk/dv = {['%.2e' % e for e in errors]}")
+    errors = [relative_error(out, ref)]
+    if with_grad:
+        grads = torch.autograd.grad((out * weight.to(dtype)).sum(), inputs)
+        ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
+        errors += [relative_error(g, r) for g, r in zip(grads, ref_grads)]
+    print(f"{kind} {case} kv_heads={kv_heads} {dtype}: rel err out[/dq/dk/dv] = {['%.2e' % e for e in errors]}")
     assert max(errors) < (1e-12 if dtype == torch.float64 else 1e-5)
 
 
@@ -101,8 +116,8 @@ def test_gqa_equals_mha_with_repeated_kv_heads(with_docs: bool) -> None:
         mha.out_proj.weight.copy_(gqa.out_proj.weight)
     x = torch.randn(2, DOCS.shape[1], hidden, dtype=torch.float64)
     positions = document_positions(DOCS) if with_docs else None
-    mask = attention_mask(DOCS.shape[1], positions, None, x.device)
-    error = relative_error(gqa(x, None, mask), mha(x, None, mask))
+    layout = attention_layout(2, DOCS.shape[1], positions, None, x.device)
+    error = relative_error(gqa(x, None, layout), mha(x, None, layout))
     print(f"GQA vs repeated-kv MHA (documents={with_docs}): rel err {error:.2e}")
     assert error < 1e-12
 
@@ -110,3 +125,20 @@ def test_gqa_equals_mha_with_repeated_kv_heads(with_docs: bool) -> None:
 def test_attention_rejects_heads_not_divisible() -> None:
     with pytest.raises(ValueError, match="num_kv_heads"):
         Attention(32, 4, 3, qkv_bias=False, out_bias=False, dropout=0.0)
+
+
+def test_causal_layout_rejects_masks() -> None:
+    with pytest.raises(ValueError, match="causal layout"):
+        attention_layout(2, DOCS.shape[1], document_positions(DOCS), None, torch.device("cpu"), kind="causal")
+
+
+def test_layout_choice() -> None:
+    """Plain causal rows take flash-capable is_causal; masked rows on CPU the dense mask; dropout never flex."""
+    cpu, positions = torch.device("cpu"), document_positions(DOCS)
+    assert attention_layout(2, 12, None, None, cpu).kind == "causal"
+    assert attention_layout(2, 12, positions, None, cpu).kind == "dense"
+    assert attention_layout(2, 12, None, 4, cpu).kind == "dense"
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        assert attention_layout(2, 12, positions.cuda(), 4, cuda).kind == "flex"
+        assert attention_layout(2, 12, positions.cuda(), None, cuda, dropout_active=True).kind == "dense"

@@ -1,0 +1,155 @@
+"""`fastlm generate RUN_DIR|CHECKPOINT --prompt TEXT`: what a trained model writes, with the run's tokenizer.
+
+The model, its head's logit transform and the sampling defaults come from the checkpoint's own config
+(the `rl:` section's temperature, top_p and max_new_tokens where the run has one); flags override them.
+Sampling is the trainer's sampler (the one rollouts use), so a completion here is one a rollout could draw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pydantic import ValidationError
+
+from fastlm.config.errors import ConfigError
+from fastlm.config.schema import RunConfig
+from fastlm.data.datasets import DataError, jsonl_records
+from fastlm.data.tokenizer import Tokenizer
+from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, CheckpointError
+from fastlm.data.chat import encode_chat_prompt
+from fastlm.engine.preflight import resolve_step_dir
+from fastlm.engine.runtime import autocast_dtype, select_device
+from fastlm.models.decoder import DecoderLM, build_model
+from fastlm.rl.sampler import SamplingOptions, sample_completions
+
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", help="a run directory, its checkpoints/ dir, a step-* dir, or a `convert --to` folder")
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    parser.add_argument("--prompts-file", type=Path, help="one prompt per line, or JSONL with a 'prompt' field (*.jsonl)")
+    parser.add_argument("--max-new-tokens", type=int, help=f"default: the run's rl.max_new_tokens, else {DEFAULT_MAX_NEW_TOKENS}")
+    parser.add_argument("--temperature", type=float, help="0 = greedy; default: the run's rl.temperature, else 1.0")
+    parser.add_argument("--top-p", type=float, help="nucleus mass; default: the run's rl.top_p, else 1.0")
+    parser.add_argument("--seed", type=int, help="sampling seed; default: the run's run.seed")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--jsonl", action="store_true", help="print one JSON object per completion")
+    parser.add_argument("--chat", action="store_true", help="send each prompt as a user message through the "
+                        "tokenizer's chat template (for models fine-tuned on chat data)")
+
+
+@dataclass
+class LoadedModel:
+    model: DecoderLM
+    tokenizer: Tokenizer  # the run's, as training built it
+    run: RunConfig | None  # the run config stored with the checkpoint (None for a `convert --to` folder)
+    origin: Path
+
+
+def load_model(source: Path, device: torch.device) -> LoadedModel:
+    """The newest checkpoint's (or a `convert --to` folder's) model with its weights, in eval mode."""
+    from fastlm.models.hf import load_fastlm
+
+    if source.is_file() and source.name == LATEST_FILE:
+        source = source.parent
+    if not source.exists():
+        raise CheckpointError(f"{source}: no such run directory or checkpoint")
+    step_dir = resolve_step_dir(source)
+    run = None
+    if step_dir is not None:
+        stored = json.loads((step_dir / MANIFEST_FILE).read_text(encoding="utf-8")).get("config", {})
+        try:
+            run = RunConfig.model_validate(stored)
+        except ValidationError:  # an older config layout: the model section alone still loads
+            run = None
+    model_config, state, tokenizer = load_fastlm(step_dir or source)
+    model = build_model(model_config, device="cpu")
+    model.load_state_dict(state)
+    return LoadedModel(model.to(device).eval(), tokenizer, run, step_dir or source)
+
+
+def read_prompts(texts: list[str], file: Path | None) -> list[str]:
+    prompts = list(texts)
+    if file is not None:
+        if not file.is_file():
+            raise DataError(f"{file}: prompts file not found")
+        if file.suffix == ".jsonl":
+            for line, record in jsonl_records(file):
+                if not isinstance(record.get("prompt"), str):
+                    raise DataError(f"{file} line {line}: needs a string field 'prompt' (keys: {sorted(record)})")
+                prompts.append(record["prompt"])
+        else:
+            prompts += [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise DataError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
+    return prompts
+
+
+def sampling_options(args: argparse.Namespace, loaded: LoadedModel, tokenizer: Tokenizer) -> SamplingOptions:
+    """Flags, else the run's rl section, else plain sampling; the head's transform from the model config;
+    stop at the tokenizer's EOS."""
+    rl = loaded.run.rl if loaded.run is not None else None
+    head = loaded.model.config.head
+
+    def pick(flag: float | int | None, field: str, default: float | int) -> float | int:
+        return flag if flag is not None else getattr(rl, field) if rl is not None else default
+
+    return SamplingOptions(
+        max_new_tokens=int(pick(args.max_new_tokens, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS)),
+        stop_token=tokenizer.eos_id,
+        pad_token=tokenizer.pad_id,
+        temperature=float(pick(args.temperature, "temperature", 1.0)),
+        top_p=float(pick(args.top_p, "top_p", 1.0)),
+        logit_scale=head.logit_scale,
+        softcap=head.softcap,
+    )
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    try:
+        prompts = read_prompts(args.prompt, args.prompts_file)
+        device = select_device_for(args.device)
+        loaded = load_model(Path(args.source), device)
+        tokenizer = loaded.tokenizer
+        options = sampling_options(args, loaded, tokenizer)
+        seed = args.seed if args.seed is not None else loaded.run.run.seed if loaded.run is not None else 0
+        encoded = [encode_chat_prompt(tokenizer, [{"role": "user", "content": prompt}]) if args.chat
+                   else tokenizer.encode(prompt, bos=True) for prompt in prompts]
+        room = loaded.model.config.max_seq_len - max(len(p) for p in encoded)
+        if room < 1:
+            raise DataError(f"the longest prompt is {max(len(p) for p in encoded)} tokens, and the model's "
+                            f"max_seq_len is {loaded.model.config.max_seq_len}: shorten it")
+        if options.max_new_tokens > room:
+            options = dataclasses.replace(options, max_new_tokens=room)
+        amp = autocast_dtype(loaded.run.trainer, device) if loaded.run is not None else None
+        completions = sample_completions(loaded.model, encoded, options, torch.Generator().manual_seed(seed), amp)
+    except (ConfigError, DataError, CheckpointError, ValueError) as error:
+        print(error.render() if isinstance(error, ConfigError) else f"fastlm: {error}", file=sys.stderr)
+        return 2
+    print(f"# {loaded.origin}: temperature {options.temperature:g}, top_p {options.top_p:g}, "
+          f"max_new_tokens {options.max_new_tokens}, seed {seed}", file=sys.stderr)
+    for index, (prompt, completion) in enumerate(zip(prompts, completions), start=1):
+        body = completion.tokens[:-1] if completion.stopped else completion.tokens
+        text = tokenizer.decode(body)
+        if args.jsonl:
+            print(json.dumps({"prompt": prompt, "completion": text, "stopped": completion.stopped}))
+        else:
+            ending = "" if completion.stopped else " [no stop token: max_new_tokens reached]"
+            print(f"--- {index}: {prompt!r}{ending}\n{prompt}{text}")
+    return 0
+
+
+def select_device_for(name: str) -> torch.device:
+    from fastlm.engine.config import TrainerConfig
+
+    try:
+        return select_device(TrainerConfig(device=name))
+    except RuntimeError as error:
+        raise ConfigError(str(error)) from None
