@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from fastlm.config.errors import ConfigError
-from fastlm.config.loader import load_config
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.loader import load_config
+from fastlm.run_config.schema import RunConfig
 from fastlm.engine.distill import DistillationTrainer
 from fastlm.engine.select import trainer_class_for
 from fastlm.engine.trainer import Trainer

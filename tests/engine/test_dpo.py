@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastlm.config.checks import cross_check
+from fastlm.run_config.checks import cross_check
 from fastlm.config.errors import ConfigError
-from fastlm.config.loader import load_config
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.loader import load_config
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.config import PreferencesJsonlSource
 from fastlm.data.datasets import DataError
 from fastlm.data.preferences import PreferenceBatch, pack_pairs, read_preference_jsonl

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fastlm.config.loader import load_config
+from fastlm.run_config.loader import load_config
 from fastlm.data.tasks import AdditionTask, Problem, score
 from fastlm.logging.jsonl import read_metrics
 from wandb_reader import read_wandb_run

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fastlm.config.loader import load_config
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.loader import load_config
+from fastlm.run_config.schema import RunConfig
 from fastlm.engine.select import trainer_class_for
 from fastlm.logging.jsonl import read_metrics
 from wandb_reader import read_wandb_run
