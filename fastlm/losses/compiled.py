@@ -240,9 +240,7 @@ def _compiled_loss(
     if teacher is not None:
         teacher_lse = table[:, 1] + torch.log(sums[:, 3])
         student_lse = table[:, 0] * inv_s + torch.log(sums[:, 5])  # of x / T_s
-        mean_gap = sums[:, 4] / (sums[:, 5] if reverse else sums[:, 3])  # E_ps[x_s - u] or E_q[u - x_s]
-        kl = mean_gap - student_lse + teacher_lse if reverse else mean_gap - teacher_lse + student_lse
-        token_stats["teacher_kl"], token_stats["teacher_gap"] = kl, mean_gap
+        token_stats.update(distill.token_stats(student_lse, teacher_lse, sums[:, 4], sums[:, 5], sums[:, 3]))
     out = tail(token_stats, mask, targets, normalizers, spec, grad_scale)
     result = assemble_result(spec, out.losses, out.metrics)
     if not compute_grad:

@@ -65,6 +65,20 @@ class Distillation(LossChild):
         """T^2 with a tempered student (keeps the gradient's scale independent of T), else 1."""
         return self.temperature**2 if self.tempered_student else 1.0
 
+    def token_stats(
+        self, student_lse: torch.Tensor, teacher_lse: torch.Tensor, cross: torch.Tensor, student_sum: torch.Tensor,
+        teacher_sum: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """The KL per token and its mean gap from a vocab pass's mergeable sums (compiled chunks, or the
+        kernel's shards merged over tensor parallelism): `cross` = sum_j e_s,j (x_s,j - u_j) (reverse)
+        or sum_j e_q,j (u_j - x_s,j) (forward), with e_s, e_q the unnormalised student and teacher
+        softmax terms of sums `student_sum`, `teacher_sum` and log-partitions `student_lse`, `teacher_lse`."""
+        if self.reverse:
+            gap = cross / student_sum  # E_ps[x_s - u]
+            return {"teacher_kl": gap - student_lse + teacher_lse, "teacher_gap": gap}
+        gap = cross / teacher_sum  # E_q[u - x_s]
+        return {"teacher_kl": gap - teacher_lse + student_lse, "teacher_gap": gap}
+
     def kernel_supported(self) -> bool:
         return self.student_inv_temperature == 1.0
 

@@ -296,9 +296,7 @@ def _reduce_stats(launch: _Launch, group: ProcessGroup | None) -> tuple[dict[str
     if distill is None:
         return stats, None
     teacher_lse = maxima[1] + torch.log(sums[3])
-    mean_gap = sums[4] / (sums[0] if distill.reverse else sums[3])  # E_p[x - u] or E_q[u - x]
-    stats["teacher_kl"] = mean_gap - lse + teacher_lse if distill.reverse else mean_gap - teacher_lse + lse
-    stats["teacher_gap"] = mean_gap
+    stats.update(distill.token_stats(lse, teacher_lse, sums[4], sums[0], sums[3]))
     return stats, teacher_lse
 
 
