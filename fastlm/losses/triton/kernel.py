@@ -1,5 +1,5 @@
-"""The one Triton kernel of the monolithic loss: label-based children (CE, z-loss, GRPO; GSPO through
-load mode) and distillation, in one vocab loop.
+"""The one Triton kernel of the monolithic loss: label-based children (CE, z-loss, GRPO, CISPO; GSPO
+through load mode) and distillation, in one vocab loop; each child has a constexpr slot (ROW_<KIND>).
 
 Every label-based child has a gradient of the form `prob_coeff * p_j - label_coeff * d_jy`, so one
 loss-agnostic gradient loop serves them all (see shared/design/losses.md, "Superposition").
@@ -24,19 +24,20 @@ pass walks backwards with evict-first loads so the re-read mostly hits L2. The g
 out the label term; the label element is rewritten once at the end (after a barrier, from a logit
 read before any store, so in-place gradients are safe). Three constexpr modes share the body:
 
-- `MODE_FUSED`: online softmax stats, in-kernel coefficients (CE, z, GRPO, distillation), gradient;
-  writes every per-token term the losses and metrics need into one (K, T) fp32 buffer, already
-  scaled by 1/tokens, so the whole loss tail is one sum over T (`coefficients.fused_layout` gives the
-  rows: each present child's loss then its metrics, the weighted total, then the unscaled
-  value-check counts of validation.py: label out of range, unmasked, non-finite old_logp /
-  advantage). Out-of-range labels read no logit (masked load) and only raise that count. With GSPO
-  it runs without the gradient and also writes GSPO's token metrics and the per-token state the seam
-  and the grad launch need (lse, new_logp, both coefficients, old_logp, advantage, teacher lse).
+- `MODE_FUSED`: online softmax stats, in-kernel coefficients (the children's slots: CE, z, GRPO and
+  CISPO with their loss_type weight, beta and entropy terms, distillation), gradient; writes every
+  per-token term the losses and metrics need into one (K, T) fp32 buffer, already scaled, so the
+  whole loss tail is one sum over T (`coefficients.fused_layout` gives the rows: each child's
+  `fused_keys`, the weighted total, then the unscaled value-check counts of validation.py: label out
+  of range, unmasked, non-finite old_logp / advantage). Out-of-range labels read no logit (masked
+  load) and only raise that count. With a per-document child (GSPO) it runs without the gradient and
+  also writes the per-token state its tail and the grad launch need (coefficients.STATE_ROWS).
 - `MODE_STATS`: stats only, as mergeable pieces (max, sum-exp, label logit, shifted x-moment; teacher
   max, teacher sum-exp, cross sum) so a vocab-parallel group can all-reduce them; writes the label
   logit only where the label is in shard.
-- `MODE_GRAD`: loads lse, both coefficients (and the teacher lse) per token, computed in torch (or
-  by a fused launch plus the GSPO seam), and writes the gradient.
+- `MODE_GRAD`: loads lse, both coefficients (the entropy coefficient with X_TERM, the teacher lse
+  with a teacher) per token, computed in torch (or by a fused launch plus a per-document child's
+  tail), and writes the gradient.
 
 Masked rows (label -100) branch around the work and write a zero gradient; no early return.
 """
