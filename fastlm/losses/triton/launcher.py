@@ -1,16 +1,17 @@
 """Launch the fused loss kernel: argument assembly, the three modes, the TP all-reduce.
 
-- no tensor parallelism, no GSPO: one fused forward+backward launch (coefficients, distillation
-  included, in-kernel);
+- no tensor parallelism, no per-document child: one fused forward+backward launch (every child's
+  coefficients in-kernel);
 - tensor parallelism (`group`): stats launch, all-reduce of the mergeable pieces (student and
-  teacher), coefficients in torch (`coefficients.label_children` plus the distillation part here),
-  grad launch;
-- GSPO without tensor parallelism: the fused launch without the gradient (which also writes the
-  per-token state), the sync-free GSPO seam on that state, then the grad launch.
-The fused launch writes every per-token loss/metric term into one buffer laid out by
-`coefficients.fused_layout` (same keys as `label_children`, which the tensor-parallel case uses), so
-its whole tail is one row-sum launch (`row_sums_kernel`). The distillation loss is the token sum of
-the per-token KL over the step's token count.
+  teacher), every child's tail in torch (`coefficients.tail`), grad launch;
+- a per-document child (GSPO) without tensor parallelism: the fused launch without the gradient
+  (which also writes the per-token state), that child's tail on the state (the sync-free seam), then
+  the grad launch.
+Argument assembly asks the children (`kernel_arguments`, cached per spec in `_slot_arguments`;
+`kernel_tensors` per call), never branches on a kind. The fused launch writes every per-token
+loss/metric term into one buffer laid out by `coefficients.fused_layout` (the same keys as the
+children's tails), so its whole tail is one row-sum launch (`row_sums_kernel`);
+`spec.assemble_result` builds the result of every mode.
 
 Validation: host checks before any launch; the value checks (validation.py) are counted on the device
 (by the fused kernel itself, else (tensor parallel) by `value_flags`) and read back once, after
