@@ -84,6 +84,12 @@ class MemmapSource(ConfigModel):
     type: Literal["memmap"] = "memmap"
     path: str
 
+    def data_files(self) -> list[str]:
+        """The files training reads (the checkpoint's data fingerprint hashes them)."""
+        from fastlm.data.prepared import prepared_files
+
+        return prepared_files(self.path)
+
 
 class BlendEntry(ConfigModel):
     path: str = Field(description="A directory written by `fastlm prepare`.")
@@ -95,6 +101,12 @@ class BlendSource(ConfigModel):
 
     type: Literal["blend"] = "blend"
     sources: list[BlendEntry] = Field(min_length=1)
+
+    def data_files(self) -> list[str]:
+        """The files training reads, source by source (the checkpoint's data fingerprint hashes them)."""
+        from fastlm.data.prepared import prepared_files
+
+        return [file for entry in self.sources for file in prepared_files(entry.path)]
 
 
 PREPARED_SOURCE_TYPES: frozenset[str] = frozenset({"memmap", "blend"})

@@ -99,6 +99,11 @@ class HuggingFaceTokenizer:
         head = [self.bos_id] if bos and self.bos_id is not None else []
         return head + ids + ([self.eos_id] if eos else [])
 
+    def encode_batch(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
+        head = [self.bos_id] if bos and self.bos_id is not None else []
+        tail = [self.eos_id] if eos else []
+        return [head + ids + tail for ids in self.backend(list(texts), add_special_tokens=False)["input_ids"]]
+
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 

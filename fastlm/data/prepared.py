@@ -30,6 +30,13 @@ VERSION = 1
 TOKENS_FILE, OFFSETS_FILE, TARGETS_FILE, METADATA_FILE = "tokens.bin", "documents.npy", "targets.bin", "metadata.json"
 
 
+def prepared_files(path: str | Path) -> list[str]:
+    """The files of a prepared directory that exist, metadata first (targets.bin only when written)."""
+    directory = Path(path)
+    names = (METADATA_FILE, TOKENS_FILE, OFFSETS_FILE, TARGETS_FILE)
+    return [str(directory / name) for name in names if (directory / name).is_file()]
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 

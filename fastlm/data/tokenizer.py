@@ -48,6 +48,10 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]: ...
 
+    def encode_batch(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
+        """`encode` of each text, in one call (a Hugging Face tokenizer encodes a batch in Rust)."""
+        ...
+
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str: ...
 
     def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str: ...
@@ -78,6 +82,9 @@ class ByteTokenizer:
         """UTF-8 bytes of `text`, optionally framed by BOS/EOS."""
         ids = list(text.encode("utf-8"))
         return ([BOS] if bos else []) + ids + ([EOS] if eos else [])
+
+    def encode_batch(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
+        return [self.encode(text, bos, eos) for text in texts]
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         """Bytes back to text; invalid UTF-8 (e.g. a cut multi-byte char) becomes U+FFFD, never an error."""

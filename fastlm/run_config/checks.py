@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from fastlm.config.errors import ConfigIssue
@@ -26,7 +27,23 @@ def cross_check(config: RunConfig) -> list[ConfigIssue]:
     issues += _frozen_model_checks(config)
     issues += _init_checkpoint_checks(config)
     issues += _rl_checks(config)
+    issues += _output_dir_checks(config)
     return issues
+
+
+def _output_dir_checks(config: RunConfig) -> list[ConfigIssue]:
+    """The run directory (or the nearest folder that exists above it) must be a writable directory:
+    otherwise the first checkpoint or metrics line would fail after the model is built."""
+    directory = Path(config.run.directory).absolute()
+    existing = next(path for path in (directory, *directory.parents) if path.exists() or path == path.parent)
+    if not existing.is_dir():
+        problem = f"{existing} is not a directory" + ("" if existing == directory else f" (so {directory} cannot be made)")
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{existing} is not writable by this user"
+    else:
+        return []
+    return [ConfigIssue("run.output_dir", problem, config.run.output_dir,
+                        hint="choose a run.output_dir in a folder you can write to")]
 
 
 def _rl_checks(config: RunConfig) -> list[ConfigIssue]:

@@ -8,8 +8,8 @@ its greedy `generate` matches fastlm's greedy sampler token for token.
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -18,46 +18,24 @@ import transformers
 import yaml
 
 from fastlm.cli import main
-from fastlm.data.bpe import train_bpe_tokenizer
-from fastlm.data.corpus import generate_documents
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.models.hf import import_hf
 from fastlm.rl.sampler import SamplingOptions, sample_completions
 
 MAX_NEW_TOKENS = 8
-
-
-def _hf_checkpoint(directory: Path, style: str) -> Path:
-    """A random tiny HF model (vocab padded to 512 over the tokenizer's 400) saved with its tokenizer."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        str(train_bpe_tokenizer(generate_documents(400, seed=0), directory, 400, style)), local_files_only=True)
-    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                 pad_token_id=tokenizer.pad_token_id)
-    config = transformers.LlamaConfig(**shape) if style == "llama" else transformers.Qwen2Config(**shape)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(directory))
-    return directory
-
-
-def _chat_jsonl(path: Path, count: int, seed: int) -> list[list[dict[str, str]]]:
-    rng = random.Random(seed)
-    conversations = []
-    for _ in range(count):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        conversations.append([{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)}])
-    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations), encoding="utf-8")
-    return conversations
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "make_tiny_hf.py"
+_spec = importlib.util.spec_from_file_location("make_tiny_hf", TOOL)
+make_tiny_hf = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_tiny_hf)  # type: ignore[union-attr]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("style", ["llama", "qwen2"])
 def test_finetune_export_and_transformers_generate_agree(tmp_path: Path, style: str,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
-    hf = _hf_checkpoint(tmp_path / "hf", style)
-    _chat_jsonl(tmp_path / "chat.jsonl", 400, seed=1)
+    hf = make_tiny_hf.tiny_hf_checkpoint(tmp_path / "hf", style)
+    make_tiny_hf.addition_chat_jsonl(tmp_path / "chat.jsonl", 400, seed=1)
     (tmp_path / "prepare.yaml").write_text(yaml.safe_dump({
         "tokenizer": {"type": "huggingface", "path": "hf"}, "input_path": "chat.jsonl", "output_path": "prepared",
         "messages_field": "messages", "num_proc": 2}))
@@ -124,3 +102,21 @@ def _greedy_agrees(directory: Path, prompts: list[list[int]], tokenizer: Tokeniz
             assert completion.tokens == generated
             outputs.append(tuple(generated))
     return outputs
+
+
+def test_readme_commands_validate_the_shipped_configs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """README's "Fine-tune a Hugging Face model" up to training, on a copy of configs/: the demo model, the
+    model section, `fastlm prepare configs/prepare/chat.yaml`, then `fastlm validate configs/sft_hf.yaml`."""
+    import shutil
+
+    shutil.copytree(TOOL.parents[1] / "configs", tmp_path / "configs")
+    monkeypatch.chdir(tmp_path)
+    make_tiny_hf.tiny_hf_checkpoint(tmp_path / "demo" / "hf-model")
+    make_tiny_hf.addition_chat_jsonl(tmp_path / "demo" / "chat.jsonl", 200, seed=1)
+    assert main(["convert", "--from-hf", "demo/hf-model"]) == 0
+    (tmp_path / "hf_model.yaml").write_text(capsys.readouterr().out)
+    assert main(["prepare", "configs/prepare/chat.yaml"]) == 0
+    assert main(["validate", "configs/sft_hf.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "config OK" in out and "data: " in out and "huggingface:hf-model" in out

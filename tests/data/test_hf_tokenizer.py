@@ -33,6 +33,7 @@ def test_hf_tokenizer_matches_transformers(bpe_dir: Callable[[str], Path], style
         body = reference.encode(text, add_special_tokens=False)
         assert ids == ([tokenizer.bos_id] if style == "llama" else []) + body + [tokenizer.eos_id]
         assert tokenizer.decode(ids) == text
+    assert tokenizer.encode_batch(TEXTS, bos=True, eos=True) == [tokenizer.encode(t, bos=True, eos=True) for t in TEXTS]
     messages = [{"role": "user", "content": "2+3="}, {"role": "assistant", "content": "5"}]
     assert tokenizer.render_chat(messages) == reference.apply_chat_template(messages, tokenize=False)
 

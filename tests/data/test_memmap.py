@@ -105,3 +105,9 @@ def test_a_killed_prepare_leaves_nothing_the_trainer_accepts(tmp_path: Path) -> 
     config = DataConfig.model_validate({"source": {"type": "memmap", "path": str(tmp_path / "out")}})
     with pytest.raises(DataError, match="prepared data set not found; run `fastlm prepare"):
         memmap_loaders(config, 0, ByteTokenizer())
+
+
+def test_prepared_sources_name_their_files_for_the_data_fingerprint(tmp_path: Path) -> None:
+    config = DataConfig.model_validate({"source": _blend(tmp_path)})
+    names = [Path(file).relative_to(tmp_path).as_posix() for file in config.source.data_files()]
+    assert names == ["a/metadata.json", "a/tokens.bin", "a/documents.npy", "b/metadata.json", "b/tokens.bin", "b/documents.npy"]

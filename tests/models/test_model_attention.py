@@ -65,9 +65,13 @@ LAYOUT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
-@pytest.mark.parametrize(("kind", "case"), LAYOUT_CASES)
+@pytest.mark.parametrize(
+    ("kind", "case", "dtype"),
+    # FlexAttention's CPU kernel is the unfused reference: float64 is the informative check there.
+    [(kind, case, dtype) for kind, case in LAYOUT_CASES for dtype in (torch.float64, torch.float32)
+     if kind != "flex" or dtype == torch.float64],
+)
 def test_layouts_match_naive_float64(kind: str, kv_heads: int, case: str, dtype: torch.dtype) -> None:
     """Each layout (SDPA is_causal + enable_gqa, SDPA dense mask + enable_gqa, FlexAttention block mask
     + enable_gqa) in float64 and float32 against the naive formula in float64, forward and gradients.
