@@ -24,9 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fastlm.config.checks import cross_check
+from fastlm.run_config.checks import cross_check
 from fastlm.config.errors import ConfigError
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.data.datasets import DataError
 from fastlm.data.fingerprint import data_fingerprint, describe_change

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from fastlm.cli import main
-from fastlm.config.loader import load_config
+from fastlm.run_config.loader import load_config
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.trainer import Trainer
 

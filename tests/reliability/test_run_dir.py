@@ -19,7 +19,7 @@ import pytest
 from crash_harness import ROOT, finish, run_dir, start, write_config
 
 from fastlm.cli import main
-from fastlm.config.loader import load_config
+from fastlm.run_config.loader import load_config
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.run_dir import LOCK_FILE, RunDirError, RunDirLock
 from fastlm.engine.trainer import Trainer

@@ -15,9 +15,9 @@ from typing import Any, Iterable
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from fastlm.config.checks import cross_check
+from fastlm.run_config.checks import cross_check
 from fastlm.config.errors import _MISSING, ConfigError, ConfigIssue
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.config.yaml_reader import parse_yaml, read_config_file
 from fastlm.models.build import describe_count, num_parameters
 
