@@ -145,7 +145,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.scheduler = build_scheduler(self.optimizer, config.trainer.steps, config.schedule)
         self.train_loader, eval_loader = self.build_loaders(self.tokenizer)
-        self.data_fingerprint = data_fingerprint(config.data.source)  # what this run trains on, for resume checks
+        self.data_fingerprint = data_fingerprint(config.data.source, self.tokenizer.fingerprint)  # for resume checks
         self.eval_set = (
             [eval_loader.next_batch() for _ in range(config.trainer.eval_batches)] if eval_loader is not None else []
         )
