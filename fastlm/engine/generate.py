@@ -18,7 +18,7 @@ import torch
 from pydantic import ValidationError
 
 from fastlm.config.errors import ConfigError
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.datasets import DataError, jsonl_records
 from fastlm.data.tokenizer import Tokenizer
 from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, CheckpointError
