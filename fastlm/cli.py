@@ -8,8 +8,8 @@ import sys
 from typing import Sequence
 
 from fastlm.config.errors import ConfigError
-from fastlm.config.loader import dump_config, load_config
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.loader import dump_config, load_config
+from fastlm.run_config.schema import RunConfig
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:

@@ -81,9 +81,11 @@ def source_files(source: BaseModel) -> list[Path]:
     return files
 
 
-def data_fingerprint(source: BaseModel) -> dict[str, Any]:
-    """The source's config and the fingerprint of every file it reads."""
-    return {"source": source.model_dump(mode="json"), "files": fingerprint_files(source_files(source))}
+def data_fingerprint(source: BaseModel, tokenizer: str | None = None) -> dict[str, Any]:
+    """The source's config, the fingerprint of every file it reads, and the tokenizer's fingerprint
+    (the same text under another tokenizer is other training data)."""
+    return {"source": source.model_dump(mode="json"), "files": fingerprint_files(source_files(source)),
+            "tokenizer": tokenizer}
 
 
 def _without_paths(node: Any) -> Any:
@@ -102,6 +104,8 @@ def describe_change(stored: dict[str, Any], current: dict[str, Any]) -> str | No
     if before != now:
         keys = sorted(key for key in set(before) | set(now) if before.get(key) != now.get(key))
         return "data.source changed: " + ", ".join(f"{key} {before.get(key)!r} -> {now.get(key)!r}" for key in keys)
+    if stored.get("tokenizer") not in (None, current.get("tokenizer")):
+        return f"the tokenizer changed (fingerprint {stored.get('tokenizer')} then, {current.get('tokenizer')} now)"
     old_files = [record for record in stored.get("files", []) if isinstance(record, dict)]
     new_files = current.get("files", [])
     if len(old_files) != len(new_files):

@@ -253,7 +253,7 @@ def load_prepare_config(path: str, overrides: list[str]) -> PrepareConfig:
     from pydantic import ValidationError
 
     from fastlm.config.errors import ConfigError
-    from fastlm.config.loader import _to_issue, load_layers
+    from fastlm.run_config.loader import _to_issue, load_layers
 
     layered = load_layers(path, overrides)
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from fastlm.config.errors import ConfigError
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.datasets import DataError
 from fastlm.engine.checkpoint import CheckpointError
 from fastlm.engine.distributed import run_distributed, torchrun_env

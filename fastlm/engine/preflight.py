@@ -1,6 +1,6 @@
 """Checks of the machine and the files a config names, run before `train` touches the run directory.
 
-`cross_check` (fastlm/config/checks.py) judges the config alone; these look outside it: do the data
+`cross_check` (fastlm/run_config/checks.py) judges the config alone; these look outside it: do the data
 files open, do the init / teacher / reference checkpoints hold loadable weights (headers only, no
 tensor is read), does this machine have the device, kernel and world size the config asks for.
 `fastlm validate`, `train --dry-run` and the trainer all call `preflight_issues`, so validate catches
@@ -19,7 +19,7 @@ from pydantic import TypeAdapter, ValidationError
 from safetensors import safe_open
 
 from fastlm.config.errors import ConfigError, ConfigIssue
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.config import PREPARED_SOURCE_TYPES
 from fastlm.data.prepared import prepared_source_issues
 from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, MODEL_FILE

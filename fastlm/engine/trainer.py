@@ -24,9 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fastlm.config.checks import cross_check
+from fastlm.run_config.checks import cross_check
 from fastlm.config.errors import ConfigError
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.data.datasets import DataError
 from fastlm.data.fingerprint import data_fingerprint, describe_change
@@ -41,6 +41,7 @@ from fastlm.engine.checkpoint import (
     step_dir_name,
 )
 from fastlm.engine.compile import CompileFallback, compile_wanted
+from fastlm.engine.disk_space import ensure_space
 from fastlm.engine.distributed import (
     RankShardLoader,
     build_parallel,
@@ -53,7 +54,6 @@ from fastlm.engine.distributed import (
     sum_over,
 )
 from fastlm.engine.optim import build_optimizer, build_scheduler
-from fastlm.engine.disk_space import ensure_space
 from fastlm.engine.preflight import preflight_issues
 from fastlm.engine.run_dir import FreshStart, RunDirError, RunDirLock
 from fastlm.engine.runtime import autocast, autocast_dtype, rng_state, seed_everything, select_device, set_rng_state
@@ -145,7 +145,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.scheduler = build_scheduler(self.optimizer, config.trainer.steps, config.schedule)
         self.train_loader, eval_loader = self.build_loaders(self.tokenizer)
-        self.data_fingerprint = data_fingerprint(config.data.source)  # what this run trains on, for resume checks
+        self.data_fingerprint = data_fingerprint(config.data.source, self.tokenizer.fingerprint)  # for resume checks
         self.eval_set = (
             [eval_loader.next_batch() for _ in range(config.trainer.eval_batches)] if eval_loader is not None else []
         )

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from fastlm.models.config import GPT2Config, LlamaConfig, ModelConfig
-from fastlm.models.build import num_parameters
+from fastlm.models.build import describe_count, num_parameters
 from fastlm.models.decoder import DecoderLM, build_model
 
 DecoderConfigType = GPT2Config | LlamaConfig
@@ -485,7 +485,8 @@ def check_fits_memory(config: DecoderConfigType, source: str, bytes_per_value: i
     needed = count * bytes_per_value
     available = available_memory()
     if needed > available:
-        raise ConfigError(ConfigIssue("", f"the model has {count:,} parameters: {needed / 2**30:,.1f} GiB as fp32, "
+        raise ConfigError(ConfigIssue("", f"the model has {describe_count(count)} parameters: "
+                                      f"{describe_count(needed // 2**30)} GiB as fp32, "
                                       f"but only {available / 2**30:,.1f} GiB of memory is available", source=source,
                                       hint="check hidden_size / num_hidden_layers / vocab_size in config.json"))
 

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from fastlm.cli import main
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.models.decoder import build_model
 from fastlm.models.hf import export_hf

@@ -60,3 +60,11 @@ def test_large_files_are_sampled_and_the_time_decides(tmp_path: Path, monkeypatc
     os.utime(path, ns=(before["mtime_ns"] + 10**9, before["mtime_ns"] + 10**9))  # touched, content unchanged
     stored, now = {"source": {}, "files": [before]}, {"source": {}, "files": fingerprint.fingerprint_files([path])}
     assert "was modified since (its content is only sampled" in describe_change(stored, now)
+
+
+def test_another_tokenizer_is_other_data(tmp_path: Path) -> None:
+    (tmp_path / "corpus.txt").write_text("one\n\ntwo\n")
+    source = TextSource(path=str(tmp_path / "corpus.txt"))
+    assert describe_change(data_fingerprint(source, "aaaa"), data_fingerprint(source, "aaaa")) is None
+    assert describe_change(data_fingerprint(source, "aaaa"), data_fingerprint(source, "bbbb")) == (
+        "the tokenizer changed (fingerprint aaaa then, bbbb now)")

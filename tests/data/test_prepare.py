@@ -13,7 +13,7 @@ import yaml
 from datasets import Dataset
 
 from fastlm.cli import main
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import batch_from_rows
 from fastlm.data.config import DataConfig, HuggingFaceTokenizerConfig, JsonlSource, MemmapSource
 from fastlm.data.datasets import DataError, load_documents, pack_documents

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from fastlm.cli import main
 from fastlm.config.errors import ConfigError
-from fastlm.config.loader import load_config
+from fastlm.run_config.loader import load_config
 from fastlm.config.yaml_reader import MAX_DEPTH
 
 

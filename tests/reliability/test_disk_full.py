@@ -42,6 +42,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(disk)], check=False, capture_output=True)
 
 
+@pytest.mark.slow
 def test_full_disk_during_a_checkpoint_is_one_line_and_loses_nothing(small_disk: Path, tmp_path: Path) -> None:
     config = write_config(tmp_path, "full", steps=4, checkpoint_every=1, keep=1)
     config.write_text(config.read_text().replace(str(tmp_path / "{name}"), str(small_disk / "{name}")))

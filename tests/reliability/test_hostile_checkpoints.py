@@ -21,9 +21,9 @@ import torch
 from crash_harness import ROOT, write_config
 from safetensors.torch import save_file
 
-from fastlm.config.loader import load_config
+from fastlm.run_config.loader import load_config
 from fastlm.data.datasets import DataError
-from fastlm.engine.checkpoint import CheckpointError, load_latest_checkpoint
+from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
 

@@ -46,7 +46,7 @@ def _fifo_weights(directory: Path) -> None:
 HOSTILE: dict[str, tuple[Callable[[Path], None], str]] = {
     "hidden_size 1e9": (_edit_config(lambda c: {**c, "hidden_size": 1_000_000_000, "num_attention_heads": 1,
                                                  "num_key_value_heads": 1, "head_dim": 1_000_000_000}),
-                        r"parameters: [\d,.]+ GiB as fp32, but only [\d,.]+ GiB of memory is available"),
+                        r"parameters: .+ GiB as fp32, but only [\d,.]+ GiB of memory is available"),
     "100,000 layers of width 4096": (_edit_config(lambda c: {**c, "hidden_size": 4096, "num_attention_heads": 32,
                                                              "num_key_value_heads": 32, "head_dim": 128,
                                                              "intermediate_size": 11008,

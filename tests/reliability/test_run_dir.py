@@ -19,7 +19,7 @@ import pytest
 from crash_harness import ROOT, finish, run_dir, start, write_config
 
 from fastlm.cli import main
-from fastlm.config.loader import load_config
+from fastlm.run_config.loader import load_config
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.run_dir import LOCK_FILE, RunDirError, RunDirLock
 from fastlm.engine.trainer import Trainer
@@ -41,6 +41,7 @@ def _wait_for_records(path: Path, count: int, process: subprocess.Popen, timeout
     raise AssertionError(f"no {count} records in {path} after {timeout} s")
 
 
+@pytest.mark.slow
 def test_second_writer_is_refused_and_deletes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """train, --resume and run.overwrite=true while another process trains there: each exits 1 naming
     the holder's pid and host; the holder finishes with every step logged once and its checkpoints intact."""

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from fastlm.config.errors import ConfigIssue
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.config import PREFERENCE_SOURCE_TYPES
 from fastlm.data.tokenizer import TokenizerError, build_tokenizer
 from fastlm.losses.children.policy import PolicyConfig

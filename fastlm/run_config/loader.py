@@ -15,11 +15,11 @@ from typing import Any, Iterable
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from fastlm.config.checks import cross_check
+from fastlm.run_config.checks import cross_check
 from fastlm.config.errors import _MISSING, ConfigError, ConfigIssue
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.config.yaml_reader import parse_yaml, read_config_file
-from fastlm.models.build import num_parameters
+from fastlm.models.build import describe_count, num_parameters
 
 BASE_KEY = "base"
 DEFAULT_SOURCE = "defaults"
@@ -214,7 +214,8 @@ def _size_issues(config: RunConfig) -> list[ConfigIssue]:
     count = num_parameters(config.model)
     if count < MAX_PARAMETERS:
         return []
-    return [ConfigIssue("model", f"{count:.3e} parameters is more than a tensor can address ({MAX_PARAMETERS:.3e})",
+    return [ConfigIssue("model", f"{describe_count(count)} parameters is more than a tensor can address "
+                        f"({describe_count(MAX_PARAMETERS)})",
                         hint="lower model.hidden_size, model.vocab_size, model.intermediate_size or model.num_layers")]
 
 
