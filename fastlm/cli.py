@@ -8,8 +8,8 @@ import sys
 from typing import Sequence
 
 from fastlm.config.errors import ConfigError
-from fastlm.config.loader import dump_config, load_config
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.loader import dump_config, load_config
+from fastlm.run_config.schema import RunConfig
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,7 +100,7 @@ def describe_data(config: RunConfig) -> str:
         batched = data.model_copy(update={"micro_batch_size": batch_rows})
         loaders = build_loaders(batched, config.run.seed, tokenizer)
         train, evaluation = loaders[0].rows, loaders[1].rows if loaders[1] is not None else None
-    check_batch_fits(train, evaluation, batch_rows, evaluated=bool(trainer.eval_every))
+    check_batch_fits(train, evaluation, batch_rows, trainer.eval_batches * batch_rows if trainer.eval_every else 0)
     summary = summarize(train, evaluation, data.seq_len, batch_rows, trainer.grad_accumulation, trainer.steps,
                         tokenizer.pad_id, tokenizer.bos_id)
     return summary.describe()

@@ -29,7 +29,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastlm.config.schema import RunConfig  # noqa: E402 - after the path fix
+from fastlm.run_config.schema import RunConfig  # noqa: E402 - after the path fix
 from fastlm.engine.compile import CompileFallback  # noqa: E402
 from fastlm.engine.optim import build_optimizer  # noqa: E402
 from fastlm.engine.runtime import autocast  # noqa: E402

@@ -1,5 +1,4 @@
-"""Layered, typed configuration. Entry point: `fastlm.config.loader.load_config(path, overrides)`.
-
-This package init stays import-free so section configs elsewhere can import `fastlm.config.base`
-without pulling in the root schema (which imports them).
+"""The ground floor of configuration: `base.ConfigModel` and the error types (`errors`), imported by
+every package's section config. It imports no package of fastlm; the root schema that composes the
+sections, the YAML loader and the cross-section checks live above them, in `fastlm.run_config`.
 """

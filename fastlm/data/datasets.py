@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Iterator
@@ -74,21 +73,39 @@ def _prompt_document(tokenizer: Tokenizer, prompt: str, completion: str, origin:
     return Document(head + tail, [False] * len(head) + [True] * len(tail), origin)
 
 
-def _read_text(path: Path) -> str:
+def read_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line with its newline) of a UTF-8 file, streamed: memory holds one line at a time.
+    Invalid UTF-8 is a `DataError` naming the line and byte."""
     if not path.is_file():
         raise DataError(f"{path}: data file not found")
-    raw = path.read_bytes()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = raw.count(b"\n", 0, error.start) + 1
-        raise DataError(f"{path} line {line}: not valid UTF-8 at byte {error.start}") from error
+    offset = 0
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(f"{path} line {number}: not valid UTF-8 at byte {offset + error.start}") from None
+            offset += len(raw)
+
+
+def _paragraphs(path: Path) -> Iterator[tuple[int, str]]:
+    """(first line, text) of every blank-line-separated document, streamed."""
+    lines: list[str] = []
+    first = 0
+    for number, line in read_lines(path):
+        if line.strip():
+            first = first or number
+            lines.append(line)
+        elif lines:
+            yield first, "".join(lines).strip()
+            lines, first = [], 0
+    if lines:
+        yield first, "".join(lines).strip()
 
 
 def _text_documents(source: TextSource, tokenizer: Tokenizer) -> list[Document]:
     path = Path(source.path)
-    texts = [part.strip() for part in re.split(r"\n\s*\n", _read_text(path))]
-    documents = [_text_document(tokenizer, text) for text in texts if text]
+    documents = [_text_document(tokenizer, text, f"{path} line {line}") for line, text in _paragraphs(path)]
     if not documents:
         raise DataError(f"{path}: no documents (the file is empty or only whitespace)")
     return documents
@@ -108,6 +125,21 @@ def string_field(record: dict, name: str, where: str, allow_empty: bool = False)
     if not allow_empty and not value.strip():
         raise DataError(f"{where}: field '{name}' is empty (an empty document trains on nothing)")
     return value
+
+
+def _holds_lone_surrogate(value: Any) -> bool:
+    """JSON may escape half a UTF-16 pair (`"\\ud800"`); Python decodes it into a str no encoder accepts."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_holds_lone_surrogate(key) or _holds_lone_surrogate(item) for key, item in value.items())
+    if isinstance(value, list):
+        return any(_holds_lone_surrogate(item) for item in value)
+    return False
 
 
 def _jsonl_field(record: dict, name: str, path: Path, line: int, allow_empty: bool = False) -> str:
@@ -137,17 +169,24 @@ def record_document(record: dict, fields: RecordFields, tokenizer: Tokenizer, wh
 
 
 def jsonl_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, object) for every non-blank line; bad UTF-8, bad JSON or a non-object line is a
-    `DataError` naming the file and line. Shared by every JSONL reader (documents, pairs, offline RL)."""
-    for line_number, line in enumerate(_read_text(path).splitlines(), start=1):
+    """(line number, object) for every non-blank line, streamed; bad UTF-8, bad JSON, JSON nested too deeply
+    to parse, a lone surrogate or a non-object line is a `DataError` naming the file and line. Shared by every
+    JSONL reader (documents, pairs, offline RL)."""
+    for line_number, line in read_lines(path):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
+            surrogate = "\\u" in line and _holds_lone_surrogate(record)  # only an escape can produce one
         except json.JSONDecodeError as error:
-            raise DataError(f"{path} line {line_number}: invalid JSON ({error.msg} at column {error.colno})") from error
+            raise DataError(f"{path} line {line_number}: invalid JSON ({error.msg} at column {error.colno})") from None
+        except RecursionError:
+            raise DataError(f"{path} line {line_number}: JSON nested too deeply to read") from None
         if not isinstance(record, dict):
             raise DataError(f"{path} line {line_number}: expected a JSON object, got {type(record).__name__}")
+        if surrogate:
+            raise DataError(f"{path} line {line_number}: holds a lone surrogate (an unpaired \\ud800-\\udfff escape), "
+                            "which is not text")
         yield line_number, record
 
 
@@ -199,20 +238,26 @@ def pack_documents(documents: list[Document], seq_len: int, pad_id: int) -> Pack
                 f"(with BOS/EOS), more than one row of data.seq_len + 1 = {width}; splitting it would train the "
                 "completion without its prompt. Raise data.seq_len (and model.max_seq_len) or shorten the record"
             )
-    tokens = [t for doc in documents for t in doc.tokens]
-    targets = [m for doc in documents for m in doc.target_mask]
-    doc_index = [i for i, doc in enumerate(documents) for _ in doc.tokens]
-    padding = -len(tokens) % width
-    tokens += [pad_id] * padding
-    targets += [False] * padding
-    doc_index += [len(documents)] * padding
-    flat_doc = torch.tensor(doc_index, dtype=torch.int64)
-    starts = torch.ones_like(flat_doc, dtype=torch.bool)
-    starts[1:] = flat_doc[1:] != flat_doc[:-1]
+    # Filled document by document into preallocated tensors: no corpus-sized Python lists (8 bytes a
+    # token each), so packing peaks at about 18 bytes a token on top of the documents themselves.
+    total = sum(len(doc.tokens) for doc in documents)
+    size = total + (-total % width)
+    tokens = torch.full((size,), pad_id, dtype=torch.int64)
+    targets = torch.zeros(size, dtype=torch.bool)
+    starts = torch.zeros(size, dtype=torch.bool)  # a new piece: every document start and every row start
+    offset = 0
+    for doc in documents:
+        end = offset + len(doc.tokens)
+        tokens[offset:end] = torch.tensor(doc.tokens, dtype=torch.int64)
+        targets[offset:end] = torch.tensor(doc.target_mask, dtype=torch.bool)
+        starts[offset:end][:1] = True
+        offset = end
+    if offset < size:
+        starts[offset] = True  # the padding is a piece of its own
     starts[::width] = True
-    piece_ids = torch.cumsum(starts.long(), dim=0) - 1
+    piece_ids = torch.cumsum(starts, dim=0) - 1
     return PackedRows(
-        tokens=torch.tensor(tokens, dtype=torch.int64).view(-1, width),
+        tokens=tokens.view(-1, width),
         document_ids=piece_ids.view(-1, width),
-        target_mask=torch.tensor(targets, dtype=torch.bool).view(-1, width),
+        target_mask=targets.view(-1, width),
     )

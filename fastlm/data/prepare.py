@@ -36,6 +36,7 @@ from fastlm.data.prepared import (
     tokenizer_metadata,
 )
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
+from fastlm.engine.disk_space import DiskFullError, raise_if_disk_full
 
 FileFormat = Literal["text", "json", "parquet", "csv"]
 _SUFFIXES: dict[str, FileFormat] = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
@@ -215,8 +216,13 @@ def prepare(config: PrepareConfig) -> PrepareSummary:
         if output.exists():
             shutil.rmtree(output)
         os.replace(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+    except BaseException as error:
+        try:  # a full disk is one line: what, how much (about 3 bytes a byte: 2-byte ids + 1 flag), what is safe
+            if isinstance(error, Exception):
+                raise_if_disk_full(error, f"the prepared data set {output.name}", output.parent,
+                                   3 * sum(path.stat().st_size for path in files), "nothing was moved into place")
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
         raise
     return PrepareSummary(output, metadata["documents"], metadata["tokens"], time.perf_counter() - started)
 
@@ -247,7 +253,7 @@ def load_prepare_config(path: str, overrides: list[str]) -> PrepareConfig:
     from pydantic import ValidationError
 
     from fastlm.config.errors import ConfigError
-    from fastlm.config.loader import _to_issue, load_layers
+    from fastlm.run_config.loader import _to_issue, load_layers
 
     layered = load_layers(path, overrides)
     try:
@@ -269,5 +275,8 @@ def prepare_command(path: str, overrides: list[str]) -> int:
     except (DataError, TokenizerError) as error:
         print(f"fastlm prepare: {error}", file=sys.stderr)
         return 2
+    except DiskFullError as error:
+        print(f"fastlm prepare: {error}", file=sys.stderr)
+        return 1
     print(summary.describe())
     return 0

@@ -23,7 +23,7 @@ from fastlm.data.datasets import DataError
 from fastlm.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 
 if TYPE_CHECKING:
-    from fastlm.config.schema import RunConfig
+    from fastlm.run_config.schema import RunConfig
 
 FORMAT = "fastlm-prepared"
 VERSION = 1

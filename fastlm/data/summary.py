@@ -54,9 +54,12 @@ class DataSummary:
         return "\n".join(lines)
 
 
-def check_batch_fits(train: PackedRows, evaluation: PackedRows | None, batch_rows: int, evaluated: bool = True) -> None:
+def check_batch_fits(train: PackedRows, evaluation: PackedRows | None, batch_rows: int,
+                     eval_rows: int | None = None) -> None:
     """ConfigError when one micro-batch (`batch_rows`, all dp ranks) is larger than the train split; a
-    warning when it is larger than an eval split that is used."""
+    warning when one evaluation reads more rows (`eval_rows`, default one micro-batch; 0 = no eval) than
+    the eval split holds."""
+    eval_rows = batch_rows if eval_rows is None else eval_rows
     if len(train) < batch_rows:
         raise ConfigError(ConfigIssue(
             "data.micro_batch_size", f"one micro-batch needs {batch_rows} rows (micro_batch_size x data-parallel "
@@ -64,10 +67,11 @@ def check_batch_fits(train: PackedRows, evaluation: PackedRows | None, batch_row
             "batch would repeat rows", batch_rows,
             hint=f"lower data.micro_batch_size to at most {len(train)} (per rank), lower data.seq_len, or add data",
         ))
-    if evaluated and evaluation is not None and len(evaluation) < batch_rows:
+    if evaluation is not None and len(evaluation) < eval_rows:
         warnings.warn(
-            f"the eval split packs into {len(evaluation)} rows, fewer than one micro-batch of {batch_rows}: eval/loss "
-            "counts some rows twice; raise data.eval_fraction or lower data.micro_batch_size",
+            f"the eval split packs into {len(evaluation)} rows, and one evaluation reads {eval_rows} "
+            "(trainer.eval_batches x micro-batch rows): eval/loss counts some rows twice; raise "
+            "data.eval_fraction, or lower trainer.eval_batches or data.micro_batch_size",
             UserWarning, stacklevel=2,
         )
 

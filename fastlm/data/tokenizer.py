@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from fastlm.data.config import TokenizerConfig
@@ -31,7 +31,6 @@ class TokenizerError(ValueError):
     """A tokenizer that cannot serve the run (missing files, no EOS); the message names the file and the fix."""
 
 
-@runtime_checkable
 class Tokenizer(Protocol):
     """What fastlm needs from a tokenizer. `bos_id` may be None (Qwen2 has no BOS); `eos_id` never is."""
 

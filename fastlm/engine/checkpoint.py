@@ -16,9 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from fastlm.engine.disk_space import raise_if_disk_full
 from fastlm.engine.signals import fault_point
 
 MODEL_FILE = "model.safetensors"
@@ -36,6 +39,7 @@ MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
 _PREFIX = "step-"
 _TEMP_PREFIXES = (".tmp-", f".{LATEST_FILE}.tmp-")
+CHECKPOINT_FILES = (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE)
 
 
 class CheckpointError(RuntimeError):
@@ -71,12 +75,22 @@ def _write_text_atomic(path: Path, text: str) -> None:
     _fsync_path(path.parent)
 
 
+_STEP_NAME = re.compile(r"step-([0-9]+)", re.ASCII)  # ASCII digits only: `step-²` is no step
+MAX_JSON_BYTES = 16 << 20  # a manifest holds hashes and the resolved config: a few KiB
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step a `step-N` directory name stands for; None for any other name."""
+    match = _STEP_NAME.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
 def _step_dirs(directory: Path) -> list[Path]:
     """Complete (renamed-into-place) checkpoint directories, oldest first."""
     if not directory.is_dir():
         return []
-    found = [p for p in directory.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and p.name[5:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
+    found = [p for p in directory.iterdir() if checkpoint_step(p) is not None and p.is_dir() and not p.is_symlink()]
+    return sorted(found, key=lambda p: checkpoint_step(p) or 0)
 
 
 def save_checkpoint(
@@ -96,6 +110,47 @@ def save_checkpoint(
     _remove_leftovers(directory, step)
     final = directory / step_dir_name(step)
     temporary = directory / f".tmp-{step_dir_name(step)}-{os.getpid()}"
+    previous = _step_dirs(directory)
+    try:
+        _write(temporary, final, step, model, optimizer, trainer_state, config)
+    except Exception as error:
+        shutil.rmtree(temporary, ignore_errors=True)  # a failed write leaves nothing half-written behind
+        intact = f"the previous checkpoint {previous[-1].name} is intact" if previous else "no earlier checkpoint"
+        raise_if_disk_full(error, f"checkpoint {final.name}", directory, checkpoint_bytes(model, optimizer), intact,
+                           then="continue with --resume")
+        raise
+    for old in _step_dirs(directory)[:-keep]:
+        _discard(old)
+    return final
+
+
+def checkpoint_bytes(*states: Any) -> int:
+    """Bytes of every tensor in modules / optimizers / nested state dicts: what a checkpoint of them needs."""
+    total = 0
+    pending = list(states)
+    while pending:
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            total += item.numel() * item.element_size()
+        elif isinstance(item, (torch.nn.Module, torch.optim.Optimizer)):
+            pending.append(item.state_dict())
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+    return total + (64 << 10)  # manifest, trainer state, pickle framing
+
+
+def _write(
+    temporary: Path,
+    final: Path,
+    step: int,
+    model: torch.nn.Module | dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | dict[str, Any],
+    trainer_state: dict[str, Any],
+    config: dict[str, Any],
+) -> None:
+    """Files into `temporary`, fsynced, renamed to `final`, then `latest` pointed at it."""
     temporary.mkdir()
     if isinstance(model, torch.nn.Module):
         save_model(model, str(temporary / MODEL_FILE))  # shared (tied) tensors are stored once
@@ -105,7 +160,7 @@ def save_checkpoint(
     torch.save(optimizer_state, temporary / OPTIMIZER_FILE)
     torch.save(trainer_state, temporary / STATE_FILE)
     fault_point("checkpoint_files_written")
-    files = {name: _sha256(temporary / name) for name in (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE)}
+    files = {name: _sha256(temporary / name) for name in CHECKPOINT_FILES}
     manifest = {"step": step, "time": time.time(), "files": files, "config": config}
     (temporary / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True), encoding="utf-8")
     for name in (*files, MANIFEST_FILE):
@@ -115,12 +170,9 @@ def save_checkpoint(
     if final.exists():  # re-saving a step after a resume: the new one replaces it
         _discard(final)
     os.rename(temporary, final)
-    _fsync_path(directory)
+    _fsync_path(final.parent)
     fault_point("checkpoint_before_latest")
-    _write_text_atomic(directory / LATEST_FILE, final.name + "\n")
-    for old in _step_dirs(directory)[:-keep]:
-        _discard(old)
-    return final
+    _write_text_atomic(final.parent / LATEST_FILE, final.name + "\n")
 
 
 def _discard(path: Path) -> None:
@@ -139,7 +191,7 @@ def _remove_leftovers(directory: Path, step: int) -> None:
         elif path.name.startswith(_TEMP_PREFIXES):
             path.unlink()
     for path in _step_dirs(directory):
-        if int(path.name[len(_PREFIX):]) > step:
+        if (checkpoint_step(path) or 0) > step:
             _discard(path)
 
 
@@ -157,8 +209,34 @@ class LoadedCheckpoint:
         """The full weights on CPU (a distributed resume cuts each rank's shard from them)."""
         return load_file(str(self.path / MODEL_FILE))
 
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every stored tensor, from the safetensors header (no tensor is read)."""
+        with safe_open(str(self.path / MODEL_FILE), framework="pt") as handle:
+            return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+
+    def check_fits(self, expected: dict[str, tuple[int, ...]], model_config: dict[str, Any]) -> None:
+        """The stored tensors have the shapes of the model being resumed (`expected`: name -> full shape),
+        and the stored model config is this run's (but for the loss head): else `CheckpointError`."""
+        stored = self.config.get("model") if isinstance(self.config.get("model"), dict) else {}
+        ignored = {"head", "init_std"}  # the loss head and the init scale may change on resume
+        changed = sorted(key for key in set(stored) | set(model_config)
+                         if key not in ignored and stored.get(key) != model_config.get(key))
+        shapes = self.tensor_shapes()
+        wrong = [f"{name} {shapes[name]} vs {expected[name]}" for name in sorted(set(shapes) & set(expected))
+                 if shapes[name] != expected[name]]
+        unexpected = sorted(set(shapes) - set(expected))
+        if changed or wrong or unexpected:
+            details = [f"model.{key}: checkpoint {stored.get(key)!r}, this run {model_config.get(key)!r}"
+                       for key in changed[:5]]
+            details += [f"tensor {item}" for item in wrong[:3]] + [f"unexpected tensor {n}" for n in unexpected[:3]]
+            raise CheckpointError(f"{self.path}: written for another model ({'; '.join(details)}); was the model "
+                                  "config changed since the checkpoint? Restore it, or start over with run.overwrite=true")
+
     def load_model(self, model: torch.nn.Module, device: torch.device | str = "cpu") -> None:
-        missing, unexpected = load_model(model, str(self.path / MODEL_FILE), strict=False, device=str(device))
+        try:
+            missing, unexpected = load_model(model, str(self.path / MODEL_FILE), strict=False, device=str(device))
+        except (RuntimeError, ValueError, OSError) as error:  # e.g. a size mismatch: name the file, not a traceback
+            raise CheckpointError(f"{self.path / MODEL_FILE}: does not fit the model ({error})") from None
         if missing or unexpected:
             raise CheckpointError(
                 f"{self.path / MODEL_FILE}: does not match the model (missing {sorted(missing)}, "
@@ -166,16 +244,47 @@ class LoadedCheckpoint:
             )
 
 
-def _verify(path: Path) -> LoadedCheckpoint:
+def _read_json(path: Path) -> Any:
+    """A JSON file that may be hostile: bounded size, UTF-8, any nesting depth refused cleanly."""
+    try:
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_JSON_BYTES + 1)
+    except OSError as error:
+        raise CheckpointError(f"{path}: unreadable ({error.strerror or error})") from None
+    if len(raw) > MAX_JSON_BYTES:
+        raise CheckpointError(f"{path}: larger than {MAX_JSON_BYTES >> 20} MiB (not a manifest)")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+        raise CheckpointError(f"{path}: unreadable manifest ({reason})") from None
+
+
+def _read_manifest(path: Path) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """(step, file -> sha256, config) of a manifest whose every piece has the expected type."""
     manifest_path = path / MANIFEST_FILE
     if not manifest_path.is_file():
         raise CheckpointError(f"{manifest_path}: missing (incomplete checkpoint)")
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        expected: dict[str, str] = manifest["files"]
-        step = int(manifest["step"])
-    except (ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(f"{manifest_path}: unreadable manifest ({error})") from error
+    manifest = _read_json(manifest_path)
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{manifest_path}: must hold a JSON object, not {type(manifest).__name__}")
+    step, files, config = manifest.get("step"), manifest.get("files"), manifest.get("config", {})
+    if type(step) is not int or step < 0:
+        raise CheckpointError(f"{manifest_path}: 'step' must be a non-negative integer, got {step!r:.80}")
+    named = checkpoint_step(path)
+    if named is not None and named != step:
+        raise CheckpointError(f"{manifest_path}: records step {step}, but the directory is {path.name}")
+    if (not isinstance(files, dict) or set(files) != set(CHECKPOINT_FILES)
+            or not all(isinstance(digest, str) for digest in files.values())):
+        raise CheckpointError(f"{manifest_path}: 'files' must map exactly {list(CHECKPOINT_FILES)} to sha256 "
+                              f"digests, got {str(files)[:120]}")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{manifest_path}: 'config' must be a JSON object, not {type(config).__name__}")
+    return step, files, config
+
+
+def _verify(path: Path) -> LoadedCheckpoint:
+    step, expected, config = _read_manifest(path)
     for name, digest in expected.items():
         file = path / name
         if not file.is_file():
@@ -188,8 +297,15 @@ def _verify(path: Path) -> LoadedCheckpoint:
         optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
         trainer_state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unpickling failure means an unusable file
-        raise CheckpointError(f"{path}: could not read state ({error})") from error
-    return LoadedCheckpoint(path, step, optimizer_state, trainer_state, manifest.get("config", {}))
+        raise CheckpointError(f"{path}: could not read state ({str(error)[:300]})") from None
+    if not isinstance(optimizer_state, dict):
+        raise CheckpointError(f"{path / OPTIMIZER_FILE}: must hold a dict, not {type(optimizer_state).__name__}")
+    if not isinstance(trainer_state, dict):
+        raise CheckpointError(f"{path / STATE_FILE}: must hold a dict, not {type(trainer_state).__name__}")
+    if trainer_state.get("step") != step or type(trainer_state.get("step")) is not int:
+        raise CheckpointError(f"{path / STATE_FILE}: trainer state is at step {trainer_state.get('step')!r:.40}, "
+                              f"but the manifest records step {step}")
+    return LoadedCheckpoint(path, step, optimizer_state, trainer_state, config)
 
 
 def load_checkpoint(path: Path) -> LoadedCheckpoint:
@@ -197,27 +313,50 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
     return _verify(path)
 
 
+def _latest_pointer(directory: Path) -> Path | None:
+    """The checkpoint `latest` names, if it is a small UTF-8 file naming a `step-N` here; else None
+    (with a warning: the newest complete checkpoint is used instead)."""
+    pointer = directory / LATEST_FILE
+    if not pointer.exists():
+        return None
+    try:
+        if not pointer.is_file():
+            raise ValueError("not a regular file")
+        with pointer.open("rb") as handle:
+            name = handle.read(256).decode("utf-8").strip()
+        if checkpoint_step(Path(name)) is None or "/" in name:
+            raise ValueError(f"does not name a step-N directory ({name[:40]!r})")
+    except (OSError, ValueError) as error:
+        warnings.warn(f"ignoring {pointer}: {error}; using the newest complete checkpoint", RuntimeWarning,
+                      stacklevel=3)
+        return None
+    return directory / name
+
+
 def _candidates(directory: Path) -> list[Path]:
     """The `latest` target first, then every other complete checkpoint, newest first."""
     ordered = list(reversed(_step_dirs(directory)))
-    pointer = directory / LATEST_FILE
-    if pointer.is_file():
-        target = directory / pointer.read_text(encoding="utf-8").strip()
-        if target in ordered:
-            ordered.remove(target)
-            ordered.insert(0, target)
+    target = _latest_pointer(directory)
+    if target in ordered:
+        ordered.remove(target)
+        ordered.insert(0, target)
     return ordered
 
 
-def load_latest_checkpoint(directory: Path) -> LoadedCheckpoint:
-    """The newest checkpoint that verifies; each damaged one is reported (warning) and skipped."""
+def load_latest_checkpoint(
+    directory: Path, use: Callable[[LoadedCheckpoint], None] | None = None
+) -> LoadedCheckpoint:
+    """The newest checkpoint that verifies (and that `use` accepts: `use` restores it and raises
+    `CheckpointError` when it does not fit); each refused one is reported (warning) and skipped."""
     problems = []
     for path in _candidates(directory):
         try:
             loaded = _verify(path)
+            if use is not None:
+                use(loaded)
         except CheckpointError as error:
             problems.append(str(error))
-            warnings.warn(f"skipping corrupt checkpoint: {error}", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"skipping checkpoint: {error}", RuntimeWarning, stacklevel=2)
             continue
         return loaded
     detail = "; ".join(problems) if problems else "no checkpoints found"

@@ -2,26 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from fastlm.config.base import ConfigModel
 
 
+Beta = Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)]
+
+
 class OptimizerConfig(ConfigModel):
+    """Every value finite and in the range AdamW is defined on: a NaN or infinite lr, or a beta of 1,
+    turns the weights into NaN at the first step, so validation refuses it instead."""
+
     type: Literal["adamw"] = "adamw"
-    lr: float = Field(3e-3, gt=0.0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0.0)
-    weight_decay: float = Field(0.1, ge=0.0)
-    grad_clip: float | None = Field(1.0, gt=0.0, description="Max global grad norm; null disables clipping.")
+    lr: float = Field(3e-3, gt=0.0, allow_inf_nan=False)
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0.0, allow_inf_nan=False)
+    weight_decay: float = Field(0.1, ge=0.0, allow_inf_nan=False)
+    grad_clip: float | None = Field(1.0, gt=0.0, allow_inf_nan=False,
+                                    description="Max global grad norm; null disables clipping.")
 
 
 class ScheduleConfig(ConfigModel):
     warmup_steps: int = Field(10, ge=0)
     decay: Literal["cosine", "linear", "constant"] = "cosine"
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final lr as a fraction of the peak.")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, allow_inf_nan=False, description="Final lr as a fraction of the peak.")
 
 
 class TrainerConfig(ConfigModel):
@@ -52,14 +59,14 @@ class DistributedConfig(ConfigModel):
     tensor_parallel: int = Field(1, ge=1, description="Ranks sharing the vocab of the LM head.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl on CUDA, gloo on CPU.")
     timeout_minutes: float = Field(
-        10.0, gt=0.0, description="Collective timeout: a rank waiting this long for a dead peer fails instead of hanging."
+        10.0, gt=0.0, allow_inf_nan=False, description="Collective timeout: a rank waiting this long for a dead peer fails instead of hanging."
     )
 
 
 class RunSection(ConfigModel):
     name: str = "fastlm"
     output_dir: str = Field("runs/{name}", description="'{name}' is replaced by run.name.")
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32, description="Seeds torch, python and the data order (32 bits, as numpy's).")
     init_path: str | None = Field(
         None,
         description="Local HF checkpoint directory (config.json + *.safetensors) to start from; the model "
@@ -70,6 +77,11 @@ class RunSection(ConfigModel):
         False,
         description="Start over in a run directory that holds an earlier run (its checkpoints and "
         "metrics.jsonl are removed first). Without it a fresh run refuses such a directory; --resume continues it.",
+    )
+    accept_changed_data: bool = Field(
+        False,
+        description="Let --resume continue although a data file changed since the checkpoint (its fingerprint "
+        "differs); without it such a resume is refused naming the file.",
     )
 
     @model_validator(mode="after")

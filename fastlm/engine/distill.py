@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.engine.frozen import check_compatible, frozen_logits, load_frozen_model
 from fastlm.engine.runtime import autocast

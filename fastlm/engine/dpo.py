@@ -13,7 +13,7 @@ from dataclasses import fields
 
 import torch
 
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.data.preferences import PreferenceBatch
 from fastlm.engine.frozen import frozen_logits, reference_model

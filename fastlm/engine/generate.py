@@ -19,7 +19,7 @@ import torch
 from pydantic import ValidationError
 
 from fastlm.config.errors import ConfigError
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.datasets import DataError, jsonl_records
 from fastlm.data.tokenizer import Tokenizer
 from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, CheckpointError
@@ -144,8 +144,8 @@ def generate_command(args: argparse.Namespace) -> int:
         if args.jsonl:
             print(json.dumps({"prompt": prompt, "completion": text, "stopped": completion.stopped}))
         else:
-            ending = "" if completion.stopped else " [no stop token: max_new_tokens reached]"
-            print(f"--- {index}: {prompt!r}{ending}\n{prompt}{text}")
+            ending = "stopped at EOS" if completion.stopped else "no EOS: max_new_tokens reached"
+            print(f"--- {index}: {prompt!r} -> {len(completion.tokens)} new tokens, {ending}\n{prompt}{text}")
     return 0
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import sys
 
 from fastlm.config.errors import ConfigError
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.datasets import DataError
 from fastlm.engine.checkpoint import CheckpointError
 from fastlm.engine.distributed import run_distributed, torchrun_env
+from fastlm.engine.disk_space import DiskFullError
 from fastlm.engine.preflight import preflight_issues
+from fastlm.engine.run_dir import RunDirError
 from fastlm.engine.runtime import select_device
 from fastlm.engine.trainer import NonFiniteError, TrainSummary
 from fastlm.rl.rewards import RewardError
@@ -39,7 +41,7 @@ def _train(config: RunConfig, resume: bool) -> int:
     except ConfigError as error:  # found before anything was written: a user mistake, exit 2 like validate
         print(error.render(), file=sys.stderr)
         return 2
-    except (NonFiniteError, DataError, CheckpointError, RewardError) as error:  # the message says what to fix: no traceback
+    except (NonFiniteError, DataError, CheckpointError, RunDirError, DiskFullError, RewardError) as error:  # says what to fix
         print(f"fastlm: {error}", file=sys.stderr)
         return 1
     if trainer.rank in (None, 0):

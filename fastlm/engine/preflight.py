@@ -1,6 +1,6 @@
 """Checks of the machine and the files a config names, run before `train` touches the run directory.
 
-`cross_check` (fastlm/config/checks.py) judges the config alone; these look outside it: do the data
+`cross_check` (fastlm/run_config/checks.py) judges the config alone; these look outside it: do the data
 files open, do the init / teacher / reference checkpoints hold loadable weights (headers only, no
 tensor is read), does this machine have the device, kernel and world size the config asks for.
 `fastlm validate`, `train --dry-run` and the trainer all call `preflight_issues`, so validate catches
@@ -18,8 +18,8 @@ import torch
 from pydantic import TypeAdapter, ValidationError
 from safetensors import safe_open
 
-from fastlm.config.errors import ConfigIssue
-from fastlm.config.schema import RunConfig
+from fastlm.config.errors import ConfigError, ConfigIssue
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.config import PREPARED_SOURCE_TYPES
 from fastlm.data.prepared import prepared_source_issues
 from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, MODEL_FILE
@@ -111,7 +111,7 @@ def fastlm_checkpoint_problem(path: Path, config: RunConfig) -> str | None:
     try:
         section = json.loads((step_dir / MANIFEST_FILE).read_text(encoding="utf-8"))["config"]["model"]
         model_config = TypeAdapter(ModelConfig).validate_python(section)
-    except (OSError, ValueError, KeyError, TypeError, ValidationError) as error:
+    except (OSError, ValueError, KeyError, TypeError, ValidationError, RecursionError) as error:
         return f"{step_dir / MANIFEST_FILE} holds no valid model config ({type(error).__name__})"
     if model_config.vocab_size != config.model.vocab_size:
         return f"its model.vocab_size is {model_config.vocab_size}, this run's is {config.model.vocab_size}"
@@ -130,12 +130,12 @@ def fastlm_checkpoint_problem(path: Path, config: RunConfig) -> str | None:
 
 def hf_weights_problem(directory: Path) -> str | None:
     """Why a HF checkpoint folder holds no loadable safetensors weights (headers parsed), or None."""
-    index = directory / "model.safetensors.index.json"
+    from fastlm.models.hf import weight_files
+
     try:
-        files = (sorted({directory / n for n in json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()})
-                 if index.is_file() else sorted(directory.glob("*.safetensors")))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        return f"{index} is unreadable ({type(error).__name__})"
+        files = weight_files(directory)  # bounded reads, every path confined to the folder
+    except ConfigError as error:
+        return "; ".join(issue.message for issue in error.issues)
     if not files:
         return "no *.safetensors weights in it"
     for file in files:

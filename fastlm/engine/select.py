@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.engine.distill import DistillationTrainer
 from fastlm.engine.dpo import DPOTrainer
 from fastlm.engine.trainer import Trainer

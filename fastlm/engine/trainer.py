@@ -24,14 +24,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fastlm.config.checks import cross_check
+from fastlm.run_config.checks import cross_check
 from fastlm.config.errors import ConfigError
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import Batch
+from fastlm.data.datasets import DataError
+from fastlm.data.fingerprint import data_fingerprint, describe_change
 from fastlm.data.loader import BatchLoader, build_loaders
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
-from fastlm.engine.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint, step_dir_name
+from fastlm.engine.checkpoint import (
+    CheckpointError,
+    LoadedCheckpoint,
+    checkpoint_bytes,
+    load_latest_checkpoint,
+    save_checkpoint,
+    step_dir_name,
+)
 from fastlm.engine.compile import CompileFallback, compile_wanted
+from fastlm.engine.disk_space import ensure_space
 from fastlm.engine.distributed import (
     RankShardLoader,
     build_parallel,
@@ -45,6 +55,7 @@ from fastlm.engine.distributed import (
 )
 from fastlm.engine.optim import build_optimizer, build_scheduler
 from fastlm.engine.preflight import preflight_issues
+from fastlm.engine.run_dir import FreshStart, RunDirError, RunDirLock
 from fastlm.engine.runtime import autocast, autocast_dtype, rng_state, seed_everything, select_device, set_rng_state
 from fastlm.engine.signals import StopRequest
 from fastlm.layers.lm_head import LMHead
@@ -134,6 +145,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.scheduler = build_scheduler(self.optimizer, config.trainer.steps, config.schedule)
         self.train_loader, eval_loader = self.build_loaders(self.tokenizer)
+        self.data_fingerprint = data_fingerprint(config.data.source, self.tokenizer.fingerprint)  # for resume checks
         self.eval_set = (
             [eval_loader.next_batch() for _ in range(config.trainer.eval_batches)] if eval_loader is not None else []
         )
@@ -141,6 +153,7 @@ class Trainer:
         self.checkpoint_dir = self.run_dir / CHECKPOINT_DIR
         self.step = 0
         self.skipped_steps = 0
+        self.checkpoints_written = 0  # by this process: a start that wrote one is not undone on failure
         self.wandb_run_id: str | None = None  # kept in checkpoints: a resume logs to the same wandb run
 
     def build_loaders(self, tokenizer: Tokenizer) -> tuple[Any, BatchLoader | None]:
@@ -264,6 +277,7 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "scheduler": self.scheduler.state_dict(),
             "data": self.train_loader.state_dict(),
+            "data_fingerprint": self.data_fingerprint,
             "rng": rng_state(),
             "wandb_run_id": self.wandb_run_id,
         }
@@ -271,6 +285,7 @@ class Trainer:
     def save(self) -> Path:
         """Distributed: every rank helps gather the full state, rank 0 writes it, all wait for the write."""
         args = (self.state(), self.config.model_dump(mode="json"), self.config.trainer.keep_checkpoints)
+        self.checkpoints_written += 1
         if not self.parallel.distributed:
             return save_checkpoint(self.checkpoint_dir, self.step, self.model, self.optimizer, *args)
         model_state, optimizer_state = full_state(self.model, self.optimizer, self.parallel)
@@ -280,20 +295,50 @@ class Trainer:
         return self.checkpoint_dir / step_dir_name(self.step)
 
     def resume(self) -> None:
-        """Restore model, optimizer, schedule, data position and RNG from the newest good checkpoint."""
-        loaded = load_latest_checkpoint(self.checkpoint_dir)
-        if self.parallel.distributed:
-            load_full_state(self.model, self.optimizer, loaded.model_state(), loaded.optimizer_state, self.parallel)
-        else:
-            loaded.load_model(self.model, self.device)
-            self.optimizer.load_state_dict(loaded.optimizer_state)
-        state = loaded.trainer_state
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.train_loader.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
-        self.step = int(state["step"])
-        self.skipped_steps = int(state["skipped_steps"])
-        self.wandb_run_id = state.get("wandb_run_id")
+        """Restore model, optimizer, schedule, data position and RNG from the newest checkpoint that
+        verifies and fits this run; each one that does not is skipped with the reason."""
+        load_latest_checkpoint(self.checkpoint_dir, use=self._restore)
+
+    def _check_data(self, loaded: LoadedCheckpoint) -> bool:
+        """False when the data changed and `run.accept_changed_data` lets the run go on anyway."""
+        stored = loaded.trainer_state.get("data_fingerprint")
+        change = describe_change(stored, self.data_fingerprint) if isinstance(stored, dict) else None
+        if change is None:
+            return True
+        if not self.config.run.accept_changed_data:
+            raise DataError(f"the training data changed since checkpoint {loaded.path.name}: {change}. Restore the "
+                            "data, or pass run.accept_changed_data=true to continue on the new data")
+        warnings.warn(f"resuming on changed data ({change}); run.accept_changed_data is set", RuntimeWarning, stacklevel=3)
+        return False
+
+    def _restore(self, loaded: LoadedCheckpoint) -> None:
+        """Apply one verified checkpoint; anything in it that does not fit is a `CheckpointError` (the
+        caller falls back to an older one). Changed data is a `DataError`: no older checkpoint helps."""
+        expected = {name: tuple(value.shape) for name, value in build_model(self.config.model, "meta").state_dict().items()}
+        loaded.check_fits(expected, self.config.model.model_dump(mode="json"))
+        same_data = self._check_data(loaded)
+        try:
+            if self.parallel.distributed:
+                load_full_state(self.model, self.optimizer, loaded.model_state(), loaded.optimizer_state, self.parallel)
+            else:
+                loaded.load_model(self.model, self.device)
+                self.optimizer.load_state_dict(loaded.optimizer_state)
+            state = loaded.trainer_state
+            self.scheduler.load_state_dict(state["scheduler"])
+            try:
+                self.train_loader.load_state_dict(state["data"])
+            except ValueError:
+                if same_data:
+                    raise
+                warnings.warn("the data order starts over: the changed data has another row count", RuntimeWarning)
+            set_rng_state(state["rng"])
+            self.step = int(state["step"])
+            self.skipped_steps = int(state["skipped_steps"])
+            self.wandb_run_id = state.get("wandb_run_id")
+        except CheckpointError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a malformed piece of a hostile checkpoint: skip it
+            raise CheckpointError(f"{loaded.path}: cannot restore it ({type(error).__name__}: {str(error)[:200]})") from None
 
     # --- the loop --------------------------------------------------------------------------------------
     def _log_record(self, result: StepResult, tokens_per_second: float) -> dict[str, float]:
@@ -314,45 +359,83 @@ class Trainer:
         described = LMHead(self.config.model.head, self.device).describe()  # the path dispatch picks on this device
         return {**self.config.model_dump(mode="json"), "loss_implementation": described}
 
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank if it is true on any (ranks must agree before a collective step)."""
+        if not self.parallel.distributed:
+            return flag
+        value = torch.tensor(float(flag), device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value)
+
     def _stop_requested(self, stop: StopRequest) -> bool:
         """Every rank stops at the same step (the checkpoint gathers from all of them), if any rank was signalled."""
-        if not self.parallel.distributed:
-            return stop.requested
-        flag = torch.tensor(float(stop.requested), device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag)
+        return self._any_rank(stop.requested)
+
+    def _earlier_run(self) -> list[str]:
+        """What makes the directory hold an earlier run: a checkpoint, or a logged metrics record. An empty
+        metrics.jsonl or only `.tmp-*` leftovers (a start killed before its first step) do not count."""
+        metrics = self.run_dir / METRICS_FILE
+        found = [METRICS_FILE] if metrics.is_file() and metrics.stat().st_size > 0 else []
+        if self.checkpoint_dir.is_dir() and any(not p.name.startswith(".") for p in self.checkpoint_dir.iterdir()):
+            found.append(CHECKPOINT_DIR)
+        return found
 
     def _claim_run_dir(self) -> None:
         """A fresh run never mixes with an earlier run's checkpoints or metrics: refuse such a directory,
-        or clear them first with `run.overwrite: true` (rank 0 clears, every rank checks first)."""
-        earlier = [path for path in (self.checkpoint_dir, self.run_dir / METRICS_FILE)
-                   if path.is_file() or (path.is_dir() and any(path.iterdir()))]
-        distributed = dist.is_available() and dist.is_initialized()
-        if distributed:  # every rank looks before any rank writes (rank 0 creates metrics.jsonl next)
-            dist.barrier()
-        if not earlier:
-            return
-        if not self.config.run.overwrite:
-            raise CheckpointError(
-                f"run directory {self.run_dir} already holds an earlier run ({', '.join(p.name for p in earlier)}); "
+        or clear them first with `run.overwrite: true` (rank 0 holds the lock, looks and clears)."""
+        earlier = self._earlier_run() if self.rank in (None, 0) else []
+        if self._any_rank(bool(earlier) and not self.config.run.overwrite):
+            raise RunDirError(
+                f"run directory {self.run_dir} already holds an earlier run ({', '.join(earlier) or 'see rank 0'}); "
                 "continue it with --resume, choose another run.name, or pass run.overwrite=true to start over"
             )
-        if self.rank in (None, 0):
+        if earlier:
             shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
             (self.run_dir / METRICS_FILE).unlink(missing_ok=True)
-        if distributed:
-            dist.barrier()
 
     def train(self, resume: bool = False) -> TrainSummary:
+        """Run to `trainer.steps` holding the run directory's lock (rank 0; see fastlm/engine/run_dir.py).
+        A new run that fails before its first step or checkpoint leaves the directory as it found it."""
+        existed = self.run_dir.exists()
+        lock = RunDirLock(self.run_dir) if self.rank in (None, 0) else None
+        refused: RunDirError | None = None
+        try:
+            if lock is not None:
+                lock.acquire()
+        except RunDirError as error:
+            refused, lock = error, None
+        if self._any_rank(refused is not None):
+            raise refused or RunDirError(f"rank 0 could not lock the run directory {self.run_dir}")
+        fresh: FreshStart | None = None
+        try:
+            if resume:
+                self.resume()
+                if self.step >= self.config.trainer.steps:  # nothing to run: no logger, no wandb run, no writes
+                    return self._summary([], None, 0, 0.0, None, already_finished=True)
+                if self.rank in (None, 0) and self.config.logging.jsonl:  # steps past the checkpoint are re-run
+                    drop_records_after(self.run_dir / METRICS_FILE, self.step)
+            else:
+                self._claim_run_dir()
+                if lock is not None:
+                    fresh = FreshStart(self.run_dir, self.checkpoint_dir, existed, lock)
+            if lock is not None:  # a full disk is found now, not after the steps up to the next checkpoint
+                ensure_space(self.run_dir, 3 * checkpoint_bytes(self.model), "the next checkpoint (weights + AdamW)",
+                             "the previous checkpoint is intact" if resume else "")
+            return self._train_loop()
+        except BaseException:
+            if fresh is not None and self.step == 0 and not self.checkpoints_written:
+                fresh.undo()
+            else:
+                fresh = None
+            raise
+        finally:
+            if lock is not None:
+                lock.release(remove=fresh is not None and fresh.remove_lock)
+                if fresh is not None and fresh.remove_directory:
+                    self.run_dir.rmdir()
+
+    def _train_loop(self) -> TrainSummary:
         """Run to `trainer.steps`; SIGTERM/SIGINT end it early after a checkpoint (see fastlm/engine/signals.py)."""
-        if resume:
-            self.resume()
-            if self.step >= self.config.trainer.steps:  # nothing to run: no logger, no wandb run, no writes
-                return self._summary([], None, 0, 0.0, None, already_finished=True)
-            if self.rank in (None, 0) and self.config.logging.jsonl:  # steps past the checkpoint are re-run
-                drop_records_after(self.run_dir / METRICS_FILE, self.step)
-        else:
-            self._claim_run_dir()
         trainer = self.config.trainer
         stopped_by = None
         self.run_dir.mkdir(parents=True, exist_ok=True)

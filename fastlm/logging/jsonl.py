@@ -6,7 +6,10 @@ import json
 import math
 import os
 import time
+import warnings
 from pathlib import Path
+
+from fastlm.engine.disk_space import raise_if_disk_full
 
 
 def _plain(value: float) -> float | None:
@@ -26,36 +29,76 @@ class JsonlSink:
         """A list value (a table's rows) is written as it is; scalar readers skip it."""
         values = {k: v if isinstance(v, list) else _plain(float(v)) for k, v in metrics.items()}
         record = {"step": step, "time": time.time(), **values}
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        line = json.dumps(record, allow_nan=False) + "\n"
+        try:
+            self._file.write(line)
+            self._file.flush()
+        except OSError as error:  # a torn last line is dropped by the next --resume
+            raise_if_disk_full(error, f"the step {step} record of {self.path.name}", self.path.parent, len(line),
+                               "the checkpoints are intact", then="continue with --resume")
+            raise
 
     def close(self) -> None:
         self._file.close()
 
 
+def _record_step(line: bytes) -> int | None:
+    """The step of one whole JSONL record; None when the line is damaged (torn, not UTF-8, not a record)."""
+    if not line.endswith(b"\n"):
+        return None
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if type(step) is int else None
+
+
 def drop_records_after(path: Path, step: int) -> int:
-    """Keep the records up to `step` (a resume re-runs the later ones) and a torn last line; returns how many went.
+    """Keep the records up to `step` (a resume re-runs the later ones); returns how many lines went.
 
     A process killed after its last checkpoint has logged steps that the resumed run logs again; without
-    this, the file would hold two records for those steps. Rewritten atomically (temp file + rename).
+    this, the file would hold two records for those steps. A damaged line (torn by a kill mid-write, or
+    corrupted) is dropped with a warning naming it. Streams line by line and rewrites atomically (temp
+    file + rename), so memory stays bounded and a kill here loses nothing.
     """
     if not path.is_file():
         return 0
-    kept: list[str] = []
-    dropped = 0
-    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
-        if not line.endswith("\n"):  # torn by a kill mid-write: not a record
-            dropped += 1
-            continue
-        if line.strip() and json.loads(line).get("step", 0) > step:
-            dropped += 1
-            continue
-        kept.append(line)
-    if dropped:
-        temporary = path.with_name(f".{path.name}.tmp")
-        temporary.write_text("".join(kept), encoding="utf-8")
-        os.replace(temporary, path)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        dropped, damaged = _copy_records(path, temporary, step)
+        if dropped:
+            os.replace(temporary, path)
+    except OSError as error:
+        raise_if_disk_full(error, f"a repaired copy of {path.name}", path.parent, path.stat().st_size,
+                           f"{path.name} itself is unchanged", then="resume again")
+        raise
+    finally:
+        temporary.unlink(missing_ok=True)
+    if damaged:
+        shown = ", ".join(map(str, damaged[:5])) + (" ..." if len(damaged) > 5 else "")
+        warnings.warn(f"{path}: dropped {len(damaged)} damaged line(s) (line {shown}); the records up to step "
+                      f"{step} are kept", RuntimeWarning, stacklevel=2)
     return dropped
+
+
+def _copy_records(path: Path, target_path: Path, step: int) -> tuple[int, list[int]]:
+    """Copy the whole records up to `step` into `target_path`, fsynced; (lines dropped, damaged line numbers)."""
+    dropped, damaged = 0, []
+    with path.open("rb") as source, target_path.open("wb") as target:
+        for number, line in enumerate(source, start=1):
+            if not line.strip():
+                continue
+            found = _record_step(line)
+            if found is None:
+                damaged.append(number)
+            if found is None or found > step:
+                dropped += 1
+                continue
+            target.write(line)
+        target.flush()
+        os.fsync(target.fileno())
+    return dropped, damaged
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -15,6 +15,7 @@ child order), and `fused_result` turns its token sums (one reduction launch) int
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -31,13 +32,19 @@ def tail(
     spec: LossSpec,
     grad_scale: float = 1.0,
     children: tuple[LossChild, ...] | None = None,
+    from_kernel: bool = False,
+    coefficients: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Tail:
     """Each child's loss and metric sums and its share of the coefficients (times `grad_scale`).
-    `stats`: (T,) lse, new_logp, entropy[, teacher_kl, teacher_gap]; any value on masked tokens."""
+    `stats`: (T,) lse, new_logp, entropy[, teacher_kl, teacher_gap]; any value on masked tokens
+    unless `from_kernel` (the fused launch's state rows: 0 there). `coefficients`: (prob, label) vectors the children add to in
+    place (the fused launch's), else zeros."""
     dtype = torch.promote_types(stats["lse"].dtype, torch.float32)
-    inputs = TailInputs(mask, stats, targets, normalizers, dtype)
-    zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-    out = Tail(zeros, zeros.clone())
+    inputs = TailInputs(mask, stats, targets, normalizers, dtype, from_kernel)
+    if coefficients is None:
+        zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        coefficients = (zeros, zeros.clone())
+    out = Tail(*coefficients)
     for child in spec.children if children is None else children:
         child.tail(inputs, out)
     out.sums.resolve()
@@ -73,6 +80,7 @@ class FusedLayout:
         return terms[self.state + STATE_ROWS.index(name)]
 
 
+@lru_cache(maxsize=256)
 def fused_layout(spec: LossSpec) -> FusedLayout:
     """The row table shared by the launcher (each child's `ROW_<KIND>` constexpr) and `fused_result`."""
     keys: list[tuple[bool, str]] = []

@@ -103,8 +103,11 @@ def _chunk_sums(
     softcap: float | None,
     inv_temperature: float,
     reverse: bool,
+    student_inv_temperature: float,
 ) -> torch.Tensor:
-    """(T, 3 or 5) additive sums under the global max: sum e, sum e*x, label logit[, sum e_q, KL cross term]."""
+    """(T, 3 or 6) additive sums under the global max: sum e, sum e*x, label logit[, sum e_q, KL cross
+    term, sum e_s]; e_s = exp((x - max) / T_s) is the student's softmax in the KL (T_s = T with
+    temperature_mode both, else 1: then e_s = e)."""
     x = transform_logits(_upcast(z), scale, softcap)
     e = torch.exp(x - maxima[:, :1])
     hit = torch.arange(x.shape[-1], device=x.device) == local_label[:, None]
@@ -113,9 +116,12 @@ def _chunk_sums(
     if teacher is not None:
         u = _upcast(teacher) * inv_temperature
         e_q = torch.exp(u - maxima[:, 1:])
-        # reverse: sum_j p_j (x_j - u_j) * sum e; forward: sum_j q_j (u_j - x_j) * sum e_q
-        cross = (e * (x - u)).sum(-1) if reverse else (e_q * (u - x)).sum(-1)
-        sums += [e_q.sum(-1), cross]
+        tempered = student_inv_temperature != 1.0
+        x_s = x * student_inv_temperature if tempered else x
+        e_s = torch.exp((x - maxima[:, :1]) * student_inv_temperature) if tempered else e
+        # reverse: sum_j p_j (x_j - u_j) * sum e_s; forward: sum_j q_j (u_j - x_j) * sum e_q
+        cross = (e_s * (x_s - u)).sum(-1) if reverse else (e_q * (u - x_s)).sum(-1)
+        sums += [e_q.sum(-1), cross, e_s.sum(-1)]
     return torch.stack(sums, dim=-1)
 
 
@@ -129,20 +135,32 @@ def _chunk_grad(
     teacher_lse: torch.Tensor,
     teacher_coeff: torch.Tensor,
     x_coeff: torch.Tensor | None,
+    student_lse: torch.Tensor,
+    teacher_gap: torch.Tensor,
     scale: float,
     softcap: float | None,
     inv_temperature: float,
     reverse: bool,
+    student_inv_temperature: float,
 ) -> torch.Tensor:
     """Gradient of the total loss wrt the raw logits z of one chunk, in z's dtype (the coefficient
-    form of children/base.py; the teacher term is -k*q_j, or k*p_j*(x_j - u_j) for reverse KL)."""
+    form of children/base.py; the teacher term is -k*q_j, or k*p_j*(x_j - u_j) for reverse KL, with
+    their p_j part in prob_coeff; with a tempered student the whole term, k*(p_T,j - q_j) or
+    k*p_T,j*((x_j/T - u_j) - E_pT[x/T - u]), from its own softmax `student_lse`)."""
     x = transform_logits(_upcast(z), scale, softcap)
     p = torch.exp(x - lse[:, None])
     hit = torch.arange(x.shape[-1], device=x.device) == local_label[:, None]
     grad = prob_coeff[:, None] * p - torch.where(hit, label_coeff[:, None], torch.zeros_like(p))
     if teacher is not None:
         u = _upcast(teacher) * inv_temperature
-        if reverse:
+        if student_inv_temperature != 1.0:
+            x_s = x * student_inv_temperature
+            p_s = torch.exp(x_s - student_lse[:, None])
+            if reverse:
+                grad = grad + teacher_coeff[:, None] * p_s * (x_s - u - teacher_gap[:, None])
+            else:
+                grad = grad + teacher_coeff[:, None] * (p_s - torch.exp(u - teacher_lse[:, None]))
+        elif reverse:
             grad = grad + teacher_coeff[:, None] * p * (x - u)
         else:
             grad = grad - teacher_coeff[:, None] * torch.exp(u - teacher_lse[:, None])
@@ -203,6 +221,7 @@ def _compiled_loss(
     teacher = targets.teacher_logits if distill is not None else None
     inv_t = 1.0 / distill.temperature if distill is not None else 1.0
     reverse = distill is not None and distill.reverse
+    inv_s = distill.student_inv_temperature if distill is not None else 1.0
     numbers = (spec.logit_scale, spec.softcap, inv_t)
     chunks = [slice(start, start + spec.chunk_tokens) for start in range(0, logits.shape[0], spec.chunk_tokens)]
 
@@ -210,19 +229,18 @@ def _compiled_loss(
     for rows in chunks:
         chunk_teacher = None if teacher is None else teacher[rows]
         maxima = _all_reduce(chunk_max(logits[rows], chunk_teacher, *numbers), dist.ReduceOp.MAX, group)
-        sums = chunk_sums(logits[rows], chunk_teacher, maxima, local_label[rows], *numbers, reverse)
+        sums = chunk_sums(logits[rows], chunk_teacher, maxima, local_label[rows], *numbers, reverse, inv_s)
         stats.append(torch.cat([maxima, _all_reduce(sums, dist.ReduceOp.SUM, group)], dim=-1))
-    # columns: max[, teacher max], sum e, sum e*x, label logit[, sum e_q, KL cross term]
-    table = torch.cat(stats) if stats else logits.new_zeros((0, 4 if teacher is None else 7), dtype=torch.promote_types(logits.dtype, torch.float32))
+    # columns: max[, teacher max], sum e, sum e*x, label logit[, sum e_q, KL cross term, sum e_s]
+    table = torch.cat(stats) if stats else logits.new_zeros((0, 4 if teacher is None else 8), dtype=torch.promote_types(logits.dtype, torch.float32))
     sums = table[:, 1:] if teacher is None else table[:, 2:]
     lse = table[:, 0] + torch.log(sums[:, 0])
     token_stats = {"lse": lse, "new_logp": sums[:, 2] - lse, "entropy": lse - sums[:, 1] / sums[:, 0]}
-    teacher_lse = lse
+    teacher_lse, student_lse = lse, lse
     if teacher is not None:
         teacher_lse = table[:, 1] + torch.log(sums[:, 3])
-        mean_gap = sums[:, 4] / (sums[:, 0] if reverse else sums[:, 3])  # E_p[x - u] or E_q[u - x]
-        token_stats["teacher_kl"] = mean_gap - lse + teacher_lse if reverse else mean_gap - teacher_lse + lse
-        token_stats["teacher_gap"] = mean_gap
+        student_lse = table[:, 0] * inv_s + torch.log(sums[:, 5])  # of x / T_s
+        token_stats.update(distill.token_stats(student_lse, teacher_lse, sums[:, 4], sums[:, 5], sums[:, 3]))
     out = tail(token_stats, mask, targets, normalizers, spec, grad_scale)
     result = assemble_result(spec, out.losses, out.metrics)
     if not compute_grad:
@@ -242,7 +260,10 @@ def _compiled_loss(
             teacher_lse[rows],
             teacher_coeff[rows],
             None if out.x is None else out.x[rows],
+            student_lse[rows],
+            token_stats.get("teacher_gap", lse)[rows],
             *numbers,
             reverse,
+            inv_s,
         )
     return result, grad

@@ -8,6 +8,7 @@ paths. Kernels and launchers take a `LossSpec` and tensors, never a config.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,14 +43,18 @@ class LossSpec:
 
     def reads(self, target: str) -> bool:
         """Whether some child reads this `LossTargets` field (besides the labels every child reads)."""
-        return any(target in child.reads for child in self.children)
+        return target in self._read_targets
 
-    @property
+    @cached_property
+    def _read_targets(self) -> frozenset[str]:
+        return frozenset(name for child in self.children for name in child.reads)
+
+    @cached_property
     def teacher(self) -> LossChild | None:
         """The child that reads teacher logits (at most one: validation keeps one child per kind)."""
         return next((child for child in self.children if child.uses_teacher), None)
 
-    @property
+    @cached_property
     def per_document(self) -> tuple[LossChild, ...]:
         """Children whose coefficients need every token's log-prob first (the seam between two launches)."""
         return tuple(child for child in self.children if child.per_document)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from torch import nn
 
 from fastlm.models.config import GPT2Config, LlamaConfig, ModelConfig
@@ -38,6 +40,12 @@ def num_parameters(config: ModelConfig) -> int:
     """Analytic parameter count; must equal `count_parameters(build_model(config, "meta"))`."""
     final_norm = 2 * config.hidden_size if isinstance(config, GPT2Config) else config.hidden_size
     return config.num_layers * _layer_parameters(config) + _embedding_parameters(config) + final_norm
+
+
+def describe_count(count: int) -> str:
+    """A count for a message: digits with separators, or a power of ten when it is astronomically large
+    (a float conversion overflows past 1e308 and a decimal string is refused past 4300 digits)."""
+    return f"{count:,}" if count < 10**15 else f"about 10^{int(math.log10(count))}"
 
 
 def estimate_memory(config: ModelConfig, bytes_per_value: int = 4) -> int:

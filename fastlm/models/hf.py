@@ -15,6 +15,7 @@ projections concatenated; GPT-2's Conv1D stores (in, out), the transpose of our 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from fastlm.models.config import GPT2Config, LlamaConfig, ModelConfig
+from fastlm.models.build import describe_count, num_parameters
 from fastlm.models.decoder import DecoderLM, build_model
 
 DecoderConfigType = GPT2Config | LlamaConfig
@@ -96,7 +98,11 @@ def config_from_hf(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> DecoderC
         raise ConfigError(ConfigIssue("model_type", "unsupported architecture", model_type, source,
                                       f"fastlm converts {', '.join(SUPPORTED_TYPES)}"))
     reader = _Reader(hf, model_type, source)
-    fields = _gpt2_fields(reader) if model_type == "gpt2" else _llama_fields(reader, model_type)
+    try:
+        fields = _gpt2_fields(reader) if model_type == "gpt2" else _llama_fields(reader, model_type)
+    except (TypeError, AttributeError, ValueError, OverflowError, ZeroDivisionError) as error:
+        raise ConfigError(ConfigIssue("", f"a field has the wrong type or value ({error})", source=source,
+                                      hint="compare config.json with one written by save_pretrained")) from None
     if reader.issues:
         raise ConfigError(reader.issues)
     try:
@@ -356,9 +362,11 @@ def to_fastlm_state(tensors: StateDict, config: DecoderConfigType, source: str =
         pieces = [tensors[name].t() if rule.transpose else tensors[name] for name in rule.theirs]
         if rule.sizes is not None:
             for name, piece, rows in zip(rule.theirs, pieces, rule.sizes):
-                if piece.shape[0] != rows:
-                    issues.append(ConfigIssue(name, f"expected {rows} rows", tuple(piece.shape), source))
-        state[rule.ours] = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
+                if piece.dim() == 0 or piece.shape[0] != rows or piece.shape[1:] != pieces[0].shape[1:]:
+                    issues.append(ConfigIssue(name, f"expected {rows} rows of {tuple(pieces[0].shape[1:])}",
+                                              tuple(piece.shape), source))
+        if not issues:
+            state[rule.ours] = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
     if issues:
         raise ConfigError(issues)
     return state
@@ -376,28 +384,67 @@ def to_hf_state(state: Mapping[str, torch.Tensor], config: DecoderConfigType) ->
 
 
 # --- files ----------------------------------------------------------------------------------------
-def read_hf_config(directory: str | Path) -> dict[str, Any]:
-    path = Path(directory) / CONFIG_FILE
+MAX_JSON_BYTES = 64 << 20  # config.json is KiBs; a 10k-tensor index a few MiB
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object from a file that may be hostile (huge, deep, not UTF-8, not an object): `ConfigError`."""
     if not path.is_file():
-        raise ConfigError(ConfigIssue("", f"not a Hugging Face checkpoint directory: {path} is missing",
-                                      source=str(directory), hint="point at a folder with config.json + *.safetensors"))
+        raise ConfigError(ConfigIssue("", f"{path} is not a regular file", source=str(path.parent)))
+    with path.open("rb") as handle:
+        raw = handle.read(MAX_JSON_BYTES + 1)
+    if len(raw) > MAX_JSON_BYTES:
+        raise ConfigError(ConfigIssue("", f"{path} is larger than {MAX_JSON_BYTES >> 20} MiB", source=str(path)))
     try:
-        loaded = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as error:
-        raise ConfigError(ConfigIssue("", f"{path} is not valid JSON: {error}", source=str(path))) from None
+        loaded = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as error:
+        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+        raise ConfigError(ConfigIssue("", f"{path} is not valid JSON: {reason}", source=str(path))) from None
     if not isinstance(loaded, dict):
         raise ConfigError(ConfigIssue("", f"{path} must hold a JSON object", type(loaded).__name__, str(path)))
     return loaded
 
 
+def read_hf_config(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / CONFIG_FILE
+    if not path.exists():
+        raise ConfigError(ConfigIssue("", f"not a Hugging Face checkpoint directory: {path} is missing",
+                                      source=str(directory), hint="point at a folder with config.json + *.safetensors"))
+    return _read_json_object(path)
+
+
+def _inside(directory: Path, name: Any, source: Path) -> Path:
+    """`directory / name`, refused unless it stays inside `directory` (after following symlinks)."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(ConfigIssue("weight_map", "file names must be non-empty strings", name, str(source)))
+    root = directory.resolve()
+    path = (directory / name).resolve()
+    if not path.is_relative_to(root):
+        raise ConfigError(ConfigIssue("weight_map", f"{name} points outside {root}", name, str(source),
+                                      "a checkpoint's weight files must lie in its folder"))
+    return path
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those its index names, else every *.safetensors, all inside it."""
+    index = directory / INDEX_FILE
+    if index.exists():
+        weight_map = _read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConfigError(ConfigIssue("weight_map", "must map tensor names to file names",
+                                          type(weight_map).__name__, str(index)))
+        files = sorted({_inside(directory, name, index) for name in weight_map.values()})
+        for file in files:
+            if not file.is_file():
+                raise ConfigError(ConfigIssue("", f"{file} is listed in {INDEX_FILE} but missing", source=str(index)))
+        return files
+    return sorted(_inside(directory, path.name, directory) for path in directory.glob("*.safetensors"))
+
+
 def read_hf_tensors(directory: str | Path) -> StateDict:
     """All tensors of a (possibly sharded) safetensors checkpoint, on CPU, in the stored dtype."""
     directory = Path(directory)
-    index = directory / INDEX_FILE
-    if index.is_file():
-        files = sorted({directory / name for name in json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()})
-    else:
-        files = sorted(directory.glob("*.safetensors"))
+    files = weight_files(directory)
     if not files:
         pickled = [p.name for p in directory.glob("*.bin")]
         hint = (f"found {pickled}: pickle checkpoints are not loaded; re-save with save_pretrained(safe_serialization=True)"
@@ -406,9 +453,42 @@ def read_hf_tensors(directory: str | Path) -> StateDict:
     tensors: StateDict = {}
     for file in files:
         if not file.is_file():
-            raise ConfigError(ConfigIssue("", f"{file} is listed in {INDEX_FILE} but missing", source=str(index)))
-        tensors.update(load_file(str(file), device="cpu"))
+            raise ConfigError(ConfigIssue("", f"{file} is not a regular file", source=str(directory)))
+        try:
+            tensors.update(load_file(str(file), device="cpu"))
+        except Exception as error:  # noqa: BLE001 - safetensors raises its own error type for any bad header
+            raise ConfigError(ConfigIssue("", f"{file} is not a readable safetensors file: {str(error)[:200]}",
+                                          source=str(directory))) from None
     return tensors
+
+
+def available_memory() -> int:
+    """Bytes this process may still allocate: MemAvailable, lowered by a cgroup (container) limit."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        available = int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    try:
+        limit, used = (Path("/sys/fs/cgroup", name).read_text().strip() for name in ("memory.max", "memory.current"))
+        if limit != "max":
+            available = min(available, int(limit) - int(used))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def check_fits_memory(config: DecoderConfigType, source: str, bytes_per_value: int = 4) -> None:
+    """Refuse, with the numbers, a model whose weights (fp32 on CPU) cannot fit the memory left, before
+    anything is allocated: a hostile config.json would otherwise allocate until the machine gives out."""
+    count = num_parameters(config)
+    needed = count * bytes_per_value
+    available = available_memory()
+    if needed > available:
+        raise ConfigError(ConfigIssue("", f"the model has {describe_count(count)} parameters: "
+                                      f"{describe_count(needed // 2**30)} GiB as fp32, "
+                                      f"but only {available / 2**30:,.1f} GiB of memory is available", source=source,
+                                      hint="check hidden_size / num_hidden_layers / vocab_size in config.json"))
 
 
 def _architecture(config: DecoderConfigType) -> dict[str, Any]:
@@ -451,7 +531,9 @@ def load_hf_weights_into(model: DecoderLM, directory: str | Path) -> None:
 
 def import_hf(directory: str | Path, device: torch.device | str | None = None) -> DecoderLM:
     """Build the fastlm model a HF checkpoint describes and load its weights."""
-    config = config_from_hf(read_hf_config(directory), str(Path(directory) / CONFIG_FILE))
+    source = str(Path(directory) / CONFIG_FILE)
+    config = config_from_hf(read_hf_config(directory), source)
+    check_fits_memory(config, source)
     model = build_model(config, device)
     load_hf_weights_into(model, directory)
     return model
@@ -490,27 +572,40 @@ def load_fastlm(source: str | Path) -> tuple[DecoderConfigType, StateDict, Token
     """Model config, weights and the run's tokenizer from a `save_fastlm` folder, a checkpoint step folder
     (manifest.json), a checkpoints folder (`latest`) or a run folder (checkpoints/): the newest verified
     checkpoint. The tokenizer is the stored run config's (`data.tokenizer`, else `run.init_path`'s, else bytes)."""
+    from fastlm.config.yaml_reader import parse_yaml, read_config_file
     from fastlm.data.config import TokenizerConfig
-    from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, load_latest_checkpoint
+    from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, CheckpointError, load_checkpoint, load_latest_checkpoint
 
     path = Path(source)
-    if (path / FASTLM_CONFIG_FILE).is_file():
-        stored = yaml.safe_load((path / FASTLM_CONFIG_FILE).read_text(encoding="utf-8"))
-    else:
-        if not (path / MANIFEST_FILE).is_file():
-            folder = path if (path / LATEST_FILE).is_file() else path / "checkpoints"
-            path = load_latest_checkpoint(folder).path
-        stored = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))["config"]
+    try:  # the stored config is read as hostile as any: bounded YAML, or a verified checkpoint's manifest
+        if (path / FASTLM_CONFIG_FILE).is_file():
+            stored = parse_yaml(read_config_file(path / FASTLM_CONFIG_FILE, str(path)), str(path / FASTLM_CONFIG_FILE))
+        elif (path / MANIFEST_FILE).is_file():
+            stored = load_checkpoint(path).config
+        else:
+            folder = path if (path / LATEST_FILE).exists() else path / "checkpoints"
+            loaded = load_latest_checkpoint(folder)
+            path, stored = loaded.path, loaded.config
+    except CheckpointError as error:
+        raise ConfigError(ConfigIssue("", str(error), source=str(source))) from None
     try:
-        config = TypeAdapter(ModelConfig).validate_python(stored["model"])
+        if not isinstance(stored, dict) or not isinstance(stored.get("data", {}), dict):
+            raise ValueError(f"expected a mapping with a 'model' section, got {type(stored).__name__}")
+        config = TypeAdapter(ModelConfig).validate_python(stored.get("model"))
         tokenizer_config = TypeAdapter(TokenizerConfig | None).validate_python(stored.get("data", {}).get("tokenizer"))
-    except ValidationError as error:
+        init_path = (stored.get("run") or {}).get("init_path")
+    except (ValidationError, ValueError, AttributeError) as error:
         raise ConfigError(f"{path}: stored config is invalid: {error}") from None
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
         raise ConfigError(ConfigIssue("", f"{weights} is missing", source=str(path)))
-    tokenizer = build_tokenizer(tokenizer_config, stored.get("run", {}).get("init_path"))
-    return config, load_file(str(weights), device="cpu"), tokenizer
+    tokenizer = build_tokenizer(tokenizer_config, init_path)
+    try:
+        state = load_file(str(weights), device="cpu")
+    except Exception as error:  # noqa: BLE001 - safetensors raises its own error type for any bad header
+        raise ConfigError(ConfigIssue("", f"{weights} is not a readable safetensors file: {str(error)[:200]}",
+                                      source=str(path))) from None
+    return config, state, tokenizer
 
 
 def convert_command(from_hf: str | None, to: str | None, from_fastlm: str | None, to_hf: str | None) -> int:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.data.config import OfflineRLSource
 from fastlm.data.offline_rl import load_offline_rl

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from fastlm.cli import main
-from fastlm.config.loader import load_config
+from fastlm.run_config.loader import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted(p.relative_to(ROOT) for p in (ROOT / "configs").glob("*.yaml"))

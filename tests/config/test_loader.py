@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastlm.config.errors import ConfigError
-from fastlm.config.loader import dump_config, load_config, load_layers, parse_override
+from fastlm.run_config.loader import dump_config, load_config, load_layers, parse_override
 from fastlm.losses.children import GRPOConfig, ZLossConfig
 from fastlm.models.config import GPT2Config, LlamaConfig
 

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from fastlm.cli import main
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.models.decoder import build_model
 from fastlm.models.hf import export_hf
@@ -103,8 +103,9 @@ def test_micro_batch_larger_than_the_data(tmp_path: Path, capsys: pytest.Capture
 
 
 def test_dry_run_prints_the_data_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["train", "--dry-run", str(_write_config(tmp_path)), "data.eval_fraction=0.1",
-                 "trainer.eval_every=1", "trainer.grad_accumulation=2"]) == 0
+    with pytest.warns(UserWarning, match=r"eval split packs into \d+ rows, and one evaluation reads 32"):
+        assert main(["train", "--dry-run", str(_write_config(tmp_path)), "data.eval_fraction=0.1",
+                     "trainer.eval_every=1", "trainer.eval_batches=8", "trainer.grad_accumulation=2"]) == 0
     out = capsys.readouterr().out
     print(out)
     assert "data: train 54 documents" in out and "data: eval 6 documents" in out

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from fastlm.config.checks import cross_check
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.checks import cross_check
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.config import HuggingFaceTokenizerConfig
 from fastlm.data.hf_tokenizer import HuggingFaceTokenizer
 from fastlm.data.tokenizer import ByteTokenizer, TokenizerError, build_tokenizer

@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.config import DataConfig
 from fastlm.data.datasets import DataError
 from fastlm.data.memmap import memmap_loaders

@@ -13,7 +13,7 @@ import yaml
 from datasets import Dataset
 
 from fastlm.cli import main
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import batch_from_rows
 from fastlm.data.config import DataConfig, HuggingFaceTokenizerConfig, JsonlSource, MemmapSource
 from fastlm.data.datasets import DataError, load_documents, pack_documents
@@ -98,6 +98,14 @@ def test_damaged_prepared_sets_are_refused_with_the_fix(tmp_path: Path, bpe_dir:
     out = _prepare(tmp_path, _jsonl(tmp_path / "d.jsonl"))
     with pytest.raises(DataError, match=r"prepared with tokenizer byte .* but the run uses huggingface:.*prepare it again"):
         open_prepared(out, build_tokenizer(HuggingFaceTokenizerConfig(path=str(bpe_dir("llama")))))
+    offsets = np.load(out / "documents.npy")
+    np.save(out / "documents.npy", offsets[:-1])  # an index that lost its last document
+    with pytest.raises(DataError, match=r"documents.npy: holds 40 offsets .* metadata says 40 documents"):
+        open_prepared(out, ByteTokenizer())
+    (out / "documents.npy").write_bytes(b"garbage")
+    with pytest.raises(DataError, match=r"documents.npy: unreadable"):
+        open_prepared(out, ByteTokenizer())
+    np.save(out / "documents.npy", offsets)
     tokens = out / TOKENS_FILE
     tokens.write_bytes(tokens.read_bytes()[:-6])
     with pytest.raises(DataError, match=r"tokens.bin: \d+ bytes, but .*metadata.json says \d+ .*truncated"):

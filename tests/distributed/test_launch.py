@@ -39,7 +39,7 @@ import sys
 
 import torch
 
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.engine.distributed import run_distributed
 from fastlm.engine.trainer import Trainer
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

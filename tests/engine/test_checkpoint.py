@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.engine.checkpoint import CheckpointError, load_latest_checkpoint
 from fastlm.engine.trainer import StepResult, Trainer
 from fastlm.logging.jsonl import read_metrics

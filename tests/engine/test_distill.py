@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from fastlm.config.errors import ConfigError
-from fastlm.config.loader import load_config
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.loader import load_config
+from fastlm.run_config.schema import RunConfig
 from fastlm.engine.distill import DistillationTrainer
 from fastlm.engine.select import trainer_class_for
 from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
-from fastlm.logging.wandb_reader import read_wandb_run
+from wandb_reader import read_wandb_run
 from fastlm.losses.spec import IGNORE_INDEX
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastlm.config.checks import cross_check
+from fastlm.run_config.checks import cross_check
 from fastlm.config.errors import ConfigError
-from fastlm.config.loader import load_config
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.loader import load_config
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.config import PreferencesJsonlSource
 from fastlm.data.datasets import DataError
 from fastlm.data.preferences import PreferenceBatch, pack_pairs, read_preference_jsonl
@@ -25,7 +25,7 @@ from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.dpo import DPOTrainer
 from fastlm.engine.select import trainer_class_for
 from fastlm.logging.jsonl import read_metrics
-from fastlm.logging.wandb_reader import read_wandb_run
+from wandb_reader import read_wandb_run
 from fastlm.losses.spec import IGNORE_INDEX
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

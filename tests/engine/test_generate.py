@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastlm.cli import main
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.generate import LoadedModel, sampling_options

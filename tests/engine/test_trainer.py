@@ -9,11 +9,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import Batch
+from fastlm.engine.run_dir import RunDirError
 from fastlm.engine.trainer import NonFiniteError, Trainer
 from fastlm.logging.jsonl import read_metrics
-from fastlm.logging.wandb_reader import read_wandb_run
+from wandb_reader import read_wandb_run
 
 
 def test_tiny_llama_learns_and_logs(tiny_config: Callable[..., RunConfig], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,8 +134,7 @@ def test_init_path_starts_from_hf_weights(tiny_config: Callable[..., RunConfig],
 
 def test_fresh_run_refuses_an_earlier_runs_directory_unless_overwrite(tmp_path: Path) -> None:
     """Running again without --resume must not append to the old metrics or prune its checkpoints."""
-    from fastlm.config.loader import load_config
-    from fastlm.engine.checkpoint import CheckpointError
+    from fastlm.run_config.loader import load_config
 
     overrides = [f"run.output_dir={tmp_path}/run", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
                  "model.num_kv_heads=1", "model.intermediate_size=64", "data.seq_len=16", "data.micro_batch_size=2",
@@ -143,7 +143,7 @@ def test_fresh_run_refuses_an_earlier_runs_directory_unless_overwrite(tmp_path: 
     Trainer(load_config(None, overrides)).train()
     metrics = tmp_path / "run" / "metrics.jsonl"
     before = metrics.read_text()
-    with pytest.raises(CheckpointError, match="already holds an earlier run .*--resume.*run.overwrite=true"):
+    with pytest.raises(RunDirError, match="already holds an earlier run .*--resume.*run.overwrite=true"):
         Trainer(load_config(None, overrides)).train()
     assert metrics.read_text() == before
     summary = Trainer(load_config(None, [*overrides, "run.overwrite=true"])).train()

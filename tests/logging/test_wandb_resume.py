@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from fastlm.cli import main
-from fastlm.config.loader import load_config
+from fastlm.run_config.loader import load_config
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.trainer import Trainer
 
@@ -27,8 +27,9 @@ def _config_file(tmp_path: Path) -> Path:
 
 
 def _offline_runs(run_dir: Path) -> list[str]:
-    """The wandb run id of every offline run directory (offline-run-<time>-<id>), in creation order."""
-    return [path.name.rsplit("-", 1)[1] for path in sorted((run_dir / "wandb").glob("offline-run-*"))]
+    """The wandb run id of every offline run directory (offline-run-<date>_<time>-<id>, with a "-N" suffix
+    when a resume starts within the same second), in creation order."""
+    return [path.name.split("-")[3] for path in sorted((run_dir / "wandb").glob("offline-run-*"))]
 
 
 def test_resume_continues_the_wandb_run_and_a_finished_run_is_left_alone(

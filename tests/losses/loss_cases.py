@@ -22,6 +22,8 @@ CHILDREN = {
     "cispo": lambda w, **o: CISPO("cispo", w, **{"eps_high": 0.3, **o}),
     "kd": lambda w, **o: Distillation("kd", w, **{"temperature": 1.7, **o}),
     "kd_rev": lambda w, **o: Distillation("kd", w, **{"temperature": 1.7, "reverse": True, **o}),
+    "kd_both": lambda w, **o: Distillation("kd", w, **{"temperature": 1.7, "tempered_student": True, **o}),
+    "kd_rev_both": lambda w, **o: Distillation("kd", w, **{"temperature": 1.7, "reverse": True, "tempered_student": True, **o}),
 }
 
 

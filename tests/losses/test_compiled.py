@@ -11,6 +11,7 @@ from fastlm.losses.compiled import compiled_loss
 SUBSETS = [
     "ce", "z", "grpo", "gspo", "gspo_len", "kd", "kd_rev",
     "ce+z", "grpo+z", "gspo+z", "ce+grpo", "ce+kd", "ce+kd_rev", "ce+z+grpo", "ce+z+gspo+kd",
+    "kd_both", "ce+kd_rev_both", "ce+z+grpo+kd_both",  # distillation temperature_mode both
 ]
 
 

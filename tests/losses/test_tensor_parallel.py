@@ -6,6 +6,7 @@ import os
 import socket
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -40,8 +41,8 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_vocab_parallel_matches_reference() -> None:
-    kinds = "ce+z+gspo+kd_rev"
+@pytest.mark.parametrize("kinds", ["ce+z+gspo+kd_rev", "ce+grpo+kd_both"])
+def test_vocab_parallel_matches_reference(kinds: str) -> None:
     with mp.Manager() as manager:
         errors = manager.dict()
         mp.spawn(_rank, args=(_free_port(), kinds, errors), nprocs=2, join=True)

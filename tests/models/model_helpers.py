@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import yaml
 
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.models.config import GPT2Config, LlamaConfig
 from fastlm.models.decoder import DecoderLM, build_model
 

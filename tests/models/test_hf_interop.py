@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from fastlm.cli import main
 from fastlm.config.errors import ConfigError
-from fastlm.config.loader import load_config
+from fastlm.run_config.loader import load_config
 from fastlm.losses.spec import LossNormalizers, LossTargets
 from fastlm.models.config import GPT2Config, LlamaConfig
 from fastlm.models.decoder import build_model
@@ -277,7 +277,7 @@ def test_cli_convert_both_ways(saved: Callable[..., tuple[torch.nn.Module, Path]
 def test_training_round_trip_stays_loadable(saved: Callable[..., tuple[torch.nn.Module, Path]], tmp_path: Path) -> None:
     """HF checkpoint -> Trainer started from run.init_path (a few steps, real checkpoint) -> convert --to-hf
     -> transformers loads it and computes the trained model's logits."""
-    from fastlm.config.schema import RunConfig
+    from fastlm.run_config.schema import RunConfig
     from fastlm.engine.trainer import Trainer
 
     reference, directory = saved("qwen2")

@@ -22,8 +22,8 @@ from pydantic import BaseModel
 
 from fastlm.cli import main
 from fastlm.config.errors import ConfigError
-from fastlm.config.loader import _unwrap, load_config
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.loader import _unwrap, load_config
+from fastlm.run_config.schema import RunConfig
 
 FUZZ_EXAMPLES = int(os.environ.get("FASTLM_FUZZ_EXAMPLES", "120"))
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from crash_harness import ROOT, write_config
 
-from fastlm.config.loader import load_config
+from fastlm.run_config.loader import load_config
 from fastlm.data.batch import Batch
 from fastlm.data.config import DataConfig, JsonlSource
 from fastlm.data.datasets import DataError

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fastlm.config.loader import load_config
+from fastlm.run_config.loader import load_config
 from fastlm.data.tasks import AdditionTask, Problem, score
 from fastlm.logging.jsonl import read_metrics
-from fastlm.logging.wandb_reader import read_wandb_run
+from wandb_reader import read_wandb_run
 from fastlm.rl.trainer import COMPLETIONS_KEY, RLTrainer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

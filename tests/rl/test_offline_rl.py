@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.datasets import DataError
 from fastlm.data.offline_rl import load_offline_rl, write_offline_rl
 from fastlm.data.tokenizer import ByteTokenizer

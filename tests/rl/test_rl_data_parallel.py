@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.data.tasks import AdditionTask, Problem, score
 from fastlm.data.tokenizer import EOS, ByteTokenizer

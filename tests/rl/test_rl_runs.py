@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from fastlm.config.loader import load_config
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.loader import load_config
+from fastlm.run_config.schema import RunConfig
 from fastlm.engine.select import trainer_class_for
 from fastlm.logging.jsonl import read_metrics
-from fastlm.logging.wandb_reader import read_wandb_run
+from wandb_reader import read_wandb_run
 from fastlm.rl.trainer import COMPLETIONS_KEY, RLSummary, RLTrainer, window_means
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fastlm.config.loader import load_config
+from fastlm.run_config.loader import load_config
 from fastlm.logging.jsonl import read_metrics
 from fastlm.rl.rewards import RewardError
 from fastlm.rl.trainer import RLTrainer

@@ -5,8 +5,9 @@ Every path iterates `spec.children` and asks each child, never branches on a kin
 - the torch tail (`coefficients.tail`, used by the compiled path and the tensor-parallel Triton
   path) calls `child.tail(inputs, out)`: the child adds its loss and metric sums and its gradient
   coefficients to `out`;
-- the fused Triton launch asks `child.kernel_arguments(...)` for its constexpr slot (`ROW_<KIND>`,
-  the first row of its terms in the (K, T) buffer) and its numbers; `kernel_absent()` gives the
+- the fused Triton launch asks `child.kernel_arguments(row)` for its constexpr slot (`ROW_<KIND>`,
+  the first row of its terms in the (K, T) buffer) and its numbers, `child.kernel_tensors(...)` for
+  per-call tensors; `kernel_absent()` gives the
   values of an absent child; `fused_keys()` names the rows the kernel writes for it;
 - the reference (`reference.reference_loss`) calls `child.reference(inputs)`: plain autograd.
 
@@ -40,6 +41,10 @@ class ChildConfig(ConfigModel):
         """The plain object the loss paths run (no pydantic past this point)."""
         raise NotImplementedError
 
+    def triton_unsupported(self) -> str | None:
+        """Why the fused Triton kernel cannot run this child as configured (None: it can)."""
+        return None
+
 
 @dataclass
 class TailInputs:
@@ -52,11 +57,13 @@ class TailInputs:
     targets: LossTargets
     normalizers: LossNormalizers
     dtype: torch.dtype
+    from_kernel: bool = False  # `stats` are the fused kernel's state rows (0 on masked tokens), whose
+    # launch also wrote every child's `fused_keys` rows
     _masked: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def _get(self, name: str, values: torch.Tensor) -> torch.Tensor:
+    def _get(self, name: str, values: torch.Tensor, premasked: bool = False) -> torch.Tensor:
         if name not in self._masked:
-            self._masked[name] = masked(values, self.mask, self.dtype)
+            self._masked[name] = values.to(self.dtype) if premasked else masked(values, self.mask, self.dtype)
         return self._masked[name]
 
     @property
@@ -65,19 +72,19 @@ class TailInputs:
 
     @property
     def lse(self) -> torch.Tensor:  # log sum_j exp(x_tj)
-        return self._get("lse", self.stats["lse"])
+        return self._get("lse", self.stats["lse"], self.from_kernel)
 
     @property
     def new_logp(self) -> torch.Tensor:  # x_{t,y} - lse_t
-        return self._get("new_logp", self.stats["new_logp"])
+        return self._get("new_logp", self.stats["new_logp"], self.from_kernel)
 
     @property
     def entropy(self) -> torch.Tensor:  # lse_t - sum_j p_tj x_tj
-        return self._get("entropy", self.stats["entropy"])
+        return self._get("entropy", self.stats["entropy"], self.from_kernel)
 
     def stat(self, name: str) -> torch.Tensor:
         """Another vocab-pass statistic (teacher_kl, teacher_gap)."""
-        return self._get(name, self.stats[name])
+        return self._get(name, self.stats[name], self.from_kernel)
 
     def target(self, name: str) -> torch.Tensor:
         """A per-token target (old_logp, advantages, ref_logp)."""
@@ -148,9 +155,18 @@ class LossChild:
         """(is a loss, result key) of each (K, T) row the fused kernel writes for this child, in kernel order."""
         return ()
 
-    def kernel_arguments(self, row: int, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
-        """This child's slot of the fused kernel: `ROW_<KIND>` (its first term row) and its numbers."""
+    def kernel_arguments(self, row: int) -> dict[str, Any]:
+        """This child's slot of the fused kernel: `ROW_<KIND>` (its first term row), its numbers and
+        constexprs (the same every call of a spec: the launcher caches them)."""
         return {}
+
+    def kernel_tensors(self, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
+        """Per-call tensors of this child's slot (e.g. per-token weights); none by default."""
+        return {}
+
+    def kernel_supported(self) -> bool:
+        """Whether the fused kernel runs this child as configured (its kind has a slot: `kernel`)."""
+        return self.kernel
 
     def kernel_x_term(self) -> bool:
         """Whether the fused kernel's coefficients of this child include a `p_j * x_j` term."""

@@ -69,8 +69,11 @@ class CISPO(PolicyChild):
     def fused_keys(self) -> tuple[tuple[bool, str], ...]:
         return self.fused_metric_keys(self.metric_names())
 
-    def kernel_arguments(self, row: int, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
-        return {**self.policy_kernel_arguments("cispo", row, targets, normalizers), "cispo_cap": 1.0 + self.eps_high}
+    def kernel_arguments(self, row: int) -> dict[str, Any]:
+        return {**self.policy_kernel_arguments("cispo", row), "cispo_cap": 1.0 + self.eps_high}
+
+    def kernel_tensors(self, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
+        return self.policy_kernel_tensors("cispo", targets, normalizers)
 
     @classmethod
     def kernel_absent(cls) -> dict[str, Any]:

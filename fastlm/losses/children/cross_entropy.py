@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fastlm.losses.children.base import ChildConfig, LossChild, ReferenceInputs, Tail, TailInputs
-from fastlm.losses.spec import LossNormalizers, LossTargets, safe_inverse
+from fastlm.losses.spec import safe_inverse
 
 
 class CrossEntropyConfig(ChildConfig):
@@ -35,7 +35,7 @@ class CrossEntropy(LossChild):
     def fused_keys(self) -> tuple[tuple[bool, str], ...]:
         return ((True, self.name),)
 
-    def kernel_arguments(self, row: int, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
+    def kernel_arguments(self, row: int) -> dict[str, Any]:
         return {"ROW_CE": row, "ce_weight": float(self.weight)}
 
     @classmethod

@@ -1,5 +1,10 @@
 """Distillation: KL between the tempered teacher q = softmax(t / T) and the student p = softmax(x).
 
+`temperature_mode: both` (Hinton; TRL's GKD) tempers the student too, p_T = softmax(x / T), and
+scales the loss by T^2: `T^2 KL(q || p_T)`, gradient `T (p_T - q)` (forward; reverse
+`T p_T ((x/T - u) - E_pT[x/T - u])`), the whole term per element (`tempered_student`); the compiled
+path runs it (a second student softmax at x/T in the same vocab pass), the fused kernel does not yet.
+
 Gradient with k_t = w/N on unmasked tokens (shared/design/losses.md):
 - forward KL(q || p): d/dx_j = k*(p_j - q_j): `prob += k`, teacher term `-k*q_j`;
 - reverse KL(p || q) = sum_j p_j l_j with l_j = log p_j - log q_j: d/dx_j = k*p_j*(l_j - KL)
@@ -18,7 +23,7 @@ import torch
 from pydantic import Field
 
 from fastlm.losses.children.base import ChildConfig, LossChild, ReferenceInputs, Tail, TailInputs
-from fastlm.losses.spec import LossNormalizers, LossTargets, safe_inverse
+from fastlm.losses.spec import LossTargets, safe_inverse
 
 
 class DistillationConfig(ChildConfig):
@@ -27,44 +32,84 @@ class DistillationConfig(ChildConfig):
     kl: Literal["forward", "reverse"] = Field(
         "forward", description="forward: KL(teacher || student); reverse: KL(student || teacher)."
     )
+    temperature_mode: Literal["teacher", "both"] = Field(
+        "teacher",
+        description="teacher: only the teacher is divided by T; both: student and teacher, loss times T^2 (Hinton, TRL's GKD).",
+    )
     teacher_path: str | None = Field(
         None, description="Checkpoint directory of the frozen teacher; None means the batch brings teacher logits."
     )
 
     def to_child(self, name: str) -> "Distillation":
-        return Distillation(name, self.weight, self.temperature, self.kl == "reverse")
+        return Distillation(name, self.weight, self.temperature, self.kl == "reverse", self.temperature_mode == "both")
+
+    def triton_unsupported(self) -> str | None:
+        if self.temperature_mode == "both" and self.temperature != 1.0:
+            return "temperature_mode both at temperature != 1 runs in the compiled path only (the kernel has no tempered student softmax)"
+        return None
 
 
 @dataclass(frozen=True)
 class Distillation(LossChild):
     temperature: float = 1.0
     reverse: bool = False
+    tempered_student: bool = False  # temperature_mode both: p_T = softmax(x / T), loss T^2 KL
+
+    @property
+    def student_inv_temperature(self) -> float:
+        """1/T when the student is tempered too, else 1 (then p_T = p)."""
+        return 1.0 / self.temperature if self.tempered_student else 1.0
+
+    @property
+    def loss_scale(self) -> float:
+        """T^2 with a tempered student (keeps the gradient's scale independent of T), else 1."""
+        return self.temperature**2 if self.tempered_student else 1.0
+
+    def token_stats(
+        self, student_lse: torch.Tensor, teacher_lse: torch.Tensor, cross: torch.Tensor, student_sum: torch.Tensor,
+        teacher_sum: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """The KL per token and its mean gap from a vocab pass's mergeable sums (compiled chunks, or the
+        kernel's shards merged over tensor parallelism): `cross` = sum_j e_s,j (x_s,j - u_j) (reverse)
+        or sum_j e_q,j (u_j - x_s,j) (forward), with e_s, e_q the unnormalised student and teacher
+        softmax terms of sums `student_sum`, `teacher_sum` and log-partitions `student_lse`, `teacher_lse`."""
+        if self.reverse:
+            gap = cross / student_sum  # E_ps[x_s - u]
+            return {"teacher_kl": gap - student_lse + teacher_lse, "teacher_gap": gap}
+        gap = cross / teacher_sum  # E_q[u - x_s]
+        return {"teacher_kl": gap - teacher_lse + student_lse, "teacher_gap": gap}
+
+    def kernel_supported(self) -> bool:
+        return self.student_inv_temperature == 1.0
 
     kind = "distillation"
     reads = ("teacher_logits",)
     uses_teacher = True
 
     def tail(self, inputs: TailInputs, out: Tail) -> None:
-        out.loss(self.name, inputs.stat("teacher_kl"), inputs.per_token)
+        out.loss(self.name, inputs.stat("teacher_kl"), inputs.per_token * self.loss_scale)
         if self.weight == 0:
             return
         k = inputs.mask.to(inputs.dtype) * (self.weight * inputs.per_token)
+        if self.tempered_student:  # T^2 * d KL_T / dx = T * (p_T - q) ...: all in the teacher term
+            out.teacher = k * self.temperature
+            return
         out.teacher = k
         out.prob += -k * inputs.stat("teacher_gap") if self.reverse else k
 
     def reference(self, inputs: ReferenceInputs) -> torch.Tensor:
-        student = inputs.log_probs
+        student = torch.log_softmax(inputs.x / self.temperature, dim=-1) if self.tempered_student else inputs.log_probs
         teacher = torch.log_softmax(inputs.targets.teacher_logits.to(student.dtype) / self.temperature, dim=-1)
         if self.reverse:
             per_token = (student.exp() * (student - teacher)).sum(-1)
         else:
             per_token = (teacher.exp() * (teacher - student)).sum(-1)
-        return (per_token * inputs.mask).sum() * safe_inverse(inputs.normalizers.tokens)
+        return (per_token * inputs.mask).sum() * safe_inverse(inputs.normalizers.tokens) * self.loss_scale
 
     def fused_keys(self) -> tuple[tuple[bool, str], ...]:
         return ((True, self.name),)
 
-    def kernel_arguments(self, row: int, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
+    def kernel_arguments(self, row: int) -> dict[str, Any]:
         return {"ROW_KD": row, "kd_weight": float(self.weight), "inv_temperature": 1.0 / self.temperature,
                 "KD_REVERSE": self.reverse}
 

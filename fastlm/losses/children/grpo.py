@@ -50,12 +50,12 @@ def clipped_surrogate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss -min(min(r, delta) A, clip(r) A), slope r*A where the unclipped term is active, else 0)."""
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    capped = ratio.clamp(max=delta) if delta != float("inf") else ratio
+    dual = delta != float("inf")
+    capped = ratio.clamp(max=delta) if dual else ratio
     loss = -torch.minimum(capped * advantage, clipped * advantage)
-    upper = ratio <= 1.0 + eps_high
-    lower = (ratio >= 1.0 - eps_low) & (ratio <= delta)
-    slope = ratio * (advantage.clamp(min=0) * upper + advantage.clamp(max=0) * lower)
-    return loss, slope
+    lower = (ratio >= 1.0 - eps_low) & (ratio <= delta) if dual else ratio >= 1.0 - eps_low
+    active = torch.where(advantage >= 0, ratio <= 1.0 + eps_high, lower)
+    return loss, ratio * advantage * active
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,12 @@ class GRPO(PolicyChild):
     def fused_keys(self) -> tuple[tuple[bool, str], ...]:
         return self.fused_metric_keys(self.metric_names())
 
-    def kernel_arguments(self, row: int, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
-        return {**self.policy_kernel_arguments("grpo", row, targets, normalizers), "eps_low": float(self.eps_low),
+    def kernel_arguments(self, row: int) -> dict[str, Any]:
+        return {**self.policy_kernel_arguments("grpo", row), "eps_low": float(self.eps_low),
                 "eps_high": float(self.eps_high), "grpo_delta": min(float(self.delta), 3.0e38)}
+
+    def kernel_tensors(self, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
+        return self.policy_kernel_tensors("grpo", targets, normalizers)
 
     @classmethod
     def kernel_absent(cls) -> dict[str, Any]:

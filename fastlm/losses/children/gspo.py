@@ -24,11 +24,11 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from fastlm.losses.children.base import ReferenceInputs, Tail, TailInputs
+from fastlm.losses.children.base import ReferenceInputs, Tail, TailInputs, metric_key
 from fastlm.losses.children.grpo import RATIO_METRICS, ClippedPolicyConfig, clipped_surrogate
 from fastlm.losses.children.policy import LossType, PolicyChild, document_slots, dual_clip
 from fastlm.losses.metrics import clip_fractions
-from fastlm.losses.spec import LossNormalizers, LossTargets, safe_inverse
+from fastlm.losses.spec import safe_inverse
 
 
 class GSPOConfig(ClippedPolicyConfig):
@@ -62,30 +62,32 @@ class GSPO(PolicyChild):
 
     def tail(self, inputs: TailInputs, out: Tail) -> None:
         mask, dtype = inputs.mask, inputs.dtype
-        w = self.aggregation(inputs)
-        token_w = mask.to(dtype) * w if isinstance(w, float) else w
         slot = document_slots(inputs.targets.document_ids, mask)
-        per_token = torch.stack(
-            [mask.to(dtype), inputs.new_logp - inputs.target("old_logp"), inputs.target("advantages"), token_w], dim=1
-        )
-        sums = per_token.new_zeros((slot.numel() + 2, 4)).index_add_(0, slot, per_token)
-        lengths, document_w = sums[:, 0], sums[:, 3]
+        per_token = torch.stack([mask.to(dtype), inputs.new_logp - inputs.target("old_logp"), inputs.target("advantages")],
+                                dim=1)
+        sums = per_token.new_zeros((slot.numel() + 2, 3)).index_add_(0, slot, per_token)
+        lengths = sums[:, 0]
         present = lengths > 0
+        document_w = self.document_weights(lengths, present, mask, inputs.normalizers)
         divisor = lengths.clamp(min=1.0)  # empty slots divide zeros by 1
         ratio = torch.where(present, torch.exp(sums[:, 1] / divisor), 0.0)
         advantage = sums[:, 2] / divisor
         document_loss, slope = clipped_surrogate(ratio, advantage, self.eps_low, self.eps_high, self.delta)
         document_terms = document_loss * document_w
-        extra = self.regularizers(inputs, w, out)
-        out.loss(self.name, document_terms if extra is None else torch.cat([document_terms, extra * token_w]))
-        self.token_metrics(inputs, out)
+        extra = None
+        if self.beta > 0 or self.entropy_coeff > 0:  # per-token terms: need w_t itself
+            w = self.aggregation(inputs, slot)
+            extra = self.regularizers(inputs, w, out) * (mask.to(dtype) * w if isinstance(w, float) else w)
+        out.loss(self.name, document_terms if extra is None else torch.cat([document_terms, extra]))
+        if not inputs.from_kernel:  # else the fused launch wrote them (`fused_keys`)
+            self.token_metrics(inputs, out)
         low, high, region = clip_fractions(ratio, advantage, 1.0 - self.eps_low, 1.0 + self.eps_high)
         per_document = safe_inverse(inputs.normalizers.documents)
         for metric, value in zip(RATIO_METRICS, (ratio, advantage, low, high, region), strict=True):
             out.metric(self.name, metric, value, per_document)
         out.metric(self.name, "num_documents", present, 1.0)
         if self.weight != 0:
-            out.add_label_form((slope * document_w / divisor * self.weight)[slot])  # slot 0 (masked): 0
+            out.add_label_form((slope * (document_w / divisor) * self.weight)[slot])  # slot 0 (masked): 0
 
     def reference(self, inputs: ReferenceInputs) -> torch.Tensor:
         mask, targets = inputs.mask, inputs.targets
@@ -103,14 +105,16 @@ class GSPO(PolicyChild):
         return total
 
     def fused_keys(self) -> tuple[tuple[bool, str], ...]:
-        return ()  # the kernel writes the per-token state (launcher.STATE_ROWS); this tail does the rest
+        """The token metrics only: the loss and the document metrics come from this tail, after the
+        launch (which also writes the per-token state, coefficients.STATE_ROWS)."""
+        return tuple((False, metric_key(self.name, name)) for name in self.token_metric_names())
 
-    def kernel_arguments(self, row: int, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
-        return {"ROW_GSPO": 0}
+    def kernel_arguments(self, row: int) -> dict[str, Any]:
+        return {"ROW_GSPO": row, "GSPO_REF": int(self.beta > 0)}
 
     @classmethod
     def kernel_absent(cls) -> dict[str, Any]:
-        return {"ROW_GSPO": -1}
+        return {"ROW_GSPO": -1, "GSPO_REF": 0}
 
 
 

@@ -102,9 +102,10 @@ class PolicyChild(LossChild):
 
     def token_weights(
         self, mask: torch.Tensor, document_ids: torch.Tensor | None, normalizers: LossNormalizers,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype = torch.float32, slot: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """w_t of `loss_type` as a (T,) vector (0 on masked tokens), or None for dapo (the scalar 1/N)."""
+        """w_t of `loss_type` as a (T,) vector (0 on masked tokens), or None for dapo (the scalar 1/N).
+        `slot` (`document_slots`, when the caller has it) saves the document pass of loss_type grpo."""
         if self.loss_type == "dapo":
             return None
         weights = mask.to(dtype)
@@ -113,12 +114,23 @@ class PolicyChild(LossChild):
         sequences = safe_inverse(normalizers.documents)
         if self.loss_type == "dr_grpo":
             return weights * (sequences / self.max_completion_length)
-        slot = document_slots(document_ids, mask)
+        slot = document_slots(document_ids, mask) if slot is None else slot
         lengths = weights.new_zeros(slot.numel() + 2).index_add_(0, slot, weights)
         return weights * sequences / lengths[slot].clamp(min=1.0)
 
-    def aggregation(self, inputs: TailInputs) -> torch.Tensor | float:
-        weights = self.token_weights(inputs.mask, inputs.targets.document_ids, inputs.normalizers, inputs.dtype)
+    def document_weights(self, lengths: torch.Tensor, present: torch.Tensor, mask: torch.Tensor,
+                         normalizers: LossNormalizers) -> torch.Tensor:
+        """W_i = sum of w_t over document i's tokens, from its token count |i| (`lengths`)."""
+        if self.loss_type == "grpo":
+            return present * safe_inverse(normalizers.documents)
+        if self.loss_type == "dapo":
+            return lengths * safe_inverse(normalizers.tokens)
+        if self.loss_type == "bnpo":
+            return lengths / (mask.sum().clamp(min=1) * normalizers.micro_batches)
+        return lengths * (safe_inverse(normalizers.documents) / self.max_completion_length)
+
+    def aggregation(self, inputs: TailInputs, slot: torch.Tensor | None = None) -> torch.Tensor | float:
+        weights = self.token_weights(inputs.mask, inputs.targets.document_ids, inputs.normalizers, inputs.dtype, slot)
         return inputs.per_token if weights is None else weights
 
     # -- shared terms --------------------------------------------------------------------------
@@ -177,18 +189,23 @@ class PolicyChild(LossChild):
 
     # -- the fused kernel's policy slot (GRPO, CISPO) ------------------------------------------
 
-    def policy_kernel_arguments(self, prefix: str, row: int, targets: LossTargets, normalizers: LossNormalizers) -> dict:
-        weights = self.token_weights(targets.labels != IGNORE_INDEX, targets.document_ids, normalizers)
+    def policy_kernel_arguments(self, prefix: str, row: int) -> dict:
         return {
             f"ROW_{prefix.upper()}": row,
             f"{prefix}_weight": float(self.weight),
             f"{prefix}_beta": float(self.beta),
             f"{prefix}_entropy": float(self.entropy_coeff),
-            f"{prefix}_token_weights_ptr": weights,
-            f"{prefix.upper()}_TOKEN_WEIGHTS": weights is not None,
+            f"{prefix.upper()}_TOKEN_WEIGHTS": self.loss_type != "dapo",
             f"{prefix.upper()}_REF": int(self.beta > 0),
             f"{prefix.upper()}_ENTROPY": self.entropy_coeff > 0,
         }
+
+    def policy_kernel_tensors(self, prefix: str, targets: LossTargets, normalizers: LossNormalizers) -> dict:
+        """The per-token weights w_t of a loss_type other than dapo (dapo: the scalar token_scale)."""
+        if self.loss_type == "dapo":
+            return {}
+        mask = targets.labels != IGNORE_INDEX
+        return {f"{prefix}_token_weights_ptr": self.token_weights(mask, targets.document_ids, normalizers)}
 
     def kernel_x_term(self) -> bool:
         return self.entropy_coeff > 0

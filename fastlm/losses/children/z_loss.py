@@ -9,7 +9,7 @@ import torch
 from pydantic import Field
 
 from fastlm.losses.children.base import ChildConfig, LossChild, ReferenceInputs, Tail, TailInputs, metric_key
-from fastlm.losses.spec import LossNormalizers, LossTargets, safe_inverse
+from fastlm.losses.spec import safe_inverse
 
 
 class ZLossConfig(ChildConfig):
@@ -38,7 +38,7 @@ class ZLoss(LossChild):
     def fused_keys(self) -> tuple[tuple[bool, str], ...]:
         return ((True, self.name), (False, metric_key(self.name, "lse")))
 
-    def kernel_arguments(self, row: int, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
+    def kernel_arguments(self, row: int) -> dict[str, Any]:
         return {"ROW_Z": row, "z_weight": float(self.weight)}
 
     @classmethod

@@ -1,5 +1,5 @@
-"""The one Triton kernel of the monolithic loss: label-based children (CE, z-loss, GRPO; GSPO through
-load mode) and distillation, in one vocab loop.
+"""The one Triton kernel of the monolithic loss: label-based children (CE, z-loss, GRPO, CISPO; GSPO
+through load mode) and distillation, in one vocab loop; each child has a constexpr slot (ROW_<KIND>).
 
 Every label-based child has a gradient of the form `prob_coeff * p_j - label_coeff * d_jy`, so one
 loss-agnostic gradient loop serves them all (see shared/design/losses.md, "Superposition").
@@ -24,19 +24,20 @@ pass walks backwards with evict-first loads so the re-read mostly hits L2. The g
 out the label term; the label element is rewritten once at the end (after a barrier, from a logit
 read before any store, so in-place gradients are safe). Three constexpr modes share the body:
 
-- `MODE_FUSED`: online softmax stats, in-kernel coefficients (CE, z, GRPO, distillation), gradient;
-  writes every per-token term the losses and metrics need into one (K, T) fp32 buffer, already
-  scaled by 1/tokens, so the whole loss tail is one sum over T (`coefficients.fused_layout` gives the
-  rows: each present child's loss then its metrics, the weighted total, then the unscaled
-  value-check counts of validation.py: label out of range, unmasked, non-finite old_logp /
-  advantage). Out-of-range labels read no logit (masked load) and only raise that count. With GSPO
-  it runs without the gradient and also writes GSPO's token metrics and the per-token state the seam
-  and the grad launch need (lse, new_logp, both coefficients, old_logp, advantage, teacher lse).
+- `MODE_FUSED`: online softmax stats, in-kernel coefficients (the children's slots: CE, z, GRPO and
+  CISPO with their loss_type weight, beta and entropy terms, distillation), gradient; writes every
+  per-token term the losses and metrics need into one (K, T) fp32 buffer, already scaled, so the
+  whole loss tail is one sum over T (`coefficients.fused_layout` gives the rows: each child's
+  `fused_keys`, the weighted total, then the unscaled value-check counts of validation.py: label out
+  of range, unmasked, non-finite old_logp / advantage). Out-of-range labels read no logit (masked
+  load) and only raise that count. With a per-document child (GSPO) it runs without the gradient and
+  also writes the per-token state its tail and the grad launch need (coefficients.STATE_ROWS).
 - `MODE_STATS`: stats only, as mergeable pieces (max, sum-exp, label logit, shifted x-moment; teacher
   max, teacher sum-exp, cross sum) so a vocab-parallel group can all-reduce them; writes the label
   logit only where the label is in shard.
-- `MODE_GRAD`: loads lse, both coefficients (and the teacher lse) per token, computed in torch (or
-  by a fused launch plus the GSPO seam), and writes the gradient.
+- `MODE_GRAD`: loads lse, both coefficients (the entropy coefficient with X_TERM, the teacher lse
+  with a teacher) per token, computed in torch (or by a fused launch plus a per-document child's
+  tail), and writes the gradient.
 
 Masked rows (label -100) branch around the work and write a zero gradient; no early return.
 """
@@ -208,20 +209,26 @@ def _store_term(terms_ptr, index, n_tokens, row, value):
 @triton.jit
 def _policy_terms(terms_ptr, n_tokens, row, ROW: tl.constexpr, REF: tl.constexpr, token_loss, new_logp, entropy,
                   old_logp, ref_gap, beta, entropy_coeff, w, token_scale):
-    """A policy child's loss row (times its weight w_t) and its token metrics: new_logp, entropy,
-    kl_old[, kl] (children/policy.py). Returns its loss term for the weighted total, unscaled by 1/N."""
-    delta = old_logp - new_logp
-    kl_old = _expm1(delta) - delta  # k3 against the sampling policy
+    """A policy child's loss row (times its weight w_t) and its token metrics (`_token_metrics`).
+    Returns its loss term for the weighted total."""
     token_loss -= entropy_coeff * entropy
     if REF:
         token_loss += beta * (_expm1(ref_gap) - ref_gap)
     _store_term(terms_ptr, ROW, n_tokens, row, token_loss * w)
+    _token_metrics(terms_ptr, n_tokens, row, ROW, REF, new_logp, entropy, old_logp, ref_gap, token_scale)
+    return token_loss * w
+
+
+@triton.jit
+def _token_metrics(terms_ptr, n_tokens, row, ROW: tl.constexpr, REF: tl.constexpr, new_logp, entropy, old_logp,
+                   ref_gap, token_scale):
+    """Rows ROW+1.. : new_logp, entropy, kl_old[, kl] (children/policy.py `token_metric_names`)."""
+    delta = old_logp - new_logp
     _store_term(terms_ptr, ROW + 1, n_tokens, row, new_logp * token_scale)
     _store_term(terms_ptr, ROW + 2, n_tokens, row, entropy * token_scale)
-    _store_term(terms_ptr, ROW + 3, n_tokens, row, kl_old * token_scale)
+    _store_term(terms_ptr, ROW + 3, n_tokens, row, (_expm1(delta) - delta) * token_scale)
     if REF:
         _store_term(terms_ptr, ROW + 4, n_tokens, row, (_expm1(ref_gap) - ref_gap) * token_scale)
-    return token_loss * w
 
 
 @triton.jit
@@ -231,7 +238,7 @@ def _store_terms(
     grpo_beta, grpo_entropy, w_grpo, eps_low, eps_high, grpo_delta, cispo_weight, cispo_beta, cispo_entropy, w_cispo,
     cispo_cap, ROW_CE: tl.constexpr, ROW_Z: tl.constexpr, ROW_GRPO: tl.constexpr, ROW_GSPO: tl.constexpr,
     ROW_CISPO: tl.constexpr, ROW_KD: tl.constexpr, GRPO_REF: tl.constexpr, CISPO_REF: tl.constexpr,
-    ROW_TOTAL: tl.constexpr, ROW_FLAGS: tl.constexpr, ROW_STATE: tl.constexpr,
+    GSPO_REF: tl.constexpr, ROW_TOTAL: tl.constexpr, ROW_FLAGS: tl.constexpr, ROW_STATE: tl.constexpr,
 ):
     """The per-token terms of an unmasked row (order: each child's `fused_keys`), scaled by
     `token_scale` (policy losses by their w_t); the weighted total (scaled); the value-check counts,
@@ -270,6 +277,9 @@ def _store_terms(
         _store_term(terms_ptr, first, n_tokens, row, ratio * token_scale)
         _store_term(terms_ptr, first + 1, n_tokens, row, advantage * token_scale)
         _store_term(terms_ptr, first + 2, n_tokens, row, ((ratio > cispo_cap) & (advantage > 0.0)).to(tl.float32) * token_scale)
+    if ROW_GSPO >= 0:  # token metrics; its loss is per document (its tail, after the launch)
+        _token_metrics(terms_ptr, n_tokens, row, ROW_GSPO - 1, GSPO_REF, new_logp, entropy, old_logp, ref_gap,
+                       token_scale)
     if ROW_KD >= 0:
         _store_term(terms_ptr, ROW_KD, n_tokens, row, kl_kd * token_scale)
         total += kd_weight * kl_kd * token_scale
@@ -388,7 +398,7 @@ def lm_loss_kernel(
     ROW_CE: tl.constexpr,
     ROW_Z: tl.constexpr,
     ROW_GRPO: tl.constexpr,
-    ROW_GSPO: tl.constexpr,  # a per-document child follows: write the per-token state (ROW_STATE)
+    ROW_GSPO: tl.constexpr,  # token metrics only; a per-document child also gets the per-token state (ROW_STATE)
     ROW_CISPO: tl.constexpr,
     ROW_KD: tl.constexpr,
     GRPO_TOKEN_WEIGHTS: tl.constexpr,
@@ -397,6 +407,7 @@ def lm_loss_kernel(
     CISPO_TOKEN_WEIGHTS: tl.constexpr,
     CISPO_REF: tl.constexpr,
     CISPO_ENTROPY: tl.constexpr,
+    GSPO_REF: tl.constexpr,
     ROW_TOTAL: tl.constexpr,
     ROW_FLAGS: tl.constexpr,
     ROW_STATE: tl.constexpr,  # per-document children: per-token state for their tail and the grad launch
@@ -520,7 +531,7 @@ def lm_loss_kernel(
                     old_logp = tl.load(old_logp_ptr + row).to(tl.float32)
                     advantage = tl.load(advantages_ptr + row).to(tl.float32)
                     ratio = tl.exp(new_logp - old_logp)
-                    if GRPO_REF or CISPO_REF:
+                    if GRPO_REF or CISPO_REF or GSPO_REF:
                         ref_gap = tl.load(ref_logp_ptr + row).to(tl.float32) - new_logp
                 if ROW_GRPO >= 0:
                     if GRPO_TOKEN_WEIGHTS:
@@ -567,7 +578,7 @@ def lm_loss_kernel(
                     kl_kd, prob_coeff, label_coeff, x_coeff, teacher_lse2 * LN2, token_scale, ce_weight, z_weight,
                     kd_weight, grpo_weight, grpo_beta, grpo_entropy, w_grpo, eps_low, eps_high, grpo_delta,
                     cispo_weight, cispo_beta, cispo_entropy, w_cispo, cispo_cap, ROW_CE, ROW_Z, ROW_GRPO, ROW_GSPO,
-                    ROW_CISPO, ROW_KD, GRPO_REF, CISPO_REF, ROW_TOTAL, ROW_FLAGS, ROW_STATE,
+                    ROW_CISPO, ROW_KD, GRPO_REF, CISPO_REF, GSPO_REF, ROW_TOTAL, ROW_FLAGS, ROW_STATE,
                 )
         if COMPUTE_GRAD:
             lse2 = lse * LOG2E

@@ -1,16 +1,17 @@
 """Launch the fused loss kernel: argument assembly, the three modes, the TP all-reduce.
 
-- no tensor parallelism, no GSPO: one fused forward+backward launch (coefficients, distillation
-  included, in-kernel);
+- no tensor parallelism, no per-document child: one fused forward+backward launch (every child's
+  coefficients in-kernel);
 - tensor parallelism (`group`): stats launch, all-reduce of the mergeable pieces (student and
-  teacher), coefficients in torch (`coefficients.label_children` plus the distillation part here),
-  grad launch;
-- GSPO without tensor parallelism: the fused launch without the gradient (which also writes the
-  per-token state), the sync-free GSPO seam on that state, then the grad launch.
-The fused launch writes every per-token loss/metric term into one buffer laid out by
-`coefficients.fused_layout` (same keys as `label_children`, which the tensor-parallel case uses), so
-its whole tail is one row-sum launch (`row_sums_kernel`). The distillation loss is the token sum of
-the per-token KL over the step's token count.
+  teacher), every child's tail in torch (`coefficients.tail`), grad launch;
+- a per-document child (GSPO) without tensor parallelism: the fused launch without the gradient
+  (which also writes the per-token state), that child's tail on the state (the sync-free seam), then
+  the grad launch.
+Argument assembly asks the children (`kernel_arguments`, cached per spec in `_slot_arguments`;
+`kernel_tensors` per call), never branches on a kind. The fused launch writes every per-token
+loss/metric term into one buffer laid out by `coefficients.fused_layout` (the same keys as the
+children's tails), so its whole tail is one row-sum launch (`row_sums_kernel`);
+`spec.assemble_result` builds the result of every mode.
 
 Validation: host checks before any launch; the value checks (validation.py) are counted on the device
 (by the fused kernel itself, else (tensor parallel) by `value_flags`) and read back once, after
@@ -20,7 +21,7 @@ everything is enqueued, so the host never waits for the GPU before the end of th
 
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 import torch.distributed as dist
@@ -81,6 +82,9 @@ def _check_supported(logits: torch.Tensor, targets: LossTargets, spec: LossSpec,
     """What this kernel cannot run, named; the shared checks live in validation.py."""
     if not spec.children:
         raise ValueError("the loss spec has no children; nothing for the Triton kernel to compute")
+    unsupported = [child.name for child in spec.children if not child.kernel_supported()]
+    if unsupported:
+        raise ValueError(f"the Triton kernel cannot run {unsupported} as configured; use the compiled path")
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps}")
     if not spec.logit_scale > 0 or (spec.softcap is not None and not spec.softcap > 0):
@@ -142,17 +146,14 @@ class _Launch:
         tensor = getattr(self.targets, name)
         return self.logits if tensor is None else tensor.float().contiguous()
 
-    def child_arguments(self, layout: FusedLayout | None) -> dict[str, object]:
-        """Every child slot of the kernel: absent ones neutral, present ones from the children (all of
-        them in FUSED mode, where `layout` places their rows; else the teacher's numbers only)."""
-        arguments: dict[str, object] = {}
-        for child_class in CHILD_CLASSES:
-            if child_class.kernel:
-                arguments.update(child_class.kernel_absent())
-        present = self.spec.children if layout is not None else (self.spec.teacher,) if self.spec.teacher else ()
-        for child in present:
-            row = layout.starts[child.name] if layout is not None else -1
-            arguments.update(child.kernel_arguments(row, self.targets, self.normalizers))
+    def child_arguments(self, fused: bool) -> dict[str, object]:
+        """Every child slot of the kernel (`_slot_arguments`, cached per spec) with the children's
+        per-call tensors (FUSED); absent tensors point at the logits (never read)."""
+        arguments = dict(_slot_arguments(self.spec, fused))
+        if fused:
+            for child in self.spec.children:
+                arguments.update(child.kernel_tensors(self.targets, self.normalizers))
+        del arguments["X_TERM"]  # the launch sets it per mode
         return {name: self.logits if value is None else value for name, value in arguments.items()}
 
     def run(
@@ -176,7 +177,7 @@ class _Launch:
         teacher = self.teacher if self.teacher is not None else self.logits
         rows = (layout.total, layout.flags, layout.state, layout.rows) if layout else (-1,) * 4
         if fused:
-            x_term = any(child.kernel_x_term() for child in self.spec.children)
+            x_term = _slot_arguments(self.spec, True)["X_TERM"]
         lm_loss_kernel[(self.logits.shape[0],)](
             self.logits,
             self.logits.stride(0),
@@ -194,7 +195,7 @@ class _Launch:
             *(self._per_token(name) if fused else self.logits for name in ("old_logp", "advantages", "ref_logp")),
             float(token_scale),
             float(grad_scale),
-            **self.child_arguments(layout if fused else None),
+            **self.child_arguments(fused),
             MODE=mode,
             **dict(zip(("ROW_TOTAL", "ROW_FLAGS", "ROW_STATE", "N_TERMS"), rows)),
             HAS_KD=mode != MODE_GRAD.value and distill is not None,
@@ -209,6 +210,22 @@ class _Launch:
             num_warps=self.num_warps,
             enable_fp_fusion=True,  # the fused multiply-adds the kernel is costed with; Triton 3.10 turns the default off
         )
+
+
+@lru_cache(maxsize=256)
+def _slot_arguments(spec: LossSpec, fused: bool) -> dict[str, object]:
+    """Every child slot of the kernel: absent children neutral, present ones from the children (all of
+    them in FUSED mode, at their `fused_layout` rows; else the teacher's numbers only), and X_TERM."""
+    arguments: dict[str, object] = {}
+    for child_class in CHILD_CLASSES:
+        if child_class.kernel:
+            arguments.update(child_class.kernel_absent())
+    layout = fused_layout(spec)
+    present = spec.children if fused else (spec.teacher,) if spec.teacher else ()
+    for child in present:
+        arguments.update(child.kernel_arguments(layout.starts[child.name] if fused else -1))
+    arguments["X_TERM"] = any(child.kernel_x_term() for child in spec.children)
+    return arguments
 
 
 def _fused_terms(launch: _Launch, grad: torch.Tensor | None, grad_scale: float) -> tuple[torch.Tensor, FusedLayout]:
@@ -239,14 +256,15 @@ def _seam_terms(launch: _Launch, grad: torch.Tensor | None, grad_scale: float) -
     losses, metrics, kernel_total, counts = _reduce_fused(terms, layout)
     state = partial(layout.state_row, terms)
     stats = {name: state(name) for name in ("lse", "new_logp", "entropy")}
-    out = tail(stats, targets.labels != IGNORE_INDEX, targets, normalizers, spec, children=spec.per_document)
+    out = tail(stats, targets.labels != IGNORE_INDEX, targets, normalizers, spec, children=spec.per_document,
+               from_kernel=True, coefficients=(state("prob_coeff"), state("label_coeff")))
     losses.update(out.losses)
     metrics.update(out.metrics)
     if grad is not None:
         kd_out = (state("teacher_lse"),) if spec.teacher is not None else ()
         x_term = out.x is not None or any(child.kernel_x_term() for child in spec.children)
         x_coeff = state("x_coeff") if out.x is None else state("x_coeff") + out.x
-        coefficients = (state("lse"), state("prob_coeff") + out.prob, state("label_coeff") + out.label, x_coeff)
+        coefficients = (state("lse"), out.prob, out.label, x_coeff)
         launch.run(MODE_GRAD.value, coefficients, grad, kd_out, token_scale=safe_inverse(normalizers.tokens),
                    grad_scale=grad_scale, x_term=x_term)
     return assemble_result(spec, losses, metrics, kernel_total), counts
@@ -279,9 +297,7 @@ def _reduce_stats(launch: _Launch, group: ProcessGroup | None) -> tuple[dict[str
     if distill is None:
         return stats, None
     teacher_lse = maxima[1] + torch.log(sums[3])
-    mean_gap = sums[4] / (sums[0] if distill.reverse else sums[3])  # E_p[x - u] or E_q[u - x]
-    stats["teacher_kl"] = mean_gap - lse + teacher_lse if distill.reverse else mean_gap - teacher_lse + lse
-    stats["teacher_gap"] = mean_gap
+    stats.update(distill.token_stats(lse, teacher_lse, sums[4], sums[0], sums[3]))
     return stats, teacher_lse
 
 

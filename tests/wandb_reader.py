@@ -1,4 +1,4 @@
-"""Read an offline wandb run file (`run-*.wandb`) back without syncing: history rows and config.
+"""Test helper: read an offline wandb run file (`run-*.wandb`) back without syncing: history rows and config.
 
 The file is wandb's transaction log (wandb 0.31 ships no public reader): a 7-byte header
 (":W&B", magic, version), then 32 KiB blocks of [crc32 (4) | length (2) | type (1) | payload] chunks,

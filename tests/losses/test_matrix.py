@@ -1,8 +1,10 @@
-"""The policy family (loss_type, delta, beta, entropy_coeff, CISPO) in every path, against float64.
+"""The compiled-vs-Triton test matrix: every child and option in every path, against float64.
 
-One table (`VARIANTS`) drives the compiled path, the fused Triton kernel (single block and looped
-blocks with a tail; the seam for GSPO) and both under tensor parallelism: losses, total and gradient
-against the float64 reference (autograd), metrics against the compiled path in float64. Inputs from
+One table (`MATRIX`: the label-based mixes, distillation, GSPO, and the policy family's loss_type,
+delta, beta, entropy_coeff and CISPO) drives the compiled path, the fused Triton kernel (single
+block and looped blocks with a tail; the seam for per-document children) and, for some rows, both
+under tensor parallelism: losses, total and gradient against the float64 reference (autograd),
+metrics against the compiled path in float64, weight-0 children logging without gradient. Inputs from
 loss_cases.make_case: ~30% masked labels (their old_logp / ref_logp are NaN, so a masked token that
 is read shows up), several documents per row (runs of 1-6 tokens, one id split in two runs).
 Without CUDA the kernel runs on Triton's interpreter (tests/conftest.py), so shapes stay tiny.
@@ -31,7 +33,21 @@ from fastlm.losses.triton import triton_loss
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP32_TOL = 1e-5
 # name: (kinds, child options, child weights, head numbers)
-VARIANTS = {
+MATRIX = {
+    "ce": ("ce", {}, {}, {}),
+    "ce+z": ("ce+z", {}, {}, {}),
+    "grpo+z scaled": ("grpo+z", {}, {}, {"logit_scale": 0.7}),
+    "ce+z+grpo softcap": ("ce+z+grpo", {}, {"ce": 0.5}, {"logit_scale": 1.3, "softcap": 4.0}),
+    "grpo+z w0": ("grpo+z", {}, {"grpo": 0.0}, {"logit_scale": 0.7}),
+    "kd": ("kd", {}, {}, {"softcap": 3.0, "logit_scale": 1.3}),
+    "kd_rev": ("kd_rev", {}, {}, {"softcap": 3.0, "logit_scale": 1.3}),
+    "ce+kd": ("ce+kd", {}, {}, {"softcap": 3.0, "logit_scale": 1.3}),
+    "ce+z+kd_rev": ("ce+z+kd_rev", {}, {}, {"softcap": 3.0, "logit_scale": 1.3}),
+    "ce+z+grpo+kd": ("ce+z+grpo+kd", {}, {}, {"softcap": 3.0, "logit_scale": 1.3}),
+    "grpo+z+kd_rev": ("grpo+z+kd_rev", {}, {}, {"softcap": 3.0, "logit_scale": 1.3}),
+    "gspo": ("gspo", {}, {}, {}),
+    "gspo dapo+z softcap": ("gspo_len+z", {}, {}, {"softcap": 3.0}),
+    "ce+grpo+gspo": ("ce+grpo+gspo", {"gspo": {"eps_low": 0.2, "eps_high": 0.3}}, {}, {}),
     "grpo seq-mean+z": ("grpo+z", {"grpo": {"loss_type": "grpo"}}, {}, {}),
     "grpo bnpo+ce": ("ce+grpo", {"grpo": {"loss_type": "bnpo"}}, {}, {"logit_scale": 1.3}),
     "grpo dr_grpo": ("grpo", {"grpo": {"loss_type": "dr_grpo", "max_completion_length": 16}}, {}, {}),
@@ -52,9 +68,9 @@ BLOCKS = {"single": 64, "looped": 16}  # vocab 37: one block of 64, or three blo
 
 
 def _case(name: str) -> tuple[LossSpec, torch.Tensor, LossTargets, object]:
-    kinds, options, weights, numbers = VARIANTS[name]
+    kinds, options, weights, numbers = MATRIX[name]
     spec = make_spec(kinds, weights, options, **numbers)
-    logits, targets, normalizers = make_case(seed_of("policy" + name), tokens=24, vocab=37, spec=spec)
+    logits, targets, normalizers = make_case(seed_of("matrix" + name), tokens=24, vocab=37, spec=spec)
     return spec, logits, targets, normalizers
 
 
@@ -77,9 +93,10 @@ def _errors(result: LossResult, grad: torch.Tensor, expected: LossResult, expect
     return errors
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_variant_matches_float64_in_every_path(name: str) -> None:
-    """compiled, fused single block, fused looped: loss, each child, gradient, every metric."""
+@pytest.mark.parametrize("name", list(MATRIX))
+def test_every_path_matches_float64(name: str) -> None:
+    """compiled, fused single block, fused looped: loss, each child, gradient, every metric; a weight-0
+    child logs its loss and metrics and changes no gradient."""
     spec, logits, targets, normalizers = _case(name)
     expected, expected_grad = reference_with_grad(logits, targets, normalizers, spec, grad_scale=2.0)
     metrics64 = compiled_loss(logits.double(), _double(targets), normalizers, spec)[0].metrics
@@ -139,7 +156,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-TP_VARIANTS = ["grpo all+ce+z+kd", "cispo bnpo beta entropy", "gspo dapo delta entropy beta+z"]
+TP_MATRIX = ["grpo all+ce+z+kd", "cispo bnpo beta entropy", "gspo dapo delta entropy beta+z"]
 
 
 def _tp_worker(rank: int, world: int, port: int, folder: str) -> None:
@@ -148,21 +165,23 @@ def _tp_worker(rank: int, world: int, port: int, folder: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         saved = {}
-        for name in TP_VARIANTS:
+        for name in TP_MATRIX:
             spec, logits, targets, normalizers = _tp_case(name)
             shard = logits.chunk(world, dim=1)[rank].contiguous()
             local = dataclasses.replace(targets, teacher_logits=targets.teacher_logits.chunk(world, dim=1)[rank].contiguous())
-            for path, run in (("compiled", compiled_loss), ("triton", triton_loss)):
-                options = {"max_block": 16} if path == "triton" else {}
-                result, grad = run(shard, local, normalizers, spec, group=dist.group.WORLD, **options)
-                saved[name, path] = (result.loss, result.losses, result.metrics, grad)
+            result, grad = compiled_loss(shard, local, normalizers, spec, group=dist.group.WORLD)
+            saved[name, "compiled"] = (result.loss, result.losses, result.metrics, grad)
+            result, grad = triton_loss(shard.to(DEVICE), _on(local, DEVICE), normalizers, spec, group=dist.group.WORLD,
+                                       max_block=16)
+            saved[name, "triton"] = (result.loss.cpu(), {k: v.cpu() for k, v in result.losses.items()},
+                                     {k: v.cpu() for k, v in result.metrics.items()}, grad.cpu())
         torch.save(saved, os.path.join(folder, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 def _tp_case(name: str):
-    kinds, options, weights, numbers = VARIANTS[name]
+    kinds, options, weights, numbers = MATRIX[name]
     spec = make_spec(kinds, weights, options, **numbers)
     logits, targets, normalizers = make_case(seed_of("tp" + name), tokens=20, vocab=38, spec=spec)
     return spec, logits, targets, normalizers
@@ -173,7 +192,7 @@ def test_tensor_parallel_two_ranks(tmp_path: os.PathLike) -> None:
     world = 2
     mp.spawn(_tp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    for name in TP_VARIANTS:
+    for name in TP_MATRIX:
         spec, logits, targets, normalizers = _tp_case(name)
         expected, expected_grad = reference_with_grad(logits, targets, normalizers, spec)
         metrics64 = compiled_loss(logits.double(), _double(targets), normalizers, spec)[0].metrics

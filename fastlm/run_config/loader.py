@@ -15,13 +15,16 @@ from typing import Any, Iterable
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from fastlm.config.checks import cross_check
+from fastlm.run_config.checks import cross_check
 from fastlm.config.errors import _MISSING, ConfigError, ConfigIssue
-from fastlm.config.schema import RunConfig
-from fastlm.models.build import num_parameters
+from fastlm.run_config.schema import RunConfig
+from fastlm.config.yaml_reader import parse_yaml, read_config_file
+from fastlm.models.build import describe_count, num_parameters
 
 BASE_KEY = "base"
 DEFAULT_SOURCE = "defaults"
+MAX_CONFIG_FILES = 64  # a config plus its bases, counted with repeats
+MAX_REPORTED_ISSUES = 50  # a file of 20,000 unknown keys needs the first few named, not 20,000 lines
 
 
 @dataclass
@@ -30,11 +33,32 @@ class LayeredDict:
 
     data: dict[str, Any] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
+    _below: dict[str, list[str]] | None = field(default=None, init=False, repr=False)
+
+    def set_source(self, path: str, source: str) -> None:
+        self.sources[path] = source
+        self._below = None
+
+    def drop_sources_below(self, path: str, replaced: dict[str, Any]) -> None:
+        """`replaced` (the section that stood at `path`) is gone: forget where its keys came from.
+        Walks the replaced section, not every known path, so a merge stays linear."""
+        for key, value in replaced.items():
+            dotted = f"{path}.{key}"
+            self.sources.pop(dotted, None)
+            if isinstance(value, dict):
+                self.drop_sources_below(dotted, value)
+        self._below = None
 
     def source_of(self, path: str) -> str:
         """The layers that set `path` (every layer below it, for a section), else its nearest parent's;
         defaults when nothing did."""
-        below = [source for key, source in self.sources.items() if key.startswith(path + ".")] if path else []
+        if self._below is None:  # every section's layers, built once: one lookup per issue, not a scan
+            self._below = {}
+            for key, source in self.sources.items():
+                parts = key.split(".")
+                for end in range(1, len(parts)):
+                    self._below.setdefault(".".join(parts[:end]), []).append(source)
+        below = self._below.get(path, []) if path else []
         if below:
             exact = self.sources.get(path)
             return ", ".join(dict.fromkeys([*([exact] if exact else []), *below]))
@@ -47,9 +71,10 @@ class LayeredDict:
         return DEFAULT_SOURCE
 
 
-def _is_path_key(key: str) -> bool:
-    """Keys whose string values are file paths, resolved relative to the YAML file that sets them."""
-    return key == "path" or key.endswith("_path")
+def _is_path_key(key: Any) -> bool:
+    """Keys whose string values are file paths, resolved relative to the YAML file that sets them (a key
+    inside a list may be anything YAML allows: only string keys name paths)."""
+    return isinstance(key, str) and (key == "path" or key.endswith("_path"))
 
 
 def _resolve_path(key: str, value: Any, base_dir: Path | None) -> Any:
@@ -79,26 +104,18 @@ def _merge(target: LayeredDict, layer: dict[str, Any], source: str, prefix: str 
         if isinstance(value, dict):
             if not isinstance(node.get(key), dict):
                 node[key] = {}
-                target.sources[dotted] = source
+                target.set_source(dotted, source)
             _merge(target, value, source, dotted, base_dir)
             continue
+        replaced = node.get(key)
+        if isinstance(replaced, dict):
+            target.drop_sources_below(dotted, replaced)
         node[key] = _resolve_path(key, value, base_dir)
-        target.sources[dotted] = source
-        for stale in [p for p in target.sources if p.startswith(dotted + ".")]:
-            del target.sources[stale]
+        target.set_source(dotted, source)
 
 
 def _read_yaml(path: Path, source: str) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(ConfigIssue("", f"config file not found: {path}", source=source)) from None
-    except OSError as error:
-        raise ConfigError(ConfigIssue("", f"cannot read config file {path}: {error}", source=source)) from None
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise ConfigError(ConfigIssue("", f"{path} is not valid YAML: {error}", source=str(path))) from None
+    loaded = parse_yaml(read_config_file(path, source), str(path))
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
@@ -108,11 +125,15 @@ def _read_yaml(path: Path, source: str) -> dict[str, Any]:
     return loaded
 
 
-def _load_file(path: Path, target: LayeredDict, chain: tuple[Path, ...]) -> None:
+def _load_file(path: Path, target: LayeredDict, chain: tuple[Path, ...], loaded: list[Path]) -> None:
     path = path.resolve()
     if path in chain:
         cycle = " -> ".join(str(p) for p in (*chain, path))
         raise ConfigError(ConfigIssue(BASE_KEY, f"base files form a cycle: {cycle}", source=str(chain[-1])))
+    loaded.append(path)
+    if len(loaded) > MAX_CONFIG_FILES:  # base lists that repeat files multiply: 8 x 8 x 8 ... loads
+        raise ConfigError(ConfigIssue(BASE_KEY, f"more than {MAX_CONFIG_FILES} config files to read through "
+                                      "base: lists", source=str(chain[-1]) if chain else str(path)))
     layer = _read_yaml(path, str(chain[-1]) if chain else "command line")
     bases = layer.pop(BASE_KEY, None)
     if bases is not None:
@@ -122,7 +143,7 @@ def _load_file(path: Path, target: LayeredDict, chain: tuple[Path, ...]) -> None
                 ConfigIssue(BASE_KEY, "must be a file path or a list of file paths", bases, str(path))
             )
         for base in base_list:
-            _load_file(path.parent / base, target, (*chain, path))
+            _load_file(path.parent / base, target, (*chain, path), loaded)
     _merge(target, layer, str(path), base_dir=path.parent)
 
 
@@ -136,9 +157,9 @@ def parse_override(text: str) -> tuple[str, Any]:
                         hint="write e.g. model.hidden_size=256")
         )
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as error:
-        raise ConfigError(ConfigIssue(key, f"override value is not valid YAML: {error}", raw, "override")) from None
+        value = parse_yaml(raw, f"override `{text}`") if raw.strip() else ""
+    except ConfigError as error:
+        raise ConfigError([replace(issue, path=key) for issue in error.issues]) from None
     return key, value
 
 
@@ -152,7 +173,7 @@ def apply_overrides(target: LayeredDict, overrides: Iterable[str]) -> None:
             child = node.get(part)
             if not isinstance(child, dict):
                 node[part] = {}
-                target.sources[f"{prefix}.{part}".strip(".")] = f"override `{text}`"
+                target.set_source(f"{prefix}.{part}".strip("."), f"override `{text}`")
             node = node[part]
             prefix = f"{prefix}.{part}".strip(".")
         _merge(target, {leaf: value}, f"override `{text}`", prefix)
@@ -162,7 +183,7 @@ def load_layers(path: str | Path | None, overrides: Iterable[str] = ()) -> Layer
     """Merge the YAML file (and its bases) and the overrides; defaults come later, from the schema."""
     layered = LayeredDict()
     if path is not None:
-        _load_file(Path(path), layered, ())
+        _load_file(Path(path), layered, (), [])
     apply_overrides(layered, overrides)
     return layered
 
@@ -173,7 +194,11 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunCo
     try:
         config = RunConfig.model_validate(layered.data)
     except ValidationError as error:
-        raise ConfigError([_to_issue(item, layered) for item in error.errors()]) from None
+        items = error.errors()
+        issues = [_to_issue(item, layered) for item in items[:MAX_REPORTED_ISSUES]]
+        if len(items) > MAX_REPORTED_ISSUES:
+            issues.append(ConfigIssue("", f"... and {len(items) - MAX_REPORTED_ISSUES} more problems like these"))
+        raise ConfigError(issues) from None
     found = [*cross_check(config), *_size_issues(config)]
     issues = [replace(issue, source=layered.source_of(issue.path)) for issue in found]
     if issues:
@@ -189,7 +214,8 @@ def _size_issues(config: RunConfig) -> list[ConfigIssue]:
     count = num_parameters(config.model)
     if count < MAX_PARAMETERS:
         return []
-    return [ConfigIssue("model", f"{count:.3e} parameters is more than a tensor can address ({MAX_PARAMETERS:.3e})",
+    return [ConfigIssue("model", f"{describe_count(count)} parameters is more than a tensor can address "
+                        f"({describe_count(MAX_PARAMETERS)})",
                         hint="lower model.hidden_size, model.vocab_size, model.intermediate_size or model.num_layers")]
 
 

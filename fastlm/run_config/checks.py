@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from fastlm.config.errors import ConfigIssue
-from fastlm.config.schema import RunConfig
+from fastlm.run_config.schema import RunConfig
 from fastlm.data.config import PREFERENCE_SOURCE_TYPES
 from fastlm.data.tokenizer import TokenizerError, build_tokenizer
 from fastlm.losses.children.policy import PolicyConfig
@@ -27,7 +28,23 @@ def cross_check(config: RunConfig) -> list[ConfigIssue]:
     issues += _init_checkpoint_checks(config)
     issues += _rl_checks(config)
     issues += _rollout_checks(config)
+    issues += _output_dir_checks(config)
     return issues
+
+
+def _output_dir_checks(config: RunConfig) -> list[ConfigIssue]:
+    """The run directory (or the nearest folder that exists above it) must be a writable directory:
+    otherwise the first checkpoint or metrics line would fail after the model is built."""
+    directory = Path(config.run.directory).absolute()
+    existing = next(path for path in (directory, *directory.parents) if path.exists() or path == path.parent)
+    if not existing.is_dir():
+        problem = f"{existing} is not a directory" + ("" if existing == directory else f" (so {directory} cannot be made)")
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{existing} is not writable by this user"
+    else:
+        return []
+    return [ConfigIssue("run.output_dir", problem, config.run.output_dir,
+                        hint="choose a run.output_dir in a folder you can write to")]
 
 
 def _rl_checks(config: RunConfig) -> list[ConfigIssue]:
