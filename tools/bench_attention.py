@@ -24,6 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_train import packed_document_ids  # noqa: E402 - tools/ is the script directory, on sys.path
 from fastlm.layers.embedding import document_positions  # noqa: E402 - after the path fix
 from fastlm.layers.packed_attention import (  # noqa: E402
     attention_layout,
@@ -31,19 +32,6 @@ from fastlm.layers.packed_attention import (  # noqa: E402
     flex_attend,
     flex_block_mask,
 )
-
-
-def packed_document_ids(batch: int, seq_len: int, low: int, high: int, generator: torch.Generator) -> torch.Tensor:
-    """(B, S) ids of contiguous documents with lengths uniform in [low, high], cut at the row end."""
-    ids = torch.empty(batch, seq_len, dtype=torch.long)
-    next_id = 0
-    for row in range(batch):
-        start = 0
-        while start < seq_len:
-            length = int(torch.randint(low, high + 1, (1,), generator=generator))
-            ids[row, start : start + length] = next_id
-            start, next_id = start + length, next_id + 1
-    return ids
 
 
 def time_ms(function, repeats: int = 20) -> float:

@@ -43,20 +43,10 @@ class CISPO(PolicyChild):
         advantage = inputs.target("advantages")
         ratio = torch.exp(inputs.new_logp - inputs.target("old_logp"))
         slope = ratio.clamp(max=1.0 + self.eps_high) * advantage
-        w = self.aggregation(inputs)
-        extra = self.regularizers(inputs, w, out)
-        token_loss = -slope * inputs.new_logp
-        token_loss = token_loss if extra is None else token_loss + extra
-        if isinstance(w, float):
-            out.loss(self.name, token_loss, w)
-        else:
-            out.loss(self.name, token_loss * w)
-        self.token_metrics(inputs, out)
+        self.token_level_loss(inputs, out, -slope * inputs.new_logp, slope)
         clipped = (ratio > 1.0 + self.eps_high) & (advantage > 0)
         for metric, value in zip(RATIO_METRICS, (ratio * inputs.mask, advantage, clipped), strict=True):
             out.metric(self.name, metric, value, inputs.per_token)
-        if self.weight != 0:
-            out.add_label_form(slope * (w * self.weight))
 
     def reference(self, inputs: ReferenceInputs) -> torch.Tensor:
         mask = inputs.mask

@@ -73,19 +73,10 @@ class GRPO(PolicyChild):
         mask, advantage = inputs.mask, inputs.target("advantages")
         ratio = torch.exp(inputs.new_logp - inputs.target("old_logp"))  # 1 on masked tokens (both 0)
         token_loss, slope = clipped_surrogate(ratio, advantage, self.eps_low, self.eps_high, self.delta)
-        w = self.aggregation(inputs)
-        extra = self.regularizers(inputs, w, out)
-        token_loss = token_loss if extra is None else token_loss + extra
-        if isinstance(w, float):
-            out.loss(self.name, token_loss, w)
-        else:
-            out.loss(self.name, token_loss * w)
-        self.token_metrics(inputs, out)
+        self.token_level_loss(inputs, out, token_loss, slope)
         low, high, region = clip_fractions(ratio, advantage, 1.0 - self.eps_low, 1.0 + self.eps_high)
         for metric, value in zip(RATIO_METRICS, (ratio * mask, advantage, low, high, region), strict=True):
             out.metric(self.name, metric, value, inputs.per_token)
-        if self.weight != 0:
-            out.add_label_form(slope * (w * self.weight))
 
     def reference(self, inputs: ReferenceInputs) -> torch.Tensor:
         mask = inputs.mask

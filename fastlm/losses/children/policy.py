@@ -152,6 +152,20 @@ class PolicyChild(LossChild):
                 out.add_x_term(e)
         return extra
 
+    def token_level_loss(self, inputs: TailInputs, out: Tail, token_loss: torch.Tensor, slope: torch.Tensor) -> None:
+        """Token-level children (GRPO, CISPO): the aggregated per-token loss plus regularizers, the token
+        metrics, and `slope` (d loss / d new_logp per token) as the label-form coefficient."""
+        w = self.aggregation(inputs)
+        extra = self.regularizers(inputs, w, out)
+        token_loss = token_loss if extra is None else token_loss + extra
+        if isinstance(w, float):
+            out.loss(self.name, token_loss, w)
+        else:
+            out.loss(self.name, token_loss * w)
+        self.token_metrics(inputs, out)
+        if self.weight != 0:
+            out.add_label_form(slope * (w * self.weight))
+
     def token_metrics(self, inputs: TailInputs, out: Tail) -> None:
         new_logp, old_logp = inputs.new_logp, inputs.target("old_logp")
         values = [new_logp, inputs.entropy, k3_kl(new_logp, old_logp)]
