@@ -3,7 +3,7 @@
 tiny HF Llama / Qwen2 (transformers config classes, random weights) + a BPE tokenizer trained locally and
 saved next to it -> `fastlm prepare` a chat JSONL -> `fastlm train` with `run.init_path` (the tokenizer
 comes from the checkpoint) -> `fastlm convert --to-hf` -> transformers reloads model and tokenizer, and
-its greedy `generate` matches fastlm's greedy sampler token for token.
+its greedy `generate` matches fastlm's greedy generator token for token.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from fastlm.cli import main
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.models.hf import import_hf
-from fastlm.rl.sampler import SamplingOptions, sample_completions
+from fastlm.generation import SamplingOptions, generate
 
 MAX_NEW_TOKENS = 8
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "make_tiny_hf.py"
@@ -85,7 +85,7 @@ def test_finetune_export_and_transformers_generate_agree(tmp_path: Path, style: 
 
 
 def _greedy_agrees(directory: Path, prompts: list[list[int]], tokenizer: Tokenizer, label: str) -> list[tuple[int, ...]]:
-    """transformers' greedy `generate` and fastlm's greedy sampler on the same HF folder give the same tokens,
+    """transformers' greedy `generate` and fastlm's greedy generator on the same HF folder give the same tokens,
     stopping at EOS as a user would and running past it for all MAX_NEW_TOKENS."""
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(directory)).eval()
     ours = import_hf(directory, "cpu").eval()
@@ -96,8 +96,8 @@ def _greedy_agrees(directory: Path, prompts: list[list[int]], tokenizer: Tokeniz
             with torch.no_grad():
                 generated = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                               max_new_tokens=MAX_NEW_TOKENS, do_sample=False)[0, len(prompt):].tolist()
-            options = SamplingOptions(MAX_NEW_TOKENS, tokenizer.eos_id if stop else -1, tokenizer.pad_id, temperature=0.0)
-            [completion] = sample_completions(ours, [prompt], options, torch.Generator())
+            options = SamplingOptions(MAX_NEW_TOKENS, temperature=0.0, stop_tokens=(tokenizer.eos_id,) if stop else ())
+            [completion] = generate(ours, [prompt], options, tokenizer, torch.Generator())
             print(f"{label} {tokenizer.decode(prompt[-4:])!r} stop={stop}: transformers {generated} fastlm {completion.tokens}")
             assert completion.tokens == generated
             outputs.append(tuple(generated))
