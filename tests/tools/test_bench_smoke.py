@@ -12,7 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "bench_losses.py"
-SPECS = ("ce", "ce+z", "grpo+z", "ce+z+grpo", "gspo+z", "ce+kd")
+SPECS = ("ce", "ce+z", "grpo+z", "ce+z+grpo", "gspo+z", "ce+kd",
+         "grpo(seq)+z", "grpo(delta,H)+z", "grpo(beta)+z", "cispo+z")  # the policy options beside plain GRPO+z
 
 
 def _run(tmp_path: Path, *flags: str) -> str:

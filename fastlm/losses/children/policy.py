@@ -122,7 +122,7 @@ class PolicyChild(LossChild):
                          normalizers: LossNormalizers) -> torch.Tensor:
         """W_i = sum of w_t over document i's tokens, from its token count |i| (`lengths`)."""
         if self.loss_type == "grpo":
-            return present * safe_inverse(normalizers.documents)
+            return present.to(lengths.dtype) * safe_inverse(normalizers.documents)  # a bool times a float is float32
         if self.loss_type == "dapo":
             return lengths * safe_inverse(normalizers.tokens)
         if self.loss_type == "bnpo":
