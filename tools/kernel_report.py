@@ -67,10 +67,13 @@ def recorded_launch(spec_name: str, vocab: int, block: int | None, warps: int | 
 
 def compile_variant(args: tuple, kwargs: dict, capability: int) -> triton.compiler.CompiledKernel:
     names = list(lm_loss_kernel.arg_names)
-    constexprs = {name: kwargs[name] for name in names if name in kwargs}
+    values = {**dict(zip(names, args)), **{name: kwargs[name] for name in names if name in kwargs}}
+    constexprs = {param.name: values[param.name] for param in lm_loss_kernel.params if param.is_constexpr}
     signature = {}
-    for name, value in zip(names, args):
-        if isinstance(value, torch.Tensor):
+    for name, value in values.items():
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif isinstance(value, torch.Tensor):
             signature[name] = "*" + TRITON_TYPES[value.dtype]
         elif isinstance(value, bool):
             signature[name] = "i1"
@@ -78,7 +81,6 @@ def compile_variant(args: tuple, kwargs: dict, capability: int) -> triton.compil
             signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
         else:
             signature[name] = "fp32"
-    signature.update({name: "constexpr" for name in constexprs})
     source = ASTSource(lm_loss_kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
     options = {key: kwargs[key] for key in OPTIONS if key in kwargs}
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
