@@ -201,6 +201,24 @@ def _non_finite(v):
 
 
 @triton.jit
+def _policy_coefficients(slope, weight, w, ref_gap, beta, entropy_coeff, lse, entropy, prob_coeff, label_coeff,
+                         x_coeff, REF: tl.constexpr, ENTROPY: tl.constexpr):
+    """A token-level policy child's (GRPO, CISPO) share of the coefficients, times its weight and
+    w_t: `slope` (d token loss / d new_logp) plus the reference KL's in the label form
+    c*(p_j - d_jy); the entropy bonus e as the x term, with -e*E_p[x] = -e*(lse - H) in prob_coeff."""
+    if REF:
+        slope += beta * _expm1(ref_gap)
+    policy = weight * w * slope
+    prob_coeff += policy
+    label_coeff += policy
+    if ENTROPY:
+        bonus = weight * w * entropy_coeff
+        x_coeff += bonus
+        prob_coeff -= bonus * (lse - entropy)
+    return prob_coeff, label_coeff, x_coeff
+
+
+@triton.jit
 def _store_term(terms_ptr, index, n_tokens, row, value):
     """Row `index` of the (K, T) term buffer at token `row`."""
     tl.store(terms_ptr + index * n_tokens + row, value)
@@ -538,29 +556,15 @@ def lm_loss_kernel(
                         w_grpo = tl.load(grpo_token_weights_ptr + row)
                     gain = tl.where(ratio <= 1.0 + eps_high, tl.maximum(advantage, 0.0), 0.0)
                     loss_side = tl.where((ratio >= 1.0 - eps_low) & (ratio <= grpo_delta), tl.minimum(advantage, 0.0), 0.0)
-                    slope = ratio * (gain + loss_side)
-                    if GRPO_REF:
-                        slope += grpo_beta * _expm1(ref_gap)
-                    policy = grpo_weight * w_grpo * slope
-                    prob_coeff += policy
-                    label_coeff += policy
-                    if GRPO_ENTROPY:
-                        bonus = grpo_weight * w_grpo * grpo_entropy
-                        x_coeff += bonus
-                        prob_coeff -= bonus * (lse - entropy)
+                    prob_coeff, label_coeff, x_coeff = _policy_coefficients(
+                        ratio * (gain + loss_side), grpo_weight, w_grpo, ref_gap, grpo_beta, grpo_entropy, lse, entropy,
+                        prob_coeff, label_coeff, x_coeff, GRPO_REF, GRPO_ENTROPY)
                 if ROW_CISPO >= 0:
                     if CISPO_TOKEN_WEIGHTS:
                         w_cispo = tl.load(cispo_token_weights_ptr + row)
-                    slope = tl.minimum(ratio, cispo_cap) * advantage
-                    if CISPO_REF:
-                        slope += cispo_beta * _expm1(ref_gap)
-                    policy = cispo_weight * w_cispo * slope
-                    prob_coeff += policy
-                    label_coeff += policy
-                    if CISPO_ENTROPY:
-                        bonus = cispo_weight * w_cispo * cispo_entropy
-                        x_coeff += bonus
-                        prob_coeff -= bonus * (lse - entropy)
+                    prob_coeff, label_coeff, x_coeff = _policy_coefficients(
+                        tl.minimum(ratio, cispo_cap) * advantage, cispo_weight, w_cispo, ref_gap, cispo_beta,
+                        cispo_entropy, lse, entropy, prob_coeff, label_coeff, x_coeff, CISPO_REF, CISPO_ENTROPY)
                 kl_kd = 0.0
                 if HAS_KD:
                     teacher_sum = tl.sum(su, 0)
