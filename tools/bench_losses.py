@@ -56,6 +56,8 @@ SPECS: dict[str, LossSpec] = {
     "grpo(delta,H)+z": LossSpec((Z, GRPO("grpo", 1.0, eps_low=0.2, eps_high=0.2, delta=3.0, entropy_coeff=1e-3))),
     "grpo(beta)+z": LossSpec((Z, GRPO("grpo", 1.0, eps_low=0.2, eps_high=0.2, beta=0.04))),
     "cispo+z": LossSpec((Z, CISPO("cispo", 1.0))),
+    # temperature_mode both (a second, tempered student softmax), next to ce+kd.
+    "ce+kd(both)": LossSpec((CE, Distillation("kd", 1.0, temperature=2.0, tempered_student=True))),
 }
 GPU_SHAPES = [(4096, 32000), (4096, 131072), (16384, 32000), (16384, 131072)]
 SMOKE_SHAPES = [(8, 96)]

@@ -96,7 +96,7 @@ def resources(cubin: bytes) -> dict:
                                check=True).stdout
         sass = subprocess.run([cuobjdump, "-sass", handle.name], capture_output=True, text=True, check=True).stdout
     found = {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage)}
-    found["sass_instructions"] = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, flags=re.M))
+    found["sass_instructions"] = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, flags=re.M))
     found["sass"] = sass
     return found
 

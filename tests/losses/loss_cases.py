@@ -10,6 +10,7 @@ import torch
 from fastlm.losses.reference import _label_logp, reference_loss
 from fastlm.losses.children import CISPO, GRPO, GSPO, CrossEntropy, Distillation, ZLoss
 from fastlm.losses.children.base import LossChild
+from fastlm.losses.children.policy import reference_documents
 from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossResult, LossSpec, LossTargets
 
 # Short names of the test children; a name's options (after ':' in make_spec) override these.
@@ -41,7 +42,8 @@ def make_spec(
 
 
 def random_documents(tokens: int, generator: torch.Generator) -> torch.Tensor:
-    """Runs of 1..6 tokens with large, unsorted ids; one id reappears later (a document split in two)."""
+    """Runs of 1..6 tokens with large, unsorted ids; the first id reappears on the last two tokens
+    (another document: a document is a run of equal ids, `policy.document_slots`)."""
     ids = torch.empty(tokens, dtype=torch.int64)
     start, pool = 0, torch.randperm(10 * tokens, generator=generator) + 7
     run = 0
@@ -83,7 +85,7 @@ def make_case(
     ref_logp[labels == IGNORE_INDEX] = float("nan")
     targets = LossTargets(labels, old_logp, advantages, document_ids, teacher, ref_logp=ref_logp)
     mask = labels != IGNORE_INDEX
-    normalizers = LossNormalizers(float(mask.sum()), float(document_ids[mask].unique().numel()))
+    normalizers = LossNormalizers(float(mask.sum()), float(len(reference_documents(document_ids, mask))))
     return logits, targets, normalizers
 
 
