@@ -123,3 +123,18 @@ def transform_logits(logits: torch.Tensor, logit_scale: float = 1.0, softcap: fl
     if softcap is not None:
         scaled = softcap * torch.tanh(scaled / softcap)
     return scaled
+
+
+def pick_labels(log_probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(y_t) from (..., V) log-probabilities and (...) labels; 0 where a label is the ignore index."""
+    picked = log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(labels != IGNORE_INDEX, picked, torch.zeros_like(picked))
+
+
+def label_logp(
+    logits: torch.Tensor, labels: torch.Tensor, logit_scale: float = 1.0, softcap: float | None = None
+) -> torch.Tensor:
+    """The label's log-prob under the head's transform, by a full log-softmax in the logits' dtype (0 on
+    masked tokens): the reference, the rollout's old/reference log-probs and DPO's sums share it, so a
+    first update's ratio is 1 up to the loss path's own rounding."""
+    return pick_labels(torch.log_softmax(transform_logits(logits, logit_scale, softcap), dim=-1), labels)

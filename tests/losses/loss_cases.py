@@ -7,11 +7,11 @@ import zlib
 
 import torch
 
-from fastlm.losses.reference import _label_logp, reference_loss
+from fastlm.losses.reference import reference_loss
 from fastlm.losses.children import CISPO, GRPO, GSPO, CrossEntropy, Distillation, ZLoss
 from fastlm.losses.children.base import LossChild
 from fastlm.losses.children.policy import reference_documents
-from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossResult, LossSpec, LossTargets
+from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossResult, LossSpec, LossTargets, label_logp
 
 # Short names of the test children; a name's options (after ':' in make_spec) override these.
 CHILDREN = {
@@ -74,7 +74,7 @@ def make_case(
     labels = torch.randint(0, vocab, (tokens,), generator=generator)
     labels[torch.rand(tokens, generator=generator) < masked] = IGNORE_INDEX
     document_ids = random_documents(tokens, generator)
-    new_logp = _label_logp(logits.double(), labels, spec.logit_scale if spec else 1.0, spec.softcap if spec else None)
+    new_logp = label_logp(logits.double(), labels, spec.logit_scale if spec else 1.0, spec.softcap if spec else None)
     old_logp = (new_logp + 0.3 * torch.randn(tokens, generator=generator, dtype=torch.float64)).float()
     old_logp[labels == IGNORE_INDEX] = float("nan")  # masked tokens must never be read
     per_document = torch.randn(int(document_ids.max()) + 1, generator=generator)

@@ -12,7 +12,7 @@ from loss_cases import compare, make_case, make_spec, reference_with_grad, rel_e
 from fastlm.losses.compiled import compiled_loss
 from fastlm.losses.dispatch import monolithic_loss
 from fastlm.losses.metrics import k3_kl
-from fastlm.losses.reference import _label_logp
+from fastlm.losses.spec import label_logp
 from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets
 
 
@@ -105,7 +105,7 @@ def test_gspo_packed_documents_and_metrics() -> None:
     logits, targets, normalizers = make_case(seed_of("gspo-docs"), tokens=40, spec=spec)
     result, _ = compiled_loss(logits, targets, normalizers, spec)
     mask = targets.labels != IGNORE_INDEX
-    new_logp = _label_logp(logits.double(), targets.labels, 1.0, None)
+    new_logp = label_logp(logits.double(), targets.labels)
     ids = targets.document_ids.tolist()
     starts = [t for t in range(len(ids)) if t == 0 or ids[t] != ids[t - 1]] + [len(ids)]
     documents = [torch.arange(len(ids)).ge(a) & torch.arange(len(ids)).lt(b) & mask for a, b in zip(starts, starts[1:])]
