@@ -117,12 +117,12 @@ class PolicyChild(LossChild):
         (`document_slots`, when the caller has it) saves that pass."""
         if self.loss_type == "dapo":
             return None
-        mask = targets.labels != IGNORE_INDEX
         sequences = safe_inverse(normalizers.documents)
-        if self.loss_type == "grpo" and slot is None and dtype == torch.float32 and _document_kernel(mask):
+        if self.loss_type == "grpo" and slot is None and dtype == torch.float32 and _document_kernel(targets.labels):
             from fastlm.losses.triton.documents import document_mean_weights
 
             return document_mean_weights(targets.document_ids, targets.labels, sequences)
+        mask = targets.labels != IGNORE_INDEX
         weights = mask.to(dtype)
         if self.loss_type == "bnpo":
             return weights / (weights.sum().clamp(min=1.0) * normalizers.micro_batches)
@@ -278,6 +278,6 @@ def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _document_kernel(mask: torch.Tensor) -> bool:
+def _document_kernel(labels: torch.Tensor) -> bool:
     """Whether `token_weights` runs its document pass as one Triton launch (CUDA tensors)."""
-    return mask.is_cuda and _triton_importable()
+    return labels.is_cuda and _triton_importable()
