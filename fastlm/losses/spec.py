@@ -67,7 +67,8 @@ class LossTargets:
     labels: torch.Tensor  # int64, IGNORE_INDEX (-100) masks a token
     old_logp: torch.Tensor | None = None  # policy children: log-prob of the label under the sampling policy
     advantages: torch.Tensor | None = None  # policy children: per token (GSPO: constant within a document)
-    document_ids: torch.Tensor | None = None  # GSPO, loss_type grpo/dr_grpo: int64, tokens of one document share an id
+    # GSPO, loss_type grpo/dr_grpo: int64; a document is a run of equal ids (adjacent documents differ)
+    document_ids: torch.Tensor | None = None
     teacher_logits: torch.Tensor | None = None  # distillation: (tokens, vocab), any float dtype
     # DPO: (sequences,) summed log-probs under the frozen reference; sequences are document_ids in
     # sorted order, and sequence 2k / 2k+1 are the chosen / rejected answer of pair k
