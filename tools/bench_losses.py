@@ -23,40 +23,56 @@ printed are a compact markdown table; the full results go to `$OUT/bench_losses.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402 - TRITON_INTERPRET must be set (in main) before triton is imported
 
+from fastlm.losses import children as fastlm_children  # noqa: E402
 from fastlm.losses.validation import deferred_value_checks  # noqa: E402
-from fastlm.losses.children import CISPO, GRPO, GSPO, CrossEntropy, Distillation, ZLoss  # noqa: E402
 from fastlm.losses.spec import LossNormalizers, LossSpec, LossTargets  # noqa: E402
 
-CE, Z = CrossEntropy("ce", 1.0), ZLoss("z", 1e-4)
-PLAIN_GRPO = GRPO("grpo", 1.0, eps_low=0.2, eps_high=0.2)
-SPECS: dict[str, LossSpec] = {
-    "ce": LossSpec((CE,)),
-    "ce+z": LossSpec((CE, Z)),
-    "grpo+z": LossSpec((Z, PLAIN_GRPO)),
-    "ce+z+grpo": LossSpec((CE, Z, PLAIN_GRPO)),
-    "gspo+z": LossSpec((Z, GSPO("gspo", 1.0, eps_low=3e-4, eps_high=4e-4))),
-    "ce+kd": LossSpec((CE, Distillation("kd", 1.0, temperature=2.0))),
-    # The policy family's options, each next to plain GRPO+z (issue 20: within 5% of it).
-    "grpo(seq)+z": LossSpec((Z, GRPO("grpo", 1.0, eps_low=0.2, eps_high=0.2, loss_type="grpo"))),
-    "grpo(delta,H)+z": LossSpec((Z, GRPO("grpo", 1.0, eps_low=0.2, eps_high=0.2, delta=3.0, entropy_coeff=1e-3))),
-    "grpo(beta)+z": LossSpec((Z, GRPO("grpo", 1.0, eps_low=0.2, eps_high=0.2, beta=0.04))),
-    "cispo+z": LossSpec((Z, CISPO("cispo", 1.0))),
-}
+
+def make_specs(children: ModuleType, spec_class: type) -> dict[str, object]:
+    """The benchmarked specs, built from a `fastlm.losses.children` module and its `LossSpec` (this
+    tree's, or a baseline's for `--baseline`)."""
+    ce, z = children.CrossEntropy("ce", 1.0), children.ZLoss("z", 1e-4)
+    grpo = partial(children.GRPO, "grpo", 1.0, eps_low=0.2, eps_high=0.2)
+    kd = partial(children.Distillation, "kd", 1.0, temperature=2.0)
+    return {
+        "ce": spec_class((ce,)),
+        "ce+z": spec_class((ce, z)),
+        "grpo+z": spec_class((z, grpo())),
+        "ce+z+grpo": spec_class((ce, z, grpo())),
+        "gspo+z": spec_class((z, children.GSPO("gspo", 1.0, eps_low=3e-4, eps_high=4e-4))),
+        "ce+kd": spec_class((ce, kd())),
+        # The policy family's options, each next to plain GRPO+z (issue 20: within 5% of it).
+        "grpo(seq)+z": spec_class((z, grpo(loss_type="grpo"))),
+        "grpo(bnpo)+z": spec_class((z, grpo(loss_type="bnpo"))),
+        "grpo(dr)+z": spec_class((z, grpo(loss_type="dr_grpo", max_completion_length=512))),
+        "grpo(delta,H)+z": spec_class((z, grpo(delta=3.0, entropy_coeff=1e-3))),
+        "grpo(beta)+z": spec_class((z, grpo(beta=0.04))),
+        "cispo+z": spec_class((z, children.CISPO("cispo", 1.0))),
+        # temperature_mode both (a second, tempered student softmax), next to ce+kd.
+        "ce+kd(both)": spec_class((ce, kd(tempered_student=True))),
+    }
+
+
+SPECS: dict[str, LossSpec] = make_specs(fastlm_children, LossSpec)
 GPU_SHAPES = [(4096, 32000), (4096, 131072), (16384, 32000), (16384, 131072)]
 SMOKE_SHAPES = [(8, 96)]
 SETS = 2  # input sets rotated so a small case is not served from L2
@@ -77,6 +93,7 @@ class Case:
     targets: LossTargets
     normalizers: LossNormalizers
     buffer: torch.Tensor | None = None  # a copy of the logits that in-place paths overwrite
+    converted: dict[str, tuple] = field(default_factory=dict)  # --baseline: targets, normalizers per tree
 
 
 def make_case(tokens: int, vocab: int, seed: int, device: torch.device, teacher: bool) -> Case:
@@ -305,6 +322,132 @@ def tune(
     return rows
 
 
+@dataclass
+class Tree:
+    """One fastlm tree timed by `--baseline`: this one ("after") or main's copy ("before")."""
+
+    name: str
+    launcher: ModuleType
+    validation: ModuleType
+    spec_module: ModuleType
+    specs: dict[str, object]
+
+
+def load_tree(name: str, package: str) -> Tree:
+    """The loss modules of `package` (`fastlm`, or `fastlm_base` from tools/gpu/make_baseline.sh)."""
+    spec_module = importlib.import_module(f"{package}.losses.spec")
+    children = importlib.import_module(f"{package}.losses.children")
+    return Tree(name, importlib.import_module(f"{package}.losses.triton.launcher"),
+                importlib.import_module(f"{package}.losses.validation"), spec_module,
+                make_specs(children, spec_module.LossSpec))
+
+
+def tree_inputs(tree: Tree, case: Case) -> tuple:
+    """The case's targets and normalizers as the tree's own dataclasses (converted once)."""
+    if tree.name not in case.converted:
+        targets = tree.spec_module.LossTargets(**{f.name: getattr(case.targets, f.name) for f in fields(case.targets)})
+        normalizers = tree.spec_module.LossNormalizers(**asdict(case.normalizers))
+        case.converted[tree.name] = (targets, normalizers)
+    return case.converted[tree.name]
+
+
+def ab_row(trees: list[Tree], name: str, cases: list[Case], bench: Bench) -> dict:
+    """Each tree's trainer call (`deferred`: value checks read back after the timing) and fused launch
+    alone (`kernel`, not for per-document specs) on the same inputs, and the gradients' relative
+    difference. A tree that cannot run the spec gets its error instead of times."""
+    found: dict = {}
+    grads: dict[str, torch.Tensor] = {}
+    for tree in trees:
+        spec = tree.specs[name]
+        timing: dict = {}
+        found[tree.name] = timing
+
+        def call(case: Case, tree: Tree = tree, spec: object = spec) -> object:
+            return tree.launcher.triton_loss(case.logits, *tree_inputs(tree, case), spec)
+
+        def kernel(case: Case, tree: Tree = tree, spec: object = spec) -> object:
+            return tree.launcher.fused_kernel_only(case.buffer, *tree_inputs(tree, case), spec, case.buffer)
+
+        try:
+            grads[tree.name] = call(cases[0])[1]
+            with tree.validation.deferred_value_checks():
+                timing["deferred"] = bench.time_ms(rotating(cases, call))
+            if not spec.per_document:
+                timing["kernel"] = bench.time_ms(rotating(cases, kernel))
+        except Exception as error:  # noqa: BLE001 - one tree's failure is a row's note, not the run's end
+            timing["error"] = f"{type(error).__name__}: {error}"[:300]
+            print(f"{tree.name} {name}: {timing['error']}", flush=True)
+    if len(grads) == 2:
+        found["grad_rel_diff"] = rel_diff(*(grads[tree.name] for tree in trees))
+    return found
+
+
+def rel_diff(before: torch.Tensor, after: torch.Tensor, rows: int = 2048) -> float:
+    """||after - before|| / ||before||, in float64 a few rows at a time (a 16384 x 131072 pair in
+    float64 at once would take 48 GiB)."""
+    difference = norm = 0.0
+    for start in range(0, before.shape[0], rows):
+        b, a = before[start : start + rows].double(), after[start : start + rows].double()
+        difference += float((a - b).square().sum())
+        norm += float(b.square().sum())
+    return (difference / norm) ** 0.5 if norm else float(difference > 0)
+
+
+def ab_benchmark(shapes: list[tuple[int, int]], bench: Bench, copy_gb_s: float, trees: list[Tree],
+                 spec_names: list[str]) -> list[dict]:
+    """Before/after of every spec and shape in one process, each row on its own fresh inputs."""
+    rows = []
+    for tokens, vocab in shapes:
+        for name in spec_names:
+            row: dict = {"spec": name, "tokens": tokens, "vocab": vocab}
+            try:
+                cases = [make_case(tokens, vocab, seed, bench.device, SPECS[name].teacher is not None) for seed in range(SETS)]
+                for case in cases:
+                    case.buffer = case.logits.clone()
+                row["r1_ms"] = roofline_bytes(cases[0], SPECS[name]) / (copy_gb_s * 1e9) * 1e3
+                row.update(ab_row(trees, name, cases, bench))
+                del cases
+            except Exception:  # noqa: BLE001 - keep the other rows
+                row["error"] = traceback.format_exc()[-600:]
+                print(row["error"], flush=True)
+            rows.append(row)
+            print(json.dumps(row, default=_round), flush=True)
+            if bench.device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def ab_table(rows: list[dict]) -> str:
+    """Before/after per row; `vs peer` = after's time over the same shape's peer (plain grpo+z, or ce+kd
+    for a distillation spec), deferred / kernel."""
+    timed = {(r["spec"], r["tokens"], r["vocab"]): r for r in rows}
+    lines = ["| spec | T | V | R1 ms | deferred before | deferred after | after/before | kernel before | kernel after "
+             "| after/before | peer | after vs peer (deferred / kernel) | grad rel diff |", "|" + "---|" * 13]
+
+    def ms(row: dict | None, tree: str, column: str) -> float | None:
+        return None if row is None else row.get(tree, {}).get(column)
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:.3f}" if a and b else "-"
+
+    for row in rows:
+        key = (row["tokens"], row["vocab"])
+        peer = "ce+kd" if SPECS[row["spec"]].teacher is not None else "grpo+z"
+        peer_row = timed.get((peer, *key))
+        cells = []
+        for column in ("deferred", "kernel"):
+            before, after = ms(row, "before", column), ms(row, "after", column)
+            cells += [_cell(before), _cell(after), ratio(after, before)]
+        versus = " / ".join(ratio(ms(row, "after", c), ms(peer_row, "after", c)) for c in ("deferred", "kernel"))
+        diff = row.get("grad_rel_diff")
+        r1 = row.get("r1_ms")
+        lines.append(f"| {row['spec']} | {row['tokens']} | {row['vocab']} | {_cell(r1)} | " + " | ".join(cells)
+                     + f" | {peer} | {versus} | {'-' if diff is None else f'{diff:.1e}'} |")
+    notes = [f"{row['spec']} T={row['tokens']} V={row['vocab']} {tree}: {row[tree]['error']}"
+             for row in rows for tree in ("before", "after") if "error" in row.get(tree, {})]
+    return "\n".join(lines + notes)
+
+
 def suggest_defaults(rows: list[dict]) -> list[dict]:
     """Per vocab: the (block, num_warps, prefetch) with the lowest geometric mean over the swept
     (spec, tokens) of kernel-only time / that case's best kernel-only time (1.0 = best everywhere), next
@@ -395,6 +538,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune-warps", type=int, nargs="+", default=None, help="override the num_warps grid")
     parser.add_argument("--tune-prefetch", type=int, nargs="+", choices=(0, 1), default=None,
                         help="sweep loading each vocab block an iteration ahead (1) or not (0); default: each spec's default")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a folder from tools/gpu/make_baseline.sh (.baseline): time its fastlm_base ('before') "
+                        "next to this tree ('after') on the same inputs, trainer call and kernel alone")
+    parser.add_argument("--ab-shapes", nargs="+", default=["16384x32000", "16384x131072", "4096x32000"],
+                        help="TxV shapes of the --baseline table")
     parser.add_argument("--rep-ms", type=int, default=None,
                         help=f"do_bench measuring time per case (ms); default 100, {TUNE_REP_MS} with --tune")
     args = parser.parse_args(argv)
@@ -411,7 +559,15 @@ def main(argv: list[str] | None = None) -> int:
     liger, liger_status = load_liger() if device.type == "cuda" else (None, "not on CPU")
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; liger: {liger_status}", flush=True)
     report: dict = {"device": str(device), "copy_gb_s": copy_gb_s, "liger": liger_status}
-    if args.tune:
+    if args.baseline is not None:
+        sys.path.insert(0, str(args.baseline.resolve()))
+        trees = [load_tree("before", "fastlm_base"), load_tree("after", "fastlm")]
+        report["baseline"] = (args.baseline / "COMMIT").read_text().strip() if (args.baseline / "COMMIT").exists() else "?"
+        print(f"before: fastlm_base {report['baseline']} from {args.baseline}; after: {ROOT}", flush=True)
+        shapes = SMOKE_SHAPES if args.cpu_smoke else [tuple(int(n) for n in s.split("x")) for s in args.ab_shapes]
+        report["ab_rows"] = ab_benchmark(shapes, bench, copy_gb_s, trees, args.specs)
+        table = ab_table(report["ab_rows"])
+    elif args.tune:
         tokens, vocabs = ([8], [96]) if args.cpu_smoke else (args.tune_tokens, args.tune_vocab)
         bench.tune_blocks = args.tune_block or bench.tune_blocks
         bench.tune_warps = args.tune_warps or bench.tune_warps

@@ -67,10 +67,13 @@ def recorded_launch(spec_name: str, vocab: int, block: int | None, warps: int | 
 
 def compile_variant(args: tuple, kwargs: dict, capability: int) -> triton.compiler.CompiledKernel:
     names = list(lm_loss_kernel.arg_names)
-    constexprs = {name: kwargs[name] for name in names if name in kwargs}
+    values = {**dict(zip(names, args)), **{name: kwargs[name] for name in names if name in kwargs}}
+    constexprs = {param.name: values[param.name] for param in lm_loss_kernel.params if param.is_constexpr}
     signature = {}
-    for name, value in zip(names, args):
-        if isinstance(value, torch.Tensor):
+    for name, value in values.items():
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif isinstance(value, torch.Tensor):
             signature[name] = "*" + TRITON_TYPES[value.dtype]
         elif isinstance(value, bool):
             signature[name] = "i1"
@@ -78,7 +81,6 @@ def compile_variant(args: tuple, kwargs: dict, capability: int) -> triton.compil
             signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
         else:
             signature[name] = "fp32"
-    signature.update({name: "constexpr" for name in constexprs})
     source = ASTSource(lm_loss_kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
     options = {key: kwargs[key] for key in OPTIONS if key in kwargs}
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
@@ -94,7 +96,7 @@ def resources(cubin: bytes) -> dict:
                                check=True).stdout
         sass = subprocess.run([cuobjdump, "-sass", handle.name], capture_output=True, text=True, check=True).stdout
     found = {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage)}
-    found["sass_instructions"] = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, flags=re.M))
+    found["sass_instructions"] = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, flags=re.M))
     found["sass"] = sass
     return found
 

@@ -56,8 +56,8 @@ def tail(
 
 
 # The per-token state the fused launch writes when a per-document child follows (unscaled, 0 on
-# masked tokens): what its tail and the grad launch read. teacher_lse only with a teacher.
-STATE_ROWS = ("lse", "new_logp", "entropy", "prob_coeff", "label_coeff", "x_coeff", "teacher_lse")
+# masked tokens): what its tail and the grad launch read, then each child's `grad_stats`.
+STATE_ROWS = ("lse", "new_logp", "entropy", "prob_coeff", "label_coeff", "x_coeff")
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,8 @@ class FusedLayout:
     """Rows of the fused kernel's (K, T) per-token buffer: each kernel-finished child's rows from
     `starts[name]` (its `fused_keys`), then the weighted total of those children, all already divided
     by the step's token count; rows `flags` to `summed` are the unscaled value-check counts
-    (validation.value_flags order); with a per-document child, rows from `state` on are STATE_ROWS."""
+    (validation.value_flags order); with a per-document child, rows from `state` on are `state_names`
+    (STATE_ROWS, then the children's `grad_stats`)."""
 
     starts: dict[str, int]
     total: int
@@ -74,10 +75,11 @@ class FusedLayout:
     state: int
     rows: int
     keys: tuple[tuple[bool, str], ...]  # (is a loss, result key) of each row before `total`
+    state_names: tuple[str, ...] = ()
 
     def state_row(self, terms: torch.Tensor, name: str) -> torch.Tensor:
         """One per-token state vector (a contiguous view of `terms`)."""
-        return terms[self.state + STATE_ROWS.index(name)]
+        return terms[self.state + self.state_names.index(name)]
 
 
 @lru_cache(maxsize=256)
@@ -90,8 +92,9 @@ def fused_layout(spec: LossSpec) -> FusedLayout:
         keys.extend(child.fused_keys())
     total = len(keys)
     summed = total + 1 + value_flag_count(spec)
-    state_rows = len(STATE_ROWS) - (spec.teacher is None) if spec.per_document else 0
-    return FusedLayout(starts, total, total + 1, summed, summed if state_rows else -1, summed + state_rows, tuple(keys))
+    state_names = STATE_ROWS + sum((child.grad_stats() for child in spec.children), ()) if spec.per_document else ()
+    state = summed if state_names else -1
+    return FusedLayout(starts, total, total + 1, summed, state, summed + len(state_names), tuple(keys), state_names)
 
 
 def fused_result(

@@ -91,10 +91,6 @@ class LMHeadConfig(ConfigModel):
                     f"use_triton: true, but the fused Triton kernel has no path for {unsupported}; "
                     f"it supports {sorted(TRITON_CHILD_TYPES)}. Set use_triton: null or false"
                 )
-            for name, child in self.losses.items():
-                reason = child.triton_unsupported()
-                if reason:
-                    raise ValueError(f"use_triton: true, but losses.{name}: {reason}. Set use_triton: null or false")
         return self
 
     def child_of_type(self, kind: str) -> tuple[str, ChildConfig] | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossResult, LossTargets, safe_inverse, transform_logits
+from fastlm.losses.spec import LossNormalizers, LossResult, LossTargets, label_logp, safe_inverse
 
 
 def sequence_logps(token_logp: torch.Tensor, sequence_index: torch.Tensor, num_sequences: int) -> torch.Tensor:
@@ -28,11 +28,8 @@ def label_sequence_logps(
 
     Shared by the DPO head (policy) and the DPO trainer (frozen reference), so both sum the same way.
     """
-    mask = labels != IGNORE_INDEX
     _, index = torch.unique(document_ids, return_inverse=True)
-    log_probs = torch.log_softmax(transform_logits(logits.float(), logit_scale, softcap), dim=-1)
-    picked = log_probs.gather(-1, labels.clamp(min=0)[:, None])[:, 0]
-    return sequence_logps(torch.where(mask, picked, torch.zeros_like(picked)), index, int(index.max()) + 1)
+    return sequence_logps(label_logp(logits.float(), labels, logit_scale, softcap), index, int(index.max()) + 1)
 
 
 def dpo_loss(

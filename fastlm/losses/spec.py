@@ -67,7 +67,8 @@ class LossTargets:
     labels: torch.Tensor  # int64, IGNORE_INDEX (-100) masks a token
     old_logp: torch.Tensor | None = None  # policy children: log-prob of the label under the sampling policy
     advantages: torch.Tensor | None = None  # policy children: per token (GSPO: constant within a document)
-    document_ids: torch.Tensor | None = None  # GSPO, loss_type grpo/dr_grpo: int64, tokens of one document share an id
+    # GSPO, loss_type grpo/dr_grpo: int64; a document is a run of equal ids (adjacent documents differ)
+    document_ids: torch.Tensor | None = None
     teacher_logits: torch.Tensor | None = None  # distillation: (tokens, vocab), any float dtype
     # DPO: (sequences,) summed log-probs under the frozen reference; sequences are document_ids in
     # sorted order, and sequence 2k / 2k+1 are the chosen / rejected answer of pair k
@@ -123,3 +124,18 @@ def transform_logits(logits: torch.Tensor, logit_scale: float = 1.0, softcap: fl
     if softcap is not None:
         scaled = softcap * torch.tanh(scaled / softcap)
     return scaled
+
+
+def pick_labels(log_probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(y_t) from (..., V) log-probabilities and (...) labels; 0 where a label is the ignore index."""
+    picked = log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(labels != IGNORE_INDEX, picked, torch.zeros_like(picked))
+
+
+def label_logp(
+    logits: torch.Tensor, labels: torch.Tensor, logit_scale: float = 1.0, softcap: float | None = None
+) -> torch.Tensor:
+    """The label's log-prob under the head's transform, by a full log-softmax in the logits' dtype (0 on
+    masked tokens): the reference, the rollout's old/reference log-probs and DPO's sums share it, so a
+    first update's ratio is 1 up to the loss path's own rounding."""
+    return pick_labels(torch.log_softmax(transform_logits(logits, logit_scale, softcap), dim=-1), labels)

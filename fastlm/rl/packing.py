@@ -18,7 +18,7 @@ from fastlm.data.datasets import PackedRows
 from fastlm.data.loader import BatchLoader
 from fastlm.data.offline_rl import PolicySample
 from fastlm.engine.runtime import autocast
-from fastlm.losses.spec import IGNORE_INDEX, transform_logits
+from fastlm.losses.spec import IGNORE_INDEX, label_logp
 from fastlm.models.decoder import DecoderLM
 
 
@@ -119,7 +119,4 @@ def policy_logprobs(
     device = model.output_weight.device
     with autocast(device, amp_dtype):
         logits = model.logits(batch.input_ids.to(device), batch.document_ids.to(device))
-    logp = torch.log_softmax(transform_logits(logits.float(), logit_scale, softcap), dim=-1)
-    labels = batch.labels.to(device)
-    picked = logp.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-    return picked.masked_fill(labels == IGNORE_INDEX, 0.0).cpu()
+    return label_logp(logits.float(), batch.labels.to(device), logit_scale, softcap).cpu()

@@ -7,10 +7,11 @@ import zlib
 
 import torch
 
-from fastlm.losses.reference import _label_logp, reference_loss
+from fastlm.losses.reference import reference_loss
 from fastlm.losses.children import CISPO, GRPO, GSPO, CrossEntropy, Distillation, ZLoss
 from fastlm.losses.children.base import LossChild
-from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossResult, LossSpec, LossTargets
+from fastlm.losses.children.policy import reference_documents
+from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossResult, LossSpec, LossTargets, label_logp
 
 # Short names of the test children; a name's options (after ':' in make_spec) override these.
 CHILDREN = {
@@ -41,7 +42,8 @@ def make_spec(
 
 
 def random_documents(tokens: int, generator: torch.Generator) -> torch.Tensor:
-    """Runs of 1..6 tokens with large, unsorted ids; one id reappears later (a document split in two)."""
+    """Runs of 1..6 tokens with large, unsorted ids; the first id reappears on the last two tokens
+    (another document: a document is a run of equal ids, `policy.document_slots`)."""
     ids = torch.empty(tokens, dtype=torch.int64)
     start, pool = 0, torch.randperm(10 * tokens, generator=generator) + 7
     run = 0
@@ -72,7 +74,7 @@ def make_case(
     labels = torch.randint(0, vocab, (tokens,), generator=generator)
     labels[torch.rand(tokens, generator=generator) < masked] = IGNORE_INDEX
     document_ids = random_documents(tokens, generator)
-    new_logp = _label_logp(logits.double(), labels, spec.logit_scale if spec else 1.0, spec.softcap if spec else None)
+    new_logp = label_logp(logits.double(), labels, spec.logit_scale if spec else 1.0, spec.softcap if spec else None)
     old_logp = (new_logp + 0.3 * torch.randn(tokens, generator=generator, dtype=torch.float64)).float()
     old_logp[labels == IGNORE_INDEX] = float("nan")  # masked tokens must never be read
     per_document = torch.randn(int(document_ids.max()) + 1, generator=generator)
@@ -83,7 +85,7 @@ def make_case(
     ref_logp[labels == IGNORE_INDEX] = float("nan")
     targets = LossTargets(labels, old_logp, advantages, document_ids, teacher, ref_logp=ref_logp)
     mask = labels != IGNORE_INDEX
-    normalizers = LossNormalizers(float(mask.sum()), float(document_ids[mask].unique().numel()))
+    normalizers = LossNormalizers(float(mask.sum()), float(len(reference_documents(document_ids, mask))))
     return logits, targets, normalizers
 
 

@@ -12,7 +12,7 @@ from loss_cases import compare, make_case, make_spec, reference_with_grad, rel_e
 from fastlm.losses.compiled import compiled_loss
 from fastlm.losses.dispatch import monolithic_loss
 from fastlm.losses.metrics import k3_kl
-from fastlm.losses.reference import _label_logp
+from fastlm.losses.spec import label_logp
 from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets
 
 
@@ -99,17 +99,20 @@ def test_weight_zero_child_keeps_metrics_and_writes_no_gradient(kinds: str, zero
 
 
 def test_gspo_packed_documents_and_metrics() -> None:
-    """Several non-contiguous ids per row (one id split in two runs): seam vs a per-document loop."""
+    """Several documents per row, each a run of equal ids (the first id is used again by the last run:
+    another document): seam vs a per-document loop."""
     spec = make_spec("gspo")
     logits, targets, normalizers = make_case(seed_of("gspo-docs"), tokens=40, spec=spec)
     result, _ = compiled_loss(logits, targets, normalizers, spec)
     mask = targets.labels != IGNORE_INDEX
-    new_logp = _label_logp(logits.double(), targets.labels, 1.0, None)
-    documents = targets.document_ids[mask].unique().tolist()
-    assert len(documents) >= 5 and targets.document_ids[0] == targets.document_ids[-1]
+    new_logp = label_logp(logits.double(), targets.labels)
+    ids = targets.document_ids.tolist()
+    starts = [t for t in range(len(ids)) if t == 0 or ids[t] != ids[t - 1]] + [len(ids)]
+    documents = [torch.arange(len(ids)).ge(a) & torch.arange(len(ids)).lt(b) & mask for a, b in zip(starts, starts[1:])]
+    documents = [rows for rows in documents if rows.any()]
+    assert len(documents) >= 5 and ids[0] == ids[-1]
     ratios, low, high = [], 0, 0
-    for document in documents:
-        rows = mask & (targets.document_ids == document)
+    for rows in documents:
         ratio = math.exp(float((new_logp[rows] - targets.old_logp[rows].double()).mean()))
         advantage = float(targets.advantages[rows].mean())
         ratios.append(ratio)

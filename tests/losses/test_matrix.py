@@ -63,6 +63,12 @@ MATRIX = {
     "gspo dr_grpo+kd_rev": ("gspo+kd_rev", {"gspo": {"loss_type": "dr_grpo", "max_completion_length": 12}}, {}, {}),
     "grpo w0 entropy beta+ce": ("ce+grpo", {"grpo": {"entropy_coeff": 0.05, "beta": 0.1}}, {"grpo": 0.0}, {}),
     "cispo w0 entropy+ce": ("ce+cispo", {"cispo": {"entropy_coeff": 0.05}}, {"cispo": 0.0}, {}),
+    # distillation temperature_mode both: the student tempered too (a second online softmax at x/T)
+    "kd both": ("kd_both", {}, {}, {"softcap": 3.0, "logit_scale": 1.3}),
+    "kd_rev both+ce+z": ("ce+z+kd_rev_both", {}, {}, {"logit_scale": 0.7}),
+    "kd both T=0.6+ce+z+grpo": ("ce+z+grpo+kd_both", {"kd_both": {"temperature": 0.6}}, {}, {"softcap": 4.0}),
+    "kd_rev both+gspo": ("gspo+kd_rev_both", {}, {}, {}),
+    "kd both w0+ce+grpo entropy": ("ce+grpo+kd_both", {"grpo": {"entropy_coeff": 0.05}}, {"kd_both": 0.0}, {}),
 }
 BLOCKS = {"single": 64, "looped": 16}  # vocab 37: one block of 64, or three blocks of 16 with a tail
 
@@ -115,7 +121,8 @@ def test_every_path_matches_float64(name: str) -> None:
             _, without = compiled_loss(logits, targets, normalizers, others, grad_scale=2.0)
             assert rel_err(runs["triton looped"][1].cpu(), without) < 1e-6
             assert float(expected.losses[child.name]) != 0.0
-            assert {f"{child.name}/entropy", f"{child.name}/kl_old"} <= set(runs["triton single"][0].metrics)
+            token_metrics = getattr(child, "token_metric_names", tuple)()  # policy children's
+            assert {f"{child.name}/{metric}" for metric in token_metrics} <= set(runs["triton single"][0].metrics)
 
 
 def test_metric_names_follow_trl() -> None:
@@ -156,7 +163,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-TP_MATRIX = ["grpo all+ce+z+kd", "cispo bnpo beta entropy", "gspo dapo delta entropy beta+z"]
+TP_MATRIX = ["grpo all+ce+z+kd", "cispo bnpo beta entropy", "gspo dapo delta entropy beta+z", "kd_rev both+ce+z",
+             "kd both T=0.6+ce+z+grpo"]
 
 
 def _tp_worker(rank: int, world: int, port: int, folder: str) -> None:

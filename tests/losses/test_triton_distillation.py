@@ -63,7 +63,7 @@ def _check(label: str, result: LossResult, grad: torch.Tensor, expected: LossRes
 
 
 @pytest.mark.parametrize("prefetch", [False, True], ids=["plain-loop", "prefetch"])
-@pytest.mark.parametrize("kinds", ["ce+kd", "ce+z+kd_rev"])
+@pytest.mark.parametrize("kinds", ["ce+kd", "ce+z+kd_rev", "ce+kd_rev_both"])
 def test_prefetch_distillation(prefetch: bool, kinds: str) -> None:
     """Distillation prefetches by default: either loop matches the reference, and the two agree (bit
     for bit on the interpreter, within 1e-6 compiled: multiply-add contraction may differ)."""
@@ -77,13 +77,16 @@ def test_prefetch_distillation(prefetch: bool, kinds: str) -> None:
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 3.0])
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
-def test_temperature(temperature: float, reverse: bool) -> None:
-    """Only the teacher is divided by T; plain logits (no scale, no softcap), looped blocks."""
+@pytest.mark.parametrize("tempered_student", [False, True], ids=["teacher", "both"])
+def test_temperature(temperature: float, reverse: bool, tempered_student: bool) -> None:
+    """temperature_mode teacher (only the teacher divided by T) and both (the student too, loss times
+    T^2; T=1 is plain distillation); plain logits (no scale, no softcap), looped blocks."""
     spec, logits, targets, normalizers = _case("ce+kd_rev" if reverse else "ce+kd", seed=int(temperature * 10))
-    spec = replace(spec, children=(spec.children[0], replace(spec.teacher, temperature=temperature)))
+    child = replace(spec.teacher, temperature=temperature, tempered_student=tempered_student)
+    spec = replace(spec, children=(spec.children[0], child))
     result, grad = triton_loss(logits, targets, normalizers, spec, max_block=16)
     expected, expected_grad = reference_with_grad(logits, targets, normalizers, spec)
-    _check(f"T={temperature} reverse={reverse}", result, grad, expected, expected_grad, FP32_TOL)
+    _check(f"T={temperature} reverse={reverse} both={tempered_student}", result, grad, expected, expected_grad, FP32_TOL)
 
 
 @pytest.mark.parametrize("teacher_dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -98,7 +101,7 @@ def test_teacher_dtypes(teacher_dtype: torch.dtype, block: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("kinds", ["ce+z+kd", "ce+kd_rev"])
+@pytest.mark.parametrize("kinds", ["ce+z+kd", "ce+kd_rev", "ce+kd_rev_both"])
 def test_half_precision_student_and_teacher(dtype: torch.dtype, kinds: str) -> None:
     """16-bit student and teacher, looped: the gradient comes back in the logits dtype."""
     spec, logits, targets, normalizers = _case(kinds, seed=6, dtype=dtype)
@@ -119,9 +122,10 @@ def test_gspo_with_distillation_uses_stats_and_grad_launches(kinds: str, block: 
 
 
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
-def test_weight_zero_distillation_logs_loss_without_gradient(reverse: bool) -> None:
+@pytest.mark.parametrize("tempered_student", [False, True], ids=["teacher", "both"])
+def test_weight_zero_distillation_logs_loss_without_gradient(reverse: bool, tempered_student: bool) -> None:
     spec, logits, targets, normalizers = _case("ce+kd_rev" if reverse else "ce+kd", seed=9)
-    spec = replace(spec, children=(spec.children[0], replace(spec.teacher, weight=0.0)))
+    spec = replace(spec, children=(spec.children[0], replace(spec.teacher, weight=0.0, tempered_student=tempered_student)))
     result, grad = triton_loss(logits, targets, normalizers, spec, max_block=16)
     _, ce_grad = triton_loss(logits, targets, normalizers, LossSpec(spec.children[:1]), max_block=16)
     expected, _ = reference_with_grad(logits, targets, normalizers, spec)
@@ -174,7 +178,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-TP_MIXES = {"ce+z+kd": {"softcap": 3.0}, "ce+grpo+kd_rev": {"logit_scale": 0.8}, "gspo+kd_rev": {}}
+TP_MIXES = {"ce+z+kd": {"softcap": 3.0}, "ce+grpo+kd_rev": {"logit_scale": 0.8}, "gspo+kd_rev": {}, "gspo+kd_both": {}}
 
 
 def _tp_worker(rank: int, world: int, port: int, folder: str) -> None:

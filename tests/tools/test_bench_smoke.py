@@ -13,7 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "bench_losses.py"
 SPECS = ("ce", "ce+z", "grpo+z", "ce+z+grpo", "gspo+z", "ce+kd",
-         "grpo(seq)+z", "grpo(delta,H)+z", "grpo(beta)+z", "cispo+z")  # the policy options beside plain GRPO+z
+         "grpo(seq)+z", "grpo(bnpo)+z", "grpo(dr)+z", "grpo(delta,H)+z", "grpo(beta)+z", "cispo+z",  # beside GRPO+z
+         "ce+kd(both)")  # distillation temperature_mode both, beside ce+kd
 
 
 def _run(tmp_path: Path, *flags: str) -> str:
@@ -51,3 +52,15 @@ def test_cpu_smoke_tune_table(tmp_path: Path) -> None:
     assert sorted(r["spec"] for r in report["tune"] if r["best_kernel"]) == ["ce", "ce+z+grpo"]
     assert [line for line in out.splitlines() if line.startswith("suggested default V=96: max_block ")], out[-2000:]
     assert len(report["suggested"]) == 1 and report["suggested"][0]["score"] >= 1.0
+
+
+def test_cpu_smoke_before_after(tmp_path: Path) -> None:
+    """--baseline: tools/gpu/make_baseline.sh writes HEAD's package as fastlm_base, and the table times
+    both trees on the same inputs (identical code here, so identical gradients)."""
+    baseline = tmp_path / "baseline"
+    subprocess.run(["bash", str(ROOT / "tools" / "gpu" / "make_baseline.sh"), "HEAD", str(baseline)], cwd=ROOT,
+                   check=True, capture_output=True, timeout=60)
+    out = _run(tmp_path, "--baseline", str(baseline), "--specs", "grpo(seq)+z")
+    assert [line for line in out.splitlines() if line.startswith("| grpo(seq)+z | 8 | 96 |")], out[-2000:]
+    (row,) = json.loads((tmp_path / "bench_losses.json").read_text())["ab_rows"]
+    assert set(row["before"]) == set(row["after"]) == {"deferred", "kernel"} and row["grad_rel_diff"] == 0.0, row

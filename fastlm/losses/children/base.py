@@ -41,10 +41,6 @@ class ChildConfig(ConfigModel):
         """The plain object the loss paths run (no pydantic past this point)."""
         raise NotImplementedError
 
-    def triton_unsupported(self) -> str | None:
-        """Why the fused Triton kernel cannot run this child as configured (None: it can)."""
-        return None
-
 
 @dataclass
 class TailInputs:
@@ -164,9 +160,10 @@ class LossChild:
         """Per-call tensors of this child's slot (e.g. per-token weights); none by default."""
         return {}
 
-    def kernel_supported(self) -> bool:
-        """Whether the fused kernel runs this child as configured (its kind has a slot: `kernel`)."""
-        return self.kernel
+    def grad_stats(self) -> tuple[str, ...]:
+        """Per-token vocab-pass statistics (TailInputs.stats keys) the kernel's gradient launch reads
+        for this child besides lse (the teacher's pointers kd0, kd1, ... in order); none by default."""
+        return ()
 
     def kernel_x_term(self) -> bool:
         """Whether the fused kernel's coefficients of this child include a `p_j * x_j` term."""

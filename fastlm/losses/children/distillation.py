@@ -2,8 +2,9 @@
 
 `temperature_mode: both` (Hinton; TRL's GKD) tempers the student too, p_T = softmax(x / T), and
 scales the loss by T^2: `T^2 KL(q || p_T)`, gradient `T (p_T - q)` (forward; reverse
-`T p_T ((x/T - u) - E_pT[x/T - u])`), the whole term per element (`tempered_student`); the compiled
-path runs it (a second student softmax at x/T in the same vocab pass), the fused kernel does not yet.
+`T p_T ((x/T - u) - E_pT[x/T - u])`), the whole term per element (`tempered_student`). Every path
+runs it: the vocab pass keeps a second online softmax of the student at x/T (its max is max(x)/T, so
+one more sum-exp) next to the untempered one the label children and the metrics use.
 
 Gradient with k_t = w/N on unmasked tokens (shared/design/losses.md):
 - forward KL(q || p): d/dx_j = k*(p_j - q_j): `prob += k`, teacher term `-k*q_j`;
@@ -43,11 +44,6 @@ class DistillationConfig(ChildConfig):
     def to_child(self, name: str) -> "Distillation":
         return Distillation(name, self.weight, self.temperature, self.kl == "reverse", self.temperature_mode == "both")
 
-    def triton_unsupported(self) -> str | None:
-        if self.temperature_mode == "both" and self.temperature != 1.0:
-            return "temperature_mode both at temperature != 1 runs in the compiled path only (the kernel has no tempered student softmax)"
-        return None
-
 
 @dataclass(frozen=True)
 class Distillation(LossChild):
@@ -79,9 +75,6 @@ class Distillation(LossChild):
         gap = cross / teacher_sum  # E_q[u - x_s]
         return {"teacher_kl": gap - teacher_lse + student_lse, "teacher_gap": gap}
 
-    def kernel_supported(self) -> bool:
-        return self.student_inv_temperature == 1.0
-
     kind = "distillation"
     reads = ("teacher_logits",)
     uses_teacher = True
@@ -111,11 +104,19 @@ class Distillation(LossChild):
 
     def kernel_arguments(self, row: int) -> dict[str, Any]:
         return {"ROW_KD": row, "kd_weight": float(self.weight), "inv_temperature": 1.0 / self.temperature,
-                "KD_REVERSE": self.reverse}
+                "KD_REVERSE": self.reverse, "KD_TEMPERED": self.student_inv_temperature != 1.0}
 
     @classmethod
     def kernel_absent(cls) -> dict[str, Any]:
-        return {"ROW_KD": -1, "kd_weight": 0.0, "inv_temperature": 1.0, "KD_REVERSE": False}
+        return {"ROW_KD": -1, "kd_weight": 0.0, "inv_temperature": 1.0, "KD_REVERSE": False, "KD_TEMPERED": False}
+
+    def grad_stats(self) -> tuple[str, ...]:
+        """The per-token statistics the kernel's gradient launch reads for this child, in its order
+        (kd0, kd1, kd2): the teacher's log-partition, and with a tempered student its log-partition
+        at x/T and E_pT[x/T - u] (the tail's `teacher_gap`)."""
+        if self.student_inv_temperature == 1.0:
+            return ("teacher_lse",)
+        return ("teacher_lse", "student_lse", "teacher_gap")
 
     def check_targets(self, targets: LossTargets, tokens: int) -> None:
         if targets.teacher_logits is None:

@@ -10,10 +10,11 @@ unclipped term is active (`delta` caps s in it, as for GRPO). `loss_type: grpo` 
 GSPO paper's sequence mean) gives W_i = 1/S; `dapo` gives |i|/N (every token carries its document's
 loss: the former `length_proportional`).
 
-Documents are grouped by id value (ids need not be contiguous or sorted, and a row may hold several
-documents); ids must therefore be unique across the flattened batch. Masked tokens belong to no
-document, and a document without unmasked tokens does not exist. No device->host sync: the
-per-document vectors have T + 2 slots (`policy.document_slots`), empty ones hold exact zeros.
+A document is a run of equal ids in the flattened batch (ids need not be sorted, and a row may hold
+several documents; packing keeps each document contiguous and adjacent documents apart by id:
+`policy.document_slots`). Masked tokens count for no document, and a document without unmasked
+tokens does not exist. No sort and no device->host sync: the per-document vectors have T + 1 slots,
+empty ones hold exact zeros.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pydantic import Field
 
 from fastlm.losses.children.base import ReferenceInputs, Tail, TailInputs, metric_key
 from fastlm.losses.children.grpo import RATIO_METRICS, ClippedPolicyConfig, clipped_surrogate
-from fastlm.losses.children.policy import LossType, PolicyChild, document_slots, dual_clip
+from fastlm.losses.children.policy import LossType, PolicyChild, document_slots, dual_clip, reference_documents
 from fastlm.losses.metrics import clip_fractions
 from fastlm.losses.spec import safe_inverse
 
@@ -65,7 +66,7 @@ class GSPO(PolicyChild):
         slot = document_slots(inputs.targets.document_ids, mask)
         per_token = torch.stack([mask.to(dtype), inputs.new_logp - inputs.target("old_logp"), inputs.target("advantages")],
                                 dim=1)
-        sums = per_token.new_zeros((slot.numel() + 2, 3)).index_add_(0, slot, per_token)
+        sums = per_token.new_zeros((slot.numel() + 1, 3)).index_add_(0, slot, per_token)
         lengths = sums[:, 0]
         present = lengths > 0
         document_w = self.document_weights(lengths, present, mask, inputs.normalizers)
@@ -93,8 +94,7 @@ class GSPO(PolicyChild):
         mask, targets = inputs.mask, inputs.targets
         weights = self.reference_weights(inputs)
         total = (self.reference_regularizers(inputs) * weights).sum()
-        for document in targets.document_ids[mask].unique().tolist():
-            tokens = mask & (targets.document_ids == document)
+        for tokens in reference_documents(targets.document_ids, mask):
             delta = inputs.new_logp[tokens] - targets.old_logp[tokens].to(inputs.new_logp.dtype)
             ratio = torch.exp(delta.mean())
             advantage = targets.advantages[tokens].to(inputs.new_logp.dtype).mean()
@@ -106,7 +106,7 @@ class GSPO(PolicyChild):
 
     def fused_keys(self) -> tuple[tuple[bool, str], ...]:
         """The token metrics only: the loss and the document metrics come from this tail, after the
-        launch (which also writes the per-token state, coefficients.STATE_ROWS)."""
+        launch (which also writes the per-token state, `coefficients.FusedLayout.state_names`)."""
         return tuple((False, metric_key(self.name, name)) for name in self.token_metric_names())
 
     def kernel_arguments(self, row: int) -> dict[str, Any]:

@@ -7,7 +7,11 @@ Aggregation (`loss_type`) is a per-token weight w_t on the token loss and on its
 - `bnpo`: w_t = 1/(N_call * calls), the mean over this call's tokens, averaged over the step's loss
   calls (`normalizers.micro_batches`; accumulation then no longer equals one big batch, by definition);
 - `dr_grpo`: w_t = 1/(L_max * S_step), L_max = `max_completion_length`.
-`|i|` counts the unmasked tokens of document i in this call (a document never spans two calls).
+`|i|` counts the unmasked tokens of document i in this call (a document never spans two calls). A
+document is a run of equal ids in the flattened batch (`document_slots`): packing keeps each
+document's tokens contiguous, masked tokens (its prompt, say) included, and two adjacent documents
+never share an id (the pipeline numbers them across the whole batch); an id seen again further on
+is another document.
 
 Regularisers, per token, both times w_t and the child's weight:
 - `beta` (reference KL, TRL's k3): `beta*k3(new, ref)`, coefficient `beta*(exp(ref - new) - 1)` in
@@ -20,6 +24,8 @@ Metrics (token means over the step's unmasked tokens, every loss_type): `new_log
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -101,21 +107,29 @@ class PolicyChild(LossChild):
     # -- aggregation ---------------------------------------------------------------------------
 
     def token_weights(
-        self, mask: torch.Tensor, document_ids: torch.Tensor | None, normalizers: LossNormalizers,
-        dtype: torch.dtype = torch.float32, slot: torch.Tensor | None = None,
+        self, targets: LossTargets, normalizers: LossNormalizers, dtype: torch.dtype = torch.float32,
+        slot: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """w_t of `loss_type` as a (T,) vector (0 on masked tokens), or None for dapo (the scalar 1/N).
-        `slot` (`document_slots`, when the caller has it) saves the document pass of loss_type grpo."""
+        """w_t of `loss_type` for every token of the call as a (T,) vector (0 on masked tokens), or
+        None for dapo (the scalar 1/N): computed once per call, so a caller that works in token chunks
+        slices it. No sort, no sync. loss_type grpo's document pass is one Triton launch on CUDA in
+        float32 (`triton/documents.py`, the same values bit for bit), torch ops otherwise; `slot`
+        (`document_slots`, when the caller has it) saves that pass."""
         if self.loss_type == "dapo":
             return None
+        sequences = safe_inverse(normalizers.documents)
+        if self.loss_type == "grpo" and slot is None and dtype == torch.float32 and _document_kernel(targets.labels):
+            from fastlm.losses.triton.documents import document_mean_weights
+
+            return document_mean_weights(targets.document_ids, targets.labels, sequences)
+        mask = targets.labels != IGNORE_INDEX
         weights = mask.to(dtype)
         if self.loss_type == "bnpo":
             return weights / (weights.sum().clamp(min=1.0) * normalizers.micro_batches)
-        sequences = safe_inverse(normalizers.documents)
         if self.loss_type == "dr_grpo":
             return weights * (sequences / self.max_completion_length)
-        slot = document_slots(document_ids, mask) if slot is None else slot
-        lengths = weights.new_zeros(slot.numel() + 2).index_add_(0, slot, weights)
+        slot = document_slots(targets.document_ids, mask) if slot is None else slot
+        lengths = weights.new_zeros(slot.numel() + 1).index_add_(0, slot, weights)
         return weights * sequences / lengths[slot].clamp(min=1.0)
 
     def document_weights(self, lengths: torch.Tensor, present: torch.Tensor, mask: torch.Tensor,
@@ -130,7 +144,7 @@ class PolicyChild(LossChild):
         return lengths * (safe_inverse(normalizers.documents) / self.max_completion_length)
 
     def aggregation(self, inputs: TailInputs, slot: torch.Tensor | None = None) -> torch.Tensor | float:
-        weights = self.token_weights(inputs.mask, inputs.targets.document_ids, inputs.normalizers, inputs.dtype, slot)
+        weights = self.token_weights(inputs.targets, inputs.normalizers, inputs.dtype, slot)
         return inputs.per_token if weights is None else weights
 
     # -- shared terms --------------------------------------------------------------------------
@@ -196,8 +210,7 @@ class PolicyChild(LossChild):
         if self.loss_type == "dr_grpo":
             return ones / (self.max_completion_length * normalizers.documents)
         weights = torch.zeros_like(ones)
-        for document in inputs.targets.document_ids[mask].unique().tolist():
-            tokens = mask & (inputs.targets.document_ids == document)
+        for tokens in reference_documents(inputs.targets.document_ids, mask):
             weights[tokens] = 1.0 / (int(tokens.sum()) * normalizers.documents)
         return weights
 
@@ -218,8 +231,7 @@ class PolicyChild(LossChild):
         """The per-token weights w_t of a loss_type other than dapo (dapo: the scalar token_scale)."""
         if self.loss_type == "dapo":
             return {}
-        mask = targets.labels != IGNORE_INDEX
-        return {f"{prefix}_token_weights_ptr": self.token_weights(mask, targets.document_ids, normalizers)}
+        return {f"{prefix}_token_weights_ptr": self.token_weights(targets, normalizers)}
 
     def kernel_x_term(self) -> bool:
         return self.entropy_coeff > 0
@@ -240,16 +252,32 @@ def dual_clip(delta: float | None) -> float:
 
 
 def document_slots(document_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-token slot: 0 for masked tokens, 1 + rank of the document id among the unmasked ids
-    otherwise (at most T), with no device->host sync (a sort and a cumulative sum, where
-    `torch.unique` would read its output size back). A sentinel below every id stands for the masked
-    tokens and is prepended once, so it always sorts first and takes rank 0. Per-document vectors
-    then have T + 2 slots; empty slots hold zeros."""
-    ids = document_ids.to(torch.int64)
-    if ids.numel() == 0:
-        return ids
-    sentinel = (ids.min() - 1).view(1)
-    keys, order = torch.sort(torch.cat([sentinel, torch.where(mask, ids, sentinel)]))
-    rank = (keys[1:] != keys[:-1]).cumsum(0)  # rank of sorted keys 1..T; key 0 is the sentinel (rank 0)
-    slots = torch.zeros_like(keys).scatter_(0, order[1:], rank)
-    return slots[1:]
+    """Per-token slot: 0 for masked tokens, else the number of its document (1, 2, ... in token
+    order; a document is a run of equal ids, masked tokens included). Three elementwise launches and
+    a cumulative sum: no sort, no device->host sync. Per-document vectors have T + 1 slots; slots of
+    documents without an unmasked token hold zeros."""
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[1:] = document_ids[1:] != document_ids[:-1]
+    return torch.where(mask, starts.cumsum(0), 0)
+
+
+def reference_documents(document_ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    """The float64 reference's documents: a token mask per run of equal ids with an unmasked token,
+    found by a plain loop over the tokens (independent of `document_slots`)."""
+    documents: list[torch.Tensor] = []
+    ids = document_ids.tolist()
+    for t, document in enumerate(ids):
+        if t == 0 or document != ids[t - 1]:
+            documents.append(torch.zeros_like(mask))
+        documents[-1][t] = True
+    return [tokens & mask for tokens in documents if (tokens & mask).any()]
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _document_kernel(labels: torch.Tensor) -> bool:
+    """Whether `token_weights` runs its document pass as one Triton launch (CUDA tensors)."""
+    return labels.is_cuda and _triton_importable()

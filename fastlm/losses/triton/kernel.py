@@ -16,6 +16,12 @@ sum-exp) runs in the stats pass next to the student's, plus one mergeable cross 
 forward `sum_j exp(u_j - max_u)*(u_j - x_j)`, reverse `sum_j exp(x_j - max_x)*(x_j - u_j)`, so
 KL = cross/sum_u - lse_u + lse_x (forward) or cross/sum_x - lse_x + lse_u (reverse).
 
+`temperature_mode: both` (KD_TEMPERED, T != 1) puts the student at x/T in the KL: the stats pass
+keeps a second sum-exp `sum_j exp((x_j - max_x)/T)` (the tempered max is max_x/T, so no second max)
+and uses x/T in the cross sum (reverse: weighted by the tempered terms); the loss is T^2 times the KL
+of p_T = softmax(x/T), and its gradient T*(p_T - q) (reverse T*p_T*((x/T - u) - E_pT[x/T - u])) is
+written whole per element from p_T, next to the untempered p the label children use.
+
 One program handles one token row; math is fp32 whatever the input dtypes, in base 2 inside (x*log2 e,
 so each exponential is one `exp2`) and natural units at the interface. The row is walked in blocks:
 every block but the last is read without a bounds check, running sums are per-thread vectors
@@ -33,10 +39,10 @@ read before any store, so in-place gradients are safe). Three constexpr modes sh
   load) and only raise that count. With a per-document child (GSPO) it runs without the gradient and
   also writes the per-token state its tail and the grad launch need (coefficients.STATE_ROWS).
 - `MODE_STATS`: stats only, as mergeable pieces (max, sum-exp, label logit, shifted x-moment; teacher
-  max, teacher sum-exp, cross sum) so a vocab-parallel group can all-reduce them; writes the label
-  logit only where the label is in shard.
-- `MODE_GRAD`: loads lse, both coefficients (the entropy coefficient with X_TERM, the teacher lse
-  with a teacher) per token, computed in torch (or by a fused launch plus a per-document child's
+  max, teacher sum-exp, cross sum; the tempered student's sum-exp) so a vocab-parallel group can
+  all-reduce them; writes the label logit only where the label is in shard.
+- `MODE_GRAD`: loads lse, both coefficients (the entropy coefficient with X_TERM, the
+  distillation child's `grad_stats` with a teacher) per token, computed in torch (or by a fused launch plus a per-document child's
   tail), and writes the gradient.
 
 Masked rows (label -100) branch around the work and write a zero gradient; no early return.
@@ -127,12 +133,14 @@ def _fold(v, ACC: tl.constexpr):
 
 @triton.jit
 def _block_stats(
-    x2, u2, m, s, t, mu, su, cross, MASKED: tl.constexpr, NEED_MOMENT: tl.constexpr, HAS_KD: tl.constexpr,
-    KD_REVERSE: tl.constexpr, ACC: tl.constexpr,
+    x2, u2, m, s, t, mu, su, cross, ss, inv_t, MASKED: tl.constexpr, NEED_MOMENT: tl.constexpr, HAS_KD: tl.constexpr,
+    KD_REVERSE: tl.constexpr, KD_TEMPERED: tl.constexpr, ACC: tl.constexpr,
 ):
     """Merge one block into the running stats (base 2): max m, s = sum 2^(x2-m), t = sum 2^(x2-m)*(x2-m)
     (entropy's shifted moment, exact for peaked rows); teacher max mu, su = sum 2^(u2-mu), cross = the
-    KL cross sum (forward: weights 2^(u2-mu) on u2-x2; reverse: 2^(x2-m) on x2-u2). The sums are ACC-lane
+    KL cross sum (forward: weights 2^(u2-mu) on u2-x2; reverse: 2^(x2-m) on x2-u2). KD_TEMPERED (the
+    student in the KL at x/T, inv_t = 1/T): ss = sum 2^((x2-m)/T), the tempered softmax's sum under
+    its max m/T, and x2/T for x2 in cross (reverse: weights 2^((x2-m)/T)). The sums are ACC-lane
     vectors; they are rescaled only on blocks that raise a max. Returns the new state and 2^(x2-m)."""
     block_max = tl.max(x2, 0)
     if block_max > m:
@@ -140,12 +148,22 @@ def _block_stats(
         if NEED_MOMENT:
             t = rescale * (t + tl.maximum(m - block_max, -3.0e38) * s)
         s = s * rescale
-        if HAS_KD and KD_REVERSE:
+        if HAS_KD and KD_TEMPERED:
+            rescale_t = tl.exp2((m - block_max) * inv_t)
+            ss = ss * rescale_t
+            if KD_REVERSE:
+                cross = cross * rescale_t
+        elif HAS_KD and KD_REVERSE:
             cross = cross * rescale
         m = block_max
     shifted = x2 - m
     e = tl.exp2(shifted)
     s += _fold(e, ACC)
+    x_kd, e_kd = x2, e  # the student in the KL: x2 and its softmax terms, or x2/T and 2^((x2-m)/T)
+    if HAS_KD and KD_TEMPERED:
+        x_kd = x2 * inv_t
+        e_kd = tl.exp2(shifted * inv_t)  # 0 past the row end (shifted = -inf there)
+        ss += _fold(e_kd, ACC)
     if NEED_MOMENT:
         if MASKED:  # past the row end e = 0 but shifted = -inf
             shifted = tl.where(x2 > float("-inf"), shifted, 0.0)
@@ -162,29 +180,30 @@ def _block_stats(
         su += _fold(e_q, ACC)
         if MASKED:  # no -inf - -inf past the row end
             valid = x2 > float("-inf")
-            gap = tl.where(valid, x2, 0.0) - tl.where(valid, u2, 0.0)
+            gap = tl.where(valid, x_kd, 0.0) - tl.where(valid, u2, 0.0)
         else:
-            gap = x2 - u2
+            gap = x_kd - u2
         if KD_REVERSE:
-            cross += _fold(e * gap, ACC)
+            cross += _fold(e_kd * gap, ACC)
         else:
             cross -= _fold(e_q * gap, ACC)
-    return m, s, t, mu, su, cross, e
+    return m, s, t, mu, su, cross, ss, e
 
 
 @triton.jit
 def _merge_block(
-    z_raw, teacher_raw, offsets, n_cols, x_scale, softcap, u_scale, m, s, t, mu, su, cross,
+    z_raw, teacher_raw, offsets, n_cols, x_scale, softcap, u_scale, m, s, t, mu, su, cross, ss, inv_t,
     HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, NEED_MOMENT: tl.constexpr, HAS_KD: tl.constexpr,
-    KD_REVERSE: tl.constexpr, ACC: tl.constexpr,
+    KD_REVERSE: tl.constexpr, KD_TEMPERED: tl.constexpr, ACC: tl.constexpr,
 ):
     """First pass: merge one loaded block of a looped row into the running stats."""
     x2 = _x2_of(z_raw, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, MASKED)
     u2 = x2
     if HAS_KD:
         u2 = teacher_raw.to(tl.float32) * u_scale
-    m, s, t, mu, su, cross, _ = _block_stats(x2, u2, m, s, t, mu, su, cross, MASKED, NEED_MOMENT, HAS_KD, KD_REVERSE, ACC)
-    return m, s, t, mu, su, cross
+    m, s, t, mu, su, cross, ss, _ = _block_stats(x2, u2, m, s, t, mu, su, cross, ss, inv_t, MASKED, NEED_MOMENT, HAS_KD,
+                                                 KD_REVERSE, KD_TEMPERED, ACC)
+    return m, s, t, mu, su, cross, ss
 
 
 @triton.jit
@@ -198,6 +217,24 @@ def _expm1(d):
 @triton.jit
 def _non_finite(v):
     return ((v != v) | (tl.abs(v) == float("inf"))).to(tl.float32)
+
+
+@triton.jit
+def _policy_coefficients(slope, weight, w, ref_gap, beta, entropy_coeff, lse, entropy, prob_coeff, label_coeff,
+                         x_coeff, REF: tl.constexpr, ENTROPY: tl.constexpr):
+    """A token-level policy child's (GRPO, CISPO) share of the coefficients, times its weight and
+    w_t: `slope` (d token loss / d new_logp) plus the reference KL's in the label form
+    c*(p_j - d_jy); the entropy bonus e as the x term, with -e*E_p[x] = -e*(lse - H) in prob_coeff."""
+    if REF:
+        slope += beta * _expm1(ref_gap)
+    policy = weight * w * slope
+    prob_coeff += policy
+    label_coeff += policy
+    if ENTROPY:
+        bonus = weight * w * entropy_coeff
+        x_coeff += bonus
+        prob_coeff -= bonus * (lse - entropy)
+    return prob_coeff, label_coeff, x_coeff
 
 
 @triton.jit
@@ -234,11 +271,12 @@ def _token_metrics(terms_ptr, n_tokens, row, ROW: tl.constexpr, REF: tl.constexp
 @triton.jit
 def _store_terms(
     terms_ptr, row, n_tokens, lse, new_logp, entropy, in_vocab, old_logp, advantage, ratio, ref_gap, kl_kd,
-    prob_coeff, label_coeff, x_coeff, teacher_lse, token_scale, ce_weight, z_weight, kd_weight, grpo_weight,
-    grpo_beta, grpo_entropy, w_grpo, eps_low, eps_high, grpo_delta, cispo_weight, cispo_beta, cispo_entropy, w_cispo,
-    cispo_cap, ROW_CE: tl.constexpr, ROW_Z: tl.constexpr, ROW_GRPO: tl.constexpr, ROW_GSPO: tl.constexpr,
-    ROW_CISPO: tl.constexpr, ROW_KD: tl.constexpr, GRPO_REF: tl.constexpr, CISPO_REF: tl.constexpr,
-    GSPO_REF: tl.constexpr, ROW_TOTAL: tl.constexpr, ROW_FLAGS: tl.constexpr, ROW_STATE: tl.constexpr,
+    prob_coeff, label_coeff, x_coeff, teacher_lse, student_lse, kd_gap, token_scale, ce_weight, z_weight, kd_weight,
+    grpo_weight, grpo_beta, grpo_entropy, w_grpo, eps_low, eps_high, grpo_delta, cispo_weight, cispo_beta,
+    cispo_entropy, w_cispo, cispo_cap, ROW_CE: tl.constexpr, ROW_Z: tl.constexpr, ROW_GRPO: tl.constexpr,
+    ROW_GSPO: tl.constexpr, ROW_CISPO: tl.constexpr, ROW_KD: tl.constexpr, GRPO_REF: tl.constexpr,
+    CISPO_REF: tl.constexpr, GSPO_REF: tl.constexpr, KD_TEMPERED: tl.constexpr, ROW_TOTAL: tl.constexpr,
+    ROW_FLAGS: tl.constexpr, ROW_STATE: tl.constexpr,
 ):
     """The per-token terms of an unmasked row (order: each child's `fused_keys`), scaled by
     `token_scale` (policy losses by their w_t); the weighted total (scaled); the value-check counts,
@@ -293,18 +331,31 @@ def _store_terms(
         _store_term(terms_ptr, ROW_STATE + 3, n_tokens, row, prob_coeff)
         _store_term(terms_ptr, ROW_STATE + 4, n_tokens, row, label_coeff)
         _store_term(terms_ptr, ROW_STATE + 5, n_tokens, row, x_coeff)
-        if ROW_KD >= 0:
+        if ROW_KD >= 0:  # the distillation child's `grad_stats`
             _store_term(terms_ptr, ROW_STATE + 6, n_tokens, row, teacher_lse)
+            if KD_TEMPERED:
+                _store_term(terms_ptr, ROW_STATE + 7, n_tokens, row, student_lse)
+                _store_term(terms_ptr, ROW_STATE + 8, n_tokens, row, kd_gap)
 
 
 @triton.jit
-def _grad(p, x2, u2, prob_coeff, kd_coeff, x_coeff, teacher_lse2, label_term, inv_softcap2, HAS_SOFTCAP: tl.constexpr,
-          KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr, X_TERM: tl.constexpr):
+def _grad(p, x2, u2, prob_coeff, kd_coeff, x_coeff, teacher_lse2, inv_t, student_lse2, kd_gap2, label_term,
+          inv_softcap2, HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr,
+          KD_TEMPERED: tl.constexpr, X_TERM: tl.constexpr):
     """d loss / d z for a block (or the label element, `label_term` != 0) from the student softmax p.
     The coefficients already carry grad_scale and logit_scale (and ln 2 for the reverse-KL term), so
-    without a softcap this is one multiply per element: (prob_coeff*p - label_term + kd term) * dx/dz."""
+    without a softcap this is one multiply per element: (prob_coeff*p - label_term + kd term) * dx/dz.
+    KD_TEMPERED: the whole KL term from the tempered softmax p_T = 2^(x2/T - student_lse2) (inv_t =
+    1/T; kd_gap2 = E_pT[x/T - u] in base 2): k*(p_T - q), or k*p_T*((x2/T - u2) - kd_gap2) (reverse)."""
     grad = prob_coeff * p - label_term
-    if KD_GRAD:
+    if KD_GRAD and KD_TEMPERED:
+        x_t2 = x2 * inv_t
+        p_t = tl.exp2(x_t2 - student_lse2)
+        if KD_REVERSE:
+            grad += kd_coeff * p_t * (x_t2 - u2 - kd_gap2)
+        else:
+            grad += kd_coeff * (p_t - tl.exp2(u2 - teacher_lse2))
+    elif KD_GRAD:
         if KD_REVERSE:
             grad += kd_coeff * p * (x2 - u2)
         else:
@@ -319,16 +370,16 @@ def _grad(p, x2, u2, prob_coeff, kd_coeff, x_coeff, teacher_lse2, label_term, in
 
 @triton.jit
 def _write_grad_block(
-    grad_row_ptr, offsets, n_cols, p, x2, u2, prob_coeff, kd_coeff, x_coeff, teacher_lse2, inv_softcap2,
-    HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr, X_TERM: tl.constexpr,
-    MASKED: tl.constexpr,
+    grad_row_ptr, offsets, n_cols, p, x2, u2, prob_coeff, kd_coeff, x_coeff, teacher_lse2, inv_t, student_lse2,
+    kd_gap2, inv_softcap2, HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr,
+    KD_TEMPERED: tl.constexpr, X_TERM: tl.constexpr, MASKED: tl.constexpr,
 ):
     """Store one block's gradient (without the label term) in the buffer's dtype, streaming past L2."""
     if MASKED:  # finite past the row end (those columns are not stored): no inf*0 in the softcap/KD terms
         x2 = tl.where(offsets < n_cols, x2, 0.0)
         u2 = tl.where(offsets < n_cols, u2, 0.0)
-    grad = _grad(p, x2, u2, prob_coeff, kd_coeff, x_coeff, teacher_lse2, 0.0, inv_softcap2, HAS_SOFTCAP, KD_GRAD,
-                 KD_REVERSE, X_TERM)
+    grad = _grad(p, x2, u2, prob_coeff, kd_coeff, x_coeff, teacher_lse2, inv_t, student_lse2, kd_gap2, 0.0,
+                 inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE, KD_TEMPERED, X_TERM)
     value = grad.to(grad_row_ptr.dtype.element_ty)
     if MASKED:
         tl.store(grad_row_ptr + offsets, value, mask=offsets < n_cols, cache_modifier=".cs")
@@ -338,9 +389,10 @@ def _write_grad_block(
 
 @triton.jit
 def _store_grad_block(
-    grad_row_ptr, z_raw, teacher_raw, offsets, n_cols, x_scale, softcap, u_scale, lse2, teacher_lse2, prob_coeff,
-    kd_coeff, x_coeff, inv_softcap2, HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr,
-    X_TERM: tl.constexpr, MASKED: tl.constexpr,
+    grad_row_ptr, z_raw, teacher_raw, offsets, n_cols, x_scale, softcap, u_scale, lse2, teacher_lse2, inv_t,
+    student_lse2, kd_gap2, prob_coeff, kd_coeff, x_coeff, inv_softcap2, HAS_SOFTCAP: tl.constexpr,
+    KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr, KD_TEMPERED: tl.constexpr, X_TERM: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """Second pass: the gradient of one loaded block."""
     x2 = _x2_of(z_raw, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, MASKED)
@@ -348,7 +400,8 @@ def _store_grad_block(
     if KD_GRAD:
         u2 = teacher_raw.to(tl.float32) * u_scale
     _write_grad_block(grad_row_ptr, offsets, n_cols, tl.exp2(x2 - lse2), x2, u2, prob_coeff, kd_coeff, x_coeff,
-                      teacher_lse2, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE, X_TERM, MASKED)
+                      teacher_lse2, inv_t, student_lse2, kd_gap2, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE,
+                      KD_TEMPERED, X_TERM, MASKED)
 
 
 @triton.jit
@@ -369,8 +422,8 @@ def lm_loss_kernel(
     out2_ptr,  # STATS: label logit (0 off shard); GRAD: label_coeff (read); unused in FUSED
     out3_ptr,  # STATS: sum exp(x-max)*(x-max); GRAD: x_coeff (read, X_TERM); unused in FUSED
     kd0_ptr,  # STATS: teacher max; GRAD: teacher lse (read); unused in FUSED
-    kd1_ptr,  # STATS: teacher sum-exp; unused otherwise
-    kd2_ptr,  # STATS: cross sum; unused otherwise
+    kd1_ptr,  # STATS: teacher sum-exp (KD_TEMPERED: then the tempered student's at kd1 + T); GRAD: tempered lse
+    kd2_ptr,  # STATS: cross sum; GRAD (KD_TEMPERED, reverse): E_pT[x/T - u] (read); unused in FUSED
     old_logp_ptr,
     advantages_ptr,
     ref_logp_ptr,  # policy children with beta > 0: the frozen reference's label log-prob
@@ -415,6 +468,7 @@ def lm_loss_kernel(
     HAS_KD: tl.constexpr,  # teacher statistics in this launch (FUSED, STATS)
     KD_GRAD: tl.constexpr,  # distillation term in the gradient (FUSED, GRAD; weight != 0)
     KD_REVERSE: tl.constexpr,
+    KD_TEMPERED: tl.constexpr,  # temperature_mode both at T != 1: the KL's student at x/T (inv_temperature)
     X_TERM: tl.constexpr,  # entropy bonus p_j * x_j in the gradient (FUSED: from the children; GRAD: out3 read)
     HAS_SOFTCAP: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
@@ -451,6 +505,8 @@ def lm_loss_kernel(
         z_label = tl.load(logits_row + local_label, mask=in_shard, other=0.0).to(tl.float32)
         x2_label = tl.where(in_shard, _transform(z_label, x_scale, softcap, HAS_SOFTCAP), 0.0)
         teacher_lse2 = 0.0
+        student_lse2 = 0.0  # KD_TEMPERED: log-partition of x/T and E_pT[x/T - u], base 2
+        kd_gap2 = 0.0
         x_coeff = 0.0
         if MODE == MODE_GRAD:
             lse = tl.load(out0_ptr + row)
@@ -460,6 +516,10 @@ def lm_loss_kernel(
                 x_coeff = tl.load(out3_ptr + row)
             if KD_GRAD:
                 teacher_lse2 = tl.load(kd0_ptr + row) * LOG2E
+                if KD_TEMPERED:
+                    student_lse2 = tl.load(kd1_ptr + row) * LOG2E
+                    if KD_REVERSE:
+                        kd_gap2 = tl.load(kd2_ptr + row) * LOG2E
         else:
             m = float("-inf")
             s = tl.zeros([ACC], dtype=tl.float32)
@@ -467,10 +527,12 @@ def lm_loss_kernel(
             mu = float("-inf")
             su = tl.zeros([ACC], dtype=tl.float32)
             cross = tl.zeros([ACC], dtype=tl.float32)
+            ss = tl.zeros([ACC], dtype=tl.float32)
             need_moment = MODE == MODE_STATS or ROW_GRPO >= 0 or ROW_GSPO >= 0 or ROW_CISPO >= 0
             if SINGLE_PASS:
-                m, s, t, mu, su, cross, e = _block_stats(
-                    x2, u2, m, s, t, mu, su, cross, True, need_moment, HAS_KD, KD_REVERSE, ACC)
+                m, s, t, mu, su, cross, ss, e = _block_stats(
+                    x2, u2, m, s, t, mu, su, cross, ss, inv_temperature, True, need_moment, HAS_KD, KD_REVERSE,
+                    KD_TEMPERED, ACC)
             else:
                 # Loads ask L2 to keep the row for the second pass. PREFETCH issues the next block's loads
                 # before this block's math (the last iteration re-reads the last block, unused).
@@ -486,15 +548,16 @@ def lm_loss_kernel(
                     else:
                         z_raw, teacher_raw = _load_pair(logits_row, teacher_row, block * BLOCK + offsets, n_cols, HAS_KD,
                                                         False, "evict_last")
-                    m, s, t, mu, su, cross = _merge_block(
+                    m, s, t, mu, su, cross, ss = _merge_block(
                         z_raw, teacher_raw, block * BLOCK + offsets, n_cols, x_scale, softcap, u_scale, m, s, t, mu, su,
-                        cross, HAS_SOFTCAP, False, need_moment, HAS_KD, KD_REVERSE, ACC)
+                        cross, ss, inv_temperature, HAS_SOFTCAP, False, need_moment, HAS_KD, KD_REVERSE, KD_TEMPERED,
+                        ACC)
                 if has_tail:
                     tail = n_full * BLOCK + offsets
                     z_raw, teacher_raw = _load_pair(logits_row, teacher_row, tail, n_cols, HAS_KD, True, "evict_last")
-                    m, s, t, mu, su, cross = _merge_block(
-                        z_raw, teacher_raw, tail, n_cols, x_scale, softcap, u_scale, m, s, t, mu, su, cross,
-                        HAS_SOFTCAP, True, need_moment, HAS_KD, KD_REVERSE, ACC)
+                    m, s, t, mu, su, cross, ss = _merge_block(
+                        z_raw, teacher_raw, tail, n_cols, x_scale, softcap, u_scale, m, s, t, mu, su, cross, ss,
+                        inv_temperature, HAS_SOFTCAP, True, need_moment, HAS_KD, KD_REVERSE, KD_TEMPERED, ACC)
             s = tl.sum(s, 0)
             t = tl.sum(t, 0) * LN2  # natural units from here on
             m = m * LN2
@@ -508,6 +571,8 @@ def lm_loss_kernel(
                     tl.store(kd0_ptr + row, mu * LN2)
                     tl.store(kd1_ptr + row, tl.sum(su, 0))
                     tl.store(kd2_ptr + row, tl.sum(cross, 0) * LN2)
+                    if KD_TEMPERED:  # its max is the student's over T
+                        tl.store(kd1_ptr + n_rows + row, tl.sum(ss, 0))
             else:
                 log_s = tl.log(s)
                 lse = m + log_s
@@ -538,35 +603,32 @@ def lm_loss_kernel(
                         w_grpo = tl.load(grpo_token_weights_ptr + row)
                     gain = tl.where(ratio <= 1.0 + eps_high, tl.maximum(advantage, 0.0), 0.0)
                     loss_side = tl.where((ratio >= 1.0 - eps_low) & (ratio <= grpo_delta), tl.minimum(advantage, 0.0), 0.0)
-                    slope = ratio * (gain + loss_side)
-                    if GRPO_REF:
-                        slope += grpo_beta * _expm1(ref_gap)
-                    policy = grpo_weight * w_grpo * slope
-                    prob_coeff += policy
-                    label_coeff += policy
-                    if GRPO_ENTROPY:
-                        bonus = grpo_weight * w_grpo * grpo_entropy
-                        x_coeff += bonus
-                        prob_coeff -= bonus * (lse - entropy)
+                    prob_coeff, label_coeff, x_coeff = _policy_coefficients(
+                        ratio * (gain + loss_side), grpo_weight, w_grpo, ref_gap, grpo_beta, grpo_entropy, lse, entropy,
+                        prob_coeff, label_coeff, x_coeff, GRPO_REF, GRPO_ENTROPY)
                 if ROW_CISPO >= 0:
                     if CISPO_TOKEN_WEIGHTS:
                         w_cispo = tl.load(cispo_token_weights_ptr + row)
-                    slope = tl.minimum(ratio, cispo_cap) * advantage
-                    if CISPO_REF:
-                        slope += cispo_beta * _expm1(ref_gap)
-                    policy = cispo_weight * w_cispo * slope
-                    prob_coeff += policy
-                    label_coeff += policy
-                    if CISPO_ENTROPY:
-                        bonus = cispo_weight * w_cispo * cispo_entropy
-                        x_coeff += bonus
-                        prob_coeff -= bonus * (lse - entropy)
+                    prob_coeff, label_coeff, x_coeff = _policy_coefficients(
+                        tl.minimum(ratio, cispo_cap) * advantage, cispo_weight, w_cispo, ref_gap, cispo_beta,
+                        cispo_entropy, lse, entropy, prob_coeff, label_coeff, x_coeff, CISPO_REF, CISPO_ENTROPY)
                 kl_kd = 0.0
                 if HAS_KD:
                     teacher_sum = tl.sum(su, 0)
                     teacher_lse2 = mu + tl.log2(teacher_sum)
                     cross_sum = tl.sum(cross, 0) * LN2
-                    if KD_REVERSE:
+                    if KD_TEMPERED:  # T^2 KL(q || p_T) or T^2 KL(p_T || q); every gradient term per element
+                        student_sum = tl.sum(ss, 0)
+                        student_lse = m * inv_temperature + tl.log(student_sum)
+                        student_lse2 = student_lse * LOG2E
+                        if KD_REVERSE:
+                            kd_gap = cross_sum / student_sum  # E_pT[x/T - u]
+                            kd_gap2 = kd_gap * LOG2E
+                            kl_kd = kd_gap - student_lse + teacher_lse2 * LN2
+                        else:
+                            kl_kd = cross_sum / teacher_sum - teacher_lse2 * LN2 + student_lse
+                        kl_kd = kl_kd / (inv_temperature * inv_temperature)
+                    elif KD_REVERSE:
                         mean_gap = cross_sum / s  # E_p[x - u]
                         kl_kd = mean_gap - lse + teacher_lse2 * LN2
                         prob_coeff -= kd_coeff * mean_gap  # kd_coeff is 0 at weight 0
@@ -575,16 +637,19 @@ def lm_loss_kernel(
                         prob_coeff += kd_coeff
                 _store_terms(
                     out0_ptr, row, n_rows, lse, new_logp, entropy, in_shard, old_logp, advantage, ratio, ref_gap,
-                    kl_kd, prob_coeff, label_coeff, x_coeff, teacher_lse2 * LN2, token_scale, ce_weight, z_weight,
-                    kd_weight, grpo_weight, grpo_beta, grpo_entropy, w_grpo, eps_low, eps_high, grpo_delta,
-                    cispo_weight, cispo_beta, cispo_entropy, w_cispo, cispo_cap, ROW_CE, ROW_Z, ROW_GRPO, ROW_GSPO,
-                    ROW_CISPO, ROW_KD, GRPO_REF, CISPO_REF, GSPO_REF, ROW_TOTAL, ROW_FLAGS, ROW_STATE,
+                    kl_kd, prob_coeff, label_coeff, x_coeff, teacher_lse2 * LN2, student_lse2 * LN2, kd_gap2 * LN2,
+                    token_scale, ce_weight, z_weight, kd_weight, grpo_weight, grpo_beta, grpo_entropy, w_grpo, eps_low,
+                    eps_high, grpo_delta, cispo_weight, cispo_beta, cispo_entropy, w_cispo, cispo_cap, ROW_CE, ROW_Z,
+                    ROW_GRPO, ROW_GSPO, ROW_CISPO, ROW_KD, GRPO_REF, CISPO_REF, GSPO_REF, KD_TEMPERED, ROW_TOTAL,
+                    ROW_FLAGS, ROW_STATE,
                 )
         if COMPUTE_GRAD:
             lse2 = lse * LOG2E
             prob_coeff = prob_coeff * grad_coeff
             label_coeff = label_coeff * grad_coeff
             kd_grad_coeff = kd_coeff * grad_coeff * (LN2 if KD_REVERSE else 1.0)
+            if KD_TEMPERED:  # T^2 * d/dx of a KL of x/T
+                kd_grad_coeff = kd_grad_coeff / inv_temperature
             x_coeff = x_coeff * grad_coeff * LN2
             if SINGLE_PASS:
                 # One row in one block: p = 2^(x2 - m) / s reuses the stats pass's exponentials.
@@ -593,7 +658,8 @@ def lm_loss_kernel(
                 else:
                     p = e * (1.0 / s)
                 _write_grad_block(grad_row, offsets, n_cols, p, x2, u2, prob_coeff, kd_grad_coeff, x_coeff,
-                                  teacher_lse2, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE, X_TERM, True)
+                                  teacher_lse2, inv_temperature, student_lse2, kd_gap2, inv_softcap2, HAS_SOFTCAP,
+                                  KD_GRAD, KD_REVERSE, KD_TEMPERED, X_TERM, True)
             else:
                 # Backwards, so the blocks the stats pass read last are the first re-read (L2 hits); the
                 # re-read is evict-first. In place is safe: each thread stores only elements it loaded
@@ -605,8 +671,8 @@ def lm_loss_kernel(
                     tail = n_full * BLOCK + offsets
                     z_raw, teacher_raw = _load_pair(logits_row, teacher_row, tail, n_cols, KD_GRAD, True, "evict_first")
                     _store_grad_block(grad_row, z_raw, teacher_raw, tail, n_cols, x_scale, softcap, u_scale, lse2,
-                                      teacher_lse2, prob_coeff, kd_grad_coeff, x_coeff, inv_softcap2, HAS_SOFTCAP,
-                                      KD_GRAD, KD_REVERSE, X_TERM, True)
+                                      teacher_lse2, inv_temperature, student_lse2, kd_gap2, prob_coeff, kd_grad_coeff,
+                                      x_coeff, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE, KD_TEMPERED, X_TERM, True)
                 for step in range(0, n_full):
                     block_offsets = (n_full - 1 - step) * BLOCK + offsets
                     if PREFETCH:
@@ -618,8 +684,9 @@ def lm_loss_kernel(
                         z_raw, teacher_raw = _load_pair(logits_row, teacher_row, block_offsets, n_cols, KD_GRAD, False,
                                                         "evict_first")
                     _store_grad_block(grad_row, z_raw, teacher_raw, block_offsets, n_cols, x_scale, softcap, u_scale,
-                                      lse2, teacher_lse2, prob_coeff, kd_grad_coeff, x_coeff, inv_softcap2,
-                                      HAS_SOFTCAP, KD_GRAD, KD_REVERSE, X_TERM, False)
+                                      lse2, teacher_lse2, inv_temperature, student_lse2, kd_gap2, prob_coeff,
+                                      kd_grad_coeff, x_coeff, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE,
+                                      KD_TEMPERED, X_TERM, False)
             if in_shard:
                 # The label's element: the blocks above left out -label_coeff; rewrite it once the
                 # whole CTA's block stores are done (the barrier orders them before this one).
@@ -628,7 +695,8 @@ def lm_loss_kernel(
                 if KD_GRAD:
                     u2_label = _load_u2(teacher_row + local_label, 0, 1, u_scale, False, "evict_first")
                 label_grad = _grad(tl.exp2(x2_label - lse2), x2_label, u2_label, prob_coeff, kd_grad_coeff, x_coeff,
-                                   teacher_lse2, label_coeff, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE, X_TERM)
+                                   teacher_lse2, inv_temperature, student_lse2, kd_gap2, label_coeff, inv_softcap2,
+                                   HAS_SOFTCAP, KD_GRAD, KD_REVERSE, KD_TEMPERED, X_TERM)
                 tl.store(grad_row + local_label, label_grad.to(grad_ptr.dtype.element_ty))
     else:
         # Neutral, finite values: a masked row contributes nothing and never makes a NaN.
@@ -641,6 +709,8 @@ def lm_loss_kernel(
                 tl.store(kd0_ptr + row, 0.0)
                 tl.store(kd1_ptr + row, 1.0)
                 tl.store(kd2_ptr + row, 0.0)
+                if KD_TEMPERED:
+                    tl.store(kd1_ptr + n_rows + row, 1.0)
         if MODE == MODE_FUSED:
             for index in tl.static_range(N_TERMS):
                 _store_term(out0_ptr, index, n_rows, row, 0.0)

@@ -82,9 +82,9 @@ def _check_supported(logits: torch.Tensor, targets: LossTargets, spec: LossSpec,
     """What this kernel cannot run, named; the shared checks live in validation.py."""
     if not spec.children:
         raise ValueError("the loss spec has no children; nothing for the Triton kernel to compute")
-    unsupported = [child.name for child in spec.children if not child.kernel_supported()]
+    unsupported = [child.name for child in spec.children if not child.kernel]
     if unsupported:
-        raise ValueError(f"the Triton kernel cannot run {unsupported} as configured; use the compiled path")
+        raise ValueError(f"the Triton kernel has no slot for {unsupported}; use the compiled path")
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps}")
     if not spec.logit_scale > 0 or (spec.softcap is not None and not spec.softcap > 0):
@@ -139,8 +139,9 @@ class _Launch:
         self.kd_grad = distillation and spec.teacher.weight != 0
         self.prefetch = default_prefetch(distillation) if prefetch is None else prefetch
 
-    def vector(self) -> torch.Tensor:
-        return torch.empty(self.logits.shape[0], dtype=torch.float32, device=self.logits.device)
+    def vector(self, rows: int = 1) -> torch.Tensor:
+        """An fp32 output of `rows` x tokens for a stats launch."""
+        return torch.empty(rows * self.logits.shape[0], dtype=torch.float32, device=self.logits.device)
 
     def _per_token(self, name: str) -> torch.Tensor:
         tensor = getattr(self.targets, name)
@@ -261,7 +262,7 @@ def _seam_terms(launch: _Launch, grad: torch.Tensor | None, grad_scale: float) -
     losses.update(out.losses)
     metrics.update(out.metrics)
     if grad is not None:
-        kd_out = (state("teacher_lse"),) if spec.teacher is not None else ()
+        kd_out = tuple(state(name) for name in spec.teacher.grad_stats()) if spec.teacher is not None else ()
         x_term = out.x is not None or any(child.kernel_x_term() for child in spec.children)
         x_coeff = state("x_coeff") if out.x is None else state("x_coeff") + out.x
         coefficients = (state("lse"), out.prob, out.label, x_coeff)
@@ -270,16 +271,23 @@ def _seam_terms(launch: _Launch, grad: torch.Tensor | None, grad_scale: float) -
     return assemble_result(spec, losses, metrics, kernel_total), counts
 
 
-def _reduce_stats(launch: _Launch, group: ProcessGroup | None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+def _reduce_stats(launch: _Launch, group: ProcessGroup | None) -> dict[str, torch.Tensor]:
     """Stats launch, then merge the shards' pieces over `group`: (max, sum-exp, label logit, shifted
-    moment) of the student and (max, sum-exp, cross sum) of the teacher. Returns the tail's
-    statistics and the teacher's log-partition (None without a teacher)."""
+    moment) of the student, (max, sum-exp, cross sum) of the teacher, and with a tempered student
+    (temperature_mode both) its sum-exp at x/T, whose max is the student's over T. Returns the tail's
+    statistics, with the teacher's and the tempered student's log-partitions."""
     distill = launch.spec.teacher
     maximum, sum_exp, label_logit, moment = (launch.vector() for _ in range(4))
-    kd = tuple(launch.vector() for _ in range(3)) if distill is not None else ()
+    kd: tuple[torch.Tensor, ...] = ()
+    inv_t = 1.0
+    if distill is not None:
+        inv_t = distill.student_inv_temperature
+        teacher_sums = launch.vector() if inv_t == 1.0 else launch.vector(2)  # (and the tempered student's)
+        kd = (launch.vector(), teacher_sums, launch.vector())
     launch.run(MODE_STATS.value, (maximum, sum_exp, label_logit, moment), None, kd)
     maxima = torch.stack([maximum, *kd[:1]])
-    sums = torch.stack([sum_exp, label_logit, moment, *kd[1:]])
+    kd_sums = [*kd[1].view(-1, maximum.numel()), kd[2]] if kd else []  # teacher sum-exp[, tempered], cross
+    sums = torch.stack([sum_exp, label_logit, moment, *kd_sums])
     if group is not None:
         local = maxima.clone()
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
@@ -287,18 +295,23 @@ def _reduce_stats(launch: _Launch, group: ProcessGroup | None) -> tuple[dict[str
         rescale = torch.exp(shift)
         parts = [sum_exp * rescale[0], label_logit, rescale[0] * (moment + shift[0] * sum_exp)]
         if distill is not None:
-            # The cross sum is weighted by exp(x - max_x) (reverse) or exp(u - max_u) (forward).
-            parts += [kd[1] * rescale[1], kd[2] * rescale[0 if distill.reverse else 1]]
+            student = rescale[0] if inv_t == 1.0 else torch.exp(shift[0] * inv_t)  # under the KL student's max
+            parts += [kd_sums[0] * rescale[1]] + [tempered * student for tempered in kd_sums[1:-1]]
+            # The cross sum is weighted by the KL student's softmax terms (reverse) or the teacher's (forward).
+            parts += [kd_sums[-1] * (student if distill.reverse else rescale[1])]
         sums = torch.stack(parts)
         dist.all_reduce(sums, group=group)
     log_sum = torch.log(sums[0])
     lse = maxima[0] + log_sum
     stats = {"lse": lse, "new_logp": sums[1] - lse, "entropy": log_sum - sums[2] / sums[0]}
     if distill is None:
-        return stats, None
-    teacher_lse = maxima[1] + torch.log(sums[3])
-    stats.update(distill.token_stats(lse, teacher_lse, sums[4], sums[0], sums[3]))
-    return stats, teacher_lse
+        return stats
+    tempered = inv_t != 1.0
+    student_sum = sums[4] if tempered else sums[0]
+    stats["student_lse"] = maxima[0] * inv_t + torch.log(student_sum) if tempered else lse
+    stats["teacher_lse"] = maxima[1] + torch.log(sums[3])
+    stats.update(distill.token_stats(stats["student_lse"], stats["teacher_lse"], sums[-1], student_sum, sums[3]))
+    return stats
 
 
 def triton_loss(
@@ -333,10 +346,10 @@ def triton_loss(
         result, counts = _seam_terms(launch, grad, grad_scale)
     else:
         mask, counts = value_flags(logits, targets, spec, group)
-        stats, teacher_lse = _reduce_stats(launch, group)
+        stats = _reduce_stats(launch, group)
         out = tail(stats, mask, targets, normalizers, spec)
         if grad is not None:
-            kd_out = () if teacher_lse is None else (teacher_lse.float().contiguous(),)
+            kd_out = tuple(stats[name].float().contiguous() for name in spec.teacher.grad_stats()) if spec.teacher else ()
             x_coeff = out.prob if out.x is None else out.x.float()
             launch.run(MODE_GRAD.value, (stats["lse"], out.prob.float(), out.label.float(), x_coeff), grad, kd_out,
                        token_scale=safe_inverse(normalizers.tokens), grad_scale=grad_scale, x_term=out.x is not None)

@@ -1,0 +1,68 @@
+"""loss_type grpo's per-token weights: the one-launch Triton document pass (`triton/documents.py`)
+equals the torch form (`PolicyChild.token_weights` on CPU) bit for bit, and documents are runs of
+equal ids (an id seen again after another document is a new document).
+
+Without CUDA the kernel runs on Triton's interpreter (tests/conftest.py); small `max_block` values
+walk several blocks with runs straddling them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+from loss_cases import make_spec
+
+from fastlm.losses.children.policy import document_slots, reference_documents
+from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets
+from fastlm.losses.triton.documents import document_mean_weights
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _targets(seed: int, tokens: int, masked: float) -> LossTargets:
+    """Runs of 1..40 tokens with unsorted ids, one id reused two runs later, ~`masked` labels at -100
+    and one run fully masked."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 41, (tokens,), generator=generator)
+    pool = torch.randperm(4 * tokens + 8, generator=generator) + 3
+    runs = torch.repeat_interleave(torch.arange(tokens), lengths)[:tokens]
+    ids = pool[runs]
+    ids[runs == 3] = pool[1]  # run 3 reuses run 1's id (run 2 lies between)
+    labels = torch.randint(0, 50, (tokens,), generator=generator)
+    labels[torch.rand(tokens, generator=generator) < masked] = IGNORE_INDEX
+    labels[runs == 2] = IGNORE_INDEX
+    return LossTargets(labels, document_ids=ids)
+
+
+@pytest.mark.parametrize("tokens,max_block", [(1, 16), (37, 16), (300, 64), (1000, 4096)])
+@pytest.mark.parametrize("masked", [0.0, 0.3, 1.0])
+def test_kernel_equals_torch_bit_for_bit(tokens: int, max_block: int, masked: float) -> None:
+    targets = _targets(tokens + int(10 * masked), tokens, masked)
+    mask = targets.labels != IGNORE_INDEX
+    documents = len(reference_documents(targets.document_ids, mask))
+    normalizers = LossNormalizers(float(mask.sum()), float(documents) + 2.5)  # a step-wide count, not this call's
+    child = make_spec("grpo", options={"grpo": {"loss_type": "grpo"}}).children[0]
+    expected = child.token_weights(targets, normalizers)  # CPU: the torch form
+    found = document_mean_weights(targets.document_ids.to(DEVICE), targets.labels.to(DEVICE),
+                                  1.0 / normalizers.documents, max_block=max_block).cpu()
+    print(f"T={tokens} block={max_block} masked={masked}: {documents} documents, "
+          f"max |diff| {float((found - expected).abs().max()) if tokens else 0.0:.1e}")
+    assert torch.equal(found, expected)
+    assert torch.count_nonzero(found[~mask]) == 0
+
+
+def test_documents_are_runs_of_equal_ids() -> None:
+    """Counts per run, masked tokens inside a document do not split it, a reused id is a new document."""
+    ids = torch.tensor([7, 7, 7, 3, 3, 7, 7, 9])
+    labels = torch.tensor([1, IGNORE_INDEX, 1, 1, IGNORE_INDEX, 1, 1, IGNORE_INDEX])
+    mask = labels != IGNORE_INDEX
+    assert document_slots(ids, mask).tolist() == [1, 0, 1, 2, 0, 3, 3, 0]
+    weights = document_mean_weights(ids.to(DEVICE), labels.to(DEVICE), 0.25, max_block=16).cpu()
+    assert weights.tolist() == [0.125, 0.0, 0.125, 0.25, 0.0, 0.125, 0.125, 0.0]
+    assert [tokens.nonzero()[:, 0].tolist() for tokens in reference_documents(ids, mask)] == [[0, 2], [3], [5, 6]]
