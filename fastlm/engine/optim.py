@@ -29,12 +29,12 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def fused_available(model: torch.nn.Module) -> bool:
-    """torch's fused AdamW (one kernel for the whole update) takes plain CUDA tensors; FSDP's sharded
-    DTensors and CPU parameters keep the default (foreach) implementation."""
+    """torch's fused AdamW (one kernel for the whole update, CUDA or CPU) takes plain tensors; FSDP's
+    sharded DTensors keep the default (foreach) implementation."""
     from torch.distributed.tensor import DTensor
 
     parameters = list(model.parameters())
-    return bool(parameters) and all(p.is_cuda and not isinstance(p, DTensor) for p in parameters)
+    return bool(parameters) and all(p.device.type in ("cuda", "cpu") and not isinstance(p, DTensor) for p in parameters)
 
 
 def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
@@ -45,6 +45,21 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.op
         eps=config.eps,
         fused=True if fused_available(model) else None,
     )
+
+
+def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """Apply the update unless the device bool `skip` is set. Fused AdamW decides on the device (its
+    `found_inf` input, as AMP's GradScaler passes it: the kernel leaves weights and moments alone and the
+    step count is restored), so the host never waits; other implementations read `skip` first."""
+    if not all(group.get("fused") for group in optimizer.param_groups):
+        if not bool(skip):
+            optimizer.step()
+        return
+    optimizer.found_inf = skip.float()  # read by torch.optim.Adam.step
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
 
 
 def lr_multiplier(step: int, total_steps: int, config: ScheduleConfig) -> float:
