@@ -105,6 +105,13 @@ def _accumulate(total: dict[str, torch.Tensor], values: dict[str, torch.Tensor])
         total[name] = total[name] + value.detach() if name in total else value.detach()
 
 
+def _held_back(failed: int, last: int) -> str:
+    """The steps after a failed one that ran before the read point found it, their updates held back."""
+    if last == failed:
+        return ""
+    return f"; step {last} made no update" if last == failed + 1 else f"; steps {failed + 1}-{last} made no update"
+
+
 class Trainer:
     """Builds everything from a `RunConfig`; `train()` runs (or resumes) to `trainer.steps`."""
 
@@ -280,11 +287,11 @@ class Trainer:
                 self.skipped_steps += 1
                 continue
             path = self.save()
-            held = f"; steps {values.step + 1}-{steps[-1].step} made no update either" if steps[-1].step > values.step else ""
             raise NonFiniteError(
                 f"non-finite {problem} at step {values.step} (loss {values.loss}, grad_norm {values.grad_norm}); "
-                f"weights and optimizer from before this step saved to {path}{held} (a resume continues past "
-                "these batches). Lower optimizer.lr, enable optimizer.grad_clip, or set trainer.nonfinite: skip_step"
+                f"weights and optimizer from before this step saved to {path}{_held_back(values.step, steps[-1].step)} "
+                "(a resume continues past these batches). "
+                "Lower optimizer.lr, enable optimizer.grad_clip, or set trainer.nonfinite: skip_step"
             )
         self.read_values.extend(steps)
 
