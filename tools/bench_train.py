@@ -254,7 +254,7 @@ def cli_config(preset: str, loss: str, batch: int, seq_len: int, steps: int, log
                  "eval_fraction": 0.0},
         "trainer": {"steps": steps, "log_every": log_every, "eval_every": 0, "checkpoint_every": 0,
                     "device": device.type},
-        "logging": {"wandb": {"enabled": False}, "progress": False},
+        "logging": {"wandb": {"enabled": False}},  # the progress line shows each window as it is logged
     })
 
 
@@ -262,6 +262,7 @@ def compare_cli(preset: str, loss: str, variant: str, batch: int, seq_len: int, 
                 cli_steps: int, log_every: int, device: torch.device, peak: float) -> Comparison:
     """This loop's row, then the Trainer's run at the same shape; its tokens/s windows from metrics.jsonl."""
     row = bench(preset, loss, variant, batch, seq_len, steps, warmup, device, peak)
+    print(f"bench_train loop: {row}", flush=True)
     with tempfile.TemporaryDirectory(prefix="fastlm-compare-") as folder:
         corpus = Path(folder, "corpus.txt")
         rows_needed = cli_steps * batch * (seq_len + 1)
