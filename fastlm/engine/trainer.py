@@ -56,7 +56,7 @@ from fastlm.engine.distributed import (
     parallelize,
     sum_over,
 )
-from fastlm.engine.optim import build_optimizer, build_scheduler, step_unless
+from fastlm.engine.optim import build_optimizer, build_scheduler, clip_divisor, fused_update, step_unless
 from fastlm.engine.preflight import preflight_issues
 from fastlm.engine.run_dir import FreshStart, RunDirError, RunDirLock
 from fastlm.engine.runtime import autocast, autocast_dtype, rng_state, seed_everything, select_device, set_rng_state
@@ -226,16 +226,19 @@ class Trainer:
                           tokens, checks)
 
     def optimizer_step(self, result: StepResult) -> None:
-        """Clip, then apply the update unless the step is bad, decided on the device (no host read): a
+        """Clip and apply the update unless the step is bad, decided on the device (no host read): a
         non-finite loss or gradient norm skips it; a failed loss-input check (or, with `trainer.nonfinite:
         stop`, a non-finite step) holds back this update and every later one until the next read point,
         where `settle` raises it, so the weights stay those from before the bad step."""
-        result.grad_norm = clip_grad_norm(self.model, self.config.optimizer.grad_clip, self.parallel)
+        max_norm = self.config.optimizer.grad_clip
+        fused = fused_update(self.optimizer)  # clips inside its kernel: no pass over the gradients of its own
+        result.grad_norm = clip_grad_norm(self.model, None if fused else max_norm, self.parallel)
         result.input_failed = self._input_failed(result.checks)
         nonfinite = ~(torch.isfinite(result.loss) & torch.isfinite(result.grad_norm))
         stop = self.config.trainer.nonfinite == "stop"
         self.halted |= (result.input_failed | nonfinite) if stop else result.input_failed
-        step_unless(self.optimizer, self.halted | nonfinite)
+        divisor = clip_divisor(result.grad_norm, max_norm) if fused and max_norm is not None else None
+        step_unless(self.optimizer, self.halted | nonfinite, divisor)
         self.optimizer.zero_grad(set_to_none=True)
         self.pending.add(self.step + 1, result)
         if self.read_due(self.step + 1):
