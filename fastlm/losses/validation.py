@@ -122,7 +122,7 @@ class ValueCheck:
         failed = bad_labels > 0
         for count in non_finite:
             failed = failed | (count > 0)
-        return failed | (tokens > 0) if self._normalizers_fail() else failed
+        return (failed | (tokens > 0)) if self._normalizers_fail() else failed
 
     def _normalizers_fail(self) -> bool:
         """Whether unmasked tokens make `raise_if_bad` refuse these normalizers (host values only)."""
