@@ -24,6 +24,7 @@ the byte tokenizer, the same model and losses, trainer.compile auto) whose logge
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -277,6 +278,7 @@ def compare_cli(preset: str, loss: str, variant: str, batch: int, seq_len: int, 
     if len(windows) < 2:
         raise SystemExit(f"--compare-cli needs two log windows or more: {cli_steps} steps, log every {log_every}")
     if device.type == "cuda":
+        gc.collect()  # the trainer's model and optimizer state, before the next preset
         torch.cuda.empty_cache()
     return Comparison(preset, batch, seq_len, row, windows[1:], memory, peak)
 
