@@ -240,9 +240,15 @@ def write_corpus(path: Path, documents: int, seed: int) -> None:
     rng = random.Random(seed)
     with path.open("w", encoding="ascii") as handle:
         for _ in range(documents):
-            length = rng.randint(DOC_MIN, DOC_MAX) - 2
-            text = " ".join("".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9))) for _ in range(length))
-            handle.write(text[: length - 1].rstrip() .ljust(length - 1, "x") + "x\n\n")
+            handle.write(_words(rng, rng.randint(DOC_MIN, DOC_MAX) - 2) + "\n\n")
+
+
+def _words(rng: random.Random, length: int) -> str:
+    """Exactly `length` characters of lowercase words, without a space at either end."""
+    words: list[str] = []
+    while sum(len(word) + 1 for word in words) < length:
+        words.append("".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9))))
+    return " ".join(words)[:length].rstrip().ljust(length, "x")
 
 
 def cli_config(preset: str, loss: str, batch: int, seq_len: int, steps: int, log_every: int, corpus: Path,
