@@ -57,14 +57,14 @@ class StrictTrainer(Trainer):
             super().optimizer_step(result)
 
 
-def _config(tmp_path: Path) -> RunConfig:
+def _config(tmp_path: Path, compile: bool | str = "auto") -> RunConfig:
     return RunConfig.model_validate({
         "run": {"name": "sync", "output_dir": str(tmp_path / "{name}"), "seed": 0},
         "model": {"type": "llama", "hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                   "max_seq_len": 256},
         "data": {"source": {"type": "generated", "num_documents": 400}, "seq_len": 256, "micro_batch_size": 4},
         "trainer": {"steps": 8, "log_every": 4, "eval_every": 0, "checkpoint_every": 0, "device": "cuda",
-                    "grad_accumulation": MICRO_BATCHES},
+                    "grad_accumulation": MICRO_BATCHES, "compile": compile},
         "logging": {"wandb": {"enabled": False}, "progress": False},
     })
 
@@ -98,7 +98,7 @@ def test_bad_label_on_cuda_holds_updates_back_and_raises_at_the_read_point(tmp_p
                 batch = Batch(batch.input_ids, labels, batch.document_ids)
             return batch
 
-    trainer = LateBadLabel(_config(tmp_path))
+    trainer = LateBadLabel(_config(tmp_path, compile=False))  # eager blocks: no second compilation
     trainer.train_step()
     after_first = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train_step()
