@@ -147,8 +147,7 @@ def test_late_bad_label_between_read_points_holds_every_update_back(tiny_config:
 
 def test_nonfinite_stop_between_read_points_saves_the_weights_before_it(tiny_config: Callable[..., RunConfig]) -> None:
     """`nonfinite: stop` with a read every 3 steps: a NaN gradient at step 2 holds back steps 2 and 3; the read
-    at step 3 saves the weights of step 1 (labelled step 2, the last step whose batches were taken before the
-    read's step) and names step 2."""
+    (inside step 3, before it counts) saves step 1's weights as the checkpoint of step 2 and names step 2."""
     trainer = Trainer(tiny_config("stop-late", trainer={"steps": 6, "log_every": 3, "nonfinite": "stop"}))
     weight = trainer.model.final_norm.weight
     weight.register_hook(lambda grad: grad * math.nan if trainer.step == 1 else grad)
