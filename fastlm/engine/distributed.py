@@ -210,22 +210,28 @@ class RankShardLoader:
         self.loader.load_state_dict(state)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, parallel: Parallel) -> float:
-    """Clip to a global norm; vocab-sharded gradients add their squared norms over tp."""
+def clip_grad_norm(model: nn.Module, max_norm: float | None, parallel: Parallel) -> torch.Tensor:
+    """The global gradient norm as a device tensor (never read here: no host sync), the gradients
+    clipped to `max_norm` first unless it is None; vocab-sharded gradients add their squared norms over tp."""
     group = parallel.tp_group
     if group is None:
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        parameters = [p for p in model.parameters() if p.grad is not None]
+        if max_norm is None:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
     sharded = set(sharded_parameter_names(model))
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     zero = torch.zeros((), dtype=torch.float32, device=next(model.parameters()).device)
     squares = [sum((g.float().square().sum() for n, g in grads.items() if (n in sharded) == part), zero) for part in (False, True)]
     dist.all_reduce(squares[1], group=group)
     norm = (squares[0] + squares[1]).sqrt()
-    coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for grad in grads.values():
-        grad.mul_(coefficient.to(grad.dtype))
-    return float(norm)
+    if max_norm is not None:
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for grad in grads.values():
+            grad.mul_(coefficient.to(grad.dtype))
+    return norm
 
 
 # --- full (gathered) checkpoint state, in the single-process layout ---------------------------------------

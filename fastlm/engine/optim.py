@@ -29,12 +29,12 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def fused_available(model: torch.nn.Module) -> bool:
-    """torch's fused AdamW (one kernel for the whole update) takes plain CUDA tensors; FSDP's sharded
-    DTensors and CPU parameters keep the default (foreach) implementation."""
+    """torch's fused AdamW (one kernel for the whole update, CUDA or CPU) takes plain tensors; FSDP's
+    sharded DTensors keep the default (foreach) implementation."""
     from torch.distributed.tensor import DTensor
 
     parameters = list(model.parameters())
-    return bool(parameters) and all(p.is_cuda and not isinstance(p, DTensor) for p in parameters)
+    return bool(parameters) and all(p.device.type in ("cuda", "cpu") and not isinstance(p, DTensor) for p in parameters)
 
 
 def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
@@ -45,6 +45,40 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.op
         eps=config.eps,
         fused=True if fused_available(model) else None,
     )
+
+
+def fused_update(optimizer: torch.optim.Optimizer) -> bool:
+    return all(group.get("fused") for group in optimizer.param_groups)
+
+
+def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What clipping to `max_norm` divides the gradients by, on the device: 1 within it, else about
+    norm / max_norm (torch's clip_grad_norm_ coefficient, inverted)."""
+    return (max_norm / (norm.float() + 1e-6)).clamp(max=1.0).reciprocal()
+
+
+def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor, grad_divisor: torch.Tensor | None = None) -> None:
+    """Apply the update unless the device bool `skip` is set, the gradients divided by `grad_divisor` first.
+
+    Fused AdamW does both inside its kernel, driven as AMP's GradScaler drives it (`grad_scale` divides
+    the gradients; `found_inf` leaves weights and moments alone and restores the step count): the host
+    never waits, and clipping needs no pass over the gradients of its own. Other implementations take no
+    divisor (clip in place before) and read `skip` on the host.
+    """
+    if not fused_update(optimizer):
+        if grad_divisor is not None:
+            raise ValueError("only fused AdamW divides the gradients itself; clip them in place for this optimizer")
+        if not bool(skip):
+            optimizer.step()
+        return
+    optimizer.found_inf = skip.float()  # both read by torch.optim.Adam.step
+    if grad_divisor is not None:
+        optimizer.grad_scale = grad_divisor
+    try:
+        optimizer.step()
+    finally:
+        for name in ("found_inf", "grad_scale"):
+            optimizer.__dict__.pop(name, None)
 
 
 def lr_multiplier(step: int, total_steps: int, config: ScheduleConfig) -> float:

@@ -4,6 +4,10 @@ The step is split into overridable pieces so other engines (GRPO rollouts) can r
 `micro_batches()` decides what one step trains on, `forward_backward()` turns it into gradients and
 summed scalars, `optimizer_step()` clips, checks and applies them.
 
+The host never waits for the GPU inside a step: the step's scalars stay on the device and its checks
+decide on the device (fastlm/engine/step_scalars.py). They are read back in one transfer at the next
+read point (a step that logs, evaluates or checkpoints, and the last), which raises what was found.
+
 Under torchrun (fastlm/engine/distributed.py) the same loop runs on every rank: each dp rank trains on
 its rows of the global batch, normalizers and logged scalars are summed over dp, rank 0 logs and writes
 the gathered checkpoint.
@@ -11,7 +15,6 @@ the gathered checkpoint.
 
 from __future__ import annotations
 
-import math
 import shutil
 import sys
 import time
@@ -53,16 +56,17 @@ from fastlm.engine.distributed import (
     parallelize,
     sum_over,
 )
-from fastlm.engine.optim import build_optimizer, build_scheduler
+from fastlm.engine.optim import build_optimizer, build_scheduler, clip_divisor, fused_update, step_unless
 from fastlm.engine.preflight import preflight_issues
 from fastlm.engine.run_dir import FreshStart, RunDirError, RunDirLock
 from fastlm.engine.runtime import autocast, autocast_dtype, rng_state, seed_everything, select_device, set_rng_state
 from fastlm.engine.signals import StopRequest
+from fastlm.engine.step_scalars import PendingSteps, StepResult, StepValues
 from fastlm.layers.lm_head import LMHead
 from fastlm.logging.jsonl import drop_records_after
 from fastlm.logging.logger import METRICS_FILE, MetricLogger
 from fastlm.losses.spec import LossNormalizers, LossResult
-from fastlm.losses.validation import deferred_value_checks
+from fastlm.losses.validation import ValueCheck, collected_value_checks, deferred_value_checks
 from fastlm.models.decoder import build_model
 
 CHECKPOINT_DIR = "checkpoints"
@@ -70,17 +74,6 @@ CHECKPOINT_DIR = "checkpoints"
 
 class NonFiniteError(RuntimeError):
     """Training met a non-finite loss or gradient with `trainer.nonfinite: stop`."""
-
-
-@dataclass
-class StepResult:
-    """One optimizer step, summed over its micro-batches (each LossResult is already its share of the mean)."""
-
-    loss: float
-    losses: dict[str, float]
-    metrics: dict[str, float]
-    tokens: int  # input tokens processed (throughput)
-    grad_norm: float = math.nan
 
 
 @dataclass
@@ -107,13 +100,16 @@ def step_normalizers(batches: Iterable[Batch]) -> LossNormalizers:
     )
 
 
-def _scalars(values: dict[str, torch.Tensor]) -> dict[str, float]:
-    return {name: float(value) for name, value in values.items()}
-
-
 def _accumulate(total: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
     for name, value in values.items():
         total[name] = total[name] + value.detach() if name in total else value.detach()
+
+
+def _held_back(failed: int, last: int) -> str:
+    """The steps after a failed one that ran before the read point found it, their updates held back."""
+    if last == failed:
+        return ""
+    return f"; step {last} made no update" if last == failed + 1 else f"; steps {failed + 1}-{last} made no update"
 
 
 class Trainer:
@@ -153,6 +149,9 @@ class Trainer:
         self.checkpoint_dir = self.run_dir / CHECKPOINT_DIR
         self.step = 0
         self.skipped_steps = 0
+        self.pending = PendingSteps()  # steps whose scalars are not read yet
+        self.read_values: list[StepValues] = []  # read by the last read point, for the loop to log
+        self.halted = torch.zeros((), dtype=torch.bool, device=self.device)  # a failure holds every update back
         self.checkpoints_written = 0  # by this process: a start that wrote one is not undone on failure
         self.wandb_run_id: str | None = None  # kept in checkpoints: a resume logs to the same wandb run
 
@@ -187,15 +186,16 @@ class Trainer:
         return [self.train_loader.next_batch() for _ in range(self.config.trainer.grad_accumulation)]
 
     def prepare(self, batch: Batch) -> Batch:
-        """One micro-batch, on the device, just before its forward: the hook for per-batch extras
-        (a teacher's logits) so they live for one micro-batch, not the whole step."""
+        """One micro-batch, on the device (an asynchronous copy), just before its forward: the hook for
+        per-batch extras (a teacher's logits) so they live for one micro-batch, not the whole step."""
         return batch.to(self.device)
 
     def forward_backward(self, batches: list[Batch]) -> StepResult:
         """Backward every micro-batch against step-wide normalizers, so gradients add up to one big batch.
 
         Data parallel: each rank's loss is its share of the global mean; DDP/FSDP average gradients over
-        dp, so the backward is scaled by dp to make the reduced gradient the global sum.
+        dp, so the backward is scaled by dp to make the reduced gradient the global sum. Nothing is read
+        back: the loss-input checks are collected for the next read point.
         """
         normalizers = self.step_normalizers(batches)
         if normalizers.tokens == 0:
@@ -204,7 +204,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         losses: dict[str, torch.Tensor] = {}
         metrics: dict[str, torch.Tensor] = {}
-        with deferred_value_checks():  # one read-back of the loss input checks per step, before the update
+        with collected_value_checks() as checks:
             for index, batch in enumerate(batches):
                 batch.check_token_ids(self.config.model.vocab_size)  # on the host, before the embedding could assert
                 batch = self.prepare(batch)
@@ -220,33 +220,88 @@ class Trainer:
                 loss_sum += result.loss.detach().float()
                 _accumulate(losses, result.losses)
                 _accumulate(metrics, result.metrics)
-        tokens = torch.tensor(float(sum(b.input_ids.numel() for b in batches)), device=self.device)
+        tokens = sum(b.input_ids.numel() for b in batches) * self.parallel.dp_size  # every dp rank's rows are alike
         group = self.parallel.dp_group
-        totals = sum_over({"loss": loss_sum, "tokens": tokens}, group)
-        losses, metrics = sum_over(losses, group), sum_over(metrics, group)
-        return StepResult(float(totals["loss"]), _scalars(losses), _scalars(metrics), int(totals["tokens"]))
+        return StepResult(sum_over({"loss": loss_sum}, group)["loss"], sum_over(losses, group), sum_over(metrics, group),
+                          tokens, checks)
 
     def optimizer_step(self, result: StepResult) -> None:
-        """Clip, then apply; a non-finite loss or gradient skips the update or stops the run."""
-        max_norm = self.config.optimizer.grad_clip or math.inf
-        result.grad_norm = clip_grad_norm(self.model, max_norm, self.parallel)
-        if math.isfinite(result.loss) and math.isfinite(result.grad_norm):
-            self.optimizer.step()
-        elif self.config.trainer.nonfinite == "skip_step":
-            self.skipped_steps += 1
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-            path = self.save()
-            raise NonFiniteError(
-                f"non-finite {'loss' if not math.isfinite(result.loss) else 'gradient norm'} at step {self.step + 1} "
-                f"(loss {result.loss}, grad_norm {result.grad_norm}); weights and optimizer from before this step saved "
-                f"to {path} (a resume continues past this step's batches). "
-                "Lower optimizer.lr, enable optimizer.grad_clip, or set trainer.nonfinite: skip_step"
-            )
+        """Clip and apply the update unless the step is bad, decided on the device (no host read): a
+        non-finite loss or gradient norm skips it; a failed loss-input check (or, with `trainer.nonfinite:
+        stop`, a non-finite step) holds back this update and every later one until the next read point,
+        where `settle` raises it, so the weights stay those from before the bad step."""
+        max_norm = self.config.optimizer.grad_clip
+        fused = fused_update(self.optimizer)  # clips inside its kernel: no pass over the gradients of its own
+        result.grad_norm = clip_grad_norm(self.model, None if fused else max_norm, self.parallel)
+        result.input_failed = self._input_failed(result.checks)
+        nonfinite = ~(torch.isfinite(result.loss) & torch.isfinite(result.grad_norm))
+        stop = self.config.trainer.nonfinite == "stop"
+        self.halted |= (result.input_failed | nonfinite) if stop else result.input_failed
+        divisor = clip_divisor(result.grad_norm, max_norm) if fused and max_norm is not None else None
+        step_unless(self.optimizer, self.halted | nonfinite, divisor)
         self.optimizer.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():  # a skipped first step trips torch's "scheduler before optimizer" hint
+        self.pending.add(self.step + 1, result)
+        if self.read_due(self.step + 1):
+            self.settle()
+        with warnings.catch_warnings():  # a host-skipped first step trips torch's "scheduler before optimizer" hint
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
             self.scheduler.step()
+
+    def _input_failed(self, checks: list[ValueCheck]) -> torch.Tensor:
+        """Device bool: a loss-input check of this step fails, on any rank (all of them then skip the update)."""
+        failed = torch.zeros((), dtype=torch.bool, device=self.device)
+        for check in checks:
+            failed = failed | check.fails()
+        if not self.parallel.distributed:
+            return failed
+        flag = failed.float()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag > 0
+
+    # --- read points ---------------------------------------------------------------------------------
+    def logs_at(self, step: int) -> bool:
+        return step % self.config.trainer.log_every == 0 or step == self.config.trainer.steps
+
+    def evaluates_at(self, step: int) -> bool:
+        every = self.config.trainer.eval_every
+        return bool(every) and (step % every == 0 or step == self.config.trainer.steps)
+
+    def checkpoints_at(self, step: int) -> bool:
+        every = self.config.trainer.checkpoint_every
+        return (bool(every) and step % every == 0) or step == self.config.trainer.steps
+
+    def read_due(self, step: int) -> bool:
+        """Whether the scalars are read after `step` (1-based): the loop logs, evaluates or checkpoints then."""
+        return self.logs_at(step) or self.evaluates_at(step) or self.checkpoints_at(step)
+
+    def settle(self) -> None:
+        """The read point: every pending step's scalars in one read-back. Raises what was found since the
+        last one, in step order: a failed loss-input check (the loss's own ValueError, naming the step) or a
+        non-finite step under `trainer.nonfinite: stop` (NonFiniteError, after a checkpoint of the weights
+        from before it); under `skip_step` counts the skipped steps. The values are kept for the log."""
+        steps = self.pending.read()
+        self.halted.zero_()  # whatever set it is raised below
+        for values in steps:
+            values.raise_on_bad_input()
+            problem = values.nonfinite
+            if problem is None:
+                continue
+            if self.config.trainer.nonfinite == "skip_step":
+                self.skipped_steps += 1
+                continue
+            path = self.save()
+            raise NonFiniteError(
+                f"non-finite {problem} at step {values.step} (loss {values.loss}, grad_norm {values.grad_norm}); "
+                f"weights and optimizer from before this step saved to {path}{_held_back(values.step, steps[-1].step)} "
+                "(a resume continues past these batches). "
+                "Lower optimizer.lr, enable optimizer.grad_clip, or set trainer.nonfinite: skip_step"
+            )
+        self.read_values.extend(steps)
+
+    def take_read_values(self) -> list[StepValues]:
+        """The steps read since the last call (empty unless a read point has passed)."""
+        values, self.read_values = self.read_values, []
+        return values
 
     def train_step(self) -> StepResult:
         self.model.train()
@@ -283,7 +338,9 @@ class Trainer:
         }
 
     def save(self) -> Path:
-        """Distributed: every rank helps gather the full state, rank 0 writes it, all wait for the write."""
+        """Distributed: every rank helps gather the full state, rank 0 writes it, all wait for the write.
+        Pending steps are read first: a checkpoint never holds the weights of a step that failed."""
+        self.settle()
         args = (self.state(), self.config.model_dump(mode="json"), self.config.trainer.keep_checkpoints)
         self.checkpoints_written += 1
         if not self.parallel.distributed:
@@ -341,13 +398,13 @@ class Trainer:
             raise CheckpointError(f"{loaded.path}: cannot restore it ({type(error).__name__}: {str(error)[:200]})") from None
 
     # --- the loop --------------------------------------------------------------------------------------
-    def _log_record(self, result: StepResult, tokens_per_second: float) -> dict[str, float]:
+    def _log_record(self, values: StepValues, tokens_per_second: float) -> dict[str, float]:
         record = {
-            "train/loss": result.loss,
-            **{f"train/loss/{name}": value for name, value in result.losses.items()},
-            **{f"train/{name}": value for name, value in result.metrics.items()},
+            "train/loss": values.loss,
+            **{f"train/loss/{name}": value for name, value in values.losses.items()},
+            **{f"train/{name}": value for name, value in values.metrics.items()},
             "train/lr": self.scheduler.get_last_lr()[0],
-            "train/grad_norm": result.grad_norm,
+            "train/grad_norm": values.grad_norm,
             "train/tokens_per_second": tokens_per_second,
             "train/step": float(self.step),
         }
@@ -435,13 +492,16 @@ class Trainer:
                     self.run_dir.rmdir()
 
     def _train_loop(self) -> TrainSummary:
-        """Run to `trainer.steps`; SIGTERM/SIGINT end it early after a checkpoint (see fastlm/engine/signals.py)."""
+        """Run to `trainer.steps`; SIGTERM/SIGINT end it early after a checkpoint (see fastlm/engine/signals.py).
+
+        Throughput is wall time between read points (the GPU has finished the steps read there), less
+        what the loop does after one (eval, checkpoints, logging), which is not step time."""
         trainer = self.config.trainer
         stopped_by = None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         losses: list[float] = []
         eval_loss = None
-        total_tokens, total_seconds = 0, 0.0  # throughput counts step time only (not eval, checkpoints, logging)
+        total_tokens, total_seconds = 0, 0.0
         window_tokens, window_seconds = 0, 0.0
         with StopRequest() as stop, MetricLogger(
             self.config.logging, self.run_dir, self.config.run.name, trainer.steps, self._run_config(), self.rank,
@@ -449,32 +509,36 @@ class Trainer:
         ) as logger:
             if logger.wandb is not None and logger.wandb.run_id is not None:
                 self.wandb_run_id = logger.wandb.run_id
+            clock = time.perf_counter()
             while self.step < trainer.steps:
-                started = time.perf_counter()
-                result = self.train_step()
-                seconds = time.perf_counter() - started
-                losses.append(result.loss)
-                total_tokens, total_seconds = total_tokens + result.tokens, total_seconds + seconds
-                window_tokens, window_seconds = window_tokens + result.tokens, window_seconds + seconds
+                self.train_step()
+                read = self.take_read_values()  # empty unless this step was a read point
+                if read:
+                    seconds, tokens = time.perf_counter() - clock, sum(values.tokens for values in read)
+                    total_tokens, total_seconds = total_tokens + tokens, total_seconds + seconds
+                    window_tokens, window_seconds = window_tokens + tokens, window_seconds + seconds
+                    losses.extend(values.loss for values in read)
                 record: dict[str, float] = {}
-                if self.step % trainer.log_every == 0 or self.step == trainer.steps:
-                    record.update(self._log_record(result, window_tokens / max(window_seconds, 1e-9)))
+                if self.logs_at(self.step):
+                    record.update(self._log_record(read[-1], window_tokens / max(window_seconds, 1e-9)))
                     window_tokens, window_seconds = 0, 0.0
-                if trainer.eval_every and (self.step % trainer.eval_every == 0 or self.step == trainer.steps):
+                if self.evaluates_at(self.step):
                     eval_loss = self.evaluate()
                     if eval_loss is not None:
                         record["eval/loss"] = eval_loss
                 logger.log(self.step, record)
-                scheduled = bool(trainer.checkpoint_every) and self.step % trainer.checkpoint_every == 0
                 stopping = self._stop_requested(stop)
-                if scheduled or stopping or self.step == trainer.steps:
+                if self.checkpoints_at(self.step) or stopping:
                     path = self.save()
+                    losses.extend(values.loss for values in self.take_read_values())  # a stop between read points
                 if stopping and self.step < trainer.steps:
                     stopped_by = stop.signal.name if stop.signal is not None else "a signal on another rank"
                     if self.rank in (None, 0):
                         print(f"fastlm: stopped by {stopped_by} after step {self.step}/{trainer.steps}; checkpoint "
                               f"{path}; continue with --resume", file=sys.stderr, flush=True)
                     break
+                if read:
+                    clock = time.perf_counter()
         return self._summary(losses, eval_loss, total_tokens, total_seconds, stopped_by)
 
     def _summary(self, losses: list[float], eval_loss: float | None, tokens: int, seconds: float,

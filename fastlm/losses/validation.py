@@ -14,8 +14,10 @@ device->host synchronisation a call needs comes last and host and device work ov
 
 Zero syncs would leave out-of-range labels to a device-side assert (which poisons the CUDA context
 and names no tensor) or to silent garbage, so we keep exactly one. An in-place gradient has already
-overwritten the logits when the error is raised. Inside `deferred_value_checks()` (the trainer's
-step) the read moves to the end of the block: one sync per step instead of one per call.
+overwritten the logits when the error is raised. Inside `deferred_value_checks()` the read moves to
+the end of the block: one sync per block instead of one per call. The trainer goes further
+(`collected_value_checks()`): it reads no count during the step, skips the weight update on the
+device when `ValueCheck.fails()`, and reads the counts at its next read point (fastlm/engine/step_scalars.py).
 """
 
 from __future__ import annotations
@@ -113,6 +115,26 @@ class ValueCheck:
     normalizers: LossNormalizers
     spec: LossSpec
 
+    def fails(self) -> torch.Tensor:
+        """A device bool, true when `raise_if_bad` will raise on these counts; no sync, so a caller that
+        must not wait (the trainer's update, skipped on the device) can act on it before reading them."""
+        bad_labels, tokens, *non_finite = self.counts.unbind()
+        failed = bad_labels > 0
+        for count in non_finite:
+            failed = failed | (count > 0)
+        return (failed | (tokens > 0)) if self._normalizers_fail() else failed
+
+    def _normalizers_fail(self) -> bool:
+        """Whether unmasked tokens make `raise_if_bad` refuse these normalizers (host values only)."""
+        if self.normalizers.tokens == 0:
+            return True
+        try:
+            for child in self.spec.children:
+                child.check_normalizers(self.normalizers)
+        except ValueError:
+            return True
+        return False
+
     def raise_if_bad(self, counts: list[float]) -> None:
         """Raise `ValueError` naming the first bad tensor or field, from the counts read back."""
         bad_labels, tokens, *non_finite = counts
@@ -156,24 +178,40 @@ def raise_on_bad_values(
 
 
 @contextmanager
-def deferred_value_checks() -> Iterator[None]:
-    """Read the value checks of every loss call in the block back once, when it ends, and raise the
-    first failure then: no host sync per call, so the host queues the next launch while the GPU works.
-    The trainer wraps a step's forward/backward passes in it: the error still comes before the
-    optimizer step, so bad input changes no weight. Nothing is read if the block raises."""
+def collected_value_checks() -> Iterator[list[ValueCheck]]:
+    """Collect the value checks of every loss call in the block, unread: the caller reads their counts
+    when it chooses (`raise_on_first_bad`), and meanwhile can act on `ValueCheck.fails()` on the device."""
     pending: list[ValueCheck] = []
     token = _PENDING.set(pending)
     try:
-        yield
+        yield pending
     finally:
         _PENDING.reset(token)
+
+
+def check_counts(checks: list[ValueCheck]) -> list[torch.Tensor]:
+    """The counts of `checks` as flat float tensors, to be read back together with other scalars."""
+    return [check.counts.reshape(-1).float() for check in checks]
+
+
+def raise_on_first_bad(checks: list[ValueCheck], values: list[float]) -> None:
+    """Raise the first failure of `checks`, given their counts read back in one flat list."""
+    start = 0
+    for check in checks:
+        size = check.counts.numel()
+        check.raise_if_bad(values[start : start + size])
+        start += size
+
+
+@contextmanager
+def deferred_value_checks() -> Iterator[None]:
+    """Read the value checks of every loss call in the block back once, when it ends, and raise the
+    first failure then: no host sync per call, so the host queues the next launch while the GPU works.
+    Evaluation wraps its passes in it. Nothing is read if the block raises."""
+    with collected_value_checks() as pending:
+        yield
     if pending:
-        values = torch.cat([check.counts.reshape(-1).float() for check in pending]).tolist()
-        start = 0
-        for check in pending:
-            size = check.counts.numel()
-            check.raise_if_bad(values[start : start + size])
-            start += size
+        raise_on_first_bad(pending, torch.cat(check_counts(pending)).tolist())
 
 
 def _check_teacher(logits: torch.Tensor, targets: LossTargets, spec: LossSpec, group: ProcessGroup | None) -> None:

@@ -11,9 +11,11 @@ import torch
 
 from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import Batch
+from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.run_dir import RunDirError
 from fastlm.engine.trainer import NonFiniteError, Trainer
 from fastlm.logging.jsonl import read_metrics
+from host_reads import host_reads
 from wandb_reader import read_wandb_run
 
 
@@ -120,6 +122,63 @@ def test_loss_value_checks_are_read_once_per_step_and_before_the_update(tiny_con
         trainer.train()
     assert trainer.step == 0
     assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), before))  # no optimizer step ran
+
+
+def test_late_bad_label_between_read_points_holds_every_update_back(tiny_config: Callable[..., RunConfig]) -> None:
+    """Read points every 4 steps, a bad label from step 2 on: steps 2-4 make no update (the flag stays on
+    the device), the read at step 4 raises the loss's error naming step 2, the weights are step 1's."""
+
+    class BadFromStepTwo(_LateBadLabel):
+        def prepare(self, batch: Batch) -> Batch:
+            return super().prepare(batch) if self.step >= 1 else Trainer.prepare(self, batch)
+
+    trainer = BadFromStepTwo(tiny_config("late-bad-4", trainer={"steps": 8, "log_every": 4}))
+    trainer.train_step()
+    after_first = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train_step()
+    trainer.train_step()
+    assert trainer.step == 3 and len(trainer.pending) == 3  # nothing read yet: steps 1-3 are pending
+    assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), after_first))
+    with pytest.raises(ValueError, match=r"step 2: targets.labels\[\d+\] = 260 is outside the vocabulary"):
+        trainer.train_step()
+    assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), after_first))
+    assert not trainer.halted  # the flag that held the updates back is cleared with its error
+
+
+def test_nonfinite_stop_between_read_points_saves_the_weights_before_it(tiny_config: Callable[..., RunConfig]) -> None:
+    """`nonfinite: stop` with a read every 3 steps: a NaN gradient at step 2 holds back steps 2 and 3; the read
+    (inside step 3, before it counts) saves step 1's weights as the checkpoint of step 2 and names step 2."""
+    trainer = Trainer(tiny_config("stop-late", trainer={"steps": 6, "log_every": 3, "nonfinite": "stop"}))
+    weight = trainer.model.final_norm.weight
+    weight.register_hook(lambda grad: grad * math.nan if trainer.step == 1 else grad)
+    trainer.train_step()
+    after_first = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(NonFiniteError, match=r"non-finite gradient norm at step 2 .*saved to .*; step 3 made no update"):
+        trainer.train()
+    assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), after_first))
+    loaded = load_latest_checkpoint(trainer.checkpoint_dir)
+    assert loaded.step == 2
+    saved = loaded.model_state()
+    assert all(torch.equal(saved[name], p) for (name, _), p in zip(trainer.model.named_parameters(), after_first))
+
+
+def test_steps_between_read_points_read_nothing_back(tiny_config: Callable[..., RunConfig], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host never waits for the device inside a step: between read points the only value read back is the
+    LM head's `grad_output` check (fastlm/losses/function.py, one per micro-batch, which bench_train has too);
+    a read point reads everything pending in one transfer."""
+    trainer = Trainer(tiny_config("reads", trainer={"steps": 8, "log_every": 4, "grad_accumulation": 2}))
+    trainer.train_step()
+    with host_reads(monkeypatch) as reads:
+        trainer.train_step()
+        trainer.train_step()
+    print(f"steps 2-3 (no read point): {reads}")
+    assert reads.at("losses/function.py", "backward") == 4
+    assert sum(reads.sites.values()) == 4, f"host reads inside a step: {reads}"
+    with host_reads(monkeypatch) as reads:
+        trainer.train_step()
+    print(f"step 4 (read point): {reads}")
+    assert reads.at("engine/step_scalars.py", "read") == 1 and sum(reads.sites.values()) == 3, str(reads)
+    assert [values.step for values in trainer.take_read_values()] == [1, 2, 3, 4]
 
 
 def test_init_path_starts_from_hf_weights(tiny_config: Callable[..., RunConfig], tmp_path) -> None:

@@ -12,7 +12,7 @@ from loss_cases import make_case, make_spec, seed_of
 
 from fastlm.losses.compiled import compiled_loss
 from fastlm.losses.spec import LossNormalizers
-from fastlm.losses.validation import deferred_value_checks
+from fastlm.losses.validation import collected_value_checks, deferred_value_checks
 
 
 def _case(kinds: str):
@@ -127,3 +127,40 @@ def test_deferred_check_keeps_no_teacher_logits_alive() -> None:
         del targets
         gc.collect()
         assert teacher() is None
+
+
+def _mutated(kinds: str, change: str):
+    spec, logits, targets, normalizers = _case(kinds)
+    first = _first_unmasked(targets)
+    if change == "label":
+        targets.labels[first] = logits.shape[1]
+    elif change in ("old_logp", "advantages"):
+        getattr(targets, change)[first] = float("nan")
+    elif change == "tokens":
+        normalizers = LossNormalizers(0.0, normalizers.documents)
+    elif change == "documents":
+        normalizers = LossNormalizers(normalizers.tokens, 0.0)
+    elif change == "all masked":
+        targets.labels[:] = -100
+        normalizers = LossNormalizers(0.0, 0.0)
+    return spec, logits, targets, normalizers
+
+
+@pytest.mark.parametrize(
+    "kinds,change,bad",
+    [("ce", "none", False), ("ce", "label", True), ("grpo", "old_logp", True), ("grpo", "advantages", True),
+     ("ce", "tokens", True), ("gspo", "documents", True), ("ce+grpo", "all masked", False)],
+)
+def test_device_flag_agrees_with_the_read_check(kinds: str, change: str, bad: bool) -> None:
+    """`ValueCheck.fails()` (what the trainer skips its update on, unread) is true exactly when reading the
+    counts raises."""
+    spec, logits, targets, normalizers = _mutated(kinds, change)
+    with collected_value_checks() as checks:
+        compiled_loss(logits, targets, normalizers, spec)
+    (check,) = checks
+    try:
+        check.raise_if_bad(check.counts.tolist())
+        raised = False
+    except ValueError:
+        raised = True
+    assert bool(check.fails()) == raised == bad
