@@ -203,13 +203,13 @@ def compiled_loss(
     check_inputs(logits, targets, normalizers, spec, group)
     with torch.no_grad():
         logits = logits.detach()
-        stats = compiled_stats(logits, targets, normalizers, spec, grad_scale=grad_scale, group=group)
+        stats = compiled_stats(logits, targets, normalizers, spec, group=group)
         result, coefficients, counts = compiled_finish([stats], logits, targets, normalizers, spec,
                                                        grad_scale=grad_scale, group=group)
         grad = None
         if compute_grad:
             grad = logits if inplace else torch.empty_like(logits)
-            compiled_grad(logits, targets, normalizers, spec, coefficients, grad, grad_scale=grad_scale, group=group)
+            compiled_grad(logits, targets, normalizers, spec, coefficients, grad, group=group)
     raise_on_bad_values(counts, logits, targets, normalizers, spec, group)
     return result, grad
 
@@ -239,7 +239,7 @@ def _sub_chunks(tokens: int, spec: LossSpec) -> list[slice]:
 
 def compiled_stats(
     logits: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec, *,
-    grad_scale: float = 1.0, group: ProcessGroup | None = None,
+    group: ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Pass 1: the (tokens, 4 or 8) statistics table (all-reduced under `group`), columns max[, teacher
     max], sum e, sum e*x, label logit[, sum e_q, KL cross term, sum e_s]."""
@@ -306,11 +306,10 @@ def compiled_finish(
 
 def compiled_grad(
     logits: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec,
-    coefficients: CompiledCoefficients, grad: torch.Tensor, *, grad_scale: float = 1.0,
-    group: ProcessGroup | None = None,
+    coefficients: CompiledCoefficients, grad: torch.Tensor, *, group: ProcessGroup | None = None,
 ) -> None:
     """Pass 2: the gradient wrt the raw logits into `grad` (which may be `logits`: each sub-chunk is
-    read before it is written). `coefficients` are this call's (or chunk's) rows."""
+    read before it is written). `coefficients` are this call's (or chunk's) rows, grad_scale included."""
     local_label = _local_labels(logits, targets, group)
     teacher = targets.teacher_logits if coefficients.teacher_term else None
     inv_t, reverse, inv_s = _teacher_numbers(spec)

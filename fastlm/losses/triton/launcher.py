@@ -260,6 +260,7 @@ class GradCoefficients:
     x: torch.Tensor
     teacher_lse: torch.Tensor | None
     x_term: bool
+    grad_scale: float
 
     def rows(self, rows: slice) -> "GradCoefficients":
         """The coefficients of one token chunk (contiguous views)."""
@@ -267,12 +268,12 @@ class GradCoefficients:
                        teacher_lse=None if self.teacher_lse is None else self.teacher_lse[rows])
 
 
-def _grad_launch(launch: _Launch, coefficients: GradCoefficients, grad: torch.Tensor, grad_scale: float) -> None:
+def _grad_launch(launch: _Launch, coefficients: GradCoefficients, grad: torch.Tensor) -> None:
     """The grad launch from per-token coefficients computed outside the kernel (the seam, or the torch tail)."""
     c = coefficients
     kd_out = () if c.teacher_lse is None else (c.teacher_lse,)
     launch.run(MODE_GRAD.value, (c.lse, c.prob, c.label, c.x), grad, kd_out,
-               token_scale=safe_inverse(launch.normalizers.tokens), grad_scale=grad_scale, x_term=c.x_term)
+               token_scale=safe_inverse(launch.normalizers.tokens), grad_scale=c.grad_scale, x_term=c.x_term)
 
 
 # Two launches around a torch middle: a per-document child (the seam: the fused launch without the
@@ -281,17 +282,17 @@ def _grad_launch(launch: _Launch, coefficients: GradCoefficients, grad: torch.Te
 # grad phases per token chunk and the middle once on the whole call (losses/chunked_head.py).
 
 
-def _stats_phase(launch: _Launch, grad_scale: float, group: ProcessGroup | None) -> dict[str, torch.Tensor]:
-    """Per-token state (tokens on the last dim): the fused launch's (K, T) term buffer without a group,
-    else the merged statistics of `_reduce_stats` (and the teacher's lse)."""
+def _stats_phase(launch: _Launch, group: ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """Per-token state (tokens on the last dim): the fused launch's (K, T) term buffer without a group
+    (no gradient, so no grad_scale), else the merged statistics of `_reduce_stats` (and the teacher's lse)."""
     if group is None:
-        return {"terms": _fused_terms(launch, None, grad_scale)[0]}
+        return {"terms": _fused_terms(launch, None, 1.0)[0]}
     stats, teacher_lse = _reduce_stats(launch, group)
     return stats if teacher_lse is None else {**stats, "teacher_lse": teacher_lse}
 
 
 def _seam_finish(
-    terms: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec
+    terms: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec, grad_scale: float
 ) -> tuple[LossResult, GradCoefficients, torch.Tensor]:
     """The fused launch's terms reduced (every kernel-finished child), the per-document children's tail
     on its per-token state (the sync-free seam), and the grad launch's coefficients."""
@@ -306,13 +307,13 @@ def _seam_finish(
     x_term = out.x is not None or any(child.kernel_x_term() for child in spec.children)
     x_coeff = state("x_coeff") if out.x is None else state("x_coeff") + out.x
     teacher_lse = state("teacher_lse") if spec.teacher is not None else None
-    coefficients = GradCoefficients(state("lse"), out.prob, out.label, x_coeff, teacher_lse, x_term)
+    coefficients = GradCoefficients(state("lse"), out.prob, out.label, x_coeff, teacher_lse, x_term, grad_scale)
     return assemble_result(spec, losses, metrics, kernel_total), coefficients, counts
 
 
 def _tp_finish(
     stats: dict[str, torch.Tensor], logits: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers,
-    spec: LossSpec, group: ProcessGroup,
+    spec: LossSpec, grad_scale: float, group: ProcessGroup,
 ) -> tuple[LossResult, GradCoefficients, torch.Tensor]:
     """Every child's tail on the merged statistics, and the grad launch's coefficients."""
     mask, counts = value_flags(logits, targets, spec, group)
@@ -321,19 +322,19 @@ def _tp_finish(
     x_coeff = out.prob if out.x is None else out.x.float()
     teacher_lse = None if teacher_lse is None else teacher_lse.float().contiguous()
     coefficients = GradCoefficients(stats["lse"], out.prob.float(), out.label.float(), x_coeff, teacher_lse,
-                                    out.x is not None)
+                                    out.x is not None, grad_scale)
     return assemble_result(spec, out.losses, out.metrics), coefficients, counts
 
 
 def _finish_phase(
     states: list[dict[str, torch.Tensor]], logits: torch.Tensor, targets: LossTargets,
-    normalizers: LossNormalizers, spec: LossSpec, group: ProcessGroup | None,
+    normalizers: LossNormalizers, spec: LossSpec, grad_scale: float, group: ProcessGroup | None,
 ) -> tuple[LossResult, GradCoefficients, torch.Tensor]:
     """The middle on the whole call: `states` are the stats phase of its chunks, in token order."""
     merged = {name: torch.cat([state[name] for state in states], dim=-1) for name in states[0]}
     if group is None:
-        return _seam_finish(merged["terms"], targets, normalizers, spec)
-    return _tp_finish(merged, logits, targets, normalizers, spec, group)
+        return _seam_finish(merged["terms"], targets, normalizers, spec, grad_scale)
+    return _tp_finish(merged, logits, targets, normalizers, spec, grad_scale, group)
 
 
 def _reduce_stats(launch: _Launch, group: ProcessGroup | None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
@@ -393,10 +394,10 @@ def triton_loss(
         losses, metrics, kernel_total, counts = _reduce_fused(*_fused_terms(launch, grad, grad_scale))
         result = assemble_result(spec, losses, metrics, kernel_total)
     else:
-        state = _stats_phase(launch, grad_scale, group)
-        result, coefficients, counts = _finish_phase([state], logits, targets, normalizers, spec, group)
+        state = _stats_phase(launch, group)
+        result, coefficients, counts = _finish_phase([state], logits, targets, normalizers, spec, grad_scale, group)
         if grad is not None:
-            _grad_launch(launch, coefficients, grad, grad_scale)
+            _grad_launch(launch, coefficients, grad)
     raise_on_bad_values(counts, logits, targets, normalizers, spec, group)
     return result, grad
 
@@ -415,11 +416,11 @@ def _checked_launch(
 
 def triton_stats(
     logits: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec, *,
-    grad_scale: float = 1.0, group: ProcessGroup | None = None, **tuning: int | bool | None,
+    group: ProcessGroup | None = None, **tuning: int | bool | None,
 ) -> dict[str, torch.Tensor]:
     """The stats phase of one token chunk (for `triton_finish`); `tuning`: max_block, num_warps, prefetch."""
     launch = _checked_launch(logits, targets, normalizers, spec, group, **tuning)
-    return _stats_phase(launch, grad_scale, group)
+    return _stats_phase(launch, group)
 
 
 def triton_finish(
@@ -428,17 +429,17 @@ def triton_finish(
 ) -> tuple[LossResult, GradCoefficients, torch.Tensor]:
     """The middle once on the whole call (`targets` of every token; `logits`: any chunk, for the
     vocab): result, the grad launch's coefficients, the value-check counts (for `raise_on_bad_values`)."""
-    return _finish_phase(states, logits, targets, normalizers, spec, group)
+    return _finish_phase(states, logits, targets, normalizers, spec, grad_scale, group)
 
 
 def triton_grad(
     logits: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec,
-    coefficients: GradCoefficients, grad: torch.Tensor, *, grad_scale: float = 1.0,
-    group: ProcessGroup | None = None, **tuning: int | bool | None,
+    coefficients: GradCoefficients, grad: torch.Tensor, *, group: ProcessGroup | None = None,
+    **tuning: int | bool | None,
 ) -> None:
     """The grad phase of one token chunk into `grad` (may be `logits`), from its rows of the coefficients."""
     launch = _checked_launch(logits, targets, normalizers, spec, group, **tuning)
-    _grad_launch(launch, coefficients, grad, grad_scale)
+    _grad_launch(launch, coefficients, grad)
 
 
 def fused_kernel_only(
