@@ -89,7 +89,7 @@ class LMHead(nn.Module):
         teacher = self.spec.teacher is not None
         chunk = chunk_tokens(tokens, vocab, dtype.itemsize, budget, teacher)
         count = -(-tokens // chunk)
-        passes = ", two passes (4 GEMMs: per-document child)" if self.spec.per_document else ""
+        passes = ", two passes: 4 GEMMs for the per-document child" if self.spec.per_document and count > 1 else ""
         return (f"{line}: {chunk} of {tokens} tokens a chunk ({count} chunk{'s' * (count > 1)}{passes}) "
                 f"at vocab {vocab} in {str(dtype).removeprefix('torch.')}")
 
