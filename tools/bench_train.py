@@ -4,6 +4,8 @@
     python tools/bench_train.py --packed --compile-model   # + packed ~300-token documents, + compiled blocks
     python tools/bench_train.py --variants packed packed+dense packed+compile packed+compile+ac
     python tools/bench_train.py --cpu-smoke          # CPU: the tiny preset, two steps (CI smoke test)
+    python tools/bench_train.py --presets llama-1b --batch 4 --losses triton --logits-memory-mib 0 1024
+                                                     # the full-logits head against the chunked head
 
 A step is what the trainer does: bf16 autocast forward with the fused loss, backward, fused AdamW; the
 variants add packed documents (the trainer's real rows: FlexAttention on CUDA), compiled blocks
@@ -55,6 +57,7 @@ class Row:
     mfu: float
     peak_memory_gib: float
     note: str = ""
+    head: str = "chunked"  # the LM head: chunked (logits_memory_mib > 0, the default) or full logits
 
 
 VARIANT_PARTS = ("packed", "compile", "ac", "dense")
@@ -82,10 +85,11 @@ def packed_document_ids(batch: int, seq_len: int, low: int, high: int, generator
     return ids
 
 
-def model_config(preset: str, loss: str, vocab_override: int | None) -> RunConfig:
+def model_config(preset: str, loss: str, vocab_override: int | None, logits_memory_mib: float | None = None) -> RunConfig:
     data = yaml.safe_load((ROOT / "configs" / "presets" / f"{preset}.yaml").read_text())
     model = data["model"]
-    model["head"] = {"use_triton": loss == "triton", "losses": {"cross_entropy": {}, "z_loss": {"weight": 1e-4}}}
+    model["head"] = {"use_triton": loss == "triton", "losses": {"cross_entropy": {}, "z_loss": {"weight": 1e-4}},
+                     "logits_memory_mib": logits_memory_mib}
     if vocab_override:
         model["vocab_size"] = vocab_override
     return RunConfig.model_validate({"model": model})
@@ -114,9 +118,10 @@ def _synchronize(device: torch.device) -> None:
 
 
 def bench(preset: str, loss: str, variant: str, batch: int, seq_len: int, steps: int, warmup: int,
-          device: torch.device, peak: float, vocab_override: int | None = None) -> Row:
+          device: torch.device, peak: float, vocab_override: int | None = None,
+          logits_memory_mib: float | None = None) -> Row:
     parts = parse_variant(variant)
-    config = model_config(preset, loss, vocab_override)
+    config = model_config(preset, loss, vocab_override, logits_memory_mib)
     torch.manual_seed(0)
     model = build_model(config.model, device=device)
     model.set_activation_checkpointing("ac" in parts)
@@ -174,8 +179,9 @@ def bench(preset: str, loss: str, variant: str, batch: int, seq_len: int, steps:
     attention = model.attention_kind or attention_layout(
         batch, seq_len, positions, getattr(config.model, "sliding_window", None),
         device).kind  # what the model's forward built
+    head = f"chunked {model.head.logits_memory_mib:g} MiB" if model.head.chunked else "full logits"
     row = Row(preset, loss, variant, attention, count_parameters(model), batch, seq_len, seconds * 1e3,
-              tokens_per_second, mfu, memory, fallback.note or "")
+              tokens_per_second, mfu, memory, fallback.note or "", head)
     del model, optimizer, batches
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -185,13 +191,13 @@ def bench(preset: str, loss: str, variant: str, batch: int, seq_len: int, steps:
 def table(rows: list[Row], peak: float, device_name: str) -> str:
     lines = [
         f"device: {device_name}; measured matmul peak {peak / 1e12:.1f} TFLOP/s; torch {torch.__version__}",
-        "| preset | loss | variant | attention | params | batch x seq | step ms | tokens/s | MFU | peak mem GiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| preset | loss | variant | attention | params | batch x seq | step ms | tokens/s | MFU | peak mem GiB | head |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r.preset} | {r.loss} | {r.variant} | {r.attention} | {r.parameters / 1e6:.0f}M | {r.batch}x{r.seq_len} "
-            f"| {r.step_ms:.1f} | {r.tokens_per_second:,.0f} | {r.mfu:.1%} | {r.peak_memory_gib:.1f} |"
+            f"| {r.step_ms:.1f} | {r.tokens_per_second:,.0f} | {r.mfu:.1%} | {r.peak_memory_gib:.1f} | {r.head} |"
         )
         if r.note:
             lines.append(f"note ({r.preset} {r.loss} {r.variant}): {r.note}")
@@ -224,6 +230,9 @@ def main() -> int:
     parser.add_argument("--compile-model", action="store_true", help="also time compiled blocks (trainer.compile)")
     parser.add_argument("--activation-checkpointing", action="store_true", help="also time with activation checkpointing")
     parser.add_argument("--variants", nargs="+", help="explicit list, e.g. plain packed packed+compile packed+dense")
+    parser.add_argument("--logits-memory-mib", type=float, nargs="+", default=[None],
+                        help="model.head.logits_memory_mib per row (0: the full-logits head); default: the config's")
+    parser.add_argument("--vocab", type=int, default=None, help="override the presets' vocab_size (e.g. 128256)")
     args = parser.parse_args()
     if args.cpu_smoke:
         device, presets, batches, seq_len, steps, warmup, losses = (
@@ -241,8 +250,9 @@ def main() -> int:
     for preset, batch in zip(presets, batches * len(presets)):
         for loss in losses:
             for variant in chosen:
-                rows.append(bench(preset, loss, variant, batch, seq_len, steps, warmup, device, peak))
-                print(f"{rows[-1]}", flush=True)
+                for budget in args.logits_memory_mib:
+                    rows.append(bench(preset, loss, variant, batch, seq_len, steps, warmup, device, peak, args.vocab, budget))
+                    print(f"{rows[-1]}", flush=True)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(table(rows, peak, device_name))
     if os.environ.get("OUT"):
