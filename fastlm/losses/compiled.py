@@ -12,6 +12,10 @@ times the chain rule of logit scaling/softcap, stored in the logits dtype.
 With a teacher (the distillation child: q = softmax(teacher/T)) pass 1 also computes the teacher's
 log-partition and the KL per token, and pass 2 adds the child's teacher term (children/distillation.py).
 
+The three steps are public phases (`compiled_stats`, `compiled_finish`, `compiled_grad`; `LossPhases`
+in function.py): `compiled_loss` runs them on one call, the chunked head (chunked_head.py) runs the first
+and last per token chunk and the middle once on the whole call when a per-document child needs it.
+
 Tensor parallelism (vocab-parallel head, `group` given): the logits (and teacher logits) hold this
 rank's vocab shard, labels are global ids. Each chunk all-reduces the max (MAX), then the sums
 (sum-exp, sum exp*x, label logit, teacher sum-exp, KL cross term: SUM), so every rank sees global

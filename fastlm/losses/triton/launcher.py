@@ -7,6 +7,9 @@
 - a per-document child (GSPO) without tensor parallelism: the fused launch without the gradient
   (which also writes the per-token state), that child's tail on the state (the sync-free seam), then
   the grad launch.
+The last two are three phases (`_stats_phase`, `_finish_phase`, `_grad_launch`; public as
+`triton_stats`, `triton_finish`, `triton_grad`) so the chunked head (losses/chunked_head.py) can run
+the stats and grad phases per token chunk and the middle once on the whole call.
 Argument assembly asks the children (`kernel_arguments`, cached per spec in `_slot_arguments`;
 `kernel_tensors` per call), never branches on a kind. The fused launch writes every per-token
 loss/metric term into one buffer laid out by `coefficients.fused_layout` (the same keys as the
