@@ -197,6 +197,17 @@ def test_bad_input_names_whole_call_tokens() -> None:
         run_head(other, "compiled", 12, {})
 
 
+def test_second_backward_says_how_to_get_one() -> None:
+    """The gradients are handed over once (no copy kept); retain_graph users are told to use full logits."""
+    case = head_case("ce+z")
+    hidden, weight = case.hidden.float().requires_grad_(True), case.weight.float().requires_grad_(True)
+    result = chunked_head_loss(hidden, weight, on_device(case.targets, torch.device("cpu"), False), case.normalizers,
+                               case.spec, "compiled", 0.001)
+    result.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="logits_memory_mib: 0"):
+        result.loss.backward()
+
+
 class _Recorder(TorchDispatchMode):
     """Every op's name and its outputs' shapes (meta tensors, which allocate nothing, left out: the
     head's whole-call checks run on a shape-only stand-in of the logits)."""
