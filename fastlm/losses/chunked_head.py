@@ -94,22 +94,25 @@ def _fp32_out_addmm(device: torch.device) -> bool:
 class WeightGrad:
     """dW = sum over chunks of G_c^T H_c, accumulated in the weight's dtype or in fp32."""
 
-    def __init__(self, weight: torch.Tensor, fp32: bool) -> None:
+    def __init__(self, weight: torch.Tensor, gemm_dtype: torch.dtype, fp32: bool) -> None:
         self.dtype = weight.dtype
-        self.sum = torch.empty(weight.shape, dtype=torch.float32 if fp32 else weight.dtype, device=weight.device)
+        dtype = torch.float32 if fp32 else weight.dtype
+        # A sum in the GEMMs' dtype starts with beta 0 (addmm_ then ignores the buffer); an fp32 sum of
+        # 16-bit products (addmm's out_dtype, or the product + add) starts from zeros.
+        self.same_dtype = dtype == gemm_dtype
+        make = torch.empty if self.same_dtype else torch.zeros
+        self.sum = make(weight.shape, dtype=dtype, device=weight.device)
         self.empty = True
 
     def add(self, grad: torch.Tensor, hidden: torch.Tensor) -> None:
-        """sum += grad^T hidden (the first chunk overwrites: beta 0 ignores the uninitialised buffer)."""
-        beta = 0.0 if self.empty else 1.0
-        self.empty = False
-        if self.sum.dtype == grad.dtype:
-            self.sum.addmm_(grad.t(), hidden, beta=beta)
+        """sum += grad^T hidden."""
+        if self.same_dtype:
+            self.sum.addmm_(grad.t(), hidden, beta=0.0 if self.empty else 1.0)
         elif _fp32_out_addmm(grad.device):
-            torch.addmm(self.sum, grad.t(), hidden, beta=beta, out_dtype=torch.float32, out=self.sum)
+            torch.addmm(self.sum, grad.t(), hidden, out_dtype=torch.float32, out=self.sum)
         else:  # CPU under autocast: the product in the GEMMs' dtype, then the fp32 sum
-            product = torch.mm(grad.t(), hidden)
-            self.sum.copy_(product) if beta == 0.0 else self.sum.add_(product)
+            self.sum.add_(torch.mm(grad.t(), hidden))
+        self.empty = False
 
     def result(self) -> torch.Tensor:
         if self.empty:
@@ -259,7 +262,7 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, call: _Call) -> tuple[L
     check_inputs(stand_in, targets if teacher is None else replace(targets, teacher_logits=stand_in), normalizers, spec, group)
     targets = _prepare(targets, normalizers, spec, torch.promote_types(dtype, torch.float32))
     grad_hidden = torch.empty_like(hidden) if call.hidden_grad else None
-    grad_weight = WeightGrad(weight, call.fp32_weight_grad) if call.weight_grad else None
+    grad_weight = WeightGrad(weight, dtype, call.fp32_weight_grad) if call.weight_grad else None
     with torch.autocast(hidden.device.type, enabled=False), deferred_to_call_end():
         _, counts = value_flags(stand_in, targets, spec, group)
         raise_on_bad_values(counts, stand_in, targets, normalizers, spec, group)  # first: names whole-call indices
