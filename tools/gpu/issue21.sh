@@ -39,10 +39,10 @@ fi
 {
   section "environment"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-  python -c "import torch, triton, pydantic; print('torch', torch.__version__, 'triton', triton.__version__, 'pydantic', pydantic.__version__, 'cuda', torch.cuda.is_available())"
-  python -c "import liger_kernel; print('liger-kernel', getattr(liger_kernel, '__version__', 'ok'))" 2>/dev/null || echo "liger-kernel: not installed (its column prints -)"
-  python -c "import cut_cross_entropy; print('cut-cross-entropy ok')" 2>/dev/null || echo "cut-cross-entropy: not installed (its column prints -)"
-  python - <<'PY' || true
+  python3 -c "import torch, triton, pydantic; print('torch', torch.__version__, 'triton', triton.__version__, 'pydantic', pydantic.__version__, 'cuda', torch.cuda.is_available())"
+  python3 -c "import liger_kernel; print('liger-kernel', getattr(liger_kernel, '__version__', 'ok'))" 2>/dev/null || echo "liger-kernel: not installed (its column prints -)"
+  python3 -c "import cut_cross_entropy; print('cut-cross-entropy ok')" 2>/dev/null || echo "cut-cross-entropy: not installed (its column prints -)"
+  python3 - <<'PY' || true
 import torch
 from fastlm.losses.chunked_head import _fp32_out_addmm
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -58,30 +58,30 @@ if ok:
 PY
 
   section "(a) GPU correctness: test_chunked_head.py + test_lm_head.py (FASTLM_COMPILE=0: no inductor compiles)"
-  FASTLM_COMPILE=0 timeout 110 python -m pytest -q -p no:cacheprovider -rfEs -s \
+  FASTLM_COMPILE=0 timeout 110 python3 -m pytest -q -p no:cacheprovider -rfEs -s \
     tests/losses/test_chunked_head.py tests/losses/test_lm_head.py "${TESTS[@]}" > /tmp/i21-pytest.txt 2>&1
   echo "pytest exit status: $? (124: timed out)" >> /tmp/i21-pytest.txt
   grep -E "bf16|/ triton|/ compiled|autocast|vs float64|GEMMs|passed|failed|error|Error|exit status" /tmp/i21-pytest.txt | tail -70
 
   section "(b) tools/bench_head.py"
-  timeout $(( $(left) - 50 > 60 ? $(left) - 50 : 60 )) python tools/bench_head.py "${BENCH[@]}" > /tmp/i21-bench.txt 2>&1
+  timeout $(( $(left) - 50 > 60 ? $(left) - 50 : 60 )) python3 tools/bench_head.py "${BENCH[@]}" > /tmp/i21-bench.txt 2>&1
   echo "bench_head exit status: $? (124: timed out)" >> /tmp/i21-bench.txt
   cat /tmp/i21-bench.txt | tail -60
 
   section "(c) tools/bench_train.py: llama-1b seq 2048, full logits vs chunked head"
-  env -u OUT timeout $(( $(left) > 20 ? $(left) : 20 )) python tools/bench_train.py "${TRAIN[@]}" > /tmp/i21-train.txt 2>&1
+  env -u OUT timeout $(( $(left) > 20 ? $(left) : 20 )) python3 tools/bench_train.py "${TRAIN[@]}" > /tmp/i21-train.txt 2>&1
   echo "bench_train exit status: $? (124: timed out)" >> /tmp/i21-train.txt
   tail -12 /tmp/i21-train.txt
   if [ ${#TRAIN_BIG[@]} -gt 0 ] && [ "$(left)" -gt 35 ]; then
     section "(c') the same at vocab 128256"
-    env -u OUT timeout $(( $(left) )) python tools/bench_train.py "${TRAIN_BIG[@]}" > /tmp/i21-train-big.txt 2>&1
+    env -u OUT timeout $(( $(left) )) python3 tools/bench_train.py "${TRAIN_BIG[@]}" > /tmp/i21-train-big.txt 2>&1
     echo "bench_train exit status: $? (124: timed out)" >> /tmp/i21-train-big.txt
     tail -8 /tmp/i21-train-big.txt
   fi
 
   section "summary"
   grep -E "passed|failed|exit status" /tmp/i21-pytest.txt | tail -2
-  python - <<'PY' || true
+  python3 - <<'PY' || true
 import json, os
 path = os.path.join(os.environ["OUT"], "bench_head.json")
 if os.path.exists(path):
