@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 21 (the LM head without full logits) on one H200; everything in $OUT/i21.log, the head
 # benchmark's rows also in $OUT/bench_head.json. About 3.5 minutes (budget 4):
-#   (a) ~90 s  GPU correctness: tests/losses/test_chunked_head.py (every child chunked against float64, the
+#   (a) <=90 s GPU correctness: tests/losses/test_chunked_head.py (every child chunked against float64, the
 #              Triton kernel compiled; bf16-autocast cases at bf16 tolerance) and tests/losses/test_lm_head.py;
 #              the gloo tensor-parallel test is left to CPU CI (same code, process start-up costs ~20 s);
 #              plus the addmm fp32-output probe the fp32 dW sum uses;
@@ -58,23 +58,27 @@ if ok:
 PY
 
   section "(a) GPU correctness: test_chunked_head.py + test_lm_head.py (FASTLM_COMPILE=0: no inductor compiles)"
-  FASTLM_COMPILE=0 timeout 110 python3 -m pytest -q -p no:cacheprovider -rfEs -s \
+  FASTLM_COMPILE=0 timeout $(( $(left) - 130 < 90 ? $(left) - 130 : 90 )) python3 -m pytest -q -p no:cacheprovider -rfEs -s \
     tests/losses/test_chunked_head.py tests/losses/test_lm_head.py "${TESTS[@]}" > /tmp/i21-pytest.txt 2>&1
   echo "pytest exit status: $? (124: timed out)" >> /tmp/i21-pytest.txt
   grep -E "bf16|/ triton|/ compiled|autocast|vs float64|GEMMs|passed|failed|error|Error|exit status" /tmp/i21-pytest.txt | tail -70
 
   section "(b) tools/bench_head.py"
-  timeout $(( $(left) - 50 > 60 ? $(left) - 50 : 60 )) python3 tools/bench_head.py "${BENCH[@]}" > /tmp/i21-bench.txt 2>&1
+  timeout $(( $(left) - 45 > 60 ? $(left) - 45 : 60 )) python3 tools/bench_head.py "${BENCH[@]}" > /tmp/i21-bench.txt 2>&1
   echo "bench_head exit status: $? (124: timed out)" >> /tmp/i21-bench.txt
   cat /tmp/i21-bench.txt | tail -60
 
   section "(c) tools/bench_train.py: llama-1b seq 2048, full logits vs chunked head"
-  env -u OUT timeout $(( $(left) > 20 ? $(left) : 20 )) python3 tools/bench_train.py "${TRAIN[@]}" > /tmp/i21-train.txt 2>&1
-  echo "bench_train exit status: $? (124: timed out)" >> /tmp/i21-train.txt
-  tail -12 /tmp/i21-train.txt
+  if [ "$(left)" -gt 25 ]; then
+    env -u OUT timeout $(( $(left) - 8 )) python3 tools/bench_train.py "${TRAIN[@]}" > /tmp/i21-train.txt 2>&1
+    echo "bench_train exit status: $? (124: timed out)" >> /tmp/i21-train.txt
+    tail -12 /tmp/i21-train.txt
+  else
+    echo "skipped: $(left) s left"
+  fi
   if [ ${#TRAIN_BIG[@]} -gt 0 ] && [ "$(left)" -gt 35 ]; then
     section "(c') the same at vocab 128256"
-    env -u OUT timeout $(( $(left) )) python3 tools/bench_train.py "${TRAIN_BIG[@]}" > /tmp/i21-train-big.txt 2>&1
+    env -u OUT timeout $(( $(left) - 8 )) python3 tools/bench_train.py "${TRAIN_BIG[@]}" > /tmp/i21-train-big.txt 2>&1
     echo "bench_train exit status: $? (124: timed out)" >> /tmp/i21-train-big.txt
     tail -8 /tmp/i21-train-big.txt
   fi
