@@ -53,7 +53,7 @@ def describe_run(config: RunConfig) -> str:
     import torch
 
     from fastlm.engine.compile import describe_training_path
-    from fastlm.layers.lm_head import LMHead
+    from fastlm.engine.runtime import describe_head
     from fastlm.models import build_model, count_parameters, estimate_memory
 
     model = build_model(config.model, device="meta")
@@ -63,7 +63,7 @@ def describe_run(config: RunConfig) -> str:
     lines = [
         f"model: {config.model.type}, {parameters:,} parameters ({parameters / 1e6:.2f} M)",
         f"estimated training memory (params + grads + AdamW, fp32): {memory / 2**30:.3f} GiB",
-        LMHead(config.model.head, device).describe(),
+        describe_head(config, device),
         describe_training_path(config.trainer.compile, config.trainer.activation_checkpointing, device,
                                config.distributed.data_parallel),
         describe_data(config),

@@ -6,6 +6,8 @@
     python tools/bench_train.py --cpu-smoke          # CPU: the tiny preset, two steps (CI smoke test)
     python tools/bench_train.py --compare-cli --presets llama-350m --batch 8   # the CLI trainer side by side
     python tools/bench_train.py --compare-cli --cpu-smoke                     # the same at a tiny CPU shape
+    python tools/bench_train.py --presets llama-1b --batch 4 --losses triton --logits-memory-mib 0 1024
+                                                     # the full-logits head against the chunked head
 
 A step is what the trainer does: bf16 autocast forward with the fused loss, backward, fused AdamW; the
 variants add packed documents (the trainer's real rows: FlexAttention on CUDA), compiled blocks
@@ -70,6 +72,7 @@ class Row:
     mfu: float
     peak_memory_gib: float
     note: str = ""
+    head: str = "chunked"  # the LM head: chunked (logits_memory_mib > 0, the default) or full logits
 
 
 VARIANT_PARTS = ("packed", "compile", "ac", "dense")
@@ -97,10 +100,11 @@ def packed_document_ids(batch: int, seq_len: int, low: int, high: int, generator
     return ids
 
 
-def model_config(preset: str, loss: str, vocab_override: int | None) -> RunConfig:
+def model_config(preset: str, loss: str, vocab_override: int | None, logits_memory_mib: float | None = None) -> RunConfig:
     data = yaml.safe_load((ROOT / "configs" / "presets" / f"{preset}.yaml").read_text())
     model = data["model"]
-    model["head"] = {"use_triton": loss == "triton", "losses": {"cross_entropy": {}, "z_loss": {"weight": 1e-4}}}
+    model["head"] = {"use_triton": loss == "triton", "losses": {"cross_entropy": {}, "z_loss": {"weight": 1e-4}},
+                     "logits_memory_mib": logits_memory_mib}
     if vocab_override:
         model["vocab_size"] = vocab_override
     return RunConfig.model_validate({"model": model})
@@ -129,9 +133,10 @@ def _synchronize(device: torch.device) -> None:
 
 
 def bench(preset: str, loss: str, variant: str, batch: int, seq_len: int, steps: int, warmup: int,
-          device: torch.device, peak: float, vocab_override: int | None = None) -> Row:
+          device: torch.device, peak: float, vocab_override: int | None = None,
+          logits_memory_mib: float | None = None) -> Row:
     parts = parse_variant(variant)
-    config = model_config(preset, loss, vocab_override)
+    config = model_config(preset, loss, vocab_override, logits_memory_mib)
     torch.manual_seed(0)
     model = build_model(config.model, device=device)
     model.set_activation_checkpointing("ac" in parts)
@@ -189,8 +194,9 @@ def bench(preset: str, loss: str, variant: str, batch: int, seq_len: int, steps:
     attention = model.attention_kind or attention_layout(
         batch, seq_len, positions, getattr(config.model, "sliding_window", None),
         device).kind  # what the model's forward built
+    head = f"chunked {model.head.logits_memory_mib:g} MiB" if model.head.chunked else "full logits"
     row = Row(preset, loss, variant, attention, count_parameters(model), batch, seq_len, seconds * 1e3,
-              tokens_per_second, mfu, memory, fallback.note or "")
+              tokens_per_second, mfu, memory, fallback.note or "", head)
     del model, optimizer, batches
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -200,13 +206,13 @@ def bench(preset: str, loss: str, variant: str, batch: int, seq_len: int, steps:
 def table(rows: list[Row], peak: float, device_name: str) -> str:
     lines = [
         f"device: {device_name}; measured matmul peak {peak / 1e12:.1f} TFLOP/s; torch {torch.__version__}",
-        "| preset | loss | variant | attention | params | batch x seq | step ms | tokens/s | MFU | peak mem GiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| preset | loss | variant | attention | params | batch x seq | step ms | tokens/s | MFU | peak mem GiB | head |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r.preset} | {r.loss} | {r.variant} | {r.attention} | {r.parameters / 1e6:.0f}M | {r.batch}x{r.seq_len} "
-            f"| {r.step_ms:.1f} | {r.tokens_per_second:,.0f} | {r.mfu:.1%} | {r.peak_memory_gib:.1f} |"
+            f"| {r.step_ms:.1f} | {r.tokens_per_second:,.0f} | {r.mfu:.1%} | {r.peak_memory_gib:.1f} | {r.head} |"
         )
         if r.note:
             lines.append(f"note ({r.preset} {r.loss} {r.variant}): {r.note}")
@@ -335,6 +341,9 @@ def main() -> int:
                         help="the CLI trainer (fastlm.engine.trainer.Trainer) against this loop at the same shape")
     parser.add_argument("--cli-steps", type=int, default=40, help="--compare-cli: the trainer's steps")
     parser.add_argument("--log-every", type=int, default=10, help="--compare-cli: trainer.log_every (its tokens/s window)")
+    parser.add_argument("--logits-memory-mib", type=float, nargs="+", default=[None],
+                        help="model.head.logits_memory_mib per row (0: the full-logits head); default: the config's")
+    parser.add_argument("--vocab", type=int, default=None, help="override the presets' vocab_size (e.g. 128256)")
     args = parser.parse_args()
     if args.compare_cli:
         return compare_main(args)
@@ -354,8 +363,9 @@ def main() -> int:
     for preset, batch in zip(presets, batches * len(presets)):
         for loss in losses:
             for variant in chosen:
-                rows.append(bench(preset, loss, variant, batch, seq_len, steps, warmup, device, peak))
-                print(f"{rows[-1]}", flush=True)
+                for budget in args.logits_memory_mib:
+                    rows.append(bench(preset, loss, variant, batch, seq_len, steps, warmup, device, peak, args.vocab, budget))
+                    print(f"{rows[-1]}", flush=True)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(table(rows, peak, device_name))
     if os.environ.get("OUT"):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from fastlm.losses.spec import IGNORE_INDEX, LossTargets
+from fastlm.losses.spec import IGNORE_INDEX, LossTargets, TeacherHead
 
 
 @dataclass
@@ -19,6 +19,7 @@ class Batch:
     old_logp: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     teacher_logits: torch.Tensor | None = None  # (B, S, V)
+    teacher_head: TeacherHead | None = None  # instead of teacher_logits for a chunked head: hidden (B, S, Ht) + weight
     ref_logp: torch.Tensor | None = None  # policy loss with beta > 0: label log-prob under the frozen reference
 
     def __post_init__(self) -> None:
@@ -61,6 +62,7 @@ class Batch:
             if self.teacher_logits is None
             else self.teacher_logits.reshape(-1, self.teacher_logits.shape[-1]),
             ref_logp=None if self.ref_logp is None else self.ref_logp.reshape(-1),
+            teacher_head=None if self.teacher_head is None else self.teacher_head.flatten(),
         )
 
     def to(self, device: torch.device | str) -> "Batch":
@@ -76,8 +78,8 @@ class Batch:
         return replace(self, **moved)
 
 
-def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda" or tensor.device.type != "cpu":
+def _moved(tensor: torch.Tensor | TeacherHead, device: torch.device) -> torch.Tensor | TeacherHead:
+    if not isinstance(tensor, torch.Tensor) or device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
 

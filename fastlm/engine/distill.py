@@ -1,10 +1,12 @@
 """Distillation: the student trains on its usual batches plus the logits of a frozen teacher.
 
 The teacher comes from a fastlm checkpoint (`model.head.losses.<name>.teacher_path`), with its own
-architecture from the manifest and the same byte tokenizer. Its logits are computed per micro-batch
-under the run's device and autocast, with no grad, and ride in `Batch.teacher_logits` into the head's
-distillation child (forward or reverse KL with temperature, optionally next to cross-entropy).
-The fixed eval batches get theirs once, at start.
+architecture from the manifest and the same byte tokenizer. It runs per micro-batch (train and eval)
+under the run's device and autocast, with no grad, into the head's distillation child (forward or
+reverse KL with temperature, optionally next to cross-entropy): with the chunked head (the default)
+its final hidden states and head weight ride in `Batch.teacher_head` and the head computes the
+teacher's logits chunk by chunk; with `model.head.logits_memory_mib: 0` its full logits ride in
+`Batch.teacher_logits`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import Batch
-from fastlm.engine.frozen import check_compatible, frozen_logits, load_frozen_model
+from fastlm.engine.frozen import check_compatible, frozen_head_input, frozen_logits, load_frozen_model
 from fastlm.engine.runtime import autocast
 from fastlm.engine.trainer import Trainer
 
@@ -35,9 +37,10 @@ class DistillationTrainer(Trainer):
 
     @torch.no_grad()
     def prepare(self, batch: Batch) -> Batch:
-        """The micro-batch on the run's device with `teacher_logits` (B, S, V) filled in; computed per
-        micro-batch (train and eval), so only one micro-batch's teacher logits are alive at a time."""
+        """The micro-batch on the run's device with the teacher's head input (chunked head) or its
+        logits (B, S, V) filled in; computed per micro-batch, so only one micro-batch's are alive at a time."""
         batch = super().prepare(batch)
         with autocast(self.device, self.amp_dtype):
-            teacher_logits = frozen_logits(self.teacher, batch.input_ids, batch.document_ids)
-        return replace(batch, teacher_logits=teacher_logits)
+            if self.model.head.chunked:
+                return replace(batch, teacher_head=frozen_head_input(self.teacher, batch.input_ids, batch.document_ids))
+            return replace(batch, teacher_logits=frozen_logits(self.teacher, batch.input_ids, batch.document_ids))

@@ -19,7 +19,7 @@ from fastlm.engine.checkpoint import (
     load_checkpoint,
     load_latest_checkpoint,
 )
-from fastlm.losses.spec import transform_logits
+from fastlm.losses.spec import TeacherHead, transform_logits
 from fastlm.models.config import ModelConfig
 from fastlm.models.decoder import DecoderLM, build_model
 
@@ -106,3 +106,10 @@ def frozen_logits(model: DecoderLM, input_ids: torch.Tensor, document_ids: torch
     """(B, S, V) logits as the frozen model's softmax sees them (its own logit_scale / softcap applied)."""
     head = model.config.head
     return transform_logits(model.logits(input_ids, document_ids), head.logit_scale, head.softcap)
+
+
+def frozen_head_input(model: DecoderLM, input_ids: torch.Tensor, document_ids: torch.Tensor) -> TeacherHead:
+    """The frozen model's final hidden states (B, S, Ht) and output weight, with its own logit transform:
+    a chunked head computes its logits per chunk (`frozen_logits` without the (B, S, V) tensor)."""
+    head = model.config.head
+    return TeacherHead(model.hidden_states(input_ids, document_ids), model.output_weight, head.logit_scale, head.softcap)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fastlm.engine.config import TrainerConfig
+
+if TYPE_CHECKING:
+    from fastlm.run_config.schema import RunConfig
 
 
 def select_device(config: TrainerConfig) -> torch.device:
@@ -29,6 +32,17 @@ def autocast_dtype(config: TrainerConfig, device: torch.device) -> torch.dtype |
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def describe_head(config: RunConfig, device: torch.device) -> str:
+    """The LM head's line of the dry run and the wandb config: the loss implementation on `device`, and
+    which head runs (chunked or full logits) with its chunk size at one micro-batch of the run."""
+    from fastlm.layers.lm_head import LMHead  # lazy: the head imports the losses stack
+
+    tokens = config.data.micro_batch_size * config.data.seq_len
+    vocab = config.model.vocab_size // config.distributed.tensor_parallel
+    dtype = autocast_dtype(config.trainer, device) or torch.float32
+    return LMHead(config.model.head, device).describe(tokens, vocab, dtype)
 
 
 def seed_everything(seed: int) -> None:

@@ -59,10 +59,17 @@ from fastlm.engine.distributed import (
 from fastlm.engine.optim import build_optimizer, build_scheduler, clip_divisor, fused_update, step_unless
 from fastlm.engine.preflight import preflight_issues
 from fastlm.engine.run_dir import FreshStart, RunDirError, RunDirLock
-from fastlm.engine.runtime import autocast, autocast_dtype, rng_state, seed_everything, select_device, set_rng_state
+from fastlm.engine.runtime import (
+    autocast,
+    autocast_dtype,
+    describe_head,
+    rng_state,
+    seed_everything,
+    select_device,
+    set_rng_state,
+)
 from fastlm.engine.signals import StopRequest
 from fastlm.engine.step_scalars import PendingSteps, StepResult, StepValues
-from fastlm.layers.lm_head import LMHead
 from fastlm.logging.jsonl import drop_records_after
 from fastlm.logging.logger import METRICS_FILE, MetricLogger
 from fastlm.losses.spec import LossNormalizers, LossResult
@@ -413,7 +420,7 @@ class Trainer:
         return record
 
     def _run_config(self) -> dict[str, Any]:
-        described = LMHead(self.config.model.head, self.device).describe()  # the path dispatch picks on this device
+        described = describe_head(self.config, self.device)  # the path dispatch picks on this device, and the head
         return {**self.config.model_dump(mode="json"), "loss_implementation": described}
 
     def _any_rank(self, flag: bool) -> bool:

@@ -10,17 +10,22 @@ chunks) instead of dynamo tracing into the Triton launcher and its helpers.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
-from fastlm.losses.config import DPOConfig, LMHeadConfig
+from fastlm.losses.chunked_head import chunk_tokens, chunked_head_loss
+from fastlm.losses.config import DEFAULT_LOGITS_MEMORY_MIB, DPOConfig, LMHeadConfig
 from fastlm.losses.dispatch import describe_implementation, monolithic_loss, resolve_implementation
 from fastlm.losses.dpo import dpo_head_loss
 from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets, ProcessGroup
 
 
 class LMHead(nn.Module):
-    """logits = hidden @ weight.T (weight: the output embedding, or this rank's vocab shard of it)."""
+    """logits = hidden @ weight.T (weight: the output embedding, or this rank's vocab shard of it), and
+    the losses on them: over token chunks without the full logits (`logits_memory_mib` > 0, the
+    default; losses/chunked_head.py), or on the full logits (0, and DPO)."""
 
     def __init__(self, config: LMHeadConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -50,14 +55,43 @@ class LMHead(nn.Module):
         """"triton", "compiled" or "dpo"; None until the first call (or a device at construction)."""
         return self._implementation
 
-    def describe(self) -> str:
-        """One line for the dry run and wandb config."""
+    @property
+    def logits_memory_mib(self) -> float:
+        """The chunked head's logits budget; 0: the full-logits head (always for DPO)."""
+        if self._dpo:
+            return 0.0
+        budget = self.config.logits_memory_mib
+        return DEFAULT_LOGITS_MEMORY_MIB if budget is None else budget
+
+    @property
+    def chunked(self) -> bool:
+        """Whether the loss runs over token chunks without the full logits (chunked_head.py)."""
+        return self.logits_memory_mib > 0
+
+    def describe(self, tokens: int | None = None, vocab: int | None = None, dtype: torch.dtype | None = None) -> str:
+        """One line for the dry run and wandb config; with the call's shape (tokens per micro-batch, this
+        rank's vocab, the GEMMs' dtype) it also says the chunk size."""
         if self._dpo:
             name, child = self._dpo
             return f"loss: dpo '{name}' on summed sequence log-probs (beta={child.beta:g}, w={child.weight:g})"
         device = self._device or torch.device("cpu")
         implementation = self._implementation or resolve_implementation(self.monolithic, device)
-        return describe_implementation(self.monolithic, implementation, device)
+        return describe_implementation(self.monolithic, implementation, device) + "; " + self._describe_head(tokens, vocab, dtype)
+
+    def _describe_head(self, tokens: int | None, vocab: int | None, dtype: torch.dtype | None) -> str:
+        budget = self.logits_memory_mib
+        if not budget:
+            return "head: full logits (logits_memory_mib 0)"
+        line = f"head: chunked, no full logits (logits_memory_mib {budget:g})"
+        if tokens is None or vocab is None:
+            return line
+        dtype = dtype or torch.float32
+        teacher = self.spec.teacher is not None
+        chunk = chunk_tokens(tokens, vocab, dtype.itemsize, budget, teacher)
+        count = -(-tokens // chunk)
+        passes = ", two passes: 4 GEMMs for the per-document child" if self.spec.per_document and count > 1 else ""
+        return (f"{line}: {chunk} of {tokens} tokens a chunk ({count} chunk{'s' * (count > 1)}{passes}) "
+                f"at vocab {vocab} in {str(dtype).removeprefix('torch.')}")
 
     @torch.compiler.disable
     def forward(
@@ -74,9 +108,14 @@ class LMHead(nn.Module):
                 f"LMHead needs hidden (tokens, H) and weight (vocab, H); got {tuple(hidden.shape)} and {tuple(weight.shape)}"
             )
         implementation = self.resolve(hidden.device)
+        if self.chunked:
+            return chunked_head_loss(hidden, weight, targets, normalizers, self.spec, implementation,
+                                     self.logits_memory_mib, grad_scale=grad_scale, group=group)
         logits = hidden @ weight.t()
         if self._dpo:
             name, child = self._dpo
             config = self.config
             return dpo_head_loss(logits, targets, normalizers, name, child.weight, child.beta, config.logit_scale, config.softcap)
+        if targets.teacher_logits is None and targets.teacher_head is not None and self.spec.teacher is not None:
+            targets = replace(targets, teacher_logits=targets.teacher_head.logits(logits.dtype), teacher_head=None)
         return monolithic_loss(logits, targets, normalizers, self.spec, implementation, grad_scale, group)

@@ -121,11 +121,14 @@ def vocab_parallel_loss(
     normalizers: LossNormalizers,
     group: ProcessGroup,
 ) -> LossResult:
-    """The head on this rank's vocab shard: teacher logits cut to the shard, hidden gradient summed over `group`."""
+    """The head on this rank's vocab shard: teacher logits (or the teacher's head weight) cut to the shard,
+    hidden gradient summed over `group`."""
+    start = dist.get_rank(group) * weight.shape[0]
     if targets.teacher_logits is not None and targets.teacher_logits.shape[-1] != weight.shape[0]:
-        start = dist.get_rank(group) * weight.shape[0]
         teacher = targets.teacher_logits[:, start : start + weight.shape[0]]
         targets = replace(targets, teacher_logits=teacher.contiguous())
+    if targets.teacher_head is not None and targets.teacher_head.weight.shape[0] != weight.shape[0]:
+        targets = replace(targets, teacher_head=targets.teacher_head.vocab_rows(start, weight.shape[0]))
     return head(copy_to_tp(hidden, group), weight, targets, normalizers, group=group)
 
 

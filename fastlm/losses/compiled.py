@@ -12,6 +12,10 @@ times the chain rule of logit scaling/softcap, stored in the logits dtype.
 With a teacher (the distillation child: q = softmax(teacher/T)) pass 1 also computes the teacher's
 log-partition and the KL per token, and pass 2 adds the child's teacher term (children/distillation.py).
 
+The three steps are public phases (`compiled_stats`, `compiled_finish`, `compiled_grad`; `LossPhases`
+in function.py): `compiled_loss` runs them on one call, the chunked head (chunked_head.py) runs the first
+and last per token chunk and the middle once on the whole call when a per-document child needs it.
+
 Tensor parallelism (vocab-parallel head, `group` given): the logits (and teacher logits) hold this
 rank's vocab shard, labels are global ids. Each chunk all-reduces the max (MAX), then the sums
 (sum-exp, sum exp*x, label logit, teacher sum-exp, KL cross term: SUM), so every rank sees global
@@ -28,12 +32,14 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from fastlm.losses.coefficients import tail
 from fastlm.losses.spec import (
+    IGNORE_INDEX,
     LossNormalizers,
     LossResult,
     LossSpec,
@@ -193,77 +199,129 @@ def compiled_loss(
     grad_scale: float = 1.0,
     group: ProcessGroup | None = None,
     compute_grad: bool = True,
+    inplace: bool = False,
 ) -> tuple[LossResult, torch.Tensor | None]:
-    """Every child on one shared softmax; returns the detached result and d(loss*grad_scale)/d(logits).
-    The value checks are read back last, after everything is enqueued (validation.py)."""
+    """Every child on one shared softmax; returns the detached result and d(loss*grad_scale)/d(logits)
+    (`inplace`: written over `logits`). The value checks are read back last, after everything is
+    enqueued (validation.py)."""
     check_inputs(logits, targets, normalizers, spec, group)
-    mask, counts = value_flags(logits, targets, spec, group)
     with torch.no_grad():
-        out = _compiled_loss(logits.detach(), targets, normalizers, spec, mask, grad_scale, group, compute_grad)
+        logits = logits.detach()
+        stats = compiled_stats(logits, targets, normalizers, spec, group=group)
+        result, coefficients, counts = compiled_finish([stats], logits, targets, normalizers, spec,
+                                                       grad_scale=grad_scale, group=group)
+        grad = None
+        if compute_grad:
+            grad = logits if inplace else torch.empty_like(logits)
+            compiled_grad(logits, targets, normalizers, spec, coefficients, grad, group=group)
     raise_on_bad_values(counts, logits, targets, normalizers, spec, group)
-    return out
+    return result, grad
 
 
-def _compiled_loss(
-    logits: torch.Tensor,
-    targets: LossTargets,
-    normalizers: LossNormalizers,
-    spec: LossSpec,
-    mask: torch.Tensor,
-    grad_scale: float,
-    group: ProcessGroup | None,
-    compute_grad: bool,
-) -> tuple[LossResult, torch.Tensor | None]:
-    offset, _ = vocab_shard(logits, group)
-    local_label = torch.where(mask, targets.labels - offset, -1)
-    local_label = torch.where((local_label >= 0) & (local_label < logits.shape[-1]), local_label, -1)
+# The compiled path in three phases (`compiled_loss` runs them on one call; the chunked head runs the
+# first and the last per token chunk, the middle once on the whole call: chunked_head.py).
+
+
+def _teacher_numbers(spec: LossSpec) -> tuple[float, bool, float]:
+    """(1/T of the teacher, reverse KL, 1/T of the student) of the distillation child (neutral without one)."""
     distill = spec.teacher
-    teacher = targets.teacher_logits if distill is not None else None
-    inv_t = 1.0 / distill.temperature if distill is not None else 1.0
-    reverse = distill is not None and distill.reverse
-    inv_s = distill.student_inv_temperature if distill is not None else 1.0
-    numbers = (spec.logit_scale, spec.softcap, inv_t)
-    chunks = [slice(start, start + spec.chunk_tokens) for start in range(0, logits.shape[0], spec.chunk_tokens)]
+    if distill is None:
+        return 1.0, False, 1.0
+    return 1.0 / distill.temperature, distill.reverse, distill.student_inv_temperature
 
+
+def _local_labels(logits: torch.Tensor, targets: LossTargets, group: ProcessGroup | None) -> torch.Tensor:
+    """Labels as column indices of this rank's vocab shard; -1 where masked or in another shard."""
+    offset, _ = vocab_shard(logits, group)
+    local = torch.where(targets.labels != IGNORE_INDEX, targets.labels - offset, -1)
+    return torch.where((local >= 0) & (local < logits.shape[-1]), local, -1)
+
+
+def _sub_chunks(tokens: int, spec: LossSpec) -> list[slice]:
+    return [slice(start, start + spec.chunk_tokens) for start in range(0, tokens, spec.chunk_tokens)]
+
+
+def compiled_stats(
+    logits: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec, *,
+    group: ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Pass 1: the (tokens, 4 or 8) statistics table (all-reduced under `group`), columns max[, teacher
+    max], sum e, sum e*x, label logit[, sum e_q, KL cross term, sum e_s]."""
+    local_label = _local_labels(logits, targets, group)
+    teacher = targets.teacher_logits if spec.teacher is not None else None
+    inv_t, reverse, inv_s = _teacher_numbers(spec)
+    numbers = (spec.logit_scale, spec.softcap, inv_t)
     stats = []
-    for rows in chunks:
+    for rows in _sub_chunks(logits.shape[0], spec):
         chunk_teacher = None if teacher is None else teacher[rows]
         maxima = _all_reduce(chunk_max(logits[rows], chunk_teacher, *numbers), dist.ReduceOp.MAX, group)
         sums = chunk_sums(logits[rows], chunk_teacher, maxima, local_label[rows], *numbers, reverse, inv_s)
         stats.append(torch.cat([maxima, _all_reduce(sums, dist.ReduceOp.SUM, group)], dim=-1))
-    # columns: max[, teacher max], sum e, sum e*x, label logit[, sum e_q, KL cross term, sum e_s]
-    table = torch.cat(stats) if stats else logits.new_zeros((0, 4 if teacher is None else 8), dtype=torch.promote_types(logits.dtype, torch.float32))
-    sums = table[:, 1:] if teacher is None else table[:, 2:]
+    columns = 4 if teacher is None else 8
+    return torch.cat(stats) if stats else logits.new_zeros((0, columns), dtype=torch.promote_types(logits.dtype, torch.float32))
+
+
+@dataclass(frozen=True)
+class CompiledCoefficients:
+    """What pass 2 reads per token: the log-partitions and the children's coefficients (`tail`)."""
+
+    lse: torch.Tensor
+    prob: torch.Tensor
+    label: torch.Tensor
+    teacher_lse: torch.Tensor
+    teacher: torch.Tensor  # the teacher term's coefficient (the prob one when no child sets it)
+    x: torch.Tensor | None
+    student_lse: torch.Tensor
+    teacher_gap: torch.Tensor
+    teacher_term: bool  # a distillation child writes gradient (weight != 0)
+
+    def rows(self, rows: slice) -> "CompiledCoefficients":
+        return replace(self, **{name: getattr(self, name)[rows] for name in
+                                ("lse", "prob", "label", "teacher_lse", "teacher", "student_lse", "teacher_gap")},
+                       x=None if self.x is None else self.x[rows])
+
+
+def compiled_finish(
+    tables: list[torch.Tensor], logits: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers,
+    spec: LossSpec, *, grad_scale: float = 1.0, group: ProcessGroup | None = None,
+) -> tuple[LossResult, CompiledCoefficients, torch.Tensor]:
+    """The middle on every token of the call (`tables`: pass 1 of its chunks, in order; `logits`: any
+    of them, for the vocab): each child's losses, metrics and coefficients, and the value-check counts."""
+    mask, counts = value_flags(logits, targets, spec, group)
+    table = torch.cat(tables)
+    distill = spec.teacher
+    teacher = distill is not None
+    _, _, inv_s = _teacher_numbers(spec)
+    sums = table[:, 2:] if teacher else table[:, 1:]
     lse = table[:, 0] + torch.log(sums[:, 0])
     token_stats = {"lse": lse, "new_logp": sums[:, 2] - lse, "entropy": lse - sums[:, 1] / sums[:, 0]}
     teacher_lse, student_lse = lse, lse
-    if teacher is not None:
+    if teacher:
         teacher_lse = table[:, 1] + torch.log(sums[:, 3])
         student_lse = table[:, 0] * inv_s + torch.log(sums[:, 5])  # of x / T_s
         token_stats.update(distill.token_stats(student_lse, teacher_lse, sums[:, 4], sums[:, 5], sums[:, 3]))
     out = tail(token_stats, mask, targets, normalizers, spec, grad_scale)
-    result = assemble_result(spec, out.losses, out.metrics)
-    if not compute_grad:
-        return result, None
+    coefficients = CompiledCoefficients(
+        lse, out.prob, out.label, teacher_lse, out.teacher if out.teacher is not None else out.prob, out.x,
+        student_lse, token_stats.get("teacher_gap", lse), out.teacher is not None,
+    )
+    return assemble_result(spec, out.losses, out.metrics), coefficients, counts
 
-    grad = torch.empty_like(logits)
-    grad_teacher = teacher if out.teacher is not None else None
-    teacher_coeff = out.teacher if out.teacher is not None else out.prob
-    for rows in chunks:
+
+def compiled_grad(
+    logits: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec,
+    coefficients: CompiledCoefficients, grad: torch.Tensor, *, group: ProcessGroup | None = None,
+) -> None:
+    """Pass 2: the gradient wrt the raw logits into `grad` (which may be `logits`: each sub-chunk is
+    read before it is written). `coefficients` are this call's (or chunk's) rows, grad_scale included."""
+    local_label = _local_labels(logits, targets, group)
+    teacher = targets.teacher_logits if coefficients.teacher_term else None
+    inv_t, reverse, inv_s = _teacher_numbers(spec)
+    numbers = (spec.logit_scale, spec.softcap, inv_t)
+    c = coefficients
+    for rows in _sub_chunks(logits.shape[0], spec):
         grad[rows] = chunk_grad(
-            logits[rows],
-            None if grad_teacher is None else grad_teacher[rows],
-            local_label[rows],
-            lse[rows],
-            out.prob[rows],
-            out.label[rows],
-            teacher_lse[rows],
-            teacher_coeff[rows],
-            None if out.x is None else out.x[rows],
-            student_lse[rows],
-            token_stats.get("teacher_gap", lse)[rows],
-            *numbers,
-            reverse,
-            inv_s,
+            logits[rows], None if teacher is None else teacher[rows], local_label[rows], c.lse[rows], c.prob[rows],
+            c.label[rows], c.teacher_lse[rows], c.teacher[rows], None if c.x is None else c.x[rows],
+            c.student_lse[rows], c.teacher_gap[rows], *numbers, reverse, inv_s,
         )
-    return result, grad

@@ -27,6 +27,10 @@ class DPOConfig(ChildConfig):
 MonolithicChild = Annotated[Union[CHILD_CONFIGS], Field(discriminator="type")]  # type: ignore[valid-type]
 LossChild = Annotated[Union[(*CHILD_CONFIGS, DPOConfig)], Field(discriminator="type")]  # type: ignore[valid-type]
 
+# The chunked head's default logits budget: 4096 tokens a chunk at V=131072 in bf16, a single chunk for
+# small heads (docs/losses.md, "The head without full logits", says why).
+DEFAULT_LOGITS_MEMORY_MIB = 1024.0
+
 CHILD_TYPES: frozenset[str] = frozenset({*(child.kind for child in CHILD_CLASSES), "dpo"})
 # Children the fused Triton kernel covers (a constexpr slot in triton/kernel.py).
 TRITON_CHILD_TYPES: frozenset[str] = frozenset(child.kind for child in CHILD_CLASSES if child.kernel)
@@ -52,6 +56,11 @@ class LMHeadConfig(ConfigModel):
     logit_scale: float = Field(1.0, gt=0.0, description="Logits are multiplied by this before the softmax.")
     softcap: float | None = Field(None, gt=0.0, description="x = softcap * tanh(x / softcap) when set.")
     chunk_tokens: int = Field(4096, ge=1, description="Tokens per chunk in the compiled path (bounds peak memory).")
+    logits_memory_mib: float | None = Field(
+        None, ge=0.0,
+        description="The head without full logits: MiB for its (chunk, vocab) logits buffer (and the teacher's with "
+        f"distillation), which sets the tokens per chunk; 0 = full logits; null = {DEFAULT_LOGITS_MEMORY_MIB:g}.",
+    )
 
     @model_validator(mode="before")
     @classmethod

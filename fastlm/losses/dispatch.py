@@ -12,9 +12,9 @@ import importlib.util
 
 import torch
 
-from fastlm.losses.compiled import compile_wanted, compiled_loss
+from fastlm.losses.compiled import compile_wanted, compiled_finish, compiled_grad, compiled_loss, compiled_stats
 from fastlm.losses.config import TRITON_CHILD_TYPES, MonolithicLossConfig
-from fastlm.losses.function import LossImplementation, apply_loss
+from fastlm.losses.function import LossImplementation, LossPhases, apply_loss
 from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets, ProcessGroup
 
 IMPLEMENTATIONS: tuple[str, ...] = ("triton", "compiled")
@@ -51,6 +51,17 @@ def get_implementation(implementation: str) -> LossImplementation:
         from fastlm.losses.triton.launcher import triton_loss
 
         return triton_loss
+    raise ValueError(f"unknown loss implementation {implementation!r}; expected one of {IMPLEMENTATIONS}")
+
+
+def get_phases(implementation: str) -> LossPhases:
+    """The stats / finish / grad phases of an implementation (the chunked head's two passes)."""
+    if implementation == "compiled":
+        return LossPhases(compiled_stats, compiled_finish, compiled_grad)
+    if implementation == "triton":
+        from fastlm.losses.triton.launcher import triton_finish, triton_grad, triton_stats
+
+        return LossPhases(triton_stats, triton_finish, triton_grad)
     raise ValueError(f"unknown loss implementation {implementation!r}; expected one of {IMPLEMENTATIONS}")
 
 

@@ -6,6 +6,8 @@ saved softmax), so backward only scales the stored gradient by the incoming `gra
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -26,7 +28,22 @@ class LossImplementation(Protocol):
         grad_scale: float = 1.0,
         group: ProcessGroup | None = None,
         compute_grad: bool = True,
+        inplace: bool = False,
     ) -> tuple[LossResult, torch.Tensor | None]: ...
+
+
+@dataclass(frozen=True)
+class LossPhases:
+    """An implementation split around its torch middle, for a call whose chunks are never all in memory
+    (the chunked head with a per-document child): `stats(logits, targets, normalizers, spec, *, group)`
+    per chunk -> state; `finish(states, logits, targets, normalizers, spec, *, grad_scale, group)` once
+    on the whole call -> (result, coefficients, value-check counts); `grad(logits, targets,
+    normalizers, spec, coefficients.rows(chunk), grad, *, group)` per chunk, writing into `grad`
+    (which may be the chunk's logits). Every phase takes the same arguments in both implementations."""
+
+    stats: Callable[..., Any]
+    finish: Callable[..., tuple[LossResult, Any, torch.Tensor]]
+    grad: Callable[..., None]
 
 
 class _MonolithicLoss(torch.autograd.Function):

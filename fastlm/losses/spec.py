@@ -7,7 +7,7 @@ paths. Kernels and launchers take a `LossSpec` and tensors, never a config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -75,6 +75,67 @@ class LossTargets:
     reference_logps: torch.Tensor | None = None
     # policy children with beta > 0: (tokens,) log-prob of the label under the frozen reference model
     ref_logp: torch.Tensor | None = None
+    # distillation through the chunked head: the teacher's hidden states and head weight instead of
+    # teacher_logits, so the teacher's logits are computed per chunk too
+    teacher_head: TeacherHead | None = None
+    # per-token tensors a child derives from the whole call (`LossChild.prepare`), keyed
+    # "<child>/<name>": computed once before a chunked head slices the call into chunks
+    prepared: dict[str, torch.Tensor] | None = None
+
+    def rows(self, rows: slice) -> "LossTargets":
+        """These targets for one chunk of tokens (per-sequence DPO reference log-probs stay whole)."""
+        sliced = {
+            item.name: getattr(self, item.name)[rows]
+            for item in fields(self)
+            if item.name not in ("reference_logps", "teacher_head", "prepared") and getattr(self, item.name) is not None
+        }
+        if self.teacher_head is not None:
+            sliced["teacher_head"] = self.teacher_head.rows(rows)
+        if self.prepared is not None:
+            sliced["prepared"] = {name: tensor[rows] for name, tensor in self.prepared.items()}
+        return replace(self, **sliced)
+
+
+@dataclass(frozen=True)
+class TeacherHead:
+    """A distillation teacher's head input: its final hidden states and output weight, with its own
+    logit transform, so the chunked head computes the teacher logits `transform(hidden_c @ weight.T)`
+    per chunk instead of reading (tokens, vocab) teacher logits."""
+
+    hidden: torch.Tensor  # (..., Ht): flattened to (tokens, Ht) by the batch
+    weight: torch.Tensor  # (V, Ht): the full vocab, or this rank's vocab shard under tensor parallelism
+    logit_scale: float = 1.0
+    softcap: float | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        """The token dims of the hidden states (what per-token shape checks compare)."""
+        return self.hidden.shape[:-1]
+
+    def to(self, device: torch.device | str) -> "TeacherHead":
+        return replace(self, hidden=self.hidden.to(device), weight=self.weight.to(device))
+
+    def flatten(self) -> "TeacherHead":
+        """Hidden states as (tokens, Ht)."""
+        return replace(self, hidden=self.hidden.reshape(-1, self.hidden.shape[-1]))
+
+    def rows(self, rows: slice) -> "TeacherHead":
+        return replace(self, hidden=self.hidden[rows])
+
+    def vocab_rows(self, start: int, count: int) -> "TeacherHead":
+        """This rank's shard of the output weight (a vocab-parallel student head)."""
+        return replace(self, weight=self.weight[start : start + count])
+
+    def logits(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """transform(hidden @ weight.T) as the teacher's softmax sees it (in `dtype`, default the
+        hidden's; into `out` when given, the transform applied in place)."""
+        dtype = dtype or self.hidden.dtype
+        logits = torch.mm(self.hidden.to(dtype), self.weight.to(dtype).t(), out=out)
+        if self.logit_scale != 1.0:
+            logits.mul_(self.logit_scale)
+        if self.softcap is not None:
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        return logits
 
 
 @dataclass(frozen=True)

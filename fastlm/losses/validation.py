@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossSpec, LossTargets, ProcessGroup
+from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossSpec, LossTargets, ProcessGroup, TeacherHead
 
 
 def vocab_shard(logits: torch.Tensor, group: ProcessGroup | None) -> tuple[int, int]:
@@ -212,6 +212,34 @@ def deferred_value_checks() -> Iterator[None]:
         yield
     if pending:
         raise_on_first_bad(pending, torch.cat(check_counts(pending)).tolist())
+
+
+@contextmanager
+def deferred_to_call_end() -> Iterator[None]:
+    """A call made of several loss calls (the chunked head's chunks) reads their value checks back once,
+    at its end; inside `deferred_value_checks()` they wait for that block's end as usual."""
+    if _PENDING.get() is not None:
+        yield
+    else:
+        with deferred_value_checks():
+            yield
+
+
+def check_teacher_head(teacher: TeacherHead, tokens: int, vocab: int, group: ProcessGroup | None) -> None:
+    """Host checks of the teacher's hidden states (tokens, Ht) and head weight (vocab rows, Ht)."""
+    hidden, weight = teacher.hidden, teacher.weight
+    if hidden.ndim != 2 or hidden.shape[0] != tokens:
+        raise ValueError(f"targets.teacher_head.hidden must be (tokens={tokens}, teacher hidden size), got {tuple(hidden.shape)}")
+    shard = " shard" if group is not None else ""
+    if weight.ndim != 2 or weight.shape != (vocab, hidden.shape[1]):
+        raise ValueError(
+            f"targets.teacher_head.weight must be (vocab{shard}={vocab}, teacher hidden size={hidden.shape[1]}), "
+            f"got {tuple(weight.shape)}: the teacher must share the student's vocab"
+        )
+    if not hidden.is_floating_point() or not weight.is_floating_point():
+        raise ValueError(f"targets.teacher_head must hold float tensors, got {hidden.dtype} and {weight.dtype}")
+    if hidden.device != weight.device:
+        raise ValueError(f"targets.teacher_head: hidden is on {hidden.device} but weight on {weight.device}")
 
 
 def _check_teacher(logits: torch.Tensor, targets: LossTargets, spec: LossSpec, group: ProcessGroup | None) -> None:

@@ -80,13 +80,19 @@ def _kl64(student: torch.Tensor, teacher: torch.Tensor, temperature: float, reve
     return (p.exp() * (p - q)).sum(-1) if reverse else (q.exp() * (q - p)).sum(-1)
 
 
-@pytest.mark.parametrize("kl", ["forward", "reverse"])
-def test_step_matches_float64(teacher_dir: Path, tmp_path: Path, kl: str) -> None:
-    """One step through the trainer (teacher logits, masking, normaliser, CE mix) vs float64 autograd."""
+@pytest.mark.parametrize(("kl", "budget"), [("forward", 0.0), ("reverse", 0.0), ("forward", 0.01), ("reverse", 0.01)],
+                         ids=["forward-full", "reverse-full", "forward-chunked", "reverse-chunked"])
+def test_step_matches_float64(teacher_dir: Path, tmp_path: Path, kl: str, budget: float) -> None:
+    """One step through the trainer (teacher logits, masking, normaliser, CE mix) vs float64 autograd:
+    the full-logits head with the teacher's logits, and the chunked head (0.01 MiB: 5 of 64 tokens a
+    chunk) with the teacher's hidden states and head weight."""
     config = _student(tmp_path, teacher_dir, 1, f"model.head.losses.distillation.kl={kl}",
-                      "model.head.losses.distillation.temperature=2.0", "data.micro_batch_size=2")
+                      "model.head.losses.distillation.temperature=2.0", "data.micro_batch_size=2",
+                      f"model.head.logits_memory_mib={budget}")
     trainer = DistillationTrainer(config)
     batches = trainer.micro_batches() + trainer.micro_batches()  # two micro-batches share one normaliser
+    prepared = trainer.prepare(batches[0])
+    assert (prepared.teacher_head is not None, prepared.teacher_logits is not None) == (budget > 0, budget == 0)
     labels = torch.cat([b.labels for b in batches])
     assert (labels == IGNORE_INDEX).any() and (labels != IGNORE_INDEX).any()
     result = trainer.forward_backward(batches)

@@ -174,6 +174,16 @@ class LossChild:
         """The kernel arguments of this child when it is absent (slot -1, neutral numbers)."""
         return {}
 
+    def prepare(self, targets: LossTargets, normalizers: LossNormalizers, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Per-token tensors (in `dtype`) that depend on the whole call rather than on one token (e.g. a
+        weight from its document's token count): a chunked head computes them once, before slicing the
+        call, and hands them to every chunk in `targets.prepared` under "<child>/<name>". None by default."""
+        return {}
+
+    def prepared(self, targets: LossTargets, name: str) -> torch.Tensor | None:
+        """This child's `prepare`d tensor `name`, when the caller (a chunked head) computed it."""
+        return None if targets.prepared is None else targets.prepared.get(f"{self.name}/{name}")
+
     def check_targets(self, targets: LossTargets, tokens: int) -> None:
         """Host-only checks (presence, shape, dtype) of the targets this child reads besides the labels."""
 

@@ -143,8 +143,25 @@ class PolicyChild(LossChild):
             return lengths / (mask.sum().clamp(min=1) * normalizers.micro_batches)
         return lengths * (safe_inverse(normalizers.documents) / self.max_completion_length)
 
+    def call_weights(
+        self, targets: LossTargets, normalizers: LossNormalizers,
+        dtype: torch.dtype = torch.float32, slot: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """`token_weights` of this call: the `prepare`d ones of a chunked head's whole call, else computed here."""
+        prepared = self.prepared(targets, "token_weights")
+        if prepared is not None:
+            return prepared.to(dtype)
+        return self.token_weights(targets, normalizers, dtype, slot)
+
+    def prepare(self, targets: LossTargets, normalizers: LossNormalizers, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """loss_type grpo and bnpo weigh a token by counts over the whole call (its document's tokens, the
+        call's tokens); a per-document child's tail sees the whole call anyway (the chunked head's two passes)."""
+        if self.per_document or self.loss_type not in ("grpo", "bnpo"):
+            return {}
+        return {"token_weights": self.token_weights(targets, normalizers, dtype)}
+
     def aggregation(self, inputs: TailInputs, slot: torch.Tensor | None = None) -> torch.Tensor | float:
-        weights = self.token_weights(inputs.targets, inputs.normalizers, inputs.dtype, slot)
+        weights = self.call_weights(inputs.targets, inputs.normalizers, inputs.dtype, slot)
         return inputs.per_token if weights is None else weights
 
     # -- shared terms --------------------------------------------------------------------------
@@ -231,7 +248,7 @@ class PolicyChild(LossChild):
         """The per-token weights w_t of a loss_type other than dapo (dapo: the scalar token_scale)."""
         if self.loss_type == "dapo":
             return {}
-        return {f"{prefix}_token_weights_ptr": self.token_weights(targets, normalizers)}
+        return {f"{prefix}_token_weights_ptr": self.call_weights(targets, normalizers).contiguous()}
 
     def kernel_x_term(self) -> bool:
         return self.entropy_coeff > 0

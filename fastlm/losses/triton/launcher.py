@@ -7,6 +7,9 @@
 - a per-document child (GSPO) without tensor parallelism: the fused launch without the gradient
   (which also writes the per-token state), that child's tail on the state (the sync-free seam), then
   the grad launch.
+The last two are three phases (`_stats_phase`, `_finish_phase`, `_grad_launch`; public as
+`triton_stats`, `triton_finish`, `triton_grad`) so the chunked head (losses/chunked_head.py) can run
+the stats and grad phases per token chunk and the middle once on the whole call.
 Argument assembly asks the children (`kernel_arguments`, cached per spec in `_slot_arguments`;
 `kernel_tensors` per call), never branches on a kind. The fused launch writes every per-token
 loss/metric term into one buffer laid out by `coefficients.fused_layout` (the same keys as the
@@ -21,6 +24,7 @@ everything is enqueued, so the host never waits for the GPU before the end of th
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from functools import lru_cache, partial
 
 import torch
@@ -248,12 +252,53 @@ def _reduce_fused(
     return fused_result(totals, layout)
 
 
-def _seam_terms(launch: _Launch, grad: torch.Tensor | None, grad_scale: float) -> tuple[LossResult, torch.Tensor]:
-    """Per-document children without tensor parallelism: the fused launch without the gradient (every
-    other child's terms and coefficients, the per-token state), the per-document children's tail on
-    that state (the seam), then the grad launch with their coefficients added. No sync."""
-    spec, targets, normalizers = launch.spec, launch.targets, launch.normalizers
-    terms, layout = _fused_terms(launch, None, grad_scale)
+@dataclass(frozen=True)
+class GradCoefficients:
+    """What the grad launch reads per token (fp32, contiguous): the log-partition, both coefficients, the
+    entropy-bonus coefficient (read when `x_term`) and the teacher child's `grad_stats` (with a teacher);
+    unscaled: the launch applies `grad_scale`."""
+
+    lse: torch.Tensor
+    prob: torch.Tensor
+    label: torch.Tensor
+    x: torch.Tensor
+    teacher: tuple[torch.Tensor, ...]
+    x_term: bool
+    grad_scale: float
+
+    def rows(self, rows: slice) -> "GradCoefficients":
+        """The coefficients of one token chunk (contiguous views)."""
+        return replace(self, lse=self.lse[rows], prob=self.prob[rows], label=self.label[rows], x=self.x[rows],
+                       teacher=tuple(stat[rows] for stat in self.teacher))
+
+
+def _grad_launch(launch: _Launch, coefficients: GradCoefficients, grad: torch.Tensor) -> None:
+    """The grad launch from per-token coefficients computed outside the kernel (the seam, or the torch tail)."""
+    c = coefficients
+    launch.run(MODE_GRAD.value, (c.lse, c.prob, c.label, c.x), grad, c.teacher,
+               token_scale=safe_inverse(launch.normalizers.tokens), grad_scale=c.grad_scale, x_term=c.x_term)
+
+
+# Two launches around a torch middle: a per-document child (the seam: the fused launch without the
+# gradient, that child's tail on its per-token state) or tensor parallelism (stats launch, all-reduce,
+# every child's tail). `triton_loss` runs the phases on one call; the chunked head runs the stats and
+# grad phases per token chunk and the middle once on the whole call (losses/chunked_head.py).
+
+
+def _stats_phase(launch: _Launch, group: ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """Per-token state (tokens on the last dim): the fused launch's (K, T) term buffer without a group
+    (no gradient, so no grad_scale), else the merged statistics of `_reduce_stats`."""
+    if group is None:
+        return {"terms": _fused_terms(launch, None, 1.0)[0]}
+    return _reduce_stats(launch, group)
+
+
+def _seam_finish(
+    terms: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec, grad_scale: float
+) -> tuple[LossResult, GradCoefficients, torch.Tensor]:
+    """The fused launch's terms reduced (every kernel-finished child), the per-document children's tail
+    on its per-token state (the sync-free seam), and the grad launch's coefficients."""
+    layout = fused_layout(spec)
     losses, metrics, kernel_total, counts = _reduce_fused(terms, layout)
     state = partial(layout.state_row, terms)
     stats = {name: state(name) for name in ("lse", "new_logp", "entropy")}
@@ -261,14 +306,36 @@ def _seam_terms(launch: _Launch, grad: torch.Tensor | None, grad_scale: float) -
                from_kernel=True, coefficients=(state("prob_coeff"), state("label_coeff")))
     losses.update(out.losses)
     metrics.update(out.metrics)
-    if grad is not None:
-        kd_out = tuple(state(name) for name in spec.teacher.grad_stats()) if spec.teacher is not None else ()
-        x_term = out.x is not None or any(child.kernel_x_term() for child in spec.children)
-        x_coeff = state("x_coeff") if out.x is None else state("x_coeff") + out.x
-        coefficients = (state("lse"), out.prob, out.label, x_coeff)
-        launch.run(MODE_GRAD.value, coefficients, grad, kd_out, token_scale=safe_inverse(normalizers.tokens),
-                   grad_scale=grad_scale, x_term=x_term)
-    return assemble_result(spec, losses, metrics, kernel_total), counts
+    x_term = out.x is not None or any(child.kernel_x_term() for child in spec.children)
+    x_coeff = state("x_coeff") if out.x is None else state("x_coeff") + out.x
+    teacher = tuple(state(name) for name in spec.teacher.grad_stats()) if spec.teacher is not None else ()
+    coefficients = GradCoefficients(state("lse"), out.prob, out.label, x_coeff, teacher, x_term, grad_scale)
+    return assemble_result(spec, losses, metrics, kernel_total), coefficients, counts
+
+
+def _tp_finish(
+    stats: dict[str, torch.Tensor], logits: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers,
+    spec: LossSpec, grad_scale: float, group: ProcessGroup,
+) -> tuple[LossResult, GradCoefficients, torch.Tensor]:
+    """Every child's tail on the merged statistics, and the grad launch's coefficients."""
+    mask, counts = value_flags(logits, targets, spec, group)
+    out = tail(stats, mask, targets, normalizers, spec)
+    x_coeff = out.prob if out.x is None else out.x.float()
+    teacher = tuple(stats[name].float().contiguous() for name in spec.teacher.grad_stats()) if spec.teacher else ()
+    coefficients = GradCoefficients(stats["lse"], out.prob.float(), out.label.float(), x_coeff, teacher,
+                                    out.x is not None, grad_scale)
+    return assemble_result(spec, out.losses, out.metrics), coefficients, counts
+
+
+def _finish_phase(
+    states: list[dict[str, torch.Tensor]], logits: torch.Tensor, targets: LossTargets,
+    normalizers: LossNormalizers, spec: LossSpec, grad_scale: float, group: ProcessGroup | None,
+) -> tuple[LossResult, GradCoefficients, torch.Tensor]:
+    """The middle on the whole call: `states` are the stats phase of its chunks, in token order."""
+    merged = {name: torch.cat([state[name] for state in states], dim=-1) for name in states[0]}
+    if group is None:
+        return _seam_finish(merged["terms"], targets, normalizers, spec, grad_scale)
+    return _tp_finish(merged, logits, targets, normalizers, spec, grad_scale, group)
 
 
 def _reduce_stats(launch: _Launch, group: ProcessGroup | None) -> dict[str, torch.Tensor]:
@@ -332,30 +399,60 @@ def triton_loss(
     `group`). `inplace` overwrites `logits` with the gradient; `max_block` caps the vocab block
     (default `default_max_block(vocab)`), `num_warps` overrides the per-block default and `prefetch`
     loads each vocab block an iteration ahead (default `default_prefetch`); all three for tuning."""
-    _check_supported(logits, targets, spec, num_warps)
-    check_inputs(logits, targets, normalizers, spec, group)
-    vocab_start, _ = vocab_shard(logits, group)
-    launch = _Launch(logits, targets, normalizers, spec, vocab_start, max_block, num_warps, prefetch)
+    launch = _checked_launch(logits, targets, normalizers, spec, group, max_block, num_warps, prefetch)
     grad = None
     if compute_grad:
         grad = logits if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
     if group is None and not spec.per_document:
         losses, metrics, kernel_total, counts = _reduce_fused(*_fused_terms(launch, grad, grad_scale))
         result = assemble_result(spec, losses, metrics, kernel_total)
-    elif group is None:
-        result, counts = _seam_terms(launch, grad, grad_scale)
     else:
-        mask, counts = value_flags(logits, targets, spec, group)
-        stats = _reduce_stats(launch, group)
-        out = tail(stats, mask, targets, normalizers, spec)
+        state = _stats_phase(launch, group)
+        result, coefficients, counts = _finish_phase([state], logits, targets, normalizers, spec, grad_scale, group)
         if grad is not None:
-            kd_out = tuple(stats[name].float().contiguous() for name in spec.teacher.grad_stats()) if spec.teacher else ()
-            x_coeff = out.prob if out.x is None else out.x.float()
-            launch.run(MODE_GRAD.value, (stats["lse"], out.prob.float(), out.label.float(), x_coeff), grad, kd_out,
-                       token_scale=safe_inverse(normalizers.tokens), grad_scale=grad_scale, x_term=out.x is not None)
-        result = assemble_result(spec, out.losses, out.metrics)
+            _grad_launch(launch, coefficients, grad)
     raise_on_bad_values(counts, logits, targets, normalizers, spec, group)
     return result, grad
+
+
+def _checked_launch(
+    logits: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec,
+    group: ProcessGroup | None, max_block: int | None = None, num_warps: int | None = None,
+    prefetch: bool | None = None,
+) -> _Launch:
+    """The host checks (this kernel's, then the shared ones), then the call's launch arguments."""
+    _check_supported(logits, targets, spec, num_warps)
+    check_inputs(logits, targets, normalizers, spec, group)
+    vocab_start, _ = vocab_shard(logits, group)
+    return _Launch(logits, targets, normalizers, spec, vocab_start, max_block, num_warps, prefetch)
+
+
+def triton_stats(
+    logits: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec, *,
+    group: ProcessGroup | None = None, **tuning: int | bool | None,
+) -> dict[str, torch.Tensor]:
+    """The stats phase of one token chunk (for `triton_finish`); `tuning`: max_block, num_warps, prefetch."""
+    launch = _checked_launch(logits, targets, normalizers, spec, group, **tuning)
+    return _stats_phase(launch, group)
+
+
+def triton_finish(
+    states: list[dict[str, torch.Tensor]], logits: torch.Tensor, targets: LossTargets,
+    normalizers: LossNormalizers, spec: LossSpec, *, grad_scale: float = 1.0, group: ProcessGroup | None = None,
+) -> tuple[LossResult, GradCoefficients, torch.Tensor]:
+    """The middle once on the whole call (`targets` of every token; `logits`: any chunk, for the
+    vocab): result, the grad launch's coefficients, the value-check counts (for `raise_on_bad_values`)."""
+    return _finish_phase(states, logits, targets, normalizers, spec, grad_scale, group)
+
+
+def triton_grad(
+    logits: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec,
+    coefficients: GradCoefficients, grad: torch.Tensor, *, group: ProcessGroup | None = None,
+    **tuning: int | bool | None,
+) -> None:
+    """The grad phase of one token chunk into `grad` (may be `logits`), from its rows of the coefficients."""
+    launch = _checked_launch(logits, targets, normalizers, spec, group, **tuning)
+    _grad_launch(launch, coefficients, grad)
 
 
 def fused_kernel_only(

@@ -1,0 +1,321 @@
+"""The LM head without full logits: projection, loss and both GEMM gradients over token chunks, in one
+autograd node.
+
+Per chunk c of the call's tokens (shared/design/losses.md, "The head without full logits"):
+
+    Z_c = H_c W^T                      into one preallocated (chunk, V) buffer (`mm(out=)`)
+    G_c = d loss / d Z_c               the loss implementation writes it over Z_c (`inplace`)
+    dH[c] = G_c W,  dW += G_c^T H_c    into the gradients the node returns
+
+all in the forward; backward only scales dH and dW by grad_output (as losses/function.py does for
+logits). Only (chunk, V) logits ever exist; the chunk size comes from a memory budget (`chunk_tokens`).
+
+- Each chunk is a complete loss call: losses and metrics are additive sums over the step, so the
+  chunks' results add up. What depends on the whole call (loss_type grpo/bnpo token weights) the
+  children `prepare` once, and every chunk reads its rows (`LossTargets.prepared`).
+- A per-document child (GSPO) needs every token's log-prob before any coefficient: pass 1 over the
+  chunks (GEMM + the implementation's stats phase, per-token state kept, logits dropped), its
+  middle once on the whole call, pass 2 (GEMM again + the grad phase + dH, dW): 4 GEMMs, not 3.
+- Distillation: the teacher's logits per chunk from its hidden states and head weight
+  (`LossTargets.teacher_head`), into a second buffer (full `teacher_logits` are sliced instead).
+- Tensor parallelism: every chunk call all-reduces its statistics over the group (the
+  implementations' TP form); dH is this rank's share, summed over the group by the caller's
+  `copy_to_tp`.
+- GEMMs run in the autocast dtype when autocast is on (as `hidden @ weight.t()` would), else in the
+  inputs' dtype; dH and dW come back in hidden's and weight's dtypes. dW accumulates in the weight's
+  dtype (fp32 for the trainer's fp32 weights: no buffer beyond the gradient itself), or, with
+  `fp32_weight_grad`, in an fp32 buffer for a 16-bit weight (docs/losses.md states both errors).
+- The value checks run once on the whole call and are read back at its end (or at the end of the
+  caller's `deferred_value_checks()` block), not once per chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from fastlm.losses.dispatch import get_implementation, get_phases
+from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets, ProcessGroup, TeacherHead
+from fastlm.losses.validation import (
+    check_inputs,
+    check_teacher_head,
+    deferred_to_call_end,
+    raise_on_bad_values,
+    value_flags,
+)
+
+CHUNK_MULTIPLE = 128  # chunk sizes are multiples of this many tokens (GEMM tiles), when the budget allows
+
+
+def chunk_tokens(tokens: int, vocab: int, element_size: int, budget_mib: float, teacher: bool = False) -> int:
+    """Tokens per chunk: as many rows of (vocab) logits (and teacher logits) of `element_size` bytes as
+    fit in `budget_mib`, rounded down to a multiple of CHUNK_MULTIPLE (at least one row), then evened
+    out so the call's chunks come out about equal (16484 tokens at 4096 a chunk: 5 x 3328, not 4 x 4096 + 100)."""
+    row_bytes = vocab * element_size * (2 if teacher else 1)
+    limit = max(1, int(budget_mib * 2**20) // row_bytes)
+    if limit >= CHUNK_MULTIPLE:
+        limit -= limit % CHUNK_MULTIPLE
+    if tokens <= limit:
+        return max(tokens, 1)
+    even = math.ceil(tokens / math.ceil(tokens / limit))
+    if limit >= CHUNK_MULTIPLE:
+        even = min(limit, math.ceil(even / CHUNK_MULTIPLE) * CHUNK_MULTIPLE)
+    return even
+
+
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The GEMMs' dtype: autocast's when it is on for this device (float64 is never cast), else the inputs'."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type) and hidden.dtype != torch.float64:
+        return torch.get_autocast_dtype(device_type)
+    if hidden.dtype != weight.dtype:
+        raise ValueError(
+            f"LMHead: hidden is {hidden.dtype} but weight is {weight.dtype}; outside autocast both need one dtype"
+        )
+    return hidden.dtype
+
+
+@lru_cache(maxsize=8)
+def _fp32_out_addmm(device: torch.device) -> bool:
+    """Whether addmm writes fp32 from 16-bit inputs here (`addmm.dtype_out`: CUDA, not CPU)."""
+    try:
+        ones = torch.ones((2, 2), dtype=torch.bfloat16, device=device)
+        out = torch.zeros((2, 2), dtype=torch.float32, device=device)
+        torch.addmm(out, ones, ones, out_dtype=torch.float32, out=out)
+        return bool(out[0, 0] == 2.0)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+class WeightGrad:
+    """dW = sum over chunks of G_c^T H_c, accumulated in the weight's dtype or in fp32."""
+
+    def __init__(self, weight: torch.Tensor, gemm_dtype: torch.dtype, fp32: bool) -> None:
+        self.dtype = weight.dtype
+        dtype = torch.float32 if fp32 else weight.dtype
+        # A sum in the GEMMs' dtype starts with beta 0 (addmm_ then ignores the buffer); an fp32 sum of
+        # 16-bit products (addmm's out_dtype, or the product + add) starts from zeros.
+        self.same_dtype = dtype == gemm_dtype
+        make = torch.empty if self.same_dtype else torch.zeros
+        self.sum = make(weight.shape, dtype=dtype, device=weight.device)
+        self.empty = True
+
+    def add(self, grad: torch.Tensor, hidden: torch.Tensor) -> None:
+        """sum += grad^T hidden."""
+        if self.same_dtype:
+            self.sum.addmm_(grad.t(), hidden, beta=0.0 if self.empty else 1.0)
+        elif _fp32_out_addmm(grad.device):
+            torch.addmm(self.sum, grad.t(), hidden, out_dtype=torch.float32, out=self.sum)
+        else:  # CPU under autocast: the product in the GEMMs' dtype, then the fp32 sum
+            self.sum.add_(torch.mm(grad.t(), hidden))
+        self.empty = False
+
+    def result(self) -> torch.Tensor:
+        if self.empty:
+            self.sum.zero_()
+        return self.sum if self.sum.dtype == self.dtype else self.sum.to(self.dtype)
+
+
+@dataclass
+class _Call:
+    """Everything of one head call but the two differentiable inputs."""
+
+    targets: LossTargets
+    normalizers: LossNormalizers
+    spec: LossSpec
+    implementation: str
+    logits_memory_mib: float
+    grad_scale: float
+    group: ProcessGroup | None
+    fp32_weight_grad: bool
+    options: dict[str, Any]
+    hidden_grad: bool
+    weight_grad: bool
+    chunk: int = 0  # set by the forward (from the budget, the vocab and the GEMMs' dtype)
+
+
+@dataclass
+class _Chunks:
+    """The call's token chunks: their logits (and teacher logits) in reused buffers, and the backprop of
+    a chunk's logit gradient into dH and dW."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor  # in the GEMMs' dtype
+    teacher: TeacherHead | None  # its weight in the GEMMs' dtype
+    targets: LossTargets  # of the whole call, `prepare`d
+    chunk: int
+    dtype: torch.dtype
+    grad_hidden: torch.Tensor | None
+    grad_weight: WeightGrad | None
+    rows: list[slice] = field(init=False)
+
+    def __post_init__(self) -> None:
+        tokens, device = self.hidden.shape[0], self.hidden.device
+        self.rows = [slice(start, min(start + self.chunk, tokens)) for start in range(0, max(tokens, 1), self.chunk)]
+        size = min(self.chunk, tokens)
+        self.buffer = torch.empty((size, self.weight.shape[0]), dtype=self.dtype, device=device)
+        self.teacher_buffer = None if self.teacher is None else torch.empty_like(self.buffer)
+        cast = self.hidden.dtype != self.dtype
+        self.hidden_buffer = torch.empty((size, self.hidden.shape[1]), dtype=self.dtype, device=device) if cast else None
+        cast_back = self.grad_hidden is not None and self.grad_hidden.dtype != self.dtype
+        self.grad_buffer = torch.empty((size, self.hidden.shape[1]), dtype=self.dtype, device=device) if cast_back else None
+
+    @property
+    def backward(self) -> bool:
+        return self.grad_hidden is not None or self.grad_weight is not None
+
+    def logits(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor, LossTargets]:
+        """(Z_c in the buffer, H_c in the GEMMs' dtype, the chunk's targets with its teacher logits)."""
+        count = rows.stop - rows.start
+        hidden = self.hidden[rows] if self.hidden_buffer is None else self.hidden_buffer[:count].copy_(self.hidden[rows])
+        logits = torch.mm(hidden, self.weight.t(), out=self.buffer[:count])
+        targets = self.targets.rows(rows)
+        if self.teacher is not None:
+            teacher_logits = self.teacher.rows(rows).logits(self.dtype, out=self.teacher_buffer[:count])
+            targets = replace(targets, teacher_logits=teacher_logits, teacher_head=None)
+        return logits, hidden, targets
+
+    def backprop(self, grad: torch.Tensor, hidden: torch.Tensor, rows: slice) -> None:
+        """dH[rows] = G_c W; dW += G_c^T H_c."""
+        if self.grad_hidden is not None:
+            if self.grad_buffer is None:
+                torch.mm(grad, self.weight, out=self.grad_hidden[rows])
+            else:
+                self.grad_hidden[rows].copy_(torch.mm(grad, self.weight, out=self.grad_buffer[: grad.shape[0]]))
+        if self.grad_weight is not None:
+            self.grad_weight.add(grad, hidden)
+
+
+def _one_pass(chunks: _Chunks, call: _Call) -> LossResult:
+    """Each chunk a whole loss call with its gradient written over its logits, then backpropagated."""
+    implementation = get_implementation(call.implementation)
+    results = []
+    for rows in chunks.rows:
+        logits, hidden, targets = chunks.logits(rows)
+        result, _ = implementation(logits, targets, call.normalizers, call.spec, grad_scale=call.grad_scale,
+                                   group=call.group, compute_grad=chunks.backward, inplace=True, **call.options)
+        if chunks.backward:
+            chunks.backprop(logits, hidden, rows)
+        results.append(result)
+    return _sum_results(results)
+
+
+def _two_pass(chunks: _Chunks, call: _Call) -> LossResult:
+    """Stats phase per chunk, the middle on the whole call, then GEMM again + grad phase per chunk (one
+    chunk: its logits are still in the buffer)."""
+    phases = get_phases(call.implementation)
+    states, last = [], None
+    for rows in chunks.rows:
+        last = chunks.logits(rows)
+        states.append(phases.stats(last[0], last[2], call.normalizers, call.spec, group=call.group, **call.options))
+    result, coefficients, _ = phases.finish(states, last[0], chunks.targets, call.normalizers, call.spec,
+                                            grad_scale=call.grad_scale, group=call.group)  # counts: checked once, above
+    if chunks.backward:
+        for rows in chunks.rows:
+            logits, hidden, targets = last if len(chunks.rows) == 1 else chunks.logits(rows)
+            phases.grad(logits, targets, call.normalizers, call.spec, coefficients.rows(rows), logits, group=call.group,
+                        **call.options)
+            chunks.backprop(logits, hidden, rows)
+    return result
+
+
+def _sum_results(results: list[LossResult]) -> LossResult:
+    """The chunks' additive results summed, one stack + sum for every value."""
+    if len(results) == 1:
+        return results[0]
+    first = results[0]
+    losses, metrics = list(first.losses), list(first.metrics)
+    dtype = first.loss.dtype
+    table = torch.stack([
+        torch.stack([r.loss.to(dtype), *(r.losses[k].to(dtype) for k in losses), *(r.metrics[k].to(dtype) for k in metrics)])
+        for r in results
+    ]).sum(0)
+    values = table.unbind()
+    return LossResult(values[0], dict(zip(losses, values[1 : 1 + len(losses)])), dict(zip(metrics, values[1 + len(losses) :])))
+
+
+def _prepare(targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec, dtype: torch.dtype) -> LossTargets:
+    """The children's whole-call per-token tensors (`LossChild.prepare`), computed once."""
+    prepared = {
+        f"{child.name}/{name}": tensor
+        for child in spec.children
+        for name, tensor in child.prepare(targets, normalizers, dtype).items()
+    }
+    return replace(targets, prepared=prepared) if prepared else targets
+
+
+def _forward(hidden: torch.Tensor, weight: torch.Tensor, call: _Call) -> tuple[LossResult, torch.Tensor | None, WeightGrad | None]:
+    spec, targets, normalizers, group = call.spec, call.targets, call.normalizers, call.group
+    dtype = compute_dtype(hidden, weight)
+    tokens, vocab = hidden.shape[0], weight.shape[0]
+    teacher = None
+    if spec.teacher is not None and targets.teacher_logits is None and targets.teacher_head is not None:
+        check_teacher_head(targets.teacher_head, tokens, vocab, group)
+        teacher = replace(targets.teacher_head, weight=targets.teacher_head.weight.to(dtype))
+    call.chunk = chunk_tokens(tokens, vocab, dtype.itemsize, call.logits_memory_mib, teacher is not None)
+    # The whole call's host checks, on a shape-only stand-in for its (tokens, vocab) logits.
+    stand_in = torch.empty((tokens, vocab), dtype=dtype, device="meta")
+    check_inputs(stand_in, targets if teacher is None else replace(targets, teacher_logits=stand_in), normalizers, spec, group)
+    targets = _prepare(targets, normalizers, spec, torch.promote_types(dtype, torch.float32))
+    grad_hidden = torch.empty_like(hidden) if call.hidden_grad else None
+    grad_weight = WeightGrad(weight, dtype, call.fp32_weight_grad) if call.weight_grad else None
+    with torch.autocast(hidden.device.type, enabled=False), deferred_to_call_end():
+        _, counts = value_flags(stand_in, targets, spec, group)
+        raise_on_bad_values(counts, stand_in, targets, normalizers, spec, group)  # first: names whole-call indices
+        chunks = _Chunks(hidden, weight.to(dtype), teacher, targets, call.chunk, dtype, grad_hidden, grad_weight)
+        result = (_two_pass if spec.per_document else _one_pass)(chunks, call)
+    return result, grad_hidden, grad_weight
+
+
+class _ChunkedHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, call: _Call, holder: list[LossResult]) -> torch.Tensor:  # type: ignore[override]
+        result, grad_hidden, grad_weight = _forward(hidden, weight, call)
+        ctx.grads = (grad_hidden, None if grad_weight is None else grad_weight.result())
+        holder.append(result)
+        return result.loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.grads is None:
+            raise RuntimeError(
+                "the chunked LM head computes its gradients in the forward and hands them over once; a second "
+                "backward through it (retain_graph) is not supported: set model.head.logits_memory_mib: 0"
+            )
+        grads, ctx.grads = ctx.grads, None  # released, so autograd may take them as .grad without a copy
+        scale = float(grad_output)  # one host read per backward; it saves a multiply over dH and dW
+        if scale != 1.0:
+            for grad in grads:
+                if grad is not None:
+                    grad.mul_(scale)
+        return (*grads, None, None)
+
+
+def chunked_head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: LossTargets,
+    normalizers: LossNormalizers,
+    spec: LossSpec,
+    implementation: str,
+    logits_memory_mib: float,
+    *,
+    grad_scale: float = 1.0,
+    group: ProcessGroup | None = None,
+    fp32_weight_grad: bool = False,
+    options: dict[str, Any] | None = None,
+) -> LossResult:
+    """The monolithic loss of `hidden @ weight.T` (hidden (T, H), weight (V or V_local, H)) without the
+    full logits; `result.loss.backward()` sends the gradients to `hidden` and `weight`. `options` go to
+    every Triton launch (max_block, num_warps, prefetch: tests and tuning)."""
+    grad_enabled = torch.is_grad_enabled()
+    call = _Call(targets, normalizers, spec, implementation, logits_memory_mib, grad_scale, group, fp32_weight_grad,
+                 options or {}, grad_enabled and hidden.requires_grad, grad_enabled and weight.requires_grad)
+    holder: list[LossResult] = []
+    loss = _ChunkedHead.apply(hidden, weight, call, holder)
+    result = holder[0]
+    return LossResult(loss, result.losses, result.metrics)

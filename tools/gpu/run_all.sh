@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One device call (the lead's H200 session): install the carried wheels, record the machine, then run each
+# issue's GPU script under its own time limit so one failure or overrun does not lose the others.
+#   bash tools/gpu/run_all.sh 21:240 20:180      # issue:seconds, in order; logs land in $OUT
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+fastlm() { python3 -m fastlm "$@"; }
+export -f fastlm
+{
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
+    python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+} > "$OUT/env.log" 2>&1
+for part in "$@"; do
+    name=${part%%:*}; limit=${part##*:}
+    start=$(date +%s)
+    timeout -k 15 "$limit" bash "tools/gpu/issue$name.sh"
+    echo "issue$name: exit $? after $(( $(date +%s) - start )) s (limit $limit)" | tee -a "$OUT/env.log"
+done
