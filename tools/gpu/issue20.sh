@@ -38,7 +38,8 @@ section() { echo; echo "== $1 ($(date +%T))"; }
 
   if [ "$WHAT" = all ] || [ "$WHAT" = tests ]; then
     section "(a) kernel tests compiled on CUDA"
-    timeout $TEST_LIMIT python -m pytest -q -p no:cacheprovider -W error::RuntimeWarning -rfEs \
+    XDIST=(); python -c "import xdist" 2>/dev/null && [ "$SMOKE" != 1 ] && XDIST=(-n 8)  # Triton compiles in parallel
+    timeout $TEST_LIMIT python -m pytest -q -p no:cacheprovider -W error::RuntimeWarning -rfEs "${XDIST[@]}" \
       tests/losses/test_triton.py tests/losses/test_triton_distillation.py tests/losses/test_fused_terms.py \
       tests/losses/test_matrix.py tests/losses/test_document_weights.py "${SELECT[@]}" > /tmp/i20-pytest.txt 2>&1
     echo "pytest exit status: $? (124: timed out)" >> /tmp/i20-pytest.txt

@@ -11,8 +11,12 @@ else
     export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
-fastlm() { python3 -m fastlm "$@"; }
-export -f fastlm
+# `python` and `fastlm` as commands (the image has only python3, and the package is not installed there).
+mkdir -p /tmp/bin
+ln -sf "$(command -v python3)" /tmp/bin/python
+printf '#!/bin/sh\nexec python3 -m fastlm "$@"\n' > /tmp/bin/fastlm
+chmod +x /tmp/bin/fastlm
+export PATH=/tmp/bin:$PATH
 {
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
     python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
