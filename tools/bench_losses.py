@@ -345,7 +345,11 @@ def load_tree(name: str, package: str) -> Tree:
 def tree_inputs(tree: Tree, case: Case) -> tuple:
     """The case's targets and normalizers as the tree's own dataclasses (converted once)."""
     if tree.name not in case.converted:
-        targets = tree.spec_module.LossTargets(**{f.name: getattr(case.targets, f.name) for f in fields(case.targets)})
+        known = {f.name for f in fields(tree.spec_module.LossTargets)}  # the baseline predates some (teacher_head)
+        unset = [f.name for f in fields(case.targets) if f.name not in known and getattr(case.targets, f.name) is not None]
+        if unset:
+            raise ValueError(f"{tree.name}'s LossTargets has no {unset}")
+        targets = tree.spec_module.LossTargets(**{name: getattr(case.targets, name) for name in known})
         normalizers = tree.spec_module.LossNormalizers(**asdict(case.normalizers))
         case.converted[tree.name] = (targets, normalizers)
     return case.converted[tree.name]

@@ -125,8 +125,9 @@ def expected(
 
 def on_device(targets: LossTargets, device: torch.device, full_teacher: bool) -> LossTargets:
     """float32 targets on `device`, the teacher as its head input (or its full float32 logits)."""
+    skipped = () if full_teacher else ("teacher_logits",)  # never copied: a full-logits tensor on the device
     moved = {field.name: getattr(targets, field.name).to(device) for field in dataclasses.fields(targets)
-             if isinstance(getattr(targets, field.name), torch.Tensor)}
+             if isinstance(getattr(targets, field.name), torch.Tensor) and field.name not in skipped}
     teacher = targets.teacher_head
     if full_teacher:
         moved.update(teacher_logits=moved["teacher_logits"].float(), teacher_head=None)

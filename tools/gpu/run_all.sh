@@ -13,9 +13,10 @@ fi
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 # `python` and `fastlm` as commands (the image has only python3, and the package is not installed there).
 mkdir -p /tmp/bin
-ln -sf "$(command -v python3)" /tmp/bin/python
+rm -f /tmp/bin/python  # a wrapper, not a link: a venv's python finds its packages from its own path
+printf '#!/bin/sh\nexec python3 "$@"\n' > /tmp/bin/python
 printf '#!/bin/sh\nexec python3 -m fastlm "$@"\n' > /tmp/bin/fastlm
-chmod +x /tmp/bin/fastlm
+chmod +x /tmp/bin/fastlm /tmp/bin/python
 export PATH=/tmp/bin:$PATH
 {
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
