@@ -10,7 +10,9 @@ from random-token prompts of `--prompt-len`, bf16 on CUDA. Modes: `eager` (live 
 autocast, no graph, SDPA: what a run without graphs does), `graph` (bf16 replica, decode step with
 FlexAttention decode and the sampling tail captured in a CUDA graph), `compile` (the same step through
 torch.compile first: one graph, then captured); a `-sdpa` suffix (`graph-sdpa`, `compile-sdpa`) attends
-with SDPA and the additive mask over the whole cache instead (the previous decode attention). `hf` is
+with SDPA and the additive mask over the whole cache instead (the previous decode attention);
+`compile-autotune` lets inductor benchmark Triton GEMMs against cuBLAS for the M = batch matmuls (a longer
+compile). `hf` is
 transformers' generate with its dynamic KV cache on a bf16 copy of the same weights (SDPA attention),
 timed over `--hf-new-tokens` (default `--new-tokens`; fewer keeps the run short, and its per-token cost
 only grows with the length, so a shorter run flatters it). The bound: per decode step the bytes that
@@ -67,7 +69,7 @@ class _NoTokenizer:
     eos_id = None
 
 
-MODES = ("eager", "graph", "graph-sdpa", "compile", "compile-sdpa", "hf")
+MODES = ("eager", "graph", "graph-sdpa", "compile", "compile-sdpa", "compile-autotune", "hf")
 
 
 def load_model(preset: str, device: torch.device) -> DecoderLM:
@@ -111,9 +113,15 @@ def bound_seconds(model: DecoderLM, batch: int, prompt_len: int, new_tokens: int
 
 
 def engine(model: DecoderLM, mode: str) -> Generator:
-    base, _, attention = mode.partition("-")
+    """The generator of a mode: `base[-sdpa][-autotune]` (autotune: inductor benchmarks GEMM kernels for
+    this compile, `max_autotune_gemm`; it applies to compiles, which happen on the first call)."""
+    base, *flags = mode.split("-")
+    import torch._inductor.config as inductor_config
+
+    inductor_config.max_autotune_gemm = "autotune" in flags
     return Generator(model, _NoTokenizer(), torch.bfloat16 if model.output_weight.is_cuda else None,
-                     cuda_graph=base != "eager", compile=base == "compile", decode_attention=attention or None)
+                     cuda_graph=base != "eager", compile=base == "compile",
+                     decode_attention="sdpa" if "sdpa" in flags else None)
 
 
 def time_ours(generator: Generator, prompts: list[list[int]], options: SamplingOptions,
