@@ -45,10 +45,10 @@ def test_flex_decode_matches_float64(dtype: torch.dtype, kv_heads: int, window: 
     start = (own * torch.rand(batch, generator=rng)).long() if uniform else torch.zeros(batch, dtype=torch.int64)
     cache.start.copy_(start)
     columns = own[:, None].cuda()
-    q, k, v = (torch.randn(batch, h, 1, dim, generator=rng) for h in (heads, kv_heads, kv_heads))
+    q, k, v = (torch.randn(batch, h, 1, dim, generator=rng).to(dtype) for h in (heads, kv_heads, kv_heads))
     mask = cache.attention_mask(columns, length, window)
     assert mask.blocks is not None
-    out = cache.layer(0, columns, length, mask).attend(q.cuda().to(dtype), k.cuda().to(dtype), v.cuda().to(dtype))
+    out = cache.layer(0, columns, length, mask).attend(q.cuda(), k.cuda(), v.cuda())
     keys, values = cache.keys[0].double().cpu(), cache.values[0].double().cpu()  # the new k, v written
     visible = cache.mask(columns, length, window)[:, 0, :1].cpu() == 0  # (B, 1, length)
     scores = q.double() @ keys.repeat_interleave(heads // kv_heads, 1).transpose(-1, -2) / math.sqrt(dim)
