@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch._inductor.config as inductor_config
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,8 +117,6 @@ def engine(model: DecoderLM, mode: str) -> Generator:
     """The generator of a mode: `base[-sdpa][-autotune]` (autotune: inductor benchmarks GEMM kernels for
     this compile, `max_autotune_gemm`; it applies to compiles, which happen on the first call)."""
     base, *flags = mode.split("-")
-    import torch._inductor.config as inductor_config
-
     inductor_config.max_autotune_gemm = "autotune" in flags
     return Generator(model, _NoTokenizer(), torch.bfloat16 if model.output_weight.is_cuda else None,
                      cuda_graph=base != "eager", compile=base == "compile",
