@@ -221,8 +221,11 @@ def bench_preset(preset: str, args: argparse.Namespace, bandwidth: float, rng: t
                 seconds, setup = time_hf(model, prompts, new_tokens)
             else:
                 generator = engine(model, mode)
+                requested = generator.compile, generator.decode_attention
                 options = SamplingOptions(new_tokens, temperature=1.0)
                 seconds, setup = time_ours(generator, prompts, options, 0 if mode == "eager" else args.repeats)
+                if (generator.compile, generator.decode_attention) != requested:
+                    raise RuntimeError(f"{mode} fell back to the uncompiled SDPA step (the line above says why)")
                 if generator.cuda_graph:
                     column = args.prompt_len + new_tokens // 2
                     step_ms, kernels, table = decode_step_profile(generator, column, args.top_kernels)

@@ -22,11 +22,13 @@ keeps each row at its own columns. Both give the same tokens.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
 
+from fastlm.engine.compile import first_line
 from fastlm.engine.runtime import autocast
 from fastlm.generation.sampling import SamplingOptions, draw_race, pick_tokens
 from fastlm.layers.kv_cache import DecodeAttention, KVCache
@@ -190,6 +192,8 @@ class Generator:
     torch.compile first (worth it for many small kernels; costs a compile per new shape and sampling
     setting). `decode_attention=None` means FlexAttention decode on the graph path, SDPA otherwise
     (fastlm/layers/kv_cache.py; eager FlexAttention would be compiled on first use, a cost one-off calls skip).
+    If building a compiled or FlexAttention step fails (a compiler error shows up in its warm-up), one line
+    says so and the generator continues without compile and with SDPA, as the trainer does for its blocks.
     """
 
     def __init__(
@@ -273,17 +277,30 @@ class Generator:
             return self._steps[key]
         while len(self._steps) >= KEPT_GRAPHS:
             del self._steps[next(iter(self._steps))]  # free the oldest graph and cache first
+        try:
+            step = self._new_step(model, head_weight, batch, length, options)
+        except Exception as error:  # noqa: BLE001 - a compiler failure means "decode the plain way"
+            if not (self.compile or self.decode_attention == "flex"):
+                raise
+            print(f"fastlm: building the decode step (compile={self.compile}, {self.decode_attention} attention) "
+                  f"failed ({first_line(error)}); generating without compile, with SDPA", file=sys.stderr, flush=True)
+            self.compile, self.decode_attention = False, "sdpa"
+            step = self._new_step(model, head_weight, batch, length, options)
+        if self.cuda_graph:
+            self._steps[key] = step
+        return step
+
+    def _new_step(self, model: DecoderLM, head_weight: torch.Tensor | None, batch: int, length: int,
+                  options: SamplingOptions) -> _DecodeStep:
+        """A fresh cache, state and step (compiling and capturing it, on those paths)."""
         config = model.config
         kv_heads = config.num_heads if model.is_gpt2 else config.kv_heads
         dtype = self.amp_dtype or model.output_weight.dtype
         cache = KVCache(config.num_layers, batch, config.num_heads, kv_heads, length, config.head_dim, dtype,
                         self.device, uniform_columns=self.padding == "left", decode_attention=self.decode_attention)
         state = DecodeState.empty(batch, config.vocab_size, options, self.device)
-        step = _DecodeStep(model, cache, state, options, self.pad_id, head_weight, self.amp_dtype, self.cuda_graph,
+        return _DecodeStep(model, cache, state, options, self.pad_id, head_weight, self.amp_dtype, self.cuda_graph,
                            self.compile)
-        if self.cuda_graph:
-            self._steps[key] = step
-        return step
 
     def _generate(self, model: DecoderLM, head_weight: torch.Tensor | None, step: _DecodeStep,
                   prompts: list[list[int]], generator: torch.Generator | None, width: int) -> list[Completion]:

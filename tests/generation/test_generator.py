@@ -126,3 +126,26 @@ def test_bad_requests_are_named() -> None:
         generate(model, [[BOS]], SamplingOptions(4, stop_tokens=(300,)), TOKENIZER)
     with pytest.raises(ValueError, match="top_p"):
         SamplingOptions(4, top_p=0.0)
+
+
+def test_a_failing_flex_or_compiled_step_falls_back_to_sdpa(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """A compiler error while building the step (its warm-up, on the graph path) is said in one line and
+    generation continues without compile, with SDPA: the same tokens as that path."""
+    import fastlm.generation.generator as generator_module
+
+    class FailingFlexStep(generator_module._DecodeStep):
+        def __init__(self, model, cache, *args) -> None:
+            if cache.decode_attention == "flex":
+                raise RuntimeError("inductor could not lower flex_decoding\nsecond line")
+            super().__init__(model, cache, *args)
+
+    monkeypatch.setattr(generator_module, "_DecodeStep", FailingFlexStep)
+    model = tiny_model()
+    prompts = [TOKENIZER.encode(t, bos=True) for t in ("1+2=", "ab>")]
+    options = SamplingOptions(5, temperature=0.0)
+    engine = Generator(model, TOKENIZER, decode_attention="flex")
+    got = engine.generate(prompts, options)
+    assert "failed (RuntimeError: inductor could not lower flex_decoding); generating without compile, with SDPA" \
+        in capsys.readouterr().err
+    assert (engine.decode_attention, engine.compile) == ("sdpa", False)
+    assert [c.tokens for c in got] == [c.tokens for c in generate(model, prompts, options, TOKENIZER)]
