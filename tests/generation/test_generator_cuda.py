@@ -98,6 +98,7 @@ def test_graph_step_matches_eager(name: str, attention: str, compile: bool) -> N
         print(f"{name} graph ({attention}, compile={compile}) vs eager, T={options.temperature}: tokens equal, "
               f"log-prob rel err {error:.2e}")
         assert error < 1e-4
+    assert (graph.compile, graph.decode_attention) == (compile, attention), "the step fell back (see stderr)"
     if compile:
         return  # the rest is the same step under other options: a recompile each, the eager graph covers it
     greedy = graph.generate(prompts, SamplingOptions(60, temperature=0.0))
