@@ -2,16 +2,19 @@
 
 One prefill forward writes the prompts' keys and values into a preallocated cache (fastlm/layers/kv_cache.py)
 and gives the first token's logits; then each decode step feeds the B last tokens, writes one cache column
-and computes the head at that position only. Sampling, stop tokens and per-row finishing stay on the device;
-the host reads the device once every `check_every` steps (to end early when every row has stopped) and once
-at the end.
+and computes the head at that position only, then picks and records the next tokens (`DecodeState`).
+Sampling, stop tokens and per-row finishing stay on the device; the host reads the device once every
+`check_every` steps (to end early when every row has stopped) and once at the end.
 
 On CUDA (`cuda_graph=True`, the default there) the decode step runs on a bf16 replica of the weights
 (linear weights and the head in the autocast dtype, embeddings and norms as trained: the training forward's
-numerics) and is captured once in a `torch.cuda.CUDAGraph`, optionally after `torch.compile`; a `Generator`
-kept across calls reuses the graph while the batch size and cache length stay the same and only copies
-the live weights into the replica (`sync_weights`). On CPU, or without the graph, the live model runs
-eagerly under the given autocast.
+numerics) and is captured once in a `torch.cuda.CUDAGraph`, optionally after `torch.compile` (one graph:
+the 24 layers, the attention's block mask and the sampling tail); per token the host then launches two
+things, the noise draw and the replay. Attention in the captured step is FlexAttention decode, which
+reads only the cache blocks written so far. A `Generator` kept across calls reuses the graph while the
+batch size, cache length and sampling options stay the same and only copies the live weights into the
+replica (`sync_weights`). On CPU, or without the graph, the live model runs eagerly under the given
+autocast, through the same step.
 
 Prompts are left-padded by default (every row writes the same cache column each step); `padding="right"`
 keeps each row at its own columns. Both give the same tokens.
@@ -19,18 +22,20 @@ keeps each row at its own columns. Both give the same tokens.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
 
+from fastlm.engine.compile import first_line
 from fastlm.engine.runtime import autocast
-from fastlm.generation.sampling import SamplingOptions, pick_tokens
-from fastlm.layers.kv_cache import KVCache
+from fastlm.generation.sampling import SamplingOptions, draw_race, pick_tokens
+from fastlm.layers.kv_cache import DecodeAttention, KVCache
 from fastlm.models.decoder import DecoderLM, build_model
 
-CACHE_ROUNDING = 64  # graph path: cache lengths are rounded up to this, so a graph serves nearby prompt widths
-KEPT_GRAPHS = 2  # graph path: decode steps kept per Generator (e.g. rollouts and the greedy eval's batch size)
+CACHE_ROUNDING = 128  # graph path: cache lengths are rounded up to this, so a graph serves nearby prompt widths
+KEPT_GRAPHS = 2  # graph path: decode steps kept per Generator (e.g. the rollouts' and the greedy eval's)
 
 
 class TokenizerLike(Protocol):
@@ -69,60 +74,126 @@ def check_prompts(prompts: list[list[int]], options: SamplingOptions, model: Dec
         raise ValueError(f"stop tokens {bad_stops} are outside the model's vocab [0, {vocab})")
 
 
-class _DecodeStep:
-    """One decode step (B tokens at cache columns -> float32 logits (B, V)) on fixed buffers, optionally
-    compiled and captured in a CUDA graph."""
+@dataclass
+class DecodeState:
+    """The device buffers one generation updates per token (static addresses on the graph path).
 
-    def __init__(self, model: DecoderLM, cache: KVCache, head_weight: torch.Tensor | None,
-                 amp_dtype: torch.dtype | None, cuda_graph: bool, compile: bool) -> None:
-        self.model, self.cache, self.head_weight, self.amp_dtype = model, cache, head_weight, amp_dtype
-        device = cache.start.device
-        self.tokens = torch.zeros(cache.batch, 1, dtype=torch.int64, device=device)
-        self.columns = torch.zeros(cache.batch, 1, dtype=torch.int64, device=device)
+    `tokens`/`columns` (B, 1): the last drawn token, the next step's input, and its cache column;
+    `drawn`/`logprobs` (B, N): what was picked (pad / 0 after a row's stop token); `done` (B,): the row
+    has drawn a stop token; `index` (): the next slot of `drawn`; `race` (B, V): the Exp(1) noise of the
+    next draw (None when greedy); `stops` (n,): the stop tokens.
+    """
+
+    tokens: torch.Tensor
+    columns: torch.Tensor
+    drawn: torch.Tensor
+    logprobs: torch.Tensor
+    done: torch.Tensor
+    index: torch.Tensor
+    race: torch.Tensor | None
+    stops: torch.Tensor
+
+    @classmethod
+    def empty(cls, batch: int, vocab: int, options: SamplingOptions, device: torch.device) -> DecodeState:
+        def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        race = None if options.greedy else zeros(batch, vocab, dtype=torch.float32)
+        stops = torch.tensor(options.stop_tokens, dtype=torch.int64, device=device)
+        return cls(zeros(batch, 1), zeros(batch, 1), zeros(batch, options.max_new_tokens),
+                   zeros(batch, options.max_new_tokens, dtype=torch.float32), zeros(batch, dtype=torch.bool),
+                   zeros(dtype=torch.int64), race, stops)
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return [t for t in (self.tokens, self.columns, self.drawn, self.logprobs, self.done, self.index, self.race)
+                if t is not None]
+
+    def reset(self, columns: torch.Tensor, pad_id: int) -> None:
+        """Before a generation: the first decode column of each row, nothing drawn yet."""
+        self.columns.copy_(columns)
+        self.drawn.fill_(pad_id)
+        self.logprobs.zero_()
+        self.done.zero_()
+        self.index.zero_()
+
+    def record(self, logits: torch.Tensor, options: SamplingOptions, pad_id: int) -> None:
+        """Pick the next tokens from (B, V) raw logits and write them into slot `index` (on the device)."""
+        choice, logprob = pick_tokens(logits, options, self.race)
+        slot = self.index[None]
+        self.drawn.index_copy_(1, slot, choice.masked_fill(self.done, pad_id)[:, None])
+        self.logprobs.index_copy_(1, slot, logprob.masked_fill(self.done, 0.0)[:, None])
+        if self.stops.numel():
+            self.done |= (choice[:, None] == self.stops).any(dim=-1)
+        self.tokens.copy_(choice[:, None])
+        self.index += 1
+
+
+class _DecodeStep:
+    """One decode step on fixed buffers: the B last tokens in, their keys and values into the cache, the
+    next tokens picked and recorded in `state` (sampling included), optionally compiled as one graph and
+    captured in a CUDA graph; the host only refills the noise buffer and replays."""
+
+    def __init__(self, model: DecoderLM, cache: KVCache, state: DecodeState, options: SamplingOptions, pad_id: int,
+                 head_weight: torch.Tensor | None, amp_dtype: torch.dtype | None, cuda_graph: bool,
+                 compile: bool) -> None:
+        self.model, self.cache, self.state, self.options, self.pad_id = model, cache, state, options, pad_id
+        self.head_weight, self.amp_dtype = head_weight, amp_dtype
         self.run = self.forward
         if compile:
-            for buffer in cache.buffers:  # updated in place every step: not an input to copy or guard on
+            for buffer in cache.buffers + state.buffers:  # updated in place every step: not inputs to copy or guard on
                 torch._dynamo.mark_static_address(buffer)
             self.run = torch.compile(self.forward, fullgraph=True, dynamic=False)
         self.graph: torch.cuda.CUDAGraph | None = None
         if cuda_graph:
             self._capture()
 
-    def forward(self) -> torch.Tensor:
-        device = self.tokens.device
+    def forward(self) -> None:
+        device, state = self.state.tokens.device, self.state
         context = autocast(device, self.amp_dtype) if self.amp_dtype is None else torch.autocast(
             device.type, dtype=self.amp_dtype, cache_enabled=False)  # no cast cache: a graph must not keep one
         with context:
-            hidden = self.model.cached_hidden_states(self.tokens, self.cache, self.columns, self.cache.length)
-            return self.model.head_logits(hidden[:, -1], self.head_weight).float()
+            hidden = self.model.cached_hidden_states(state.tokens, self.cache, state.columns, self.cache.length)
+            logits = self.model.head_logits(hidden[:, -1], self.head_weight)
+        state.record(logits, self.options, self.pad_id)
+        state.columns += 1
 
     def _capture(self) -> None:
         """Warm up on a side stream (compiles, picks kernels), then capture. Runs before any prefill, so
-        the warm-up's cache writes are overwritten."""
+        the warm-up's cache and state writes are overwritten."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(3):
+                self._rewind()
                 self.run()
         torch.cuda.current_stream().wait_stream(stream)
+        self._rewind()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.output = self.run()
+            self.run()
 
-    def __call__(self, tokens: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-        self.tokens.copy_(tokens)
-        self.columns.copy_(columns)
+    def _rewind(self) -> None:
+        """Warm-up and capture write column 0 and slot 0 (in range for any cache and budget)."""
+        self.state.columns.zero_()
+        self.state.index.zero_()
+
+    def __call__(self) -> None:
         if self.graph is None:
-            return self.run()
-        self.graph.replay()
-        return self.output
+            self.run()
+        else:
+            self.graph.replay()
 
 
 class Generator:
     """Reusable generation engine for one model (see the module docstring).
 
     `cuda_graph=None` means "on when the model is on CUDA"; `compile=True` runs the decode step through
-    torch.compile first (worth it for many small kernels; costs a compile per new shape).
+    torch.compile first (worth it for many small kernels; costs a compile per new shape and sampling
+    setting). `decode_attention=None` means FlexAttention decode on the graph path, SDPA otherwise
+    (fastlm/layers/kv_cache.py; eager FlexAttention would be compiled on first use, a cost one-off calls skip).
+    If building a compiled or FlexAttention step fails (a compiler error shows up in its warm-up), one line
+    says so and the generator continues without compile and with SDPA, as the trainer does for its blocks.
     """
 
     def __init__(
@@ -134,6 +205,7 @@ class Generator:
         compile: bool = False,
         padding: Literal["left", "right"] = "left",
         check_every: int = 16,
+        decode_attention: DecodeAttention | None = None,
     ) -> None:
         self.model = model
         self.device = model.output_weight.device
@@ -145,9 +217,10 @@ class Generator:
         self.compile = compile
         self.padding = padding
         self.check_every = check_every
+        self.decode_attention: DecodeAttention = decode_attention or ("flex" if self.cuda_graph else "sdpa")
         self.replica: DecoderLM | None = None
         self.head_weight: torch.Tensor | None = None
-        self._steps: dict[tuple[int, int], _DecodeStep] = {}  # graph path: by (batch, cache length), oldest first
+        self._steps: dict[tuple[int, int, SamplingOptions], _DecodeStep] = {}  # graph path: oldest first
 
     # --- weights -----------------------------------------------------------------------------------------
     def sync_weights(self) -> None:
@@ -190,33 +263,48 @@ class Generator:
         was_training = model.training
         model.eval()
         try:
-            step = self._decode_step(model, head_weight, len(prompts), length)
-            return self._generate(model, head_weight, step, prompts, options, generator, width)
+            step = self._decode_step(model, head_weight, len(prompts), length, options)
+            return self._generate(model, head_weight, step, prompts, generator, width)
         finally:
             model.train(was_training)
 
-    def _decode_step(self, model: DecoderLM, head_weight: torch.Tensor | None, batch: int, length: int) -> _DecodeStep:
-        """The decode step for this batch size and cache length: kept on the graph path (the last
-        `KEPT_GRAPHS` shapes), fresh otherwise."""
-        key = (batch, length)
+    def _decode_step(self, model: DecoderLM, head_weight: torch.Tensor | None, batch: int, length: int,
+                     options: SamplingOptions) -> _DecodeStep:
+        """The decode step for this batch size, cache length and sampling: kept on the graph path (the last
+        `KEPT_GRAPHS` of them), fresh otherwise."""
+        key = (batch, length, options)
         if key in self._steps:
             return self._steps[key]
         while len(self._steps) >= KEPT_GRAPHS:
             del self._steps[next(iter(self._steps))]  # free the oldest graph and cache first
-        config = model.config
-        kv_heads = config.num_heads if model.is_gpt2 else config.kv_heads
-        dtype = self.amp_dtype or model.output_weight.dtype
-        cache = KVCache(config.num_layers, batch, config.num_heads, kv_heads, length, config.head_dim, dtype,
-                        self.device, uniform_columns=self.padding == "left")
-        step = _DecodeStep(model, cache, head_weight, self.amp_dtype, self.cuda_graph, self.compile)
+        try:
+            step = self._new_step(model, head_weight, batch, length, options)
+        except Exception as error:  # noqa: BLE001 - a compiler failure means "decode the plain way"
+            if not (self.compile or self.decode_attention == "flex"):
+                raise
+            print(f"fastlm: building the decode step (compile={self.compile}, {self.decode_attention} attention) "
+                  f"failed ({first_line(error)}); generating without compile, with SDPA", file=sys.stderr, flush=True)
+            self.compile, self.decode_attention = False, "sdpa"
+            step = self._new_step(model, head_weight, batch, length, options)
         if self.cuda_graph:
             self._steps[key] = step
         return step
 
+    def _new_step(self, model: DecoderLM, head_weight: torch.Tensor | None, batch: int, length: int,
+                  options: SamplingOptions) -> _DecodeStep:
+        """A fresh cache, state and step (compiling and capturing it, on those paths)."""
+        config = model.config
+        kv_heads = config.num_heads if model.is_gpt2 else config.kv_heads
+        dtype = self.amp_dtype or model.output_weight.dtype
+        cache = KVCache(config.num_layers, batch, config.num_heads, kv_heads, length, config.head_dim, dtype,
+                        self.device, uniform_columns=self.padding == "left", decode_attention=self.decode_attention)
+        state = DecodeState.empty(batch, config.vocab_size, options, self.device)
+        return _DecodeStep(model, cache, state, options, self.pad_id, head_weight, self.amp_dtype, self.cuda_graph,
+                           self.compile)
+
     def _generate(self, model: DecoderLM, head_weight: torch.Tensor | None, step: _DecodeStep,
-                  prompts: list[list[int]], options: SamplingOptions, generator: torch.Generator | None,
-                  width: int) -> list[Completion]:
-        device, batch, cache = self.device, len(prompts), step.cache
+                  prompts: list[list[int]], generator: torch.Generator | None, width: int) -> list[Completion]:
+        device, batch, cache, state, options = self.device, len(prompts), step.cache, step.state, step.options
         lengths = torch.tensor([len(p) for p in prompts])
         tokens = torch.full((batch, width), self.pad_id, dtype=torch.int64)
         for row, prompt in enumerate(prompts):
@@ -227,28 +315,21 @@ class Generator:
         start = width - lengths if self.padding == "left" else torch.zeros_like(lengths)
         last = torch.full_like(lengths, width - 1) if self.padding == "left" else lengths - 1
         cache.start.copy_(start)
+        state.reset((last + 1)[:, None], self.pad_id)
         columns = torch.arange(width).expand(batch, width).to(device)
         with autocast(device, self.amp_dtype):
             hidden = model.cached_hidden_states(tokens.to(device), cache, columns, width)
-            logits = model.head_logits(hidden[torch.arange(batch, device=device), last.to(device)], head_weight).float()
-        columns = (last + 1)[:, None].to(device)
-        stops = torch.tensor(options.stop_tokens, dtype=torch.int64, device=device)
-        drawn = torch.full((batch, options.max_new_tokens), self.pad_id, dtype=torch.int64, device=device)
-        logprobs = torch.zeros(batch, options.max_new_tokens, dtype=torch.float32, device=device)
-        done = torch.zeros(batch, dtype=torch.bool, device=device)
-        for index in range(options.max_new_tokens):
-            choice, logprob = pick_tokens(logits, options, generator)
-            drawn[:, index] = choice.masked_fill(done, self.pad_id)
-            logprobs[:, index] = logprob.masked_fill(done, 0.0)
-            if len(options.stop_tokens):
-                done |= torch.isin(choice, stops)
-            if index + 1 == options.max_new_tokens:
+            logits = model.head_logits(hidden[torch.arange(batch, device=device), last.to(device)], head_weight)
+        if state.race is not None:
+            draw_race(state.race, generator)
+        state.record(logits, options, self.pad_id)
+        for index in range(1, options.max_new_tokens):
+            if len(options.stop_tokens) and index % self.check_every == 0 and bool(state.done.all()):
                 break
-            if len(options.stop_tokens) and (index + 1) % self.check_every == 0 and bool(done.all()):
-                break
-            logits = step(choice[:, None], columns)
-            columns += 1
-        return _completions(drawn.cpu(), logprobs.cpu(), set(options.stop_tokens))
+            if state.race is not None:
+                draw_race(state.race, generator)
+            step()
+        return _completions(state.drawn.cpu(), state.logprobs.cpu(), set(options.stop_tokens))
 
 
 def _completions(drawn: torch.Tensor, logprobs: torch.Tensor, stops: set[int]) -> list[Completion]:

@@ -2,7 +2,10 @@
 
 Everything stays on the device (no host round trip per token). A draw is the exponential race
 argmax(p / E), E ~ Exp(1) i.i.d. from a seeded `torch.Generator` on the model's device: it picks token i
-with probability p_i (the Gumbel-max trick), so a seed gives the same completions on a given device.
+with probability p_i (the Gumbel-max trick), so a seed gives the same completions on a given device. The
+noise is drawn separately (`draw_race`) so the pick itself has no generator argument: it runs inside a
+compiled, CUDA-graph-captured decode step, with the noise buffer refilled before each replay. No sort
+runs unless top_p < 1 (top-k is one `topk`).
 """
 
 from __future__ import annotations
@@ -68,14 +71,21 @@ def next_token_distribution(logits: torch.Tensor, options: SamplingOptions) -> t
     return next_token_logprobs(logits, options).exp()
 
 
+def draw_race(race: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Fill `race` (B, V) float32 with the Exp(1) noise of one draw, in place."""
+    return race.exponential_(generator=generator)
+
+
 def pick_tokens(
-    logits: torch.Tensor, options: SamplingOptions, generator: torch.Generator | None
+    logits: torch.Tensor, options: SamplingOptions, race: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, V) raw logits -> (chosen ids (B,), their log-probs (B,) under the sampling distribution)."""
+    """(B, V) raw logits -> (chosen ids (B,), their log-probs (B,) under the sampling distribution).
+
+    `race` is the (B, V) noise from `draw_race` (ignored, and may be None, when greedy)."""
     logp = next_token_logprobs(logits, options)
     if options.greedy:
         choice = logp.argmax(dim=-1)
     else:
-        race = torch.empty_like(logp).exponential_(generator=generator).clamp_min_(1e-30)  # log(0) would give NaN
-        choice = (logp - race.log()).argmax(dim=-1)
+        assert race is not None, "sampling needs the noise of draw_race"
+        choice = (logp - race.clamp_min(1e-30).log()).argmax(dim=-1)  # clamped: log(0) would give NaN
     return choice, logp.gather(-1, choice[:, None]).squeeze(-1)

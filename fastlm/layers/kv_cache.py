@@ -15,14 +15,30 @@ scatters into its own.
 
 Grouped-query attention reads the cache without repeating it: the g query heads that share a kv head
 become g query rows of that head, (B, Hkv, g * S, D) against (B, Hkv, span, D).
+
+Decode attention (`decode_attention="flex"`, the CUDA-graph default): a one-token step over the whole
+cache runs FlexAttention with a block mask instead of SDPA with the additive mask. A static graph must
+attend over every column of the preallocated cache, but the block mask lists, per row, only the key
+blocks from its first visible column to its own, so the blocks not yet written are never read; torch.compile
+lowers it to the flash-decoding kernel (grouped query heads packed into one block per kv head). The
+mask_mod repeats the additive mask's rule inside the listed blocks. Prefill and CPU use SDPA.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
+DecodeAttention = Literal["sdpa", "flex"]
+DECODE_KEY_BLOCK = 64  # FlexAttention key block of the decode block mask (the flash-decoding kernel's BLOCK_N on H100)
+DECODE_QUERY_BLOCK = 128
 
 
 @dataclass
@@ -34,7 +50,7 @@ class LayerCache:
     columns: torch.Tensor  # (B, S) cache column of each token of this forward
     span: int  # attend over columns [0, span)
     uniform_columns: bool  # every row writes the same columns (left padding)
-    mask: torch.Tensor  # (B, 1, groups * S, span) additive, from `KVCache.mask`, shared by all layers
+    mask: CacheMask  # from `KVCache.attention_mask`, shared by all layers
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write k, v (B, Hkv, S, D) at `columns`, then softmax(q K^T / sqrt(d) + mask) V over the cache.
@@ -51,10 +67,22 @@ class LayerCache:
             index = self.columns[:, None, :, None].expand(batch, kv_heads, seq_len, head_dim)
             self.keys.scatter_(2, index, k)
             self.values.scatter_(2, index, v)
+        if self.mask.blocks is not None:
+            from fastlm.layers.packed_attention import flex_attend  # lazy: packed_attention imports this module (via attention.py)
+
+            return flex_attend(q.to(self.keys.dtype), self.keys, self.values, self.mask.blocks).to(q.dtype)
         keys, values = self.keys[:, :, : self.span], self.values[:, :, : self.span]
         grouped_q = q.reshape(batch, kv_heads, q_heads // kv_heads * seq_len, head_dim).to(keys.dtype)
-        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=self.mask)
+        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=self.mask.additive)
         return out.reshape(batch, q_heads, seq_len, head_dim).to(q.dtype)
+
+
+@dataclass(frozen=True)
+class CacheMask:
+    """What one forward's layers attend under: an additive mask for SDPA or a FlexAttention block mask."""
+
+    additive: torch.Tensor | None = None  # (B, 1, groups * S, span)
+    blocks: BlockMask | None = None
 
 
 class KVCache:
@@ -63,6 +91,7 @@ class KVCache:
     def __init__(
         self, num_layers: int, batch: int, q_heads: int, kv_heads: int, length: int, head_dim: int,
         dtype: torch.dtype, device: torch.device | str, uniform_columns: bool = False,
+        decode_attention: DecodeAttention = "sdpa",
     ) -> None:
         shape = (batch, kv_heads, length, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -71,6 +100,7 @@ class KVCache:
         self.length = length
         self.groups = q_heads // kv_heads
         self.uniform_columns = uniform_columns
+        self.decode_attention = decode_attention
 
     @property
     def batch(self) -> int:
@@ -84,6 +114,13 @@ class KVCache:
         """(B, S) position ids of tokens at cache `columns` (0 on left padding)."""
         return (columns - self.start[:, None]).clamp_min(0)
 
+    def attention_mask(self, columns: torch.Tensor, span: int, sliding_window: int | None) -> CacheMask:
+        """The mask of a forward of tokens at `columns` (B, S) over the first `span` columns: a block mask
+        for one-token decode steps over the whole cache under `decode_attention="flex"`, else additive."""
+        if self.decode_attention == "flex" and columns.shape[1] == 1 and span == self.length:
+            return CacheMask(blocks=self.decode_block_mask(columns, sliding_window))
+        return CacheMask(additive=self.mask(columns, span, sliding_window))
+
     def mask(self, columns: torch.Tensor, span: int, sliding_window: int | None) -> torch.Tensor:
         """(B, 1, groups * S, span) additive mask: 0 where key column j is visible to the token at column c
         of row b, -inf elsewhere; the S query rows repeat for each of the `groups` query heads of a kv head."""
@@ -96,5 +133,40 @@ class KVCache:
         blocked = torch.full(visible.shape, float("-inf"), dtype=self.keys[0].dtype, device=columns.device)
         return blocked.masked_fill(visible, 0.0)[:, None]
 
-    def layer(self, index: int, columns: torch.Tensor, span: int, mask: torch.Tensor) -> LayerCache:
+    def decode_block_mask(self, columns: torch.Tensor, sliding_window: int | None) -> BlockMask:
+        """FlexAttention block mask of one decode step (`columns` (B, 1)) over the whole cache.
+
+        Row b sees the columns [low, c] with c its own column and low = max(start[b], c - window + 1), so it
+        needs the key blocks low // block .. c // block (contiguous): those are listed, every other block
+        (later ones not written yet, earlier ones padding or out of the window) is skipped. All listed
+        blocks go through `mask_mod` (no second list of fully visible blocks: evaluating the mask is cheap next
+        to reading a block)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        blocks = -(-self.length // DECODE_KEY_BLOCK)
+        own = columns[:, 0]
+        low = self.start if sliding_window is None else torch.maximum(self.start, own - sliding_window + 1)
+        first = torch.minimum(low, own) // DECODE_KEY_BLOCK  # a row always sees its own column
+        count = own // DECODE_KEY_BLOCK - first + 1
+        indices = (first[:, None] + torch.arange(blocks, device=own.device)).clamp(max=blocks - 1)
+        return BlockMask.from_kv_blocks(
+            count.to(torch.int32)[:, None, None], indices.to(torch.int32)[:, None, None],
+            BLOCK_SIZE=(DECODE_QUERY_BLOCK, DECODE_KEY_BLOCK), mask_mod=self.decode_mask_mod(columns, sliding_window),
+            seq_lengths=(1, self.length), compute_q_blocks=False,
+        )
+
+    def decode_mask_mod(self, columns: torch.Tensor, sliding_window: int | None) -> Callable:
+        """FlexAttention mask_mod of `mask` for one token per row at `columns` (B, 1)."""
+        start = self.start
+
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+            own = columns[b, q]
+            visible = (k >= start[b]) & (k <= own)
+            if sliding_window is not None:
+                visible = visible & (own - k < sliding_window)
+            return visible | (k == own)
+
+        return mask_mod
+
+    def layer(self, index: int, columns: torch.Tensor, span: int, mask: CacheMask) -> LayerCache:
         return LayerCache(self.keys[index], self.values[index], columns, span, self.uniform_columns, mask)

@@ -165,7 +165,7 @@ class DecoderLM(nn.Module):
         values written into `cache`, attention over its first `span` columns (fastlm/layers/kv_cache.py)."""
         positions = cache.positions(columns)
         window = None if self.is_gpt2 else self.config.sliding_window
-        mask = cache.mask(columns, span, window)
+        mask = cache.attention_mask(columns, span, window)
         rotary = None if self.is_gpt2 else rotary_angles(positions, self.config.head_dim, self.config.rope_theta)
         hidden = self.embeddings(input_ids, positions)
         for index, block in enumerate(self.blocks):

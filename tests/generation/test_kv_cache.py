@@ -82,20 +82,61 @@ def test_cached_forward_equals_uncached(name: str, padding: str) -> None:
     assert worst < 1e-12
 
 
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_cached_greedy_equals_uncached_loop(name: str) -> None:
+@pytest.mark.parametrize(("name", "attention"), [(name, "sdpa") for name in ARCHITECTURES] + [("mistral-tiny", "flex")])
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_cached_greedy_equals_uncached_loop(name: str, attention: str) -> None:
+    """SDPA decode for every architecture; FlexAttention decode (the graph path's) on Mistral (GQA, RoPE,
+    window: every part of its mask_mod). On CPU FlexAttention is its unfused float64 reference, a few
+    seconds of tracing per step: which blocks it reads is checked by
+    test_decode_block_mask_lists_the_visible_blocks, the fused kernel on GPU."""
     model = _model(name)
     prompts = _prompts(3, count=5)
     options = SamplingOptions(max_new_tokens=12, temperature=0.0)
     for padding in ("left", "right"):
-        completions = Generator(model, ByteTokenizer(), padding=padding).generate(prompts, options)
+        engine = Generator(model, ByteTokenizer(), padding=padding, decode_attention=attention)
+        completions = engine.generate(prompts, options)
         worst = 0.0
         for prompt, completion in zip(prompts, completions):
             tokens, logprobs = _uncached_greedy(model, prompt, 12)
             assert completion.tokens == tokens and not completion.stopped
             worst = max(worst, relative_error(torch.tensor(completion.logprobs, dtype=torch.float64), torch.tensor(logprobs)))
-        print(f"{name} ({padding}): greedy tokens equal, log-prob rel err {worst:.2e}")
+        print(f"{name} ({padding}, {attention}): greedy tokens equal, log-prob rel err {worst:.2e}")
         assert worst < 1e-6  # the sampler works in float32
+
+
+@pytest.mark.parametrize("window", [None, 70])
+@pytest.mark.parametrize("uniform", [True, False])
+def test_decode_block_mask_lists_the_visible_blocks(window: int | None, uniform: bool) -> None:
+    """The decode block mask lists exactly the key blocks holding a visible column (skipped blocks are
+    never read by the kernel), and its mask_mod equals the additive mask, for left and right padding."""
+    from fastlm.layers.kv_cache import DECODE_KEY_BLOCK
+
+    rng = torch.Generator().manual_seed(7)
+    batch, length = 6, 5 * DECODE_KEY_BLOCK - 8  # a partial last block
+    cache = KVCache(1, batch, 4, 2, length, 8, torch.float32, "cpu", uniform_columns=uniform, decode_attention="flex")
+    for _ in range(20):
+        if uniform:  # left padding: every row at the same column, starts before it
+            own = torch.randint(1, length, (1,), generator=rng).expand(batch)
+            start = (own * torch.rand(batch, generator=rng)).long()
+        else:  # right padding: starts at 0, own columns differ
+            own = torch.randint(0, length, (batch,), generator=rng)
+            start = torch.zeros(batch, dtype=torch.int64)
+        cache.start.copy_(start)
+        columns = own[:, None].clone()
+        visible = cache.mask(columns, length, window)[:, 0, 0] == 0  # (B, length): query row of the first head group
+        block_mask = cache.attention_mask(columns, length, window).blocks
+        assert block_mask is not None
+        counts, indices = block_mask.kv_num_blocks[:, 0, 0], block_mask.kv_indices[:, 0, 0]
+        blocks = -(-length // DECODE_KEY_BLOCK)
+        padded = torch.nn.functional.pad(visible, (0, blocks * DECODE_KEY_BLOCK - length))
+        needed = padded.view(batch, blocks, DECODE_KEY_BLOCK).any(-1)
+        for row in range(batch):
+            listed = set(indices[row, : counts[row]].tolist())
+            assert listed == set(needed[row].nonzero().flatten().tolist()), (row, start[row], own[row], listed)
+        keys = torch.arange(length)
+        rows = torch.arange(batch)[:, None]
+        modded = block_mask.mask_mod(rows, torch.zeros_like(rows), torch.zeros_like(rows), keys[None])
+        assert torch.equal(modded, visible)
 
 
 def test_replica_path_matches_live_model() -> None:
@@ -106,8 +147,8 @@ def test_replica_path_matches_live_model() -> None:
     live = Generator(model, ByteTokenizer()).generate(prompts, options)
     engine = Generator(model, ByteTokenizer())
     engine.sync_weights()
-    replica_step = engine._decode_step(engine.replica, engine.head_weight, len(prompts), 32)
-    replica = engine._generate(engine.replica, engine.head_weight, replica_step, prompts, options, None,
+    replica_step = engine._decode_step(engine.replica, engine.head_weight, len(prompts), 32, options)
+    replica = engine._generate(engine.replica, engine.head_weight, replica_step, prompts, None,
                                max(len(p) for p in prompts))
     assert [c.tokens for c in replica] == [c.tokens for c in live]
     with torch.no_grad():
