@@ -11,14 +11,15 @@ grad, gradients by `torch.autograd.grad` (no accumulation into .grad). Columns:
 - floor: the three GEMMs alone at full size (logits Z = H W^T, dH = G W, dW = G^T H, with G = Z's
   buffer); with distillation also the teacher's logits GEMM (teacher hidden size = H), with GSPO the
   second logits GEMM of its two passes: the work no head can skip;
-- chunked: fastlm's LMHead at the default logits budget (`model.head.logits_memory_mib` 1024),
+- chunked: fastlm's LMHead at the default logits budget (`model.head.logits_memory_mib`, default 1408),
   dW summed in the weight's dtype (bf16 here); chunked+fp32dW: the same with an fp32 dW buffer;
 - full: fastlm's LMHead with logits_memory_mib 0 (full logits; skipped where it would not fit);
 - liger: Liger-Kernel's fused linear cross entropy (CE; CE+z through lse_square_scale);
 - cce: Cut Cross-Entropy's linear_cross_entropy (CE only, shipped defaults);
 - eager: the float32 reference loss on the full logits, by autograd (where it fits).
 
-Time = median of `triton.testing.do_bench` (CUDA; a perf_counter median on CPU); extra memory = peak
+Time = median of `triton.testing.do_bench` over at least 10 calls (CUDA; a perf_counter median on
+CPU); the floor is timed first and again last in each row, and the ratios use the mean of both; extra memory = peak
 allocated during one call minus what was allocated before it and minus the returned dH and dW (the
 inputs and outputs). Accuracy: dH and dW of each fastlm column against the float32 eager gradients on
 the same bf16 inputs (the first token count only; `err` columns). Peers missing from the environment
@@ -215,11 +216,19 @@ def load_cce() -> Callable | None:
     return linear_cross_entropy
 
 
+MIN_REPEATS = 10  # do_bench repeats rep_ms / (one call); a 160 ms head call would get one
+
+
 def time_ms(call: Callable[[], object], device: torch.device, rep_ms: int) -> float:
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        return float(do_bench(call, warmup=max(10, rep_ms // 4), rep=rep_ms, return_mode="median"))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        rep = max(rep_ms, round(MIN_REPEATS * (time.perf_counter() - start) * 1e3))
+        return float(do_bench(call, warmup=max(10, rep_ms // 4), rep=rep, return_mode="median"))
     samples = []
     for _ in range(3):
         start = time.perf_counter()
@@ -277,9 +286,13 @@ def bench_row(spec_name: str, tokens: int, hidden: int, vocab: int, device: torc
         if device.type == "cuda":
             torch.cuda.empty_cache()
     del reference
+    if "floor" in row["ms"]:  # the floor again after the other columns: the ratio uses the mean of both
+        row["floor_ms"] = (row["ms"]["floor"], time_ms(calls["floor"], device, rep_ms))
+        row["ms"]["floor"] = statistics.mean(row["floor_ms"])
     floor = row["ms"].get("floor")
     row["x_floor"] = {column: ms / floor for column, ms in row["ms"].items()} if floor else {}
-    print(json.dumps({k: row[k] for k in ("spec", "tokens", "ms", "extra_mib", "err", "failed")}, default=_round), flush=True)
+    print(json.dumps({k: row[k] for k in ("spec", "tokens", "ms", "floor_ms", "extra_mib", "err", "failed") if k in row},
+                     default=_round), flush=True)
     return row
 
 

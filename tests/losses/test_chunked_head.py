@@ -298,11 +298,11 @@ def test_bf16_autocast_on_cuda(name: str) -> None:
 
 
 def test_lm_head_config_picks_the_chunked_head() -> None:
-    """logits_memory_mib: null (1024) and a number run chunked, 0 the full-logits head; the dry run says so."""
+    """logits_memory_mib: null (1408) and a number run chunked, 0 the full-logits head; the dry run says so."""
     default = LMHead(LMHeadConfig())
     full = LMHead(LMHeadConfig(logits_memory_mib=0))
-    assert default.chunked and default.logits_memory_mib == 1024 and not full.chunked
-    assert "chunked, no full logits (logits_memory_mib 1024): 4096 of 16384 tokens a chunk (4 chunks)" in default.describe(
+    assert default.chunked and default.logits_memory_mib == 1408 and not full.chunked
+    assert "chunked, no full logits (logits_memory_mib 1408): 5504 of 16384 tokens a chunk (3 chunks)" in default.describe(
         16384, 131072, torch.bfloat16)
     assert "head: full logits" in full.describe(16384, 131072, torch.bfloat16)
     assert chunk_tokens(16484, 131072, 2, 1024) == 3328  # 5 even chunks, multiples of 128

@@ -31,9 +31,9 @@ if [ "$SMOKE" = 1 ]; then
   TRAIN_BIG=()
 else
   TESTS=(-k "not tensor_parallel")
-  BENCH=(--rep-ms 100)
-  TRAIN=(--presets llama-1b --batch 4 --losses triton --logits-memory-mib 0 1024 --steps 10)
-  TRAIN_BIG=(--presets llama-1b --batch 4 --losses triton --logits-memory-mib 0 1024 --steps 10 --vocab 128256)
+  BENCH=(--rep-ms 200)
+  TRAIN=(--presets llama-1b --batch 4 --losses triton --logits-memory-mib 0 1408 --steps 10)
+  TRAIN_BIG=(--presets llama-1b --batch 4 --losses triton --logits-memory-mib 0 1408 --steps 10 --vocab 128256)
 fi
 
 {
@@ -55,6 +55,23 @@ if ok:
     expected = acc.double() + a.double().t() @ b.double()
     torch.addmm(acc, a.t(), b, out_dtype=torch.float32, out=acc)
     print(f"  accumulate into itself: rel err vs float64 {float((acc.double() - expected).norm() / expected.norm()):.1e}")
+    # One chunk's dW accumulation at the bench shape (V=131072, H=2048, 4096 tokens): which fp32 sum is cheapest?
+    from triton.testing import do_bench
+    g = torch.randn(4096, 131072, device=device, dtype=torch.bfloat16)
+    h = torch.randn(4096, 2048, device=device, dtype=torch.bfloat16)
+    acc16 = torch.zeros(131072, 2048, device=device, dtype=torch.bfloat16)
+    acc32 = torch.zeros(131072, 2048, device=device)
+    timed = {
+        "bf16 addmm_ (beta 1)": lambda: acc16.addmm_(g.t(), h),
+        "fp32 addmm out_dtype (beta 1)": lambda: torch.addmm(acc32, g.t(), h, out_dtype=torch.float32, out=acc32),
+        "bf16 mm + fp32 add_": lambda: acc32.add_(torch.mm(g.t(), h)),
+        "fp32 baddbmm-free: mm out_dtype + add_": lambda: acc32.add_(torch.mm(g.t(), h, out_dtype=torch.float32)),
+    }
+    for name, call in timed.items():
+        try:
+            print(f"  dW chunk {name}: {do_bench(call, warmup=25, rep=200, return_mode='median'):.3f} ms")
+        except Exception as error:  # noqa: BLE001
+            print(f"  dW chunk {name}: {type(error).__name__}: {error}")
 PY
 
   section "(a) GPU correctness: test_chunked_head.py + test_lm_head.py (FASTLM_COMPILE=0: no inductor compiles)"
