@@ -141,11 +141,12 @@ def time_ours(generator: Generator, prompts: list[list[int]], options: SamplingO
 def time_hf(model: DecoderLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
     import transformers
 
+    from fastlm.data.tokenizer import ByteTokenizer
     from fastlm.models.hf import export_hf
 
     with tempfile.TemporaryDirectory() as directory:
         started = time.perf_counter()
-        export_hf(model, directory)
+        export_hf(model, directory, ByteTokenizer())  # the weights are what generate reads; any tokenizer's files do
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             directory, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
         setup = time.perf_counter() - started

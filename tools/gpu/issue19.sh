@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/out}
 SMOKE=${SMOKE:-0}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 exec > >(tee "$OUT/i19.log") 2>&1
 STATUS=()
 
