@@ -1,7 +1,7 @@
 """The GPU's SM clock, power draw and temperature sampled in the background while benchmarks run.
 
 A throughput that falls from one timing window to the next is either more work or a slower GPU (power or
-thermal limits lower the SM clock under sustained load). `ClockSampler` runs `nvidia-smi -lms` beside the
+thermal limits lower the SM clock under sustained load). `ClockSampler` runs `nvidia-smi --loop-ms` beside the
 benchmark and averages its samples over any span of host time, so each timed row can carry the clock it ran
 at. Without nvidia-smi or CUDA it samples nothing and every mean is None.
 """
@@ -56,10 +56,14 @@ class ClockSampler:
         tool = shutil.which("nvidia-smi")
         if tool is None or not torch.cuda.is_available():
             return
-        self.process = subprocess.Popen(
-            [tool, f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", f"-lms={period_ms}"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )
+        try:
+            self.process = subprocess.Popen(
+                [tool, f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", f"--loop-ms={period_ms}"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )
+        except OSError as error:  # the benchmark goes on without clock columns
+            print(f"gpu_clocks: nvidia-smi did not start ({error}); no clock samples", flush=True)
+            return
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
