@@ -71,7 +71,6 @@ class GapRow:
     name: str
     runs: str
     windows: list[float]  # tokens/s per timed window
-    seconds: float  # the timed steps, host clock
     clock: ClockMean | None
     compiled_graphs: int  # by dynamo during the timed steps
     peak_memory_gib: float
@@ -179,7 +178,7 @@ def timed_windows(step: Callable[[int], None], shape: Shape, read: Callable[[], 
 
 
 class RowTimer:
-    """Host clock, nvidia-smi samples, dynamo compilations and peak memory around a row's timed steps."""
+    """nvidia-smi samples, dynamo compilations and peak memory around a row's timed steps."""
 
     def __init__(self, sampler: ClockSampler, device: torch.device) -> None:
         self.sampler = sampler
@@ -193,7 +192,7 @@ class RowTimer:
         windows = timed()
         end = time.monotonic()
         memory = torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else 0.0
-        row = GapRow(name, runs, windows, end - start, self.sampler.mean(start, end),
+        row = GapRow(name, runs, windows, self.sampler.mean(start, end),
                      counters["stats"]["unique_graphs"] - graphs, memory)
         print(f"row {name} ({runs}): " + " / ".join(f"{w:,.0f}" for w in windows) + " tokens/s", flush=True)
         return row
@@ -260,7 +259,7 @@ def bench_step_work(loop: Loop) -> dict[str, str]:
         "gradient clipping": "none (no gradient norm)",
         "loss normalizers": "tokens",
         "per-step checks": "none",
-        "read-backs": "none (the head's grad_output read in backward only)",
+        "read-backs": "each step: the head's value-check counts at the end of its forward, its grad_output in backward",
     }
 
 
@@ -277,7 +276,8 @@ def trainer_step_work(trainer: Trainer) -> dict[str, str]:
         if clip is not None else "none (the norm is still computed and logged)",
         "loss normalizers": "tokens, documents, micro_batches",
         "per-step checks": "token ids on the host; loss-input checks and the non-finite skip on the device (found_inf)",
-        "read-backs": "every pending step's scalars at read points, plus the head's grad_output read",
+        "read-backs": "each step: the head's grad_output in backward (value checks collected); every pending "
+                      "step's scalars at read points",
     }
 
 
