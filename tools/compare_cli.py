@@ -327,7 +327,8 @@ def decompose(shape: Shape, peak: float, sampler: ClockSampler, deadline: float)
     facts: dict[str, dict[str, str]] = {}
     with tempfile.TemporaryDirectory(prefix="fastlm-compare-") as folder:
         corpus = Path(folder, "corpus.txt")
-        needed = (shape.cli_steps + WARMUP) * shape.batch * (shape.seq_len + 1)
+        steps = max(shape.cli_steps, WARMUP + 2 * shape.timed_steps + shape.profile_steps)  # E's, or C and D's trainer's
+        needed = steps * shape.batch * (shape.seq_len + 1)  # tokens: no row wraps around the corpus
         write_corpus(corpus, needed // ((DOC_MIN + DOC_MAX) // 2) + 1, seed=0)
         runs = Path(folder, "runs")
         real = cli_config(shape, shape.cli_steps, shape.window, corpus, runs)
