@@ -405,15 +405,15 @@ def cli_windows(config: RunConfig, spans: list[tuple[float, float]]) -> list[flo
 
 
 # --- the report ---------------------------------------------------------------------------------------------
-LEGEND = {
-    "A": "the reference",
-    "B": "B - A: the data (real documents: block masks, token ids, label counts)",
-    "C": "C - B: the trainer's own step work (host batch building and checks, copies, gradient norm, clipping, "
-         "device checks, schedule)",
-    "D": "D - C: read points (the queue drains and restarts)",
-    "E": "E - D: logging, the loop and its wall-clock windows; E / A is the goal's ratio (>= 0.95)",
-    "F": "F - A: the GPU drifting over the run (same work, later)",
-}
+LEGEND = (
+    "A: the reference",
+    "B - A: the data (real documents: block masks, token ids, label counts)",
+    "C - B: the trainer's own step work (host batch building and checks, copies, gradient norm, clipping, "
+    "device checks, schedule)",
+    "D - C: read points (the queue drains and restarts)",
+    "E - D: logging, the loop and its wall-clock windows; E / A is the goal's ratio (>= 0.95)",
+    "F - A: the GPU drifting over the run (same work, later)",
+)
 
 
 def rows_table(result: Decomposition) -> str:
@@ -465,7 +465,7 @@ def report(result: Decomposition, failures: list[str]) -> str:
          f"{shape.cli_steps} steps, the first window left out) =="),
         f"device: {device_name}; measured matmul peak {result.peak / 1e12:.1f} TFLOP/s; torch {torch.__version__}",
         rows_table(result),
-        *(f"  {name}: {LEGEND[name]}" for name in LEGEND),
+        *(f"  {line}" for line in LEGEND),
         attribution(result),
     ]
     if result.profiles:
