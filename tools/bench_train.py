@@ -4,7 +4,7 @@
     python tools/bench_train.py --packed --compile-model   # + packed ~300-token documents, + compiled blocks
     python tools/bench_train.py --variants packed packed+dense packed+compile packed+compile+ac
     python tools/bench_train.py --cpu-smoke          # CPU: the tiny preset, two steps (CI smoke test)
-    python tools/bench_train.py --compare-cli --presets llama-350m --batch 8   # the CLI trainer side by side
+    python tools/bench_train.py --compare-cli --presets llama-350m --batch 8   # the CLI trainer's gap, taken apart
     python tools/bench_train.py --compare-cli --cpu-smoke                     # the same at a tiny CPU shape
     python tools/bench_train.py --presets llama-1b --batch 4 --losses triton --logits-memory-mib 0 1024
                                                      # the full-logits head against the chunked head
@@ -157,7 +157,8 @@ def synthetic_batches(vocab: int, batch: int, seq_len: int, packed: bool, device
 
 class Loop:
     """What a step of this benchmark is, on one model: bf16 autocast forward with the fused loss, backward,
-    fused AdamW (as the trainer builds it), no clipping, no schedule, no checks, nothing read back."""
+    fused AdamW (as the trainer builds it); no clipping, schedule or checks, and no read-back of its own
+    (the LM head's value-check and grad_output reads only)."""
 
     def __init__(self, preset: str, loss: str, variant: str, device: torch.device, vocab_override: int | None = None,
                  logits_memory_mib: float | None = None) -> None:
