@@ -331,6 +331,11 @@ def decompose(shape: Shape, peak: float, sampler: ClockSampler, deadline: float)
         needed = steps * shape.batch * (shape.seq_len + 1)  # tokens: no row wraps around the corpus
         write_corpus(corpus, needed // ((DOC_MIN + DOC_MAX) // 2) + 1, seed=0)
         runs = Path(folder, "runs")
+
+        def profile(label: str, step: Callable[[int], None]) -> None:
+            """A profiler failure (CUPTI in a container, say) loses the profile, not the rest of the section."""
+            _section(f"profile {label}", failures, lambda: result.profiles.append(
+                profile_steps(label, step, shape.profile_steps, device)))
         real = cli_config(shape, shape.cli_steps, shape.window, corpus, runs)
         quiet = cli_config(shape, NEVER, NEVER, corpus, runs)
 
@@ -345,8 +350,8 @@ def decompose(shape: Shape, peak: float, sampler: ClockSampler, deadline: float)
             loop.step(own[0])  # any recompilation for the new batches happens here
             result.rows.append(timer.run("B", "bench loop, the CLI loader's batches", lambda: timed_windows(
                 lambda i: loop.step(own[i]), shape)))
-            result.profiles.append(profile_steps("A bench", lambda i: loop.step(synthetic[i % 2]), shape.profile_steps, device))
-            result.profiles.append(profile_steps("B bench+CLI data", lambda i: loop.step(own[i]), shape.profile_steps, device))
+            profile("A bench", lambda i: loop.step(synthetic[i % 2]))
+            profile("B bench+CLI data", lambda i: loop.step(own[i]))
             facts["bench"] = setup_facts(loop.model, loop.optimizer, loop.amp, synthetic, device, bench_step_work(loop))
 
         def trainer_rows() -> None:
@@ -359,7 +364,7 @@ def decompose(shape: Shape, peak: float, sampler: ClockSampler, deadline: float)
             trainer.settle()
             result.rows.append(timer.run("D", f"Trainer.train_step, read every {shape.window}", lambda: timed_windows(
                 lambda i: trainer.train_step(), shape, read=trainer.settle)))
-            result.profiles.append(profile_steps("C trainer", lambda i: trainer.train_step(), shape.profile_steps, device))
+            profile("C trainer", lambda i: trainer.train_step())
             trainer.settle()
             own = loader_batches(real, 2, device)
             facts["trainer"] = setup_facts(trainer.model, trainer.optimizer, trainer.amp_dtype, own, device,
