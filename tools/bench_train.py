@@ -4,7 +4,7 @@
     python tools/bench_train.py --packed --compile-model   # + packed ~300-token documents, + compiled blocks
     python tools/bench_train.py --variants packed packed+dense packed+compile packed+compile+ac
     python tools/bench_train.py --cpu-smoke          # CPU: the tiny preset, two steps (CI smoke test)
-    python tools/bench_train.py --compare-cli --presets llama-350m --batch 8   # the CLI trainer side by side
+    python tools/bench_train.py --compare-cli --presets llama-350m --batch 8   # the CLI trainer's gap, taken apart
     python tools/bench_train.py --compare-cli --cpu-smoke                     # the same at a tiny CPU shape
     python tools/bench_train.py --presets llama-1b --batch 4 --losses triton --logits-memory-mib 0 1024
                                                      # the full-logits head against the chunked head
@@ -16,27 +16,23 @@ variants add packed documents (the trainer's real rows: FlexAttention on CUDA), 
 MFU = model_flops_per_token(config, seq_len) * tokens/s / peak, with the peak measured in the same
 run as an 8192^3 bf16 matmul (so the ratio does not depend on a datasheet number).
 
-`--compare-cli` times the real `Trainer` (what `fastlm train` runs: data loader, grad clipping, checks,
-logging) against this loop at the same shape in one process: this loop's packed+compile row, then a run
-built from a config (a text corpus of DOC_MIN-DOC_MAX-token documents written to a temporary directory,
-the byte tokenizer, the same model and losses, trainer.compile auto) whose logged
-`train/tokens_per_second` is read from its metrics.jsonl, the first window (compilation) left out.
+`--compare-cli` (tools/compare_cli.py) times the real `Trainer` (what `fastlm train` runs: data loader,
+grad clipping, checks, logging) against this loop at the same shape in one process, and takes the gap
+apart: this loop on synthetic rows and on the CLI loader's batches, the trainer's step without and with
+read points, `fastlm train` itself, this loop again last (GPU drift), a profile of device busy time, and
+the difference of the two setups as built.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import random
-import statistics
-import string
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import yaml
@@ -48,10 +44,8 @@ from fastlm.run_config.schema import RunConfig  # noqa: E402 - after the path fi
 from fastlm.engine.compile import CompileFallback  # noqa: E402
 from fastlm.engine.optim import build_optimizer  # noqa: E402
 from fastlm.engine.runtime import autocast  # noqa: E402
-from fastlm.engine.trainer import Trainer  # noqa: E402
 from fastlm.layers.embedding import document_positions  # noqa: E402
 from fastlm.layers.packed_attention import attention_layout  # noqa: E402
-from fastlm.logging.jsonl import read_metrics  # noqa: E402
 from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets  # noqa: E402
 from fastlm.models import build_model, count_parameters, model_flops_per_token  # noqa: E402
 
@@ -132,72 +126,102 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def bench(preset: str, loss: str, variant: str, batch: int, seq_len: int, steps: int, warmup: int,
-          device: torch.device, peak: float, vocab_override: int | None = None,
-          logits_memory_mib: float | None = None) -> Row:
-    parts = parse_variant(variant)
-    config = model_config(preset, loss, vocab_override, logits_memory_mib)
-    torch.manual_seed(0)
-    model = build_model(config.model, device=device)
-    model.set_activation_checkpointing("ac" in parts)
-    if "dense" in parts:
-        model.attention_kind = "dense"
-    if "compile" in parts:
-        model.compile_blocks()
-    fallback = CompileFallback(model, verbose=False)
-    optimizer = build_optimizer(model, config.optimizer)  # fused AdamW on CUDA, as in the trainer
-    amp = torch.bfloat16 if device.type == "cuda" else None
-    vocab = config.model.vocab_size
+class StepBatch(NamedTuple):
+    """One micro-batch as this loop feeds it, on the device: labels flat, documents (B, S) or None."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    documents: torch.Tensor | None
+    tokens: float  # unmasked labels: the step's token normaliser
+
+
+def synthetic_batches(vocab: int, batch: int, seq_len: int, packed: bool, device: torch.device,
+                      count: int = 2) -> list[StepBatch]:
+    """Random tokens; packed rows hold DOC_MIN-DOC_MAX-token documents, each one's last label masked (as packing does)."""
     generator = torch.Generator().manual_seed(0)
     batches = []
-    for _ in range(2):
+    for _ in range(count):
         tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=generator)
         labels = tokens[:, 1:].clone()
         documents = None
-        if "packed" in parts:
+        if packed:
             documents = packed_document_ids(batch, seq_len, DOC_MIN, DOC_MAX, generator)
             ends = torch.ones_like(documents, dtype=torch.bool)
             ends[:, :-1] = documents[:, 1:] != documents[:, :-1]
-            labels[ends] = IGNORE_INDEX  # a document's last token predicts nothing (as packing does)
-        batches.append((tokens[:, :-1].to(device), labels.reshape(-1).to(device),
-                        None if documents is None else documents.to(device), float((labels != IGNORE_INDEX).sum())))
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+            labels[ends] = IGNORE_INDEX
+        batches.append(StepBatch(tokens[:, :-1].to(device), labels.reshape(-1).to(device),
+                                 None if documents is None else documents.to(device),
+                                 float((labels != IGNORE_INDEX).sum())))
+    return batches
 
-    def step(index: int) -> None:
-        input_ids, labels, documents, count = batches[index % len(batches)]
 
+class Loop:
+    """What a step of this benchmark is, on one model: bf16 autocast forward with the fused loss, backward,
+    fused AdamW (as the trainer builds it); no clipping, schedule or checks, and no read-back of its own
+    (the LM head's value-check and grad_output reads only)."""
+
+    def __init__(self, preset: str, loss: str, variant: str, device: torch.device, vocab_override: int | None = None,
+                 logits_memory_mib: float | None = None) -> None:
+        parts = parse_variant(variant)
+        self.config = model_config(preset, loss, vocab_override, logits_memory_mib)
+        self.device = device
+        self.packed = "packed" in parts
+        torch.manual_seed(0)
+        self.model = build_model(self.config.model, device=device)
+        self.model.set_activation_checkpointing("ac" in parts)
+        if "dense" in parts:
+            self.model.attention_kind = "dense"
+        if "compile" in parts:
+            self.model.compile_blocks()
+        self.fallback = CompileFallback(self.model, verbose=False)
+        self.optimizer = build_optimizer(self.model, self.config.optimizer)  # fused AdamW on CUDA, as in the trainer
+        self.amp = torch.bfloat16 if device.type == "cuda" else None
+
+    def step(self, batch: StepBatch) -> None:
         def forward_backward() -> None:
-            targets = LossTargets(labels=labels, document_ids=None if documents is None else documents.reshape(-1))
-            with autocast(device, amp):
-                result = model(input_ids, targets,
-                               LossNormalizers(tokens=count), documents)
+            documents = batch.documents
+            targets = LossTargets(labels=batch.labels, document_ids=None if documents is None else documents.reshape(-1))
+            with autocast(self.device, self.amp):
+                result = self.model(batch.input_ids, targets, LossNormalizers(tokens=batch.tokens), documents)
             result.loss.backward()
 
-        fallback.run(forward_backward, lambda: optimizer.zero_grad(set_to_none=True))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        self.fallback.run(forward_backward, lambda: self.optimizer.zero_grad(set_to_none=True))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
+    def attention(self, batch: StepBatch) -> str:
+        """The layout the model's forward builds for `batch`: causal, flex or dense."""
+        positions = None if batch.documents is None else document_positions(batch.documents)
+        rows, seq_len = batch.input_ids.shape
+        window = getattr(self.config.model, "sliding_window", None)
+        return self.model.attention_kind or attention_layout(rows, seq_len, positions, window, self.device).kind
+
+    def head(self) -> str:
+        return f"chunked {self.model.head.logits_memory_mib:g} MiB" if self.model.head.chunked else "full logits"
+
+
+def bench(preset: str, loss: str, variant: str, batch: int, seq_len: int, steps: int, warmup: int,
+          device: torch.device, peak: float, vocab_override: int | None = None,
+          logits_memory_mib: float | None = None) -> Row:
+    loop = Loop(preset, loss, variant, device, vocab_override, logits_memory_mib)
+    config = loop.config
+    batches = synthetic_batches(config.model.vocab_size, batch, seq_len, loop.packed, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     for index in range(warmup):
-        step(index)
+        loop.step(batches[index % len(batches)])
     _synchronize(device)
     start = time.perf_counter()
     for index in range(steps):
-        step(index)
+        loop.step(batches[index % len(batches)])
     _synchronize(device)
     seconds = (time.perf_counter() - start) / steps
     tokens_per_second = batch * seq_len / seconds
     mfu = model_flops_per_token(config.model, seq_len) * tokens_per_second / peak
     memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
-    documents = batches[0][2]
-    positions = None if documents is None else document_positions(documents)
-    attention = model.attention_kind or attention_layout(
-        batch, seq_len, positions, getattr(config.model, "sliding_window", None),
-        device).kind  # what the model's forward built
-    head = f"chunked {model.head.logits_memory_mib:g} MiB" if model.head.chunked else "full logits"
-    row = Row(preset, loss, variant, attention, count_parameters(model), batch, seq_len, seconds * 1e3,
-              tokens_per_second, mfu, memory, fallback.note or "", head)
-    del model, optimizer, batches
+    row = Row(preset, loss, variant, loop.attention(batches[0]), count_parameters(loop.model), batch, seq_len,
+              seconds * 1e3, tokens_per_second, mfu, memory, loop.fallback.note or "", loop.head())
+    del loop, batches
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -216,98 +240,6 @@ def table(rows: list[Row], peak: float, device_name: str) -> str:
         )
         if r.note:
             lines.append(f"note ({r.preset} {r.loss} {r.variant}): {r.note}")
-    return "\n".join(lines)
-
-
-@dataclass
-class Comparison:
-    """The CLI trainer against this loop at one shape, in one process."""
-
-    preset: str
-    batch: int
-    seq_len: int
-    bench: Row
-    cli_windows: list[float]  # the trainer's logged tokens/s per log window after the first
-    cli_peak_memory_gib: float
-    peak: float
-
-    @property
-    def cli_tokens_per_second(self) -> float:
-        return statistics.mean(self.cli_windows)
-
-    @property
-    def ratio(self) -> float:
-        return self.cli_tokens_per_second / self.bench.tokens_per_second
-
-
-def write_corpus(path: Path, documents: int, seed: int) -> None:
-    """Blank-line-separated documents that the byte tokenizer turns into DOC_MIN-DOC_MAX tokens (with
-    BOS and EOS), lengths uniform like this loop's packed rows: random words of lowercase letters."""
-    rng = random.Random(seed)
-    with path.open("w", encoding="ascii") as handle:
-        for _ in range(documents):
-            handle.write(_words(rng, rng.randint(DOC_MIN, DOC_MAX) - 2) + "\n\n")
-
-
-def _words(rng: random.Random, length: int) -> str:
-    """Exactly `length` characters of lowercase words, without a space at either end."""
-    words: list[str] = []
-    while sum(len(word) + 1 for word in words) < length:
-        words.append("".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9))))
-    return " ".join(words)[:length].rstrip().ljust(length, "x")
-
-
-def cli_config(preset: str, loss: str, batch: int, seq_len: int, steps: int, log_every: int, corpus: Path,
-               runs: Path, device: torch.device) -> RunConfig:
-    """What `fastlm train` would run at this loop's shape: same model and losses, packed text documents."""
-    return RunConfig.model_validate({
-        "model": model_config(preset, loss, None).model.model_dump(mode="json"),
-        "run": {"name": f"compare-{preset}", "output_dir": str(runs / "{name}"), "overwrite": True},
-        "data": {"source": {"type": "text", "path": str(corpus)}, "seq_len": seq_len, "micro_batch_size": batch,
-                 "eval_fraction": 0.0},
-        "trainer": {"steps": steps, "log_every": log_every, "eval_every": 0, "checkpoint_every": 0,
-                    "device": device.type},
-        "logging": {"wandb": {"enabled": False}},  # the progress line shows each window as it is logged
-    })
-
-
-def compare_cli(preset: str, loss: str, variant: str, batch: int, seq_len: int, steps: int, warmup: int,
-                cli_steps: int, log_every: int, device: torch.device, peak: float) -> Comparison:
-    """This loop's row, then the Trainer's run at the same shape; its tokens/s windows from metrics.jsonl."""
-    row = bench(preset, loss, variant, batch, seq_len, steps, warmup, device, peak)
-    print(f"bench_train loop: {row}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="fastlm-compare-") as folder:
-        corpus = Path(folder, "corpus.txt")
-        rows_needed = cli_steps * batch * (seq_len + 1)
-        write_corpus(corpus, rows_needed // ((DOC_MIN + DOC_MAX) // 2) + 1, seed=0)
-        config = cli_config(preset, loss, batch, seq_len, cli_steps, log_every, corpus, Path(folder, "runs"), device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        summary = Trainer(config).train()
-        records = read_metrics(summary.run_dir / "metrics.jsonl")
-    memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
-    windows = [r["train/tokens_per_second"] for r in records if "train/tokens_per_second" in r]
-    if len(windows) < 2:
-        raise SystemExit(f"--compare-cli needs two log windows or more: {cli_steps} steps, log every {log_every}")
-    if device.type == "cuda":
-        gc.collect()  # the trainer's model and optimizer state, before the next preset
-        torch.cuda.empty_cache()
-    return Comparison(preset, batch, seq_len, row, windows[1:], memory, peak)
-
-
-def comparison_table(comparisons: list[Comparison]) -> str:
-    lines = [
-        "| preset | batch x seq | bench tokens/s | bench MFU | CLI tokens/s (windows) | CLI MFU | CLI / bench | peak mem GiB bench / CLI |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for c in comparisons:
-        flops = model_flops_per_token(model_config(c.preset, c.bench.loss, None).model, c.seq_len)
-        windows = " / ".join(f"{w:,.0f}" for w in c.cli_windows)
-        lines.append(
-            f"| {c.preset} | {c.batch}x{c.seq_len} | {c.bench.tokens_per_second:,.0f} | {c.bench.mfu:.1%} "
-            f"| {c.cli_tokens_per_second:,.0f} ({windows}) | {flops * c.cli_tokens_per_second / c.peak:.1%} "
-            f"| **{c.ratio:.3f}** | {c.bench.peak_memory_gib:.1f} / {c.cli_peak_memory_gib:.1f} |"
-        )
     return "\n".join(lines)
 
 
@@ -341,11 +273,16 @@ def main() -> int:
                         help="the CLI trainer (fastlm.engine.trainer.Trainer) against this loop at the same shape")
     parser.add_argument("--cli-steps", type=int, default=40, help="--compare-cli: the trainer's steps")
     parser.add_argument("--log-every", type=int, default=10, help="--compare-cli: trainer.log_every (its tokens/s window)")
+    parser.add_argument("--profile-steps", type=int, default=3, help="--compare-cli: steps under torch.profiler per setup")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="--compare-cli: seconds; later sections are skipped near it and the report still prints")
     parser.add_argument("--logits-memory-mib", type=float, nargs="+", default=[None],
                         help="model.head.logits_memory_mib per row (0: the full-logits head); default: the config's")
     parser.add_argument("--vocab", type=int, default=None, help="override the presets' vocab_size (e.g. 128256)")
     args = parser.parse_args()
     if args.compare_cli:
+        from compare_cli import compare_main  # tools/compare_cli.py: the trainer beside this loop, the gap taken apart
+
         return compare_main(args)
     if args.cpu_smoke:
         device, presets, batches, seq_len, steps, warmup, losses = (
@@ -370,36 +307,6 @@ def main() -> int:
     print(table(rows, peak, device_name))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_train.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
-    return 0
-
-
-def compare_main(args: argparse.Namespace) -> int:
-    """--compare-cli: CUDA at the given presets (packed+compile, the Triton loss), or --cpu-smoke's tiny shape."""
-    if args.cpu_smoke:
-        device, presets, batches, seq_len, loss, variant = torch.device("cpu"), ["tiny-llama"], [2], 32, "compiled", "packed"
-        steps, warmup, cli_steps, log_every = 2, 1, 6, 2
-    elif not torch.cuda.is_available():
-        print("needs a CUDA device; use --cpu-smoke on CPU", file=sys.stderr)
-        return 2
-    else:
-        device, presets, batches, seq_len, loss, variant = (
-            torch.device("cuda"), args.presets, args.batch, args.seq_len, "triton", "packed+compile")
-        steps, warmup, cli_steps, log_every = args.steps, 3, args.cli_steps, args.log_every
-    peak = measured_peak_flops(device)
-    comparisons = []
-    for preset, batch in zip(presets, batches * len(presets)):
-        comparisons.append(compare_cli(preset, loss, variant, batch, seq_len, steps, warmup, cli_steps, log_every,
-                                       device, peak))
-        print(comparison_table(comparisons[-1:]), flush=True)
-    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"device: {device_name}; measured matmul peak {peak / 1e12:.1f} TFLOP/s; torch {torch.__version__}; "
-          f"bench: {variant}, {loss} loss, {steps} timed steps; CLI: {cli_steps} steps, tokens/s per {log_every}-step "
-          "window, the first (compilation) left out")
-    print(comparison_table(comparisons))
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "bench_train_compare.json").write_text(json.dumps(
-            [{**asdict(c), "cli_tokens_per_second": c.cli_tokens_per_second, "ratio": c.ratio} for c in comparisons],
-            indent=1))
     return 0
 
 
