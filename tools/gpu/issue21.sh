@@ -30,7 +30,7 @@ if [ "$SMOKE" = 1 ]; then
   TRAIN=(--cpu-smoke)
   TRAIN_BIG=()
 else
-  TESTS=(-k "not tensor_parallel")
+  TESTS=(-k "${I21_K:-not tensor_parallel}")  # I21_K: another -k selection (a re-run of what changed)
   BENCH=(--rep-ms 200)
   TRAIN=(--presets llama-1b --batch 4 --losses triton --logits-memory-mib 0 1408 --steps 10)
   TRAIN_BIG=(--presets llama-1b --batch 4 --losses triton --logits-memory-mib 0 1408 --steps 10 --vocab 128256)
@@ -86,14 +86,14 @@ PY
   cat /tmp/i21-bench.txt | tail -60
 
   section "(c) tools/bench_train.py: llama-1b seq 2048, full logits vs chunked head"
-  if [ "$(left)" -gt 25 ]; then
+  if [ "${I21_TRAIN:-1}" = 1 ] && [ "$(left)" -gt 25 ]; then  # I21_TRAIN=0: benches only
     env -u OUT timeout $(( $(left) - 8 )) python3 tools/bench_train.py "${TRAIN[@]}" > /tmp/i21-train.txt 2>&1
     echo "bench_train exit status: $? (124: timed out)" >> /tmp/i21-train.txt
     tail -12 /tmp/i21-train.txt
   else
     echo "skipped: $(left) s left"
   fi
-  if [ ${#TRAIN_BIG[@]} -gt 0 ] && [ "$(left)" -gt 35 ]; then
+  if [ "${I21_TRAIN:-1}" = 1 ] && [ ${#TRAIN_BIG[@]} -gt 0 ] && [ "$(left)" -gt 35 ]; then
     section "(c') the same at vocab 128256"
     env -u OUT timeout $(( $(left) - 8 )) python3 tools/bench_train.py "${TRAIN_BIG[@]}" > /tmp/i21-train-big.txt 2>&1
     echo "bench_train exit status: $? (124: timed out)" >> /tmp/i21-train-big.txt
