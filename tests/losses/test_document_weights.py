@@ -1,9 +1,9 @@
-"""loss_type grpo's per-token weights: the one-launch Triton document pass (`triton/documents.py`)
+"""loss_type grpo's per-token weights: the block-parallel Triton document pass (`triton/documents.py`)
 equals the torch form (`PolicyChild.token_weights` on CPU) bit for bit, and documents are runs of
 equal ids (an id seen again after another document is a new document).
 
 Without CUDA the kernel runs on Triton's interpreter (tests/conftest.py); small `max_block` values
-walk several blocks with runs straddling them.
+make many programs, with runs crossing one or several block edges (the outward walks).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from fastlm.losses.triton.documents import document_mean_weights
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _targets(seed: int, tokens: int, masked: float) -> LossTargets:
-    """Runs of 1..40 tokens with unsorted ids, one id reused two runs later, ~`masked` labels at -100
-    and one run fully masked."""
+def _targets(seed: int, tokens: int, masked: float, longest: int = 40) -> LossTargets:
+    """Runs of 1..`longest` tokens with unsorted ids, one id reused two runs later, ~`masked` labels at
+    -100 and one run fully masked."""
     generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, 41, (tokens,), generator=generator)
+    lengths = torch.randint(1, longest + 1, (tokens,), generator=generator)
     pool = torch.randperm(4 * tokens + 8, generator=generator) + 3
     runs = torch.repeat_interleave(torch.arange(tokens), lengths)[:tokens]
     ids = pool[runs]
@@ -40,10 +40,14 @@ def _targets(seed: int, tokens: int, masked: float) -> LossTargets:
     return LossTargets(labels, document_ids=ids)
 
 
-@pytest.mark.parametrize("tokens,max_block", [(1, 16), (37, 16), (300, 64), (1000, 4096)])
+@pytest.mark.parametrize("tokens,max_block,longest", [
+    (1, 16, 40), (37, 16, 40), (256, 16, 40), (300, 64, 40), (1000, 4096, 40), (300, 16, 120), (200, 16, 400),
+], ids=["one token", "3 blocks", "16 full blocks", "5 blocks", "1 block", "runs over 7 blocks", "one run"])
 @pytest.mark.parametrize("masked", [0.0, 0.3, 1.0])
-def test_kernel_equals_torch_bit_for_bit(tokens: int, max_block: int, masked: float) -> None:
-    targets = _targets(tokens + int(10 * masked), tokens, masked)
+def test_kernel_equals_torch_bit_for_bit(tokens: int, max_block: int, longest: int, masked: float) -> None:
+    """Every token's weight, masked ones 0; runs shorter than a block, crossing one edge, several edges
+    ("runs over 7 blocks": up to 120 tokens in blocks of 16), and one run over the whole call."""
+    targets = _targets(tokens + int(10 * masked), tokens, masked, longest)
     mask = targets.labels != IGNORE_INDEX
     documents = len(reference_documents(targets.document_ids, mask))
     normalizers = LossNormalizers(float(mask.sum()), float(documents) + 2.5)  # a step-wide count, not this call's
