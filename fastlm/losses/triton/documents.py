@@ -27,12 +27,18 @@ Two passes use it:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
-from fastlm.losses.spec import IGNORE_INDEX
+from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets, safe_inverse
 from fastlm.losses.triton.kernel import _expm1
+
+if TYPE_CHECKING:
+    from fastlm.losses.children.gspo import GSPO
+    from fastlm.losses.coefficients import FusedLayout
 
 MAX_BLOCK = 1024  # tokens per program (one 16k-token call: 16 programs)
 WARPS = 4
@@ -178,3 +184,87 @@ def document_mean_weights(
                                                         tokens, float(scale), BLOCK=block, IGNORE=IGNORE_INDEX,
                                                         num_warps=WARPS)
     return weights
+
+
+@triton.jit
+def _gspo_seam_kernel(
+    ids_ptr, labels_ptr, terms_ptr, old_logp_ptr, advantages_ptr, ref_logp_ptr, weights_ptr, n, token_scale,
+    per_document, weight, eps_low, eps_high, delta, beta, entropy_coeff, first_row, lse_row, new_logp_row,
+    entropy_row, prob_row, label_row, x_row,
+    TOKEN_WEIGHTS: tl.constexpr, REF: tl.constexpr, ENTROPY: tl.constexpr, GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    IGNORE: tl.constexpr,
+):
+    """GSPO's tail on the fused launch's (K, T) term buffer: rows `first_row`.. (loss, ratio, advantage,
+    low, high, region, num_documents: `GSPO.fused_keys` after the token metrics) for every token, the
+    document's values at its first unmasked token and 0 elsewhere; with GRAD the coefficients added to
+    the state rows prob/label (and x with ENTROPY) in place."""
+    t, unmasked, count, log_ratio, advantage_sum, document_w, prefix = _run_sums(
+        ids_ptr, labels_ptr, terms_ptr + new_logp_row * n, old_logp_ptr, advantages_ptr, weights_ptr, token_scale, n,
+        BLOCK, True, TOKEN_WEIGHTS, IGNORE)
+    inside = t < n
+    length = tl.maximum(count, 1.0)
+    ratio = tl.where(unmasked, tl.exp(log_ratio / length), 0.0)
+    advantage = advantage_sum / length
+    clipped = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
+    document_loss = -tl.minimum(tl.minimum(ratio, delta) * advantage, clipped * advantage)
+    active = tl.where(advantage >= 0.0, ratio <= 1.0 + eps_high, (ratio >= 1.0 - eps_low) & (ratio <= delta))
+    slope = tl.where(active, ratio * advantage, 0.0)
+    head = unmasked & (prefix == 1.0)  # the document's first unmasked token holds its values
+    loss = tl.where(head, document_loss * document_w, 0.0)
+    # w_t: the per-token regularisers' weight
+    if TOKEN_WEIGHTS:
+        w = tl.where(unmasked, tl.load(weights_ptr + t, mask=unmasked, other=0.0), 0.0)
+    else:
+        w = tl.where(unmasked, token_scale, 0.0)
+    coefficient = slope * (document_w / length) * weight
+    new_logp = tl.load(terms_ptr + new_logp_row * n + t, mask=inside, other=0.0)
+    if REF:
+        gap = tl.where(unmasked, tl.load(ref_logp_ptr + t, mask=unmasked, other=0.0).to(tl.float32) - new_logp, 0.0)
+        loss += beta * (_expm1(gap) - gap) * w
+        coefficient += _expm1(gap) * (w * beta * weight)
+    if ENTROPY:
+        entropy = tl.load(terms_ptr + entropy_row * n + t, mask=inside, other=0.0)
+        loss -= entropy_coeff * entropy * w
+    low = ((ratio < 1.0 - eps_low) & (advantage < 0.0)).to(tl.float32)
+    high = ((ratio > 1.0 + eps_high) & (advantage > 0.0)).to(tl.float32)
+    rows = terms_ptr + first_row * n + t
+    tl.store(rows, loss, mask=inside)
+    tl.store(rows + n, tl.where(head, ratio * per_document, 0.0), mask=inside)
+    tl.store(rows + 2 * n, tl.where(head, advantage * per_document, 0.0), mask=inside)
+    tl.store(rows + 3 * n, tl.where(head, low * per_document, 0.0), mask=inside)
+    tl.store(rows + 4 * n, tl.where(head, high * per_document, 0.0), mask=inside)
+    tl.store(rows + 5 * n, tl.where(head, tl.maximum(low, high) * per_document, 0.0), mask=inside)
+    tl.store(rows + 6 * n, head.to(tl.float32), mask=inside)
+    if GRAD:
+        prob = tl.load(terms_ptr + prob_row * n + t, mask=inside, other=0.0) + coefficient
+        label = tl.load(terms_ptr + label_row * n + t, mask=inside, other=0.0) + coefficient
+        if ENTROPY:
+            bonus = w * entropy_coeff * weight
+            prob -= bonus * (tl.load(terms_ptr + lse_row * n + t, mask=inside, other=0.0) - entropy)
+            x = tl.load(terms_ptr + x_row * n + t, mask=inside, other=0.0) + bonus
+            tl.store(terms_ptr + x_row * n + t, x, mask=unmasked)
+        tl.store(terms_ptr + prob_row * n + t, prob, mask=unmasked)
+        tl.store(terms_ptr + label_row * n + t, label, mask=unmasked)
+
+
+def gspo_seam(child: GSPO, terms: torch.Tensor, layout: FusedLayout, targets: LossTargets,
+              normalizers: LossNormalizers, max_block: int = MAX_BLOCK) -> None:
+    """GSPO's tail in one launch on the fused launch's term buffer `terms` (rows by `layout`): its loss
+    and document metrics rows, its coefficients added to the state rows. `max_block`: tokens per program."""
+    tokens = terms.shape[1]
+    if tokens == 0:
+        return
+    weights = child.call_weights(targets, normalizers)
+    state = {name: layout.state + index for index, name in enumerate(layout.state_names)}
+    block = _block(tokens, max_block)
+    _gspo_seam_kernel[(triton.cdiv(tokens, block),)](
+        targets.document_ids.contiguous(), targets.labels.contiguous(), terms, targets.old_logp.contiguous(),
+        targets.advantages.contiguous(), targets.ref_logp.contiguous() if child.beta > 0 else terms,
+        terms if weights is None else weights.contiguous(), tokens, safe_inverse(normalizers.tokens),
+        safe_inverse(normalizers.documents), float(child.weight), float(child.eps_low), float(child.eps_high),
+        min(float(child.delta), 3.0e38), float(child.beta), float(child.entropy_coeff),
+        layout.starts[child.name] + len(child.token_metric_names()), state["lse"], state["new_logp"],
+        state["entropy"], state["prob_coeff"], state["label_coeff"], state["x_coeff"],
+        TOKEN_WEIGHTS=weights is not None, REF=child.beta > 0, ENTROPY=child.entropy_coeff > 0,
+        GRAD=child.weight != 0, BLOCK=block, IGNORE=IGNORE_INDEX, num_warps=WARPS,
+    )
