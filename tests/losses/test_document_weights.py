@@ -77,7 +77,7 @@ def test_documents_are_runs_of_equal_ids() -> None:
     assert [tokens.nonzero()[:, 0].tolist() for tokens in reference_documents(ids, mask)] == [[0, 2], [3], [5, 6]]
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "bnpo"])  # w_t: from the count, a scalar, a vector
 def test_gspo_seam_in_small_blocks_equals_one_block(loss_type: str) -> None:
     """GSPO's seam launch in programs of 16 tokens (documents of up to 60 tokens cross several block
     edges) writes the rows and coefficients of one 512-token program: counts exactly, float sums to

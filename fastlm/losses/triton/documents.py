@@ -42,6 +42,13 @@ if TYPE_CHECKING:
 
 MAX_BLOCK = 1024  # tokens per program (one 16k-token call: 16 programs)
 WARPS = 4
+# How a policy pass gets w_t, its loss_type weight (children/policy.py): `w_scale` on every unmasked
+# token (dapo), a per-token vector (`PolicyChild.call_weights`), or w_scale / |i| (loss_type grpo,
+# computed here from the run's count, so GSPO needs no weights launch first). Globals a @triton.jit
+# function reads are constexpr; the launcher passes `.value`.
+CONSTANT = tl.constexpr(0)
+VECTOR = tl.constexpr(1)
+DOCUMENT_MEAN = tl.constexpr(2)
 
 
 @triton.jit
@@ -68,11 +75,11 @@ def _segment_count(count_a, edge_a, count_b, edge_b):
 
 
 @triton.jit
-def _token_values(t, valid, labels_ptr, new_logp_ptr, old_logp_ptr, advantages_ptr, weights_ptr, token_scale,
-                  POLICY: tl.constexpr, TOKEN_WEIGHTS: tl.constexpr, IGNORE: tl.constexpr):
+def _token_values(t, valid, labels_ptr, new_logp_ptr, old_logp_ptr, advantages_ptr, weights_ptr, w_scale,
+                  POLICY: tl.constexpr, WEIGHTS: tl.constexpr, IGNORE: tl.constexpr):
     """What a run sums, per token (all 0 on masked tokens, whatever is stored there): 1 per unmasked
-    token and, for a policy pass, new_logp - old_logp, the advantage and w_t (`weights_ptr`, else
-    `token_scale`)."""
+    token and, for a policy pass, new_logp - old_logp, the advantage and w_t (WEIGHTS; 0 with
+    DOCUMENT_MEAN, whose run sum is w_scale)."""
     unmasked = valid & (tl.load(labels_ptr + t, mask=valid, other=IGNORE) != IGNORE)
     count = unmasked.to(tl.float32)
     if POLICY:
@@ -80,10 +87,12 @@ def _token_values(t, valid, labels_ptr, new_logp_ptr, old_logp_ptr, advantages_p
         old_logp = tl.load(old_logp_ptr + t, mask=unmasked, other=0.0).to(tl.float32)
         log_ratio = tl.where(unmasked, new_logp - old_logp, 0.0)
         advantage = tl.where(unmasked, tl.load(advantages_ptr + t, mask=unmasked, other=0.0).to(tl.float32), 0.0)
-        if TOKEN_WEIGHTS:
+        if WEIGHTS == VECTOR:
             w = tl.where(unmasked, tl.load(weights_ptr + t, mask=unmasked, other=0.0), 0.0)
+        elif WEIGHTS == CONSTANT:
+            w = count * w_scale
         else:
-            w = count * token_scale
+            w = tl.zeros_like(count)
         return count, log_ratio, advantage, w
     zero = tl.zeros_like(count)
     return count, zero, zero, zero
@@ -91,7 +100,7 @@ def _token_values(t, valid, labels_ptr, new_logp_ptr, old_logp_ptr, advantages_p
 
 @triton.jit
 def _outside_sums(ids_ptr, edge, n, step, labels_ptr, new_logp_ptr, old_logp_ptr, advantages_ptr, weights_ptr,
-                  token_scale, BLOCK: tl.constexpr, POLICY: tl.constexpr, TOKEN_WEIGHTS: tl.constexpr,
+                  w_scale, BLOCK: tl.constexpr, POLICY: tl.constexpr, WEIGHTS: tl.constexpr,
                   IGNORE: tl.constexpr):
     """Sums over the tokens of token `edge`'s run beyond it in direction `step` (-1: before, +1:
     after), walking BLOCK tokens at a time until another id (or the call's end) stops the run."""
@@ -110,7 +119,7 @@ def _outside_sums(ids_ptr, edge, n, step, labels_ptr, new_logp_ptr, old_logp_ptr
         other = valid & (tl.load(ids_ptr + t, mask=valid) != run)
         stop = tl.min(tl.where(other, offsets, BLOCK), 0)  # steps to the first token of another run
         c, x, y, z = _token_values(t, valid & (offsets < stop), labels_ptr, new_logp_ptr, old_logp_ptr,
-                                   advantages_ptr, weights_ptr, token_scale, POLICY, TOKEN_WEIGHTS, IGNORE)
+                                   advantages_ptr, weights_ptr, w_scale, POLICY, WEIGHTS, IGNORE)
         count += tl.sum(c, 0)
         log_ratio += tl.sum(x, 0)
         advantage += tl.sum(y, 0)
@@ -121,8 +130,8 @@ def _outside_sums(ids_ptr, edge, n, step, labels_ptr, new_logp_ptr, old_logp_ptr
 
 
 @triton.jit
-def _run_sums(ids_ptr, labels_ptr, new_logp_ptr, old_logp_ptr, advantages_ptr, weights_ptr, token_scale, n,
-              BLOCK: tl.constexpr, POLICY: tl.constexpr, TOKEN_WEIGHTS: tl.constexpr, IGNORE: tl.constexpr):
+def _run_sums(ids_ptr, labels_ptr, new_logp_ptr, old_logp_ptr, advantages_ptr, weights_ptr, w_scale, n,
+              BLOCK: tl.constexpr, POLICY: tl.constexpr, WEIGHTS: tl.constexpr, IGNORE: tl.constexpr):
     """This program's tokens t, whether each is unmasked, its `_token_values` summed over its whole run
     (count, log_ratio, advantage, w: the same for every token of a run in this block), and the
     unmasked tokens of its run up to it (inclusive)."""
@@ -133,7 +142,7 @@ def _run_sums(ids_ptr, labels_ptr, new_logp_ptr, old_logp_ptr, advantages_ptr, w
     first = inside & ((t == 0) | (ids != tl.load(ids_ptr + t - 1, mask=inside & (t > 0))))
     last = inside & ((t == n - 1) | (ids != tl.load(ids_ptr + t + 1, mask=t + 1 < n)))
     c, x, y, z = _token_values(t, inside, labels_ptr, new_logp_ptr, old_logp_ptr, advantages_ptr, weights_ptr,
-                               token_scale, POLICY, TOKEN_WEIGHTS, IGNORE)
+                               w_scale, POLICY, WEIGHTS, IGNORE)
     # Backward from each run's last token: sums to the run's end (in the block); then the value at the
     # run's first token in the block (the run's sum there) carried forward to all its tokens.
     sc, sx, sy, sz, ended = tl.associative_scan((c, x, y, z, last.to(tl.int32)), 0, _segment_sum, reverse=True)
@@ -145,10 +154,10 @@ def _run_sums(ids_ptr, labels_ptr, new_logp_ptr, old_logp_ptr, advantages_ptr, w
     before = started == 0
     after = ended == 0
     bc, bx, by, bz = _outside_sums(ids_ptr, start, n, -1, labels_ptr, new_logp_ptr, old_logp_ptr, advantages_ptr,
-                                   weights_ptr, token_scale, BLOCK, POLICY, TOKEN_WEIGHTS, IGNORE)
+                                   weights_ptr, w_scale, BLOCK, POLICY, WEIGHTS, IGNORE)
     ac, ax, ay, az = _outside_sums(ids_ptr, tl.minimum(start + BLOCK, n) - 1, n, 1, labels_ptr, new_logp_ptr,
-                                   old_logp_ptr, advantages_ptr, weights_ptr, token_scale, BLOCK, POLICY,
-                                   TOKEN_WEIGHTS, IGNORE)
+                                   old_logp_ptr, advantages_ptr, weights_ptr, w_scale, BLOCK, POLICY,
+                                   WEIGHTS, IGNORE)
     count += tl.where(before, bc, 0.0) + tl.where(after, ac, 0.0)
     log_ratio += tl.where(before, bx, 0.0) + tl.where(after, ax, 0.0)
     advantage += tl.where(before, by, 0.0) + tl.where(after, ay, 0.0)
@@ -188,10 +197,10 @@ def document_mean_weights(
 
 @triton.jit
 def _gspo_seam_kernel(
-    ids_ptr, labels_ptr, terms_ptr, old_logp_ptr, advantages_ptr, ref_logp_ptr, weights_ptr, n, token_scale,
+    ids_ptr, labels_ptr, terms_ptr, old_logp_ptr, advantages_ptr, ref_logp_ptr, weights_ptr, n, w_scale,
     per_document, weight, eps_low, eps_high, delta, beta, entropy_coeff, first_row, lse_row, new_logp_row,
     entropy_row, prob_row, label_row, x_row,
-    TOKEN_WEIGHTS: tl.constexpr, REF: tl.constexpr, ENTROPY: tl.constexpr, GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    WEIGHTS: tl.constexpr, REF: tl.constexpr, ENTROPY: tl.constexpr, GRAD: tl.constexpr, BLOCK: tl.constexpr,
     IGNORE: tl.constexpr,
 ):
     """GSPO's tail on the fused launch's (K, T) term buffer: rows `first_row`.. (loss, ratio, advantage,
@@ -199,8 +208,8 @@ def _gspo_seam_kernel(
     document's values at its first unmasked token and 0 elsewhere; with GRAD the coefficients added to
     the state rows prob/label (and x with ENTROPY) in place."""
     t, unmasked, count, log_ratio, advantage_sum, document_w, prefix = _run_sums(
-        ids_ptr, labels_ptr, terms_ptr + new_logp_row * n, old_logp_ptr, advantages_ptr, weights_ptr, token_scale, n,
-        BLOCK, True, TOKEN_WEIGHTS, IGNORE)
+        ids_ptr, labels_ptr, terms_ptr + new_logp_row * n, old_logp_ptr, advantages_ptr, weights_ptr, w_scale, n,
+        BLOCK, True, WEIGHTS, IGNORE)
     inside = t < n
     length = tl.maximum(count, 1.0)
     ratio = tl.where(unmasked, tl.exp(log_ratio / length), 0.0)
@@ -209,13 +218,16 @@ def _gspo_seam_kernel(
     document_loss = -tl.minimum(tl.minimum(ratio, delta) * advantage, clipped * advantage)
     active = tl.where(advantage >= 0.0, ratio <= 1.0 + eps_high, (ratio >= 1.0 - eps_low) & (ratio <= delta))
     slope = tl.where(active, ratio * advantage, 0.0)
+    # w_t (the per-token regularisers' weight) and the document's W_i = sum of w_t
+    if WEIGHTS == VECTOR:
+        w = tl.where(unmasked, tl.load(weights_ptr + t, mask=unmasked, other=0.0), 0.0)
+    elif WEIGHTS == CONSTANT:
+        w = tl.where(unmasked, w_scale, 0.0)
+    else:  # div_rn rounds like torch's division (`PolicyChild.token_weights`)
+        w = tl.where(unmasked, tl.math.div_rn(tl.full([BLOCK], w_scale, tl.float32), length), 0.0)
+        document_w = tl.where(unmasked, w_scale, 0.0)
     head = unmasked & (prefix == 1.0)  # the document's first unmasked token holds its values
     loss = tl.where(head, document_loss * document_w, 0.0)
-    # w_t: the per-token regularisers' weight
-    if TOKEN_WEIGHTS:
-        w = tl.where(unmasked, tl.load(weights_ptr + t, mask=unmasked, other=0.0), 0.0)
-    else:
-        w = tl.where(unmasked, token_scale, 0.0)
     coefficient = slope * (document_w / length) * weight
     new_logp = tl.load(terms_ptr + new_logp_row * n + t, mask=inside, other=0.0)
     if REF:
@@ -254,17 +266,21 @@ def gspo_seam(child: GSPO, terms: torch.Tensor, layout: FusedLayout, targets: Lo
     tokens = terms.shape[1]
     if tokens == 0:
         return
-    weights = child.call_weights(targets, normalizers)
+    if child.loss_type == "grpo":
+        mode, w_scale, weights = DOCUMENT_MEAN.value, safe_inverse(normalizers.documents), None
+    else:
+        weights = child.call_weights(targets, normalizers)  # None for dapo
+        mode, w_scale = (CONSTANT.value, safe_inverse(normalizers.tokens)) if weights is None else (VECTOR.value, 0.0)
     state = {name: layout.state + index for index, name in enumerate(layout.state_names)}
     block = _block(tokens, max_block)
     _gspo_seam_kernel[(triton.cdiv(tokens, block),)](
         targets.document_ids.contiguous(), targets.labels.contiguous(), terms, targets.old_logp.contiguous(),
         targets.advantages.contiguous(), targets.ref_logp.contiguous() if child.beta > 0 else terms,
-        terms if weights is None else weights.contiguous(), tokens, safe_inverse(normalizers.tokens),
-        safe_inverse(normalizers.documents), float(child.weight), float(child.eps_low), float(child.eps_high),
+        terms if weights is None else weights.contiguous(), tokens, w_scale, safe_inverse(normalizers.documents),
+        float(child.weight), float(child.eps_low), float(child.eps_high),
         min(float(child.delta), 3.0e38), float(child.beta), float(child.entropy_coeff),
         layout.starts[child.name] + len(child.token_metric_names()), state["lse"], state["new_logp"],
         state["entropy"], state["prob_coeff"], state["label_coeff"], state["x_coeff"],
-        TOKEN_WEIGHTS=weights is not None, REF=child.beta > 0, ENTROPY=child.entropy_coeff > 0,
+        WEIGHTS=mode, REF=child.beta > 0, ENTROPY=child.entropy_coeff > 0,
         GRAD=child.weight != 0, BLOCK=block, IGNORE=IGNORE_INDEX, num_warps=WARPS,
     )
