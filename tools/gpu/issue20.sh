@@ -7,6 +7,8 @@
 # limit in `all`, run `tests` and `bench` as two calls (each gets 560 s). A failing
 # section prints its traceback and the next one still runs. SMOKE=1: a CPU try-out (Triton
 # interpreted, a few tests, tiny bench shapes) to catch script errors.
+# BENCH_SPECS: the bench's specs (default: GSPO+z, GRPO+z with loss_type grpo and their peer GRPO+z,
+# the rows issue 20b changes: ~1 min with compiles); BENCH_SPECS=all times every spec (~3-4 min).
 set -u
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/i20-out}
@@ -16,9 +18,11 @@ WHAT=${1:-all}
 SMOKE=${SMOKE:-0}
 TEST_LIMIT=330; BENCH_LIMIT=240  # both in one 10-minute run; alone, each gets 560 s
 [ "$WHAT" = all ] || { TEST_LIMIT=560; BENCH_LIMIT=560; }
-SELECT=(); BENCH_MODE=(--ab-shapes 16384x32000 16384x131072 4096x32000)
+BENCH_SPECS=${BENCH_SPECS:-"grpo+z grpo(seq)+z gspo+z"}
+SPEC_ARGS=(); [ "$BENCH_SPECS" = all ] || { read -ra SPEC_LIST <<< "$BENCH_SPECS"; SPEC_ARGS=(--specs "${SPEC_LIST[@]}"); }
+SELECT=(); BENCH_MODE=(--ab-shapes 16384x32000 16384x131072 4096x32000 "${SPEC_ARGS[@]}")
 if [ "$SMOKE" = 1 ]; then
-  SELECT=(-k "kd_both or document or seq-mean"); BENCH_MODE=(--cpu-smoke --specs grpo+z "grpo(seq)+z" ce+kd "ce+kd(both)")
+  SELECT=(-k "kd_both or document or seq-mean or seam"); BENCH_MODE=(--cpu-smoke --specs grpo+z "grpo(seq)+z" gspo+z ce+kd "ce+kd(both)")
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export WANDB_MODE=disabled
@@ -58,10 +62,11 @@ import json, os
 path = os.path.join(os.environ["OUT"], "bench_losses.json")
 if os.path.exists(path):
     rows = json.load(open(path)).get("ab_rows", [])
-    print("spec@TxV: kernel after/before, deferred after/before (before = main 9398690)")
+    print("spec@TxV: kernel after/before, deferred after/before, host ms before -> after (before = main 9398690)")
     for r in rows:
         b, a = r.get("before", {}), r.get("after", {})
         ratio = lambda c: f"{a[c] / b[c]:.3f}" if a.get(c) and b.get(c) else "-"
-        print(f"  {r['spec']}@{r['tokens']}x{r['vocab']}: {ratio('kernel')}, {ratio('deferred')}")
+        host = lambda t: f"{t['host']:.3f}" if t.get("host") else "-"
+        print(f"  {r['spec']}@{r['tokens']}x{r['vocab']}: {ratio('kernel')}, {ratio('deferred')}, {host(b)} -> {host(a)}")
 PY
 } 2>&1 | tee "$LOG"
