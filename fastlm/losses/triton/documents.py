@@ -4,8 +4,8 @@ A document is a run of equal ids in the flattened batch (`children.policy.docume
 form of the same numbering); masked tokens belong to their run but count for nothing. Each program
 takes BLOCK consecutive tokens and gives every one of them the sums over its whole run (`_run_sums`):
 
-- inside the block, two segmented scans (forward from each run's first token, backward from its
-  last) give the sums over the run's tokens in the block;
+- inside the block, a segmented scan backward from each run's last token sums to the run's end, and
+  a forward scan carries the value at the run's first token (its sum in the block) to all its tokens;
 - a run crossing the block's first (last) token adds the sums over its tokens before (after) the
   block, found by walking outward BLOCK tokens at a time until another id appears: the walk is as
   long as that run, so one launch costs O(T) for documents no longer than a block and grows with
@@ -13,7 +13,8 @@ takes BLOCK consecutive tokens and gives every one of them the sums over its who
   programs walking up to 32 blocks each).
 
 Sums of counts are exact (float32 holds integers up to 2^24); other sums are float32 in a fixed
-order per run, as deterministic as the rest of the kernel.
+order, deterministic, and the same for every token of a run within a program (a run split across
+programs may differ between its parts in the last bit).
 
 Two passes use it:
 - `document_mean_weights`: loss_type grpo's w_t = scale / |i| (GRPO, CISPO), bit for bit the torch
@@ -167,8 +168,9 @@ def _run_sums(ids_ptr, labels_ptr, new_logp_ptr, old_logp_ptr, advantages_ptr, w
 
 @triton.jit
 def _mean_weights_kernel(ids_ptr, labels_ptr, weights_ptr, n, scale, BLOCK: tl.constexpr, IGNORE: tl.constexpr):
+    """weights[t] = scale / (unmasked tokens of t's run) on unmasked tokens, else 0 (no policy values)."""
     t, unmasked, count, _, _, _, _ = _run_sums(ids_ptr, labels_ptr, labels_ptr, labels_ptr, labels_ptr, labels_ptr,
-                                               0.0, n, BLOCK, False, False, IGNORE)
+                                               0.0, n, BLOCK, False, CONSTANT, IGNORE)
     # count >= 1 on an unmasked token; div_rn rounds like torch's division
     weight = tl.math.div_rn(tl.full([BLOCK], scale, tl.float32), tl.maximum(count, 1.0))
     tl.store(weights_ptr + t, tl.where(unmasked, weight, 0.0), mask=t < n)
