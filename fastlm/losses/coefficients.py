@@ -49,15 +49,18 @@ def tail(
 
 
 # The per-token state the fused launch writes when a per-document child follows (unscaled, 0 on
-# masked tokens): what its tail and the grad launch read, then each child's `grad_stats`.
+# masked tokens): what its `kernel_seam` and the grad launch read (the seam adds its coefficients to
+# the last three in place), then each child's `grad_stats`.
 STATE_ROWS = ("lse", "new_logp", "entropy", "prob_coeff", "label_coeff", "x_coeff")
 
 
 @dataclass(frozen=True)
 class FusedLayout:
-    """Rows of the fused kernel's (K, T) per-token buffer: each kernel-finished child's rows from
-    `starts[name]` (its `fused_keys`), then the weighted total of those children, all already divided
-    by the step's token count; rows `flags` to `summed` are the unscaled value-check counts
+    """Rows of the fused kernel's (K, T) per-token buffer: each child's rows from `starts[name]` (its
+    `fused_keys`; a per-document child's loss and document rows come from its `kernel_seam`), then
+    the weighted total of the kernel-finished children (not the per-document ones:
+    `spec.assemble_result` adds them), all already divided by the step's token count (document
+    metrics by the step's documents); rows `flags` to `summed` are the unscaled value-check counts
     (validation.value_flags order); with a per-document child, rows from `state` on are `state_names`
     (STATE_ROWS, then the children's `grad_stats`)."""
 
