@@ -281,8 +281,9 @@ def _grad_launch(launch: _Launch, coefficients: GradCoefficients, grad: torch.Te
 
 # Two launches around a middle: a per-document child (the seam: the fused launch without the
 # gradient, that child's `kernel_seam` launch on its term buffer) or tensor parallelism (stats launch,
-# all-reduce, every child's torch tail). `triton_loss` runs the phases on one call; the chunked head runs the stats and
-# grad phases per token chunk and the middle once on the whole call (losses/chunked_head.py).
+# all-reduce, every child's torch tail). `triton_loss` runs the phases on one call; the chunked head
+# runs the stats and grad phases per token chunk and the middle once on the whole call
+# (losses/chunked_head.py).
 
 
 def _stats_phase(launch: _Launch, group: ProcessGroup | None) -> dict[str, torch.Tensor]:
