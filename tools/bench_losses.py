@@ -145,6 +145,21 @@ class Bench:
             samples.append((time.perf_counter() - start) * 1e3)
         return statistics.median(samples)
 
+    def host_ms(self, step: Callable[[], object], calls: int = 20) -> float:
+        """Median host time of one call started on an idle device: what the host spends enqueuing it.
+        A call whose host time exceeds its GPU time is host-bound, and `time_ms` then counts the GPU
+        waiting (run it inside `deferred_value_checks()`, or the value check's read-back waits too)."""
+        samples = []
+        for _ in range(calls):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            step()
+            samples.append((time.perf_counter() - start) * 1e3)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return statistics.median(samples)
+
     def peak_mib(self, step: Callable[[], object]) -> float | None:
         """Peak allocation above what was live before one call (None on CPU)."""
         if self.device.type != "cuda":
@@ -356,9 +371,10 @@ def tree_inputs(tree: Tree, case: Case) -> tuple:
 
 
 def ab_row(trees: list[Tree], name: str, cases: list[Case], bench: Bench) -> dict:
-    """Each tree's trainer call (`deferred`: value checks read back after the timing) and fused launch
-    alone (`kernel`, not for per-document specs) on the same inputs, and the gradients' relative
-    difference. A tree that cannot run the spec gets its error instead of times."""
+    """Each tree's trainer call (`deferred`: value checks read back after the timing; `host`: the
+    host's time to enqueue one such call, `Bench.host_ms`) and fused launch alone (`kernel`, not for
+    per-document specs) on the same inputs, and the gradients' relative difference. A tree that
+    cannot run the spec gets its error instead of times."""
     found: dict = {}
     grads: dict[str, torch.Tensor] = {}
     for tree in trees:
@@ -376,6 +392,7 @@ def ab_row(trees: list[Tree], name: str, cases: list[Case], bench: Bench) -> dic
             grads[tree.name] = call(cases[0])[1]
             with tree.validation.deferred_value_checks():
                 timing["deferred"] = bench.time_ms(rotating(cases, call))
+                timing["host"] = bench.host_ms(rotating(cases, call))
             if not spec.per_document:
                 timing["kernel"] = bench.time_ms(rotating(cases, kernel))
         except Exception as error:  # noqa: BLE001 - one tree's failure is a row's note, not the run's end
@@ -423,10 +440,12 @@ def ab_benchmark(shapes: list[tuple[int, int]], bench: Bench, copy_gb_s: float, 
 
 def ab_table(rows: list[dict]) -> str:
     """Before/after per row; `vs peer` = after's time over the same shape's peer (plain grpo+z, or ce+kd
-    for a distillation spec), deferred / kernel."""
+    for a distillation spec), deferred / kernel; host = the host's time to enqueue the call (a row whose
+    host time exceeds its kernels' is host-bound)."""
     timed = {(r["spec"], r["tokens"], r["vocab"]): r for r in rows}
     lines = ["| spec | T | V | R1 ms | deferred before | deferred after | after/before | kernel before | kernel after "
-             "| after/before | peer | after vs peer (deferred / kernel) | grad rel diff |", "|" + "---|" * 13]
+             "| after/before | host before | host after | peer | after vs peer (deferred / kernel) | grad rel diff |",
+             "|" + "---|" * 15]
 
     def ms(row: dict | None, tree: str, column: str) -> float | None:
         return None if row is None else row.get(tree, {}).get(column)
@@ -442,6 +461,7 @@ def ab_table(rows: list[dict]) -> str:
         for column in ("deferred", "kernel"):
             before, after = ms(row, "before", column), ms(row, "after", column)
             cells += [_cell(before), _cell(after), ratio(after, before)]
+        cells += [_cell(ms(row, "before", "host")), _cell(ms(row, "after", "host"))]
         versus = " / ".join(ratio(ms(row, "after", c), ms(peer_row, "after", c)) for c in ("deferred", "kernel"))
         diff = row.get("grad_rel_diff")
         r1 = row.get("r1_ms")

@@ -1,14 +1,14 @@
 """Per-token statistics -> every child's loss, metrics and gradient coefficients; the fused kernel's row table.
 
-`tail` is the torch tail after the vocab pass (compiled path, tensor-parallel Triton path, and the
-per-document children between two fused launches): it hands the statistics to each child in turn
-(`children.base.LossChild.tail`), with no per-kind code here. It is written for few device ops and
+`tail` is the torch tail after the vocab pass (compiled path, tensor-parallel Triton path): it hands
+the statistics to each child in turn (`children.base.LossChild.tail`), with no per-kind code here. It is written for few device ops and
 no device->host sync: inputs are masked once on first use, and the token sums of all losses and
 metrics are reduced together (`metrics.Sums`).
 
-The fused Triton kernel skips it for the children it finishes in-kernel: it writes the same
-per-token terms into one (K, T) buffer laid out by `fused_layout` (each child's `fused_keys`, in
-child order), and `fused_result` turns its token sums (one reduction launch) into losses and metrics.
+The fused Triton path skips it: the kernel writes the same per-token terms into one (K, T) buffer
+laid out by `fused_layout` (each child's `fused_keys`, in child order; a per-document child's
+document rows come from its `kernel_seam` launch), and `fused_result` turns its token sums (one
+reduction launch) into losses and metrics.
 `spec.assemble` (spec.assemble_result) then builds the result of every path the same way.
 """
 
@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import torch
 
-from fastlm.losses.children.base import LossChild, Tail, TailInputs
+from fastlm.losses.children.base import Tail, TailInputs
 from fastlm.losses.spec import LossNormalizers, LossSpec, LossTargets
 from fastlm.losses.validation import value_flag_count
 
@@ -31,21 +31,14 @@ def tail(
     normalizers: LossNormalizers,
     spec: LossSpec,
     grad_scale: float = 1.0,
-    children: tuple[LossChild, ...] | None = None,
-    from_kernel: bool = False,
-    coefficients: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Tail:
     """Each child's loss and metric sums and its share of the coefficients (times `grad_scale`).
-    `stats`: (T,) lse, new_logp, entropy[, teacher_kl, teacher_gap]; any value on masked tokens
-    unless `from_kernel` (the fused launch's state rows: 0 there). `coefficients`: (prob, label) vectors the children add to in
-    place (the fused launch's), else zeros."""
+    `stats`: (T,) lse, new_logp, entropy[, teacher_kl, teacher_gap]; any value on masked tokens."""
     dtype = torch.promote_types(stats["lse"].dtype, torch.float32)
-    inputs = TailInputs(mask, stats, targets, normalizers, dtype, from_kernel)
-    if coefficients is None:
-        zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-        coefficients = (zeros, zeros.clone())
-    out = Tail(*coefficients)
-    for child in spec.children if children is None else children:
+    inputs = TailInputs(mask, stats, targets, normalizers, dtype)
+    zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    out = Tail(zeros, zeros.clone())
+    for child in spec.children:
         child.tail(inputs, out)
     out.sums.resolve()
     if grad_scale != 1.0:
@@ -56,15 +49,18 @@ def tail(
 
 
 # The per-token state the fused launch writes when a per-document child follows (unscaled, 0 on
-# masked tokens): what its tail and the grad launch read, then each child's `grad_stats`.
+# masked tokens): what its `kernel_seam` and the grad launch read (the seam adds its coefficients to
+# the last three in place), then each child's `grad_stats`.
 STATE_ROWS = ("lse", "new_logp", "entropy", "prob_coeff", "label_coeff", "x_coeff")
 
 
 @dataclass(frozen=True)
 class FusedLayout:
-    """Rows of the fused kernel's (K, T) per-token buffer: each kernel-finished child's rows from
-    `starts[name]` (its `fused_keys`), then the weighted total of those children, all already divided
-    by the step's token count; rows `flags` to `summed` are the unscaled value-check counts
+    """Rows of the fused kernel's (K, T) per-token buffer: each child's rows from `starts[name]` (its
+    `fused_keys`; a per-document child's loss and document rows come from its `kernel_seam`), then
+    the weighted total of the kernel-finished children (not the per-document ones:
+    `spec.assemble_result` adds them), all already divided by the step's token count (document
+    metrics by the step's documents); rows `flags` to `summed` are the unscaled value-check counts
     (validation.value_flags order); with a per-document child, rows from `state` on are `state_names`
     (STATE_ROWS, then the children's `grad_stats`)."""
 

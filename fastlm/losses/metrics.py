@@ -20,19 +20,26 @@ class Sums:
 
     def __init__(self) -> None:
         self._groups: dict[tuple[int, float], list[tuple[dict[str, torch.Tensor], str, torch.Tensor]]] = {}
+        self._order: list[tuple[dict[str, torch.Tensor], str]] = []
 
     def add(self, into: dict[str, torch.Tensor], key: str, values: torch.Tensor, scale: float) -> None:
         """Schedule `into[key] = values.sum() * scale` (values: a 1-d vector, bool allowed)."""
         self._groups.setdefault((values.shape[0], scale), []).append((into, key, values))
+        self._order.append((into, key))
 
     def resolve(self) -> None:
-        """One stack + sum + scale per group; fills every scheduled key with a 0-d tensor."""
+        """One stack + sum + scale per group; fills every scheduled key with a 0-d tensor, in the order
+        they were added (the children's order, as the fused path's term rows)."""
+        found: dict[tuple[int, str], torch.Tensor] = {}
         for (_, scale), entries in self._groups.items():
             dtype = max((v.dtype for _, _, v in entries if v.is_floating_point()), key=_float_rank, default=torch.float32)
             totals = torch.stack([values.to(dtype) for _, _, values in entries]).sum(dim=1) * scale
             for (into, key, _), total in zip(entries, totals.unbind()):
-                into[key] = total
+                found[id(into), key] = total
+        for into, key in self._order:
+            into[key] = found[id(into), key]
         self._groups.clear()
+        self._order.clear()
 
 
 def _float_rank(dtype: torch.dtype) -> int:

@@ -33,6 +33,8 @@ SPECS = {  # (kinds, numbers): every term group, with logit scaling and softcap
     "ce+z+grpo+kd": ("ce+z+grpo+kd", {"logit_scale": 1.3, "softcap": 4.0}),
     "grpo+z w0": ("grpo+z", {"logit_scale": 0.7}),
     "ce+kd_rev": ("ce+kd_rev", {}),
+    "gspo+z": ("gspo+z", {"softcap": 3.0}),  # the per-document child's rows from its `kernel_seam`
+    "ce+gspo_len w0": ("ce+gspo_len", {}),
 }
 
 
@@ -42,7 +44,7 @@ def _to_device(targets: LossTargets, device: torch.device = DEVICE) -> LossTarge
 
 def _case(name: str, tokens: int = 24):
     kinds, numbers = SPECS[name]
-    weights = {"grpo": 0.0} if "w0" in name else None
+    weights = {"grpo": 0.0, "gspo_len": 0.0} if "w0" in name else None
     spec = make_spec(kinds, weights, **numbers)
     logits, targets, normalizers = make_case(seed_of("fused" + name), tokens=tokens, vocab=37, spec=spec)
     return spec, logits.to(DEVICE), _to_device(targets), normalizers
@@ -63,8 +65,8 @@ def test_terms_match_the_torch_tail_in_fp32(name: str) -> None:
 
 def test_layout_rows() -> None:
     """Each child's rows from its start in child order, the total after them, then the counts; a
-    per-document child (GSPO) has its token metrics only (its tail makes its loss) and the per-token
-    state after the counts, outside the summed rows."""
+    per-document child (GSPO) has its token metrics (the fused launch's), then its loss and document
+    metrics (its `kernel_seam`'s), and the per-token state after the counts, outside the summed rows."""
     layout = fused_layout(make_spec("ce+z+grpo+kd"))
     assert layout.starts == {"ce": 0, "z": 1, "grpo": 3, "kd": 12}
     assert (layout.total, layout.flags, layout.rows) == (13, 14, 18)
@@ -72,9 +74,10 @@ def test_layout_rows() -> None:
     assert (layout.state, layout.summed) == (-1, 18)
     assert fused_layout(make_spec("ce")).rows == 4  # ce, total, 2 counts
     gspo = fused_layout(make_spec("gspo+z+kd"))
-    assert gspo.starts == {"gspo": 0, "z": 3, "kd": 5}
+    assert gspo.starts == {"gspo": 0, "z": 10, "kd": 12}
     assert gspo.keys[:3] == tuple((False, f"gspo/{name}") for name in ("new_logp", "entropy", "kl_old"))
-    assert (gspo.total, gspo.flags, gspo.summed, gspo.state, gspo.rows) == (6, 7, 11, 11, 18)
+    assert gspo.keys[3:5] == ((True, "gspo"), (False, "gspo/ratio")) and gspo.keys[9] == (False, "gspo/num_documents")
+    assert (gspo.total, gspo.flags, gspo.summed, gspo.state, gspo.rows) == (13, 14, 18, 18, 25)
     with_reference = fused_layout(make_spec("grpo", options={"grpo": {"beta": 0.1}}))
     assert with_reference.keys[4] == (False, "grpo/kl") and with_reference.total == 10
 

@@ -61,6 +61,9 @@ MATRIX = {
     "gspo dapo delta entropy beta+z": ("gspo+z", {"gspo": {"loss_type": "dapo", "delta": 1.2, "entropy_coeff": 0.05,
                                                           "beta": 0.1}}, {}, {}),
     "gspo dr_grpo+kd_rev": ("gspo+kd_rev", {"gspo": {"loss_type": "dr_grpo", "max_completion_length": 12}}, {}, {}),
+    "gspo bnpo beta entropy+ce": ("ce+gspo", {"gspo": {"loss_type": "bnpo", "beta": 0.1, "entropy_coeff": 0.05}}, {},
+                                  {"logit_scale": 1.3}),
+    "gspo w0 beta+z": ("gspo+z", {"gspo": {"beta": 0.1}}, {"gspo": 0.0}, {}),
     "grpo w0 entropy beta+ce": ("ce+grpo", {"grpo": {"entropy_coeff": 0.05, "beta": 0.1}}, {"grpo": 0.0}, {}),
     "cispo w0 entropy+ce": ("ce+cispo", {"cispo": {"entropy_coeff": 0.05}}, {"cispo": 0.0}, {}),
     # distillation temperature_mode both: the student tempered too (a second online softmax at x/T)

@@ -63,4 +63,4 @@ def test_cpu_smoke_before_after(tmp_path: Path) -> None:
     out = _run(tmp_path, "--baseline", str(baseline), "--specs", "grpo(seq)+z")
     assert [line for line in out.splitlines() if line.startswith("| grpo(seq)+z | 8 | 96 |")], out[-2000:]
     (row,) = json.loads((tmp_path / "bench_losses.json").read_text())["ab_rows"]
-    assert set(row["before"]) == set(row["after"]) == {"deferred", "kernel"} and row["grad_rel_diff"] == 0.0, row
+    assert set(row["before"]) == set(row["after"]) == {"deferred", "host", "kernel"} and row["grad_rel_diff"] == 0.0, row

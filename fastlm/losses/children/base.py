@@ -8,7 +8,8 @@ Every path iterates `spec.children` and asks each child, never branches on a kin
 - the fused Triton launch asks `child.kernel_arguments(row)` for its constexpr slot (`ROW_<KIND>`,
   the first row of its terms in the (K, T) buffer) and its numbers, `child.kernel_tensors(...)` for
   per-call tensors; `kernel_absent()` gives the
-  values of an absent child; `fused_keys()` names the rows the kernel writes for it;
+  values of an absent child; `fused_keys()` names the rows the kernel writes for it; a per-document
+  child (GSPO) runs its tail as `kernel_seam` on that buffer before the grad launch;
 - the reference (`reference.reference_loss`) calls `child.reference(inputs)`: plain autograd.
 
 The gradient of every child with respect to the transformed logits x has the form
@@ -22,7 +23,7 @@ loss-agnostic (shared/design/losses.md, "Superposition").
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from pydantic import Field
@@ -30,6 +31,9 @@ from pydantic import Field
 from fastlm.config.base import ConfigModel
 from fastlm.losses.metrics import Sums
 from fastlm.losses.spec import LossNormalizers, LossTargets, safe_inverse
+
+if TYPE_CHECKING:
+    from fastlm.losses.coefficients import FusedLayout
 
 
 class ChildConfig(ConfigModel):
@@ -53,13 +57,11 @@ class TailInputs:
     targets: LossTargets
     normalizers: LossNormalizers
     dtype: torch.dtype
-    from_kernel: bool = False  # `stats` are the fused kernel's state rows (0 on masked tokens), whose
-    # launch also wrote every child's `fused_keys` rows
     _masked: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def _get(self, name: str, values: torch.Tensor, premasked: bool = False) -> torch.Tensor:
+    def _get(self, name: str, values: torch.Tensor) -> torch.Tensor:
         if name not in self._masked:
-            self._masked[name] = values.to(self.dtype) if premasked else masked(values, self.mask, self.dtype)
+            self._masked[name] = masked(values, self.mask, self.dtype)
         return self._masked[name]
 
     @property
@@ -68,19 +70,19 @@ class TailInputs:
 
     @property
     def lse(self) -> torch.Tensor:  # log sum_j exp(x_tj)
-        return self._get("lse", self.stats["lse"], self.from_kernel)
+        return self._get("lse", self.stats["lse"])
 
     @property
     def new_logp(self) -> torch.Tensor:  # x_{t,y} - lse_t
-        return self._get("new_logp", self.stats["new_logp"], self.from_kernel)
+        return self._get("new_logp", self.stats["new_logp"])
 
     @property
     def entropy(self) -> torch.Tensor:  # lse_t - sum_j p_tj x_tj
-        return self._get("entropy", self.stats["entropy"], self.from_kernel)
+        return self._get("entropy", self.stats["entropy"])
 
     def stat(self, name: str) -> torch.Tensor:
         """Another vocab-pass statistic (teacher_kl, teacher_gap)."""
-        return self._get(name, self.stats[name], self.from_kernel)
+        return self._get(name, self.stats[name])
 
     def target(self, name: str) -> torch.Tensor:
         """A per-token target (old_logp, advantages, ref_logp)."""
@@ -173,6 +175,13 @@ class LossChild:
     def kernel_absent(cls) -> dict[str, Any]:
         """The kernel arguments of this child when it is absent (slot -1, neutral numbers)."""
         return {}
+
+    def kernel_seam(self, terms: torch.Tensor, layout: FusedLayout, targets: LossTargets,
+                    normalizers: LossNormalizers) -> None:
+        """A per-document child's tail on the fused Triton path, between the fused launch (no gradient)
+        and the grad launch: fill its `fused_keys` rows the fused launch leaves to it and add its
+        coefficients to the state rows of `terms` (`layout`), sync-free."""
+        raise NotImplementedError(f"{self.kind} has no Triton seam")
 
     def prepare(self, targets: LossTargets, normalizers: LossNormalizers, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Per-token tensors (in `dtype`) that depend on the whole call rather than on one token (e.g. a

@@ -2,7 +2,9 @@
 
 GSPO needs every token's new log-prob before any coefficient (the ratio is per document), so both
 the compiled and the Triton path stop after the statistics pass and run this child's tail (the
-"seam"), then write the gradient with a per-token coefficient that superposes with the others.
+"seam"), then write the gradient with a per-token coefficient that superposes with the others. The
+compiled and tensor-parallel paths run `tail` (torch); the fused Triton path runs the same formulas
+as one launch on the fused launch's term buffer (`kernel_seam`, triton/documents.py).
 
 With W_i = sum_{t in i} w_t (the loss_type weights of its tokens): loss = sum_i W_i * loss_i (+ the
 per-token regularisers), and token t of document i gets `c_t = W_i * s_i * A_i / |i|` where the
@@ -20,7 +22,7 @@ empty ones hold exact zeros.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import Field
@@ -29,7 +31,10 @@ from fastlm.losses.children.base import ReferenceInputs, Tail, TailInputs, metri
 from fastlm.losses.children.grpo import RATIO_METRICS, ClippedPolicyConfig, clipped_surrogate
 from fastlm.losses.children.policy import LossType, PolicyChild, document_slots, dual_clip, reference_documents
 from fastlm.losses.metrics import clip_fractions
-from fastlm.losses.spec import safe_inverse
+from fastlm.losses.spec import LossNormalizers, LossTargets, safe_inverse
+
+if TYPE_CHECKING:
+    from fastlm.losses.coefficients import FusedLayout
 
 
 class GSPOConfig(ClippedPolicyConfig):
@@ -80,8 +85,7 @@ class GSPO(PolicyChild):
             w = self.aggregation(inputs, slot)
             extra = self.regularizers(inputs, w, out) * (mask.to(dtype) * w if isinstance(w, float) else w)
         out.loss(self.name, document_terms if extra is None else torch.cat([document_terms, extra]))
-        if not inputs.from_kernel:  # else the fused launch wrote them (`fused_keys`)
-            self.token_metrics(inputs, out)
+        self.token_metrics(inputs, out)
         low, high, region = clip_fractions(ratio, advantage, 1.0 - self.eps_low, 1.0 + self.eps_high)
         per_document = safe_inverse(inputs.normalizers.documents)
         for metric, value in zip(RATIO_METRICS, (ratio, advantage, low, high, region), strict=True):
@@ -105,9 +109,17 @@ class GSPO(PolicyChild):
         return total
 
     def fused_keys(self) -> tuple[tuple[bool, str], ...]:
-        """The token metrics only: the loss and the document metrics come from this tail, after the
-        launch (which also writes the per-token state, `coefficients.FusedLayout.state_names`)."""
-        return tuple((False, metric_key(self.name, name)) for name in self.token_metric_names())
+        """The token metrics (the fused launch writes them), then the loss and the document metrics
+        (`kernel_seam` writes them after that launch)."""
+        document = ((True, self.name),) + tuple((False, metric_key(self.name, name))
+                                                for name in RATIO_METRICS + ("num_documents",))
+        return tuple((False, metric_key(self.name, name)) for name in self.token_metric_names()) + document
+
+    def kernel_seam(self, terms: torch.Tensor, layout: FusedLayout, targets: LossTargets,
+                    normalizers: LossNormalizers) -> None:
+        from fastlm.losses.triton.documents import gspo_seam
+
+        gspo_seam(self, terms, layout, targets, normalizers)
 
     def kernel_arguments(self, row: int) -> dict[str, Any]:
         return {"ROW_GSPO": row, "GSPO_REF": int(self.beta > 0)}

@@ -5,8 +5,9 @@
 - tensor parallelism (`group`): stats launch, all-reduce of the mergeable pieces (student and
   teacher), every child's tail in torch (`coefficients.tail`), grad launch;
 - a per-document child (GSPO) without tensor parallelism: the fused launch without the gradient
-  (which also writes the per-token state), that child's tail on the state (the sync-free seam), then
-  the grad launch.
+  (which also writes the per-token state), that child's `kernel_seam` launch on the term buffer (the
+  sync-free seam: its loss and document metrics rows, its coefficients added to the state), then the
+  row sums and the grad launch.
 The last two are three phases (`_stats_phase`, `_finish_phase`, `_grad_launch`; public as
 `triton_stats`, `triton_finish`, `triton_grad`) so the chunked head (losses/chunked_head.py) can run
 the stats and grad phases per token chunk and the middle once on the whole call.
@@ -35,7 +36,6 @@ import triton
 from fastlm.losses.children import CHILD_CLASSES
 from fastlm.losses.coefficients import FusedLayout, fused_layout, fused_result, tail
 from fastlm.losses.spec import (
-    IGNORE_INDEX,
     LossNormalizers,
     LossResult,
     LossSpec,
@@ -279,10 +279,11 @@ def _grad_launch(launch: _Launch, coefficients: GradCoefficients, grad: torch.Te
                token_scale=safe_inverse(launch.normalizers.tokens), grad_scale=c.grad_scale, x_term=c.x_term)
 
 
-# Two launches around a torch middle: a per-document child (the seam: the fused launch without the
-# gradient, that child's tail on its per-token state) or tensor parallelism (stats launch, all-reduce,
-# every child's tail). `triton_loss` runs the phases on one call; the chunked head runs the stats and
-# grad phases per token chunk and the middle once on the whole call (losses/chunked_head.py).
+# Two launches around a middle: a per-document child (the seam: the fused launch without the
+# gradient, that child's `kernel_seam` launch on its term buffer) or tensor parallelism (stats launch,
+# all-reduce, every child's torch tail). `triton_loss` runs the phases on one call; the chunked head
+# runs the stats and grad phases per token chunk and the middle once on the whole call
+# (losses/chunked_head.py).
 
 
 def _stats_phase(launch: _Launch, group: ProcessGroup | None) -> dict[str, torch.Tensor]:
@@ -296,20 +297,18 @@ def _stats_phase(launch: _Launch, group: ProcessGroup | None) -> dict[str, torch
 def _seam_finish(
     terms: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec, grad_scale: float
 ) -> tuple[LossResult, GradCoefficients, torch.Tensor]:
-    """The fused launch's terms reduced (every kernel-finished child), the per-document children's tail
-    on its per-token state (the sync-free seam), and the grad launch's coefficients."""
+    """The per-document children's tails on the fused launch's terms (`kernel_seam`: their rows and
+    coefficients, one launch each, sync-free), the terms reduced, and the grad launch's coefficients
+    (the state rows)."""
     layout = fused_layout(spec)
+    for child in spec.per_document:
+        child.kernel_seam(terms, layout, targets, normalizers)
     losses, metrics, kernel_total, counts = _reduce_fused(terms, layout)
     state = partial(layout.state_row, terms)
-    stats = {name: state(name) for name in ("lse", "new_logp", "entropy")}
-    out = tail(stats, targets.labels != IGNORE_INDEX, targets, normalizers, spec, children=spec.per_document,
-               from_kernel=True, coefficients=(state("prob_coeff"), state("label_coeff")))
-    losses.update(out.losses)
-    metrics.update(out.metrics)
-    x_term = out.x is not None or any(child.kernel_x_term() for child in spec.children)
-    x_coeff = state("x_coeff") if out.x is None else state("x_coeff") + out.x
+    x_term = any(child.kernel_x_term() for child in spec.children)
     teacher = tuple(state(name) for name in spec.teacher.grad_stats()) if spec.teacher is not None else ()
-    coefficients = GradCoefficients(state("lse"), out.prob, out.label, x_coeff, teacher, x_term, grad_scale)
+    coefficients = GradCoefficients(state("lse"), state("prob_coeff"), state("label_coeff"), state("x_coeff"),
+                                    teacher, x_term, grad_scale)
     return assemble_result(spec, losses, metrics, kernel_total), coefficients, counts
 
 
@@ -332,7 +331,8 @@ def _finish_phase(
     normalizers: LossNormalizers, spec: LossSpec, grad_scale: float, group: ProcessGroup | None,
 ) -> tuple[LossResult, GradCoefficients, torch.Tensor]:
     """The middle on the whole call: `states` are the stats phase of its chunks, in token order."""
-    merged = {name: torch.cat([state[name] for state in states], dim=-1) for name in states[0]}
+    merged = states[0] if len(states) == 1 else {name: torch.cat([state[name] for state in states], dim=-1)
+                                                  for name in states[0]}
     if group is None:
         return _seam_finish(merged["terms"], targets, normalizers, spec, grad_scale)
     return _tp_finish(merged, logits, targets, normalizers, spec, grad_scale, group)
