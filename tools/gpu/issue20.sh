@@ -16,13 +16,15 @@ cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/i20-out}
 mkdir -p "$OUT"
 LOG="$OUT/i20.log"
-WHAT=${1:-all}
+WHAT=${1:-${I20_WHAT:-all}}  # I20_WHAT: the mode when run through run_all.sh
 SMOKE=${SMOKE:-0}
 TEST_LIMIT=330; BENCH_LIMIT=240  # both in one 10-minute run; alone, each gets 560 s
 case $WHAT in all) ;; check) TEST_LIMIT=300 ;; *) TEST_LIMIT=560; BENCH_LIMIT=560 ;; esac
+TEST_LIMIT=${I20_TEST_LIMIT:-$TEST_LIMIT}
 BENCH_SPECS=${BENCH_SPECS:-"grpo+z grpo(seq)+z gspo+z"}
 SPEC_ARGS=(); [ "$BENCH_SPECS" = all ] || { read -ra SPEC_LIST <<< "$BENCH_SPECS"; SPEC_ARGS=(--specs "${SPEC_LIST[@]}"); }
-SELECT=(); BENCH_MODE=(--ab-shapes 16384x32000 16384x131072 4096x32000 "${SPEC_ARGS[@]}")
+read -ra SHAPES <<< "${I20_SHAPES:-16384x32000 16384x131072 4096x32000}"
+SELECT=(); BENCH_MODE=(--ab-shapes "${SHAPES[@]}" "${SPEC_ARGS[@]}")
 [ "$WHAT" = check ] && SELECT=(-k "gspo or document or seam or seq")
 if [ "$SMOKE" = 1 ]; then
   SELECT=(-k "kd_both or document or seq-mean or seam"); BENCH_MODE=(--cpu-smoke --specs grpo+z "grpo(seq)+z" gspo+z ce+kd "ce+kd(both)")
