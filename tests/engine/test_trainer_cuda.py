@@ -1,7 +1,7 @@
 """On CUDA the trainer's step never makes the host wait for the GPU between read points, found with torch's
 sync debug mode: the batch copies and the update (clipping, checks, the skip-capable fused AdamW, the
-schedule) do not synchronise at all, and a whole step synchronises only where the LM head's backward reads
-its `grad_output` (fastlm/losses/function.py, once per micro-batch; bench_train has it too)."""
+schedule) do not synchronise at all, nor does a whole step (the chunked LM head scales its gradients by
+`grad_output` on the device instead of reading it)."""
 
 from __future__ import annotations
 
@@ -76,8 +76,7 @@ def test_steps_between_read_points_do_not_sync(tmp_path: Path) -> None:
     with recorded_syncs() as sites:
         trainer.train_step()  # step 3: the whole step recorded
     print(f"step 3 synchronised at: {sites or 'nowhere'}")
-    head_reads = [site for site in sites if site.startswith(("function.py", "trainer.py"))]
-    assert sites == head_reads and len(sites) <= MICRO_BATCHES, sites
+    assert not sites, sites
     trainer.train_step()  # step 4: the read point
     read = trainer.take_read_values()
     print(f"read at step 4: losses {[round(v.loss, 4) for v in read]}, grad norms {[round(v.grad_norm, 3) for v in read]}")
