@@ -7,8 +7,7 @@ Per chunk c of the call's tokens (shared/design/losses.md, "The head without ful
     G_c = d loss / d Z_c               the loss implementation writes it over Z_c (`inplace`)
     dH[c] = G_c W,  dW += G_c^T H_c    into the gradients the node returns
 
-all in the forward; backward only scales dH and dW by grad_output (as losses/function.py does for
-logits). Only (chunk, V) logits ever exist; the chunk size comes from a memory budget (`chunk_tokens`).
+all in the forward; backward only multiplies dH and dW by grad_output, on the device (no host read). Only (chunk, V) logits ever exist; the chunk size comes from a memory budget (`chunk_tokens`).
 
 - Each chunk is a complete loss call: losses and metrics are additive sums over the step, so the
   chunks' results add up. What depends on the whole call (loss_type grpo/bnpo token weights) the
