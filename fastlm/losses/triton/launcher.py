@@ -8,8 +8,8 @@
   (which also writes the per-token state), that child's `kernel_seam` launch on the term buffer (the
   sync-free seam: its loss and document metrics rows, its coefficients added to the state), then the
   row sums and the grad launch.
-The last two are three phases (`_stats_phase`, `_finish_phase`, `_grad_launch`; public as
-`triton_stats`, `triton_finish`, `triton_grad`) so the chunked head (losses/chunked_head.py) can run
+The last two are three phases (`_stats_phase` and `_grad_launch`, public as `triton_stats` and
+`triton_grad`, around `triton_finish`) so the chunked head (losses/chunked_head.py) can run
 the stats and grad phases per token chunk and the middle once on the whole call.
 Argument assembly asks the children (`kernel_arguments`, cached per spec in `_slot_arguments`;
 `kernel_tensors` per call), never branches on a kind. The fused launch writes every per-token
@@ -326,18 +326,6 @@ def _tp_finish(
     return assemble_result(spec, out.losses, out.metrics), coefficients, counts
 
 
-def _finish_phase(
-    states: list[dict[str, torch.Tensor]], logits: torch.Tensor, targets: LossTargets,
-    normalizers: LossNormalizers, spec: LossSpec, grad_scale: float, group: ProcessGroup | None,
-) -> tuple[LossResult, GradCoefficients, torch.Tensor]:
-    """The middle on the whole call: `states` are the stats phase of its chunks, in token order."""
-    merged = states[0] if len(states) == 1 else {name: torch.cat([state[name] for state in states], dim=-1)
-                                                  for name in states[0]}
-    if group is None:
-        return _seam_finish(merged["terms"], targets, normalizers, spec, grad_scale)
-    return _tp_finish(merged, logits, targets, normalizers, spec, grad_scale, group)
-
-
 def _reduce_stats(launch: _Launch, group: ProcessGroup | None) -> dict[str, torch.Tensor]:
     """Stats launch, then merge the shards' pieces over `group`: (max, sum-exp, label logit, shifted
     moment) of the student, (max, sum-exp, cross sum) of the teacher, and with a tempered student
@@ -408,7 +396,8 @@ def triton_loss(
         result = assemble_result(spec, losses, metrics, kernel_total)
     else:
         state = _stats_phase(launch, group)
-        result, coefficients, counts = _finish_phase([state], logits, targets, normalizers, spec, grad_scale, group)
+        result, coefficients, counts = triton_finish([state], logits, targets, normalizers, spec,
+                                                     grad_scale=grad_scale, group=group)
         if grad is not None:
             _grad_launch(launch, coefficients, grad)
     raise_on_bad_values(counts, logits, targets, normalizers, spec, group)
@@ -440,9 +429,14 @@ def triton_finish(
     states: list[dict[str, torch.Tensor]], logits: torch.Tensor, targets: LossTargets,
     normalizers: LossNormalizers, spec: LossSpec, *, grad_scale: float = 1.0, group: ProcessGroup | None = None,
 ) -> tuple[LossResult, GradCoefficients, torch.Tensor]:
-    """The middle once on the whole call (`targets` of every token; `logits`: any chunk, for the
-    vocab): result, the grad launch's coefficients, the value-check counts (for `raise_on_bad_values`)."""
-    return _finish_phase(states, logits, targets, normalizers, spec, grad_scale, group)
+    """The middle once on the whole call: `states` are the stats phase of its chunks in token order
+    (`targets` of every token; `logits`: any chunk, for the vocab). Returns the result, the grad launch's
+    coefficients and the value-check counts (for `raise_on_bad_values`)."""
+    merged = states[0] if len(states) == 1 else {name: torch.cat([state[name] for state in states], dim=-1)
+                                                  for name in states[0]}
+    if group is None:
+        return _seam_finish(merged["terms"], targets, normalizers, spec, grad_scale)
+    return _tp_finish(merged, logits, targets, normalizers, spec, grad_scale, group)
 
 
 def triton_grad(
