@@ -9,8 +9,8 @@ Rows, in one process and this order, each timed over the same number of steps as
   C  the real `Trainer.train_step` (built from the CLI config) with no read point inside the timed steps:
      C - B is the trainer's own per-step work (host batch building and checks, pinned copies, the gradient
      norm and clipping, the device-side checks and skip, the schedule).
-  D  the same Trainer reading its scalars back every `--log-every` steps (`Trainer.settle`, what a logging
-     step does): D - C is the read points (the queue drains and restarts).
+  D  the same Trainer with a log read point every `--log-every` steps, as `fastlm train` has them (read
+     late on CUDA: the host queues the next step before it waits): D - C is the read points.
   E  `fastlm train` itself (`Trainer.train`), its logged `train/tokens_per_second` windows, the first
      (compilation) left out: the goal's number. E - D is logging, the loop and its wall-clock measurement.
   F  A's loop again on a fresh model, last: F - A is the GPU drifting over the run (clocks, power, heat).
@@ -62,7 +62,7 @@ from gpu_clocks import ClockMean, ClockSampler
 from kernel_trace import TraceSummary, differences_table, profile_steps, profile_table
 
 WARMUP = 3  # untimed steps before a row (compilation, optimizer state, pinned buffers)
-NEVER = 10**9  # trainer.steps / log_every of the Trainer of rows C and D: no read point of its own
+NEVER = 10**9  # trainer.steps / log_every of the Trainer of row C: no read point of its own
 
 
 @dataclass
@@ -161,17 +161,13 @@ def _seconds(start: torch.cuda.Event | float, end: torch.cuda.Event | float) -> 
     return start.elapsed_time(end) / 1e3 if isinstance(start, torch.cuda.Event) else end - start
 
 
-def timed_windows(step: Callable[[int], None], shape: Shape, read: Callable[[], object] | None = None) -> list[float]:
-    """tokens/s of each window of steps on the device's timeline (CUDA events; the host clock on CPU).
-    `read` runs at each window's end, after its mark, so the drain and restart it causes land in the next
-    window, as they do in the trainer's own windows."""
+def timed_windows(step: Callable[[int], None], shape: Shape) -> list[float]:
+    """tokens/s of each window of steps on the device's timeline (CUDA events; the host clock on CPU)."""
     marks = [_mark(shape.device)]
     for index in range(shape.timed_steps):
         step(index)
         if (index + 1) % shape.window == 0:
             marks.append(_mark(shape.device))
-            if read is not None:
-                read()
     _synchronize(shape.device)
     return [shape.tokens_per_step * shape.window / _seconds(a, b) for a, b in itertools.pairwise(marks)]
 
@@ -258,7 +254,7 @@ def bench_step_work(loop: Loop) -> dict[str, str]:
         "gradient clipping": "none (no gradient norm)",
         "loss normalizers": "tokens",
         "per-step checks": "none",
-        "read-backs": "each step: the head's value-check counts at the end of its forward, its grad_output in backward",
+        "read-backs": "each step: the head's value-check counts at the end of its forward",
     }
 
 
@@ -275,8 +271,9 @@ def trainer_step_work(trainer: Trainer) -> dict[str, str]:
         if clip is not None else "none (the norm is still computed and logged)",
         "loss normalizers": "tokens, documents, micro_batches",
         "per-step checks": "token ids on the host; loss-input checks and the non-finite skip on the device (found_inf)",
-        "read-backs": "each step: the head's grad_output in backward (value checks collected); every pending "
-                      "step's scalars at read points",
+        "read-backs": "none inside a step (value checks collected, grad_output applied on the device); every "
+                      "pending step's scalars at read points, " + ("late at log-only ones" if trainer.late_reads
+                                                                    else "on time"),
     }
 
 
@@ -362,8 +359,10 @@ def decompose(shape: Shape, peak: float, sampler: ClockSampler, deadline: float)
             result.rows.append(timer.run("C", "Trainer.train_step, no read point", lambda: timed_windows(
                 lambda i: trainer.train_step(), shape)))
             trainer.settle()
-            result.rows.append(timer.run("D", f"Trainer.train_step, read every {shape.window}", lambda: timed_windows(
-                lambda i: trainer.train_step(), shape, read=trainer.settle)))
+            trainer.config.trainer.log_every = shape.window  # its own read points from here on, as the CLI's
+            late = "late" if trainer.late_reads else "on time"
+            result.rows.append(timer.run("D", f"Trainer.train_step, a log read every {shape.window} ({late})",
+                                         lambda: timed_windows(lambda i: trainer.train_step(), shape)))
             profile("C trainer", lambda i: trainer.train_step())
             trainer.settle()
             own = loader_batches(real, 2, device)

@@ -7,7 +7,9 @@ step keeps its loss, per-loss values, metrics, gradient norm and loss-input chec
 or of a step whose loss inputs fail a check is skipped there (`fastlm.engine.optim.step_unless`).
 `PendingSteps` holds the steps since the last read; `read()` fetches all of their scalars in one
 transfer at the next read point (a log, eval or checkpoint step, or the last one), where the trainer
-raises what was found in between.
+raises what was found in between. At a read point that only logs, the transfer starts behind the step
+(`start_read`) and the host waits for it (`InFlightRead.wait`) only after it has queued the next step, so
+the GPU is never left waiting for the host there.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class StepResult:
     checks: list[ValueCheck] = field(default_factory=list)  # the loss calls' input checks, unread
     grad_norm: torch.Tensor | None = None  # set by the optimizer step
     input_failed: torch.Tensor | None = None  # device bool: an input check fails (on any rank); set likewise
+    lr: float = float("nan")  # the learning rate this step's update used; set likewise
 
 
 @dataclass
@@ -47,6 +50,8 @@ class StepValues:
     input_failed: bool
     checks: list[ValueCheck]
     counts: list[float]  # the checks' counts, flat
+    lr: float
+    skipped_steps: int = 0  # non-finite steps skipped up to and including this one (set when read)
 
     @property
     def nonfinite(self) -> str | None:
@@ -54,6 +59,11 @@ class StepValues:
         if not math.isfinite(self.loss):
             return "loss"
         return None if math.isfinite(self.grad_norm) else "gradient norm"
+
+    @property
+    def failed(self) -> bool:
+        """An input check failed or a value is not finite: the read point has something to raise or count."""
+        return self.input_failed or self.nonfinite is not None
 
     def raise_on_bad_input(self) -> None:
         """The loss's own ValueError for this step's first failed input check, naming the step; a check that
@@ -86,21 +96,46 @@ class PendingSteps:
 
     def read(self) -> list[StepValues]:
         """Every pending step's scalars in one device->host transfer, in step order; nothing is pending after."""
+        return self.start_read().wait()
+
+    def start_read(self) -> InFlightRead:
+        """Start the one transfer without waiting for it (a copy into pinned memory behind the queued work);
+        nothing is pending after. `wait()` on the result later: the host can queue the next step first."""
         steps, self.steps = self.steps, []
-        if not steps:
-            return []
         parts = []
         for _, result in steps:
             parts += [_flat(result.loss), _flat(result.grad_norm), _flat(result.input_failed)]
             parts += [_flat(value) for value in (*result.losses.values(), *result.metrics.values())]
             parts += check_counts(result.checks)
-        values = iter(torch.cat(parts).tolist())
+        return InFlightRead(steps, torch.cat(parts) if parts else None)
+
+
+class InFlightRead:
+    """The scalars of some steps on their way to the host."""
+
+    def __init__(self, steps: list[tuple[int, StepResult]], flat: torch.Tensor | None) -> None:
+        self.steps = steps
+        self.done: torch.cuda.Event | None = None
+        self.host = flat
+        if flat is not None and flat.is_cuda:
+            self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self.host.copy_(flat, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def wait(self) -> list[StepValues]:
+        """The steps' values, in step order (waits for the GPU to finish them)."""
+        if self.host is None:
+            return []
+        if self.done is not None:
+            self.done.synchronize()
+        values = iter(self.host.tolist())
         read = []
-        for step, result in steps:
+        for step, result in self.steps:
             loss, grad_norm, input_failed = next(values), next(values), next(values)
             losses = {name: next(values) for name in result.losses}
             metrics = {name: next(values) for name in result.metrics}
             counts = [next(values) for check in result.checks for _ in range(check.counts.numel())]
             read.append(StepValues(step, loss, losses, metrics, result.tokens, grad_norm, bool(input_failed),
-                                   result.checks, counts))
+                                   result.checks, counts, result.lr))
         return read

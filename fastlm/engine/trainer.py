@@ -6,7 +6,8 @@ summed scalars, `optimizer_step()` clips, checks and applies them.
 
 The host never waits for the GPU inside a step: the step's scalars stay on the device and its checks
 decide on the device (fastlm/engine/step_scalars.py). They are read back in one transfer at the next
-read point (a step that logs, evaluates or checkpoints, and the last), which raises what was found.
+read point (a step that logs, evaluates or checkpoints, and the last), which raises what was found. A
+read point that only logs is read late: the host queues the next step before it waits for the transfer.
 
 Under torchrun (fastlm/engine/distributed.py) the same loop runs on every rank: each dp rank trains on
 its rows of the global batch, normalizers and logged scalars are summed over dp, rank 0 logs and writes
@@ -69,7 +70,7 @@ from fastlm.engine.runtime import (
     set_rng_state,
 )
 from fastlm.engine.signals import StopRequest
-from fastlm.engine.step_scalars import PendingSteps, StepResult, StepValues
+from fastlm.engine.step_scalars import InFlightRead, PendingSteps, StepResult, StepValues
 from fastlm.logging.jsonl import drop_records_after
 from fastlm.logging.logger import METRICS_FILE, MetricLogger
 from fastlm.losses.spec import LossNormalizers, LossResult
@@ -122,6 +123,8 @@ def _held_back(failed: int, last: int) -> str:
 class Trainer:
     """Builds everything from a `RunConfig`; `train()` runs (or resumes) to `trainer.steps`."""
 
+    late_reads = True  # log-only read points on CUDA wait for their scalars one step later (see optimizer_step)
+
     def __init__(self, config: RunConfig, rank: int | None = None):
         issues = [*cross_check(config), *preflight_issues(config)]
         if issues:
@@ -157,6 +160,9 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.pending = PendingSteps()  # steps whose scalars are not read yet
+        self.in_flight: InFlightRead | None = None  # a log-only read point's transfer, waited for a step later
+        # On CPU the host runs the step itself: there is no queue to keep fed, so every read is on time.
+        self.late_reads = self.late_reads and self.device.type == "cuda"
         self.read_values: list[StepValues] = []  # read by the last read point, for the loop to log
         self.halted = torch.zeros((), dtype=torch.bool, device=self.device)  # a failure holds every update back
         self.checkpoints_written = 0  # by this process: a start that wrote one is not undone on failure
@@ -246,9 +252,15 @@ class Trainer:
         self.halted |= (result.input_failed | nonfinite) if stop else result.input_failed
         divisor = clip_divisor(result.grad_norm, max_norm) if fused and max_norm is not None else None
         step_unless(self.optimizer, self.halted | nonfinite, divisor)
+        result.lr = self.scheduler.get_last_lr()[0]
         self.optimizer.zero_grad(set_to_none=True)
         self.pending.add(self.step + 1, result)
-        if self.read_due(self.step + 1):
+        if self.in_flight is not None:  # the last log step's scalars: this step is queued behind them
+            late, self.in_flight = self.in_flight.wait(), None
+            self._check(late + self.pending.read() if any(values.failed for values in late) else late)
+        if self.read_late_at(self.step + 1):
+            self.in_flight = self.pending.start_read()
+        elif self.read_due(self.step + 1):
             self.settle()
         with warnings.catch_warnings():  # a host-skipped first step trips torch's "scheduler before optimizer" hint
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
@@ -281,20 +293,34 @@ class Trainer:
         """Whether the scalars are read after `step` (1-based): the loop logs, evaluates or checkpoints then."""
         return self.logs_at(step) or self.evaluates_at(step) or self.checkpoints_at(step)
 
+    def read_late_at(self, step: int) -> bool:
+        """Whether `step`'s read point only logs, so its scalars can arrive after the next step is queued (an
+        eval or a checkpoint needs the step settled; so does the last step)."""
+        return (self.late_reads and self.logs_at(step) and not self.evaluates_at(step)
+                and not self.checkpoints_at(step) and step < self.config.trainer.steps)
+
     def settle(self) -> None:
-        """The read point: every pending step's scalars in one read-back. Raises what was found since the
-        last one, in step order: a failed loss-input check (the loss's own ValueError, naming the step) or a
-        non-finite step under `trainer.nonfinite: stop` (NonFiniteError, after a checkpoint of the weights
-        from before it); under `skip_step` counts the skipped steps. The values are kept for the log."""
-        steps = self.pending.read()
-        self.halted.zero_()  # whatever set it is raised below
+        """The read point: every pending step's scalars (and a late read's) in one read-back, checked."""
+        late, self.in_flight = (self.in_flight.wait() if self.in_flight is not None else []), None
+        self._check(late + self.pending.read())
+
+    def _check(self, steps: list[StepValues]) -> None:
+        """Raises what was found in `steps`, in step order: a failed loss-input check (the loss's own
+        ValueError, naming the step) or a non-finite step under `trainer.nonfinite: stop` (NonFiniteError,
+        after a checkpoint of the weights from before it); under `skip_step` counts the skipped steps. The
+        values are kept for the log. Steps still unread may have held updates back: only a raise clears that."""
+        stop = self.config.trainer.nonfinite == "stop"
         for values in steps:
+            values.skipped_steps = self.skipped_steps
+            if values.input_failed or (stop and values.nonfinite is not None):
+                self.halted.zero_()  # what set it is raised below (a later unread step's flag stays otherwise)
             values.raise_on_bad_input()
             problem = values.nonfinite
             if problem is None:
                 continue
-            if self.config.trainer.nonfinite == "skip_step":
+            if not stop:
                 self.skipped_steps += 1
+                values.skipped_steps = self.skipped_steps
                 continue
             path = self.save()
             raise NonFiniteError(
@@ -410,13 +436,13 @@ class Trainer:
             "train/loss": values.loss,
             **{f"train/loss/{name}": value for name, value in values.losses.items()},
             **{f"train/{name}": value for name, value in values.metrics.items()},
-            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/lr": values.lr,
             "train/grad_norm": values.grad_norm,
             "train/tokens_per_second": tokens_per_second,
-            "train/step": float(self.step),
+            "train/step": float(values.step),
         }
         if self.config.trainer.nonfinite == "skip_step":
-            record["train/skipped_steps"] = float(self.skipped_steps)
+            record["train/skipped_steps"] = float(values.skipped_steps)
         return record
 
     def _run_config(self) -> dict[str, Any]:
@@ -525,15 +551,18 @@ class Trainer:
                     total_tokens, total_seconds = total_tokens + tokens, total_seconds + seconds
                     window_tokens, window_seconds = window_tokens + tokens, window_seconds + seconds
                     losses.extend(values.loss for values in read)
-                record: dict[str, float] = {}
-                if self.logs_at(self.step):
-                    record.update(self._log_record(read[-1], window_tokens / max(window_seconds, 1e-9)))
+                records: dict[int, dict[str, float]] = {}  # a late read logs the step before this one
+                for values in read:
+                    if self.logs_at(values.step):
+                        records[values.step] = self._log_record(values, window_tokens / max(window_seconds, 1e-9))
+                if read and self.logs_at(read[-1].step):
                     window_tokens, window_seconds = 0, 0.0
                 if self.evaluates_at(self.step):
                     eval_loss = self.evaluate()
                     if eval_loss is not None:
-                        record["eval/loss"] = eval_loss
-                logger.log(self.step, record)
+                        records.setdefault(self.step, {})["eval/loss"] = eval_loss
+                for step, record in sorted(records.items()):
+                    logger.log(step, record)
                 stopping = self._stop_requested(stop)
                 if self.checkpoints_at(self.step) or stopping:
                     path = self.save()

@@ -86,6 +86,8 @@ def rl_scheduler(optimizer: torch.optim.Optimizer, config: RunConfig, rl: RLConf
 
 
 class RLTrainer(Trainer):
+    late_reads = False  # each rollout waits for the GPU anyway, and a record reads the latest rollout's state
+
     def __init__(self, config: RunConfig, rank: int | None = None):
         self.rl = config.rl or RLConfig()
         self.offline = isinstance(config.data.source, OfflineRLSource)

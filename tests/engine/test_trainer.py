@@ -176,7 +176,7 @@ def test_steps_between_read_points_read_nothing_back(tiny_config: Callable[..., 
     with host_reads(monkeypatch) as reads:
         trainer.train_step()
     print(f"step 4 (read point): {reads}")
-    assert reads.at("engine/step_scalars.py", "read") == 1 and sum(reads.sites.values()) == 1, str(reads)
+    assert reads.at("engine/step_scalars.py", "wait") == 1 and sum(reads.sites.values()) == 1, str(reads)
     assert [values.step for values in trainer.take_read_values()] == [1, 2, 3, 4]
 
 

@@ -77,10 +77,15 @@ def test_steps_between_read_points_do_not_sync(tmp_path: Path) -> None:
         trainer.train_step()  # step 3: the whole step recorded
     print(f"step 3 synchronised at: {sites or 'nowhere'}")
     assert not sites, sites
-    trainer.train_step()  # step 4: the read point
+    trainer.train_step()  # step 4: a read point that only logs: its transfer starts behind the step
+    assert trainer.take_read_values() == [] and trainer.in_flight is not None
+    with recorded_syncs() as sites:
+        trainer.train_step()  # step 5 is queued before the host waits for step 4's scalars
     read = trainer.take_read_values()
-    print(f"read at step 4: losses {[round(v.loss, 4) for v in read]}, grad norms {[round(v.grad_norm, 3) for v in read]}")
+    print(f"read after step 5 was queued: losses {[round(v.loss, 4) for v in read]}, "
+          f"grad norms {[round(v.grad_norm, 3) for v in read]}; step 5 synchronised at: {sites}")
     assert [v.step for v in read] == [1, 2, 3, 4] and all(v.nonfinite is None for v in read)
+    assert not sites, sites  # the wait for step 4's transfer is an event wait (not flagged); nothing else syncs
     assert read[-1].loss < read[0].loss + 1.0  # trained, not diverged
 
 

@@ -44,7 +44,7 @@ pydantic.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() 
 COMPARE_S=$(min $(( $(left) - 65 )) 115)  # from its start; the box adds imports and a last section's overrun
 say "(b) CLI trainer's gap to bench_train, llama-350m (report within ~${COMPARE_S}s)"
 run $(( COMPARE_S + 25 )) env -u OUT TORCH_LOGS=recompiles python3 tools/bench_train.py --compare-cli \
-    --presets llama-350m --batch 8 --seq-len 2048 --cli-steps 40 --log-every 10 --profile-steps 3 \
+    --presets llama-350m --batch 8 --seq-len 2048 --cli-steps "${I23_CLI_STEPS:-40}" --log-every 10 --profile-steps 3 \
     --time-limit "$COMPARE_S" "${SMOKE[@]}"
 say "(a1) trainer step without syncs"
 run "$(min $(( $(left) - 3 )) 90)" python3 -m pytest -v -s -p no:cacheprovider tests/engine/test_trainer_cuda.py
