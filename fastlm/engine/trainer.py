@@ -545,7 +545,10 @@ class Trainer:
             clock = time.perf_counter()
             while self.step < trainer.steps:
                 self.train_step()
-                read = self.take_read_values()  # empty unless this step was a read point
+                stopping = self._stop_requested(stop)
+                if stopping:
+                    self.settle()  # everything read now (a late read too), so every record is logged
+                read = self.take_read_values()  # empty unless this step was a read point (or the last one's, late)
                 if read:
                     seconds, tokens = time.perf_counter() - clock, sum(values.tokens for values in read)
                     total_tokens, total_seconds = total_tokens + tokens, total_seconds + seconds
@@ -563,10 +566,8 @@ class Trainer:
                         records.setdefault(self.step, {})["eval/loss"] = eval_loss
                 for step, record in sorted(records.items()):
                     logger.log(step, record)
-                stopping = self._stop_requested(stop)
                 if self.checkpoints_at(self.step) or stopping:
                     path = self.save()
-                    losses.extend(values.loss for values in self.take_read_values())  # a stop between read points
                 if stopping and self.step < trainer.steps:
                     stopped_by = stop.signal.name if stop.signal is not None else "a signal on another rank"
                     if self.rank in (None, 0):

@@ -135,3 +135,19 @@ def test_late_reads_count_skipped_steps_per_record(tiny_config: Callable[..., Ru
     assert summary.skipped_steps == 4
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert [r["train/skipped_steps"] for r in records] == [1, 2, 3, 4]
+
+
+def test_a_stop_right_after_a_late_read_point_still_logs_it(tiny_config: Callable[..., RunConfig]) -> None:
+    """A stop request (SIGTERM) at step 5, just after step 4's late read point: step 4's record is logged,
+    the checkpoint is step 5's, every loss is in the summary."""
+
+    class StopAtFive(Trainer):
+        def _stop_requested(self, stop: object) -> bool:
+            return self.step == 5
+
+    trainer = _late(StopAtFive(tiny_config("stop-after-late", trainer={"steps": 8, "log_every": 4})))
+    summary = trainer.train()
+    records = read_metrics(summary.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [4]
+    assert summary.stopped_by is not None and len(summary.losses) == 5
+    assert load_latest_checkpoint(trainer.checkpoint_dir).step == 5
