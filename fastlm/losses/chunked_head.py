@@ -47,19 +47,27 @@ from fastlm.losses.validation import (
     value_flags,
 )
 
-CHUNK_MULTIPLE = 128  # chunk sizes are multiples of this many tokens (GEMM tiles), when the budget allows
+CHUNK_MULTIPLE = 128  # below GEMM_ROWS, chunk sizes are multiples of this many tokens (GEMM tiles)
+# From GEMM_ROWS up, chunks are GEMM_ROWS x a power of two: the per-chunk dH GEMM (chunk x V) @ (V x H) has
+# few output tiles, and on the H200 its rows cost least at 1024, 2048, 4096 (0.70-0.75 ms per 1k rows at
+# H 2048, V 131072) against up to 0.94 between them; the whole head was fastest at 4096 (2048 with a
+# teacher) in a sweep of budgets (docs/benchmarks.md, "chunk size").
+GEMM_ROWS = 1024
 
 
 def chunk_tokens(tokens: int, vocab: int, element_size: int, budget_mib: float, teacher: bool = False) -> int:
     """Tokens per chunk: as many rows of (vocab) logits (and teacher logits) of `element_size` bytes as
-    fit in `budget_mib`, rounded down to a multiple of CHUNK_MULTIPLE (at least one row), then evened
-    out so the call's chunks come out about equal (16484 tokens at 4096 a chunk: 5 x 3328, not 4 x 4096 + 100)."""
+    fit in `budget_mib` (all tokens when they fit), down to GEMM_ROWS x the largest power of two that fits;
+    budgets under GEMM_ROWS rows take a multiple of CHUNK_MULTIPLE (at least one row), evened out so the
+    call's chunks come out about equal (1100 tokens at 512 a chunk: 3 x 384, not 2 x 512 + 76)."""
     row_bytes = vocab * element_size * (2 if teacher else 1)
     limit = max(1, int(budget_mib * 2**20) // row_bytes)
-    if limit >= CHUNK_MULTIPLE:
-        limit -= limit % CHUNK_MULTIPLE
     if tokens <= limit:
         return max(tokens, 1)
+    if limit >= GEMM_ROWS:
+        return GEMM_ROWS * 2 ** ((limit // GEMM_ROWS).bit_length() - 1)
+    if limit >= CHUNK_MULTIPLE:
+        limit -= limit % CHUNK_MULTIPLE
     even = math.ceil(tokens / math.ceil(tokens / limit))
     if limit >= CHUNK_MULTIPLE:
         even = min(limit, math.ceil(even / CHUNK_MULTIPLE) * CHUNK_MULTIPLE)

@@ -91,7 +91,7 @@ def test_steps_between_read_points_do_not_sync(tmp_path: Path) -> None:
 
 def test_bad_label_on_cuda_holds_updates_back_and_raises_at_the_read_point(tmp_path: Path) -> None:
     """A label out of the vocabulary (after the host check) on CUDA: the fused kernel stays memory-safe,
-    the update is skipped on the device, and the read point raises the loss's error naming the step."""
+    the update is skipped on the device, and the (late) read point raises the loss's error naming the step."""
 
     class LateBadLabel(Trainer):
         def prepare(self, batch: Batch) -> Batch:
@@ -107,6 +107,8 @@ def test_bad_label_on_cuda_holds_updates_back_and_raises_at_the_read_point(tmp_p
     after_first = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train_step()
     trainer.train_step()
+    trainer.train_step()  # step 4, a log-only read point: read late (its transfer in flight)
+    assert trainer.in_flight is not None
     with pytest.raises(ValueError, match=r"step 2: targets.labels\[0\] = \d+ is outside the vocabulary"):
-        trainer.train_step()
+        trainer.train_step()  # step 5 is queued (and held back) before the read raises
     assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), after_first))

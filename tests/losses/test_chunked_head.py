@@ -302,10 +302,13 @@ def test_lm_head_config_picks_the_chunked_head() -> None:
     default = LMHead(LMHeadConfig())
     full = LMHead(LMHeadConfig(logits_memory_mib=0))
     assert default.chunked and default.logits_memory_mib == 1408 and not full.chunked
-    assert "chunked, no full logits (logits_memory_mib 1408): 5504 of 16384 tokens a chunk (3 chunks)" in default.describe(
+    assert "chunked, no full logits (logits_memory_mib 1408): 4096 of 16384 tokens a chunk (4 chunks)" in default.describe(
         16384, 131072, torch.bfloat16)
     assert "head: full logits" in full.describe(16384, 131072, torch.bfloat16)
-    assert chunk_tokens(16484, 131072, 2, 1024) == 3328  # 5 even chunks, multiples of 128
+    assert chunk_tokens(16484, 131072, 2, 1408) == 4096  # 1024 x a power of two from 1024 rows up (5632 fit)
+    assert chunk_tokens(16384, 131072, 2, 1408, teacher=True) == 2048  # two buffers: 2816 rows fit
+    assert chunk_tokens(16384, 32000, 2, 1408) == 16384  # all tokens fit: one chunk
+    assert chunk_tokens(1100, 131072, 2, 128) == 384  # 512 rows fit: 3 even chunks, multiples of 128
     assert chunk_tokens(5, 131072, 2, 0.001) == 1  # at least one row
     case = head_case("ce+z")
     hidden, weight = case.hidden.float().requires_grad_(True), case.weight.float().requires_grad_(True)
