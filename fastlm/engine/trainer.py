@@ -255,8 +255,8 @@ class Trainer:
         result.lr = self.scheduler.get_last_lr()[0]
         self.optimizer.zero_grad(set_to_none=True)
         self.pending.add(self.step + 1, result)
-        if self.in_flight is not None:  # the last log step's scalars: this step is queued behind them
-            late, self.in_flight = self.in_flight.wait(), None
+        late = self._late_values()  # the last log step's scalars: this step is queued behind them
+        if late:
             self._check(late + self.pending.read() if any(values.failed for values in late) else late)
         if self.read_late_at(self.step + 1):
             self.in_flight = self.pending.start_read()
@@ -301,8 +301,12 @@ class Trainer:
 
     def settle(self) -> None:
         """The read point: every pending step's scalars (and a late read's) in one read-back, checked."""
-        late, self.in_flight = (self.in_flight.wait() if self.in_flight is not None else []), None
-        self._check(late + self.pending.read())
+        self._check(self._late_values() + self.pending.read())
+
+    def _late_values(self) -> list[StepValues]:
+        """A late read's values (waiting for its transfer), or none; nothing is in flight after."""
+        in_flight, self.in_flight = self.in_flight, None
+        return in_flight.wait() if in_flight is not None else []
 
     def _check(self, steps: list[StepValues]) -> None:
         """Raises what was found in `steps`, in step order: a failed loss-input check (the loss's own

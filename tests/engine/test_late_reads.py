@@ -5,7 +5,6 @@ errors raised one step later with every update since held back, nothing read bac
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 
@@ -19,6 +18,7 @@ from fastlm.engine.trainer import NonFiniteError, Trainer
 from fastlm.logging.jsonl import read_metrics
 from fastlm.run_config.schema import RunConfig
 from host_reads import host_reads
+from test_trainer import _LateBadLabel
 
 
 def _late(trainer: Trainer) -> Trainer:
@@ -79,17 +79,11 @@ def test_a_late_read_is_waited_for_inside_the_next_step_only(tiny_config: Callab
     assert trainer.in_flight is None and len(trainer.pending) == 1
 
 
-class _BadFromStepTwo(Trainer):
+class _BadFromStepTwo(_LateBadLabel):
     """A label outside the vocabulary from step 2 on, after the host check: only the loss's checks see it."""
 
     def prepare(self, batch: Batch) -> Batch:
-        batch = super().prepare(batch)
-        if self.step < 1:
-            return batch
-        labels = batch.labels.clone()
-        flat = labels.reshape(-1)
-        flat[int((flat != -100).nonzero()[0, 0])] = self.config.model.vocab_size
-        return dataclasses.replace(batch, labels=labels)
+        return super().prepare(batch) if self.step >= 1 else Trainer.prepare(self, batch)
 
 
 def test_a_late_read_raises_the_bad_step_with_every_update_since_held_back(
