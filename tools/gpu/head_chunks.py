@@ -1,74 +1,252 @@
-"""Where the chunked head's time over the three-GEMM floor goes, as a function of the chunk size (H200).
+"""Where the chunked head's time over the GEMM floor goes: variants of the head timed side by side (H200).
 
-    python tools/gpu/head_chunks.py            # ~2 minutes: the dH GEMM's efficiency by rows, then the head by budget
+    python tools/gpu/head_chunks.py                      # ~3 minutes: ce, ce+z+grpo, ce+kd at 16384 and 65536
+    python tools/gpu/head_chunks.py --tokens 16384 --specs ce+kd --rounds 3
 
-1. The per-chunk dH GEMM (G_c (M, V) @ W (V, H)) alone for M = 1024..6144 in steps of 128, H = 2048 and
-   4096, V = 131072, bf16: ms and TFLOP/s. Its output has only M x H elements, so its tiles fill few waves
-   of SMs; a chunk size whose tile count leaves a last wave nearly empty pays for a whole wave.
-2. The chunked head (ce, ce+kd) at several `logits_memory_mib` budgets, each row with the floor timed in
-   the same process: the chunk size each budget gives, ms and x floor.
+1. Variants of the chunked head (V=131072, H=2048, bf16, forward + backward by `torch.autograd.grad`),
+   timed interleaved: every round times each variant once (`--calls` calls between two CUDA events), so
+   a GPU that slows down as the run goes on slows every variant alike; the median over rounds is kept.
+   The variants patch one thing each in `fastlm.losses.chunked_head` or the grad_output scaling:
+   - default: the shipped rule (1408 MiB: 4096-token chunks, 2048 with a teacher);
+   - mul_ scale: backward multiplies dH and dW by grad_output with `mul_` (one pass over dW even for a 1);
+   - 5504 rows: chunks of 5504 tokens (the rule before commit 112ff1a: 3 chunks of 16384, not 4);
+   - full: the full-logits head (logits_memory_mib 0);
+   - deferred: the default inside `deferred_value_checks()`, as the trainer calls it (the value checks
+     read once per step, not at the end of every call).
+2. With --syncs: every synchronizing CUDA call of one default call, with the Python stack that made it.
+3. With --trace DIR: a chrome trace of three default calls (CPU ops and kernels) per spec, and the GPU's
+   idle time between kernels, the largest gaps named by the kernels around them.
+4. A kernel-time profile of the default head and the floor at 16384 tokens (ce, ce+kd): CUDA time per
+   call by kernel, so the gap over the floor is named (GEMMs, the loss kernel, the rest).
 """
 
 from __future__ import annotations
 
-import math
+import argparse
+import gzip
+import shutil
+import statistics
 import sys
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
-from bench_head import build_head, floor_call, make_inputs, time_ms  # noqa: E402
+from bench_head import build_head, extra_mib, floor_call, make_inputs  # noqa: E402
 
-from fastlm.losses.chunked_head import chunk_tokens  # noqa: E402
+import fastlm.losses.chunked_head as chunked_head  # noqa: E402
+import fastlm.losses.triton.scale as scale  # noqa: E402
+from fastlm.losses.validation import deferred_value_checks  # noqa: E402
 
-VOCAB = 131072
-
-
-def gemm_curve(hidden: int, device: torch.device) -> None:
-    weight = torch.randn(VOCAB, hidden, device=device, dtype=torch.bfloat16)
-    grads = torch.randn(6144, VOCAB, device=device, dtype=torch.bfloat16)
-    out = torch.empty(6144, hidden, device=device, dtype=torch.bfloat16)
-    print(f"dH GEMM (M x {VOCAB}) @ ({VOCAB} x {hidden}), bf16, SMs {torch.cuda.get_device_properties(0).multi_processor_count}")
-    print("| M | ms | TFLOP/s | ms per 1k rows |")
-    print("|---|---|---|---|")
-    for rows in range(1024, 6144 + 1, 128):
-        ms = time_ms(lambda rows=rows: torch.mm(grads[:rows], weight, out=out[:rows]), device, 60)
-        flops = 2 * rows * VOCAB * hidden
-        print(f"| {rows} | {ms:.3f} | {flops / ms / 1e9:.0f} | {ms / rows * 1e3:.3f} |", flush=True)
+VOCAB, HIDDEN = 131072, 2048
 
 
-def head_by_budget(spec_name: str, tokens: int, budgets: list[float], device: torch.device) -> None:
-    spec = build_head(spec_name, 0, device).spec
-    inputs = make_inputs(tokens, 2048, VOCAB, spec, device)
+def _mul(tensor: torch.Tensor, factor: torch.Tensor) -> None:
+    tensor.mul_(factor)
+
+
+def _patch(module: object, name: str, value: object) -> Callable[[], object]:
+    return lambda: mock.patch.object(module, name, value)
+
+
+# name -> (logits budget MiB, context managers to run the call in); STUDENT_ONLY variants not with a teacher
+VARIANTS: dict[str, tuple[float, tuple]] = {
+    "default": (1408, ()),
+    "deferred": (1408, (deferred_value_checks,)),
+    "mul_ scale": (1408, (_patch(scale, "scale_unless_one", _mul),)),
+    "5504 rows": (1408, (_patch(chunked_head, "_chunk_rows", lambda tokens, limit: min(tokens, 5504)),)),
+    "full": (0, ()),
+    "full deferred": (0, (deferred_value_checks,)),
+}
+STUDENT_ONLY = ("5504 rows",)
+
+
+@contextmanager
+def entered(contexts: tuple) -> Iterator[None]:
+    with ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context())
+        yield
+
+
+def timed_rounds(calls: dict[str, Callable[[], object]], rounds: int, per_round: int) -> dict[str, list[float]]:
+    """ms per call of each variant, one sample per round, the variants interleaved within a round."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(per_round):
+                call()
+            end.record()
+            torch.cuda.synchronize()
+            samples[name].append(start.elapsed_time(end) / per_round)
+    return samples
+
+
+def variant_calls(spec_name: str, tokens: int, device: torch.device) -> tuple[dict[str, Callable[[], object]], dict[str, float]]:
+    """Each variant's forward + backward (run under its patches), after one warm-up call; its extra MiB."""
+    head0 = build_head(spec_name, 1408, device)
+    teacher = head0.spec.teacher is not None
+    inputs = make_inputs(tokens, HIDDEN, VOCAB, head0.spec, device)
     leaves = (inputs.hidden, inputs.weight)
-    floor = time_ms(floor_call(inputs, spec), device, 100)
-    for budget in budgets:
+    calls: dict[str, Callable[[], object]] = {"floor": floor_call(inputs, head0.spec)}
+    memory: dict[str, float] = {}
+    for name, (budget, contexts) in VARIANTS.items():
+        if name in STUDENT_ONLY and teacher:
+            continue
+        if name.startswith("full") and tokens * VOCAB * 2 * (4 if teacher else 3) > 0.8 * torch.cuda.mem_get_info()[0]:
+            continue
         head = build_head(spec_name, budget, device)
-        chunk = chunk_tokens(tokens, VOCAB, 2, budget, spec.teacher is not None)
 
-        def call(head=head) -> tuple:
-            return torch.autograd.grad(head(inputs.hidden, inputs.weight, inputs.targets, inputs.normalizers).loss, leaves)
+        def call(head=head, contexts=contexts) -> tuple:
+            with entered(contexts):
+                loss = head(inputs.hidden, inputs.weight, inputs.targets, inputs.normalizers).loss
+                return torch.autograd.grad(loss, leaves)
 
+        memory[name] = extra_mib(call, device) or 0.0
+        calls[name] = call
+    return calls, memory
+
+
+def compare(spec_name: str, tokens: int, rounds: int, device: torch.device) -> None:
+    calls, memory = variant_calls(spec_name, tokens, device)
+    samples = timed_rounds(calls, rounds, max(2, 131072 // tokens))  # ~0.4 s a variant a round
+    floor = statistics.median(samples["floor"])
+    for name, values in samples.items():
+        ms = statistics.median(values)
+        spread = (max(values) - min(values)) / ms
+        print(f"| {spec_name} | {tokens} | {name} | {ms:.2f} | {ms / floor:.3f} | {spread:.1%} | "
+              f"{memory.get(name, 0):.0f} |", flush=True)
+    del calls
+    torch.cuda.empty_cache()
+
+
+def profile(spec_name: str, tokens: int, device: torch.device, calls: int = 3) -> None:
+    """CUDA time per call by kernel (the top ones), the default head and the floor."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    head = build_head(spec_name, 1408, device)
+    inputs = make_inputs(tokens, HIDDEN, VOCAB, head.spec, device)
+    leaves = (inputs.hidden, inputs.weight)
+    runs = {
+        "default": lambda: torch.autograd.grad(head(inputs.hidden, inputs.weight, inputs.targets, inputs.normalizers).loss, leaves),
+        "floor": floor_call(inputs, head.spec),
+    }
+    for name, call in runs.items():
         call()
-        ms = time_ms(call, device, 100)
-        print(f"| {spec_name} | {tokens} | {budget:g} | {chunk} x {math.ceil(tokens / chunk)} | {ms:.2f} | "
-              f"{floor:.2f} | {ms / floor:.3f} |", flush=True)
-        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                call()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        events.sort(key=lambda e: -e.device_time_total)
+        total = sum(e.self_device_time_total for e in events) / calls / 1e3
+        print(f"\n{spec_name} {tokens} {name}: {total:.2f} ms of kernels a call")
+        print("| kernel | launches a call | ms a call |")
+        print("|---|---|---|")
+        for event in events[:14]:
+            print(f"| {event.key[:90]} | {event.count / calls:g} | {event.self_device_time_total / calls / 1e3:.3f} |")
+    torch.cuda.empty_cache()
 
 
-def main() -> int:
+def default_call(spec_name: str, tokens: int, device: torch.device) -> Callable[[], tuple]:
+    head = build_head(spec_name, 1408, device)
+    inputs = make_inputs(tokens, HIDDEN, VOCAB, head.spec, device)
+    leaves = (inputs.hidden, inputs.weight)
+    return lambda: torch.autograd.grad(head(inputs.hidden, inputs.weight, inputs.targets, inputs.normalizers).loss, leaves)
+
+
+def find_syncs(spec_name: str, tokens: int, device: torch.device) -> None:
+    """Each synchronizing CUDA call of one default call (torch's sync debug mode), with its Python stack."""
+    call = default_call(spec_name, tokens, device)
+    call()
+    torch.cuda.synchronize()
+    syncs: list[tuple[str, str]] = []
+
+    def record(message: Warning | str, *args: object, **kwargs: object) -> None:
+        frames = [line for line in traceback.format_stack()[:-1] if "fastlm" in line or "head_chunks" in line]
+        syncs.append((str(message)[:90], "".join(frames[-4:])))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    print(f"\n{spec_name} {tokens} default: {len(syncs)} warnings (synchronizing CUDA calls) in one call")
+    for message, stack in syncs:
+        print(f"- {message}\n{stack}")
+    torch.cuda.empty_cache()
+
+
+def trace(spec_name: str, tokens: int, device: torch.device, directory: Path, calls: int = 3) -> None:
+    """A chrome trace of `calls` default calls, and the GPU's idle gaps between kernels."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    call = default_call(spec_name, tokens, device)
+    call()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"trace_{spec_name}_{tokens}.json"
+    prof.export_chrome_trace(str(path))
+    with path.open("rb") as source, gzip.open(f"{path}.gz", "wb") as target:
+        shutil.copyfileobj(source, target)
+    path.unlink()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    gaps = [(b.time_range.start - a.time_range.end, a.name, b.name) for a, b in zip(kernels, kernels[1:])]
+    span = (kernels[-1].time_range.end - kernels[0].time_range.start) / 1e3
+    idle = sum(gap for gap, _, _ in gaps if gap > 0) / 1e3
+    print(f"\n{spec_name} {tokens} default, {calls} calls: GPU span {span / calls:.2f} ms a call, idle between kernels "
+          f"{idle / calls:.2f} ms a call; largest gaps (us, after -> before):")
+    for gap, before, after in sorted(gaps, reverse=True)[:12]:
+        print(f"  {gap:8.0f}  {before[:50]} -> {after[:50]}")
+    torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--specs", nargs="+", default=["ce", "ce+z+grpo", "ce+kd"])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--no-compare", action="store_true")
+    parser.add_argument("--syncs", action="store_true", help="list the synchronizing CUDA calls of a default call")
+    parser.add_argument("--trace", type=Path, help="write chrome traces here and print the GPU's idle gaps")
+    args = parser.parse_args(argv)
     device = torch.device("cuda")
-    for hidden in (2048, 4096):
-        gemm_curve(hidden, device)
-        torch.cuda.empty_cache()
-    print("| spec | T | budget MiB | chunk x count | ms | floor ms | x floor |")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; V={VOCAB}, H={HIDDEN}, bf16, median of "
+          f"{args.rounds} interleaved rounds; spread = (max - min) / median")
+    for spec_name in ("ce", "ce+kd") if args.syncs else ():
+        find_syncs(spec_name, 16384, device)
+    for spec_name in ("ce", "ce+kd") if args.trace else ():
+        trace(spec_name, 16384, device, args.trace)
+    print("| spec | T | variant | ms | x floor | spread | +MiB |")
     print("|---|---|---|---|---|---|---|")
-    for tokens in (16384, 65536):
+    for tokens in () if args.no_compare else args.tokens:
+        for spec_name in args.specs:
+            compare(spec_name, tokens, args.rounds, device)
+    if not args.no_profile:
         for spec_name in ("ce", "ce+kd"):
-            head_by_budget(spec_name, tokens, [512, 768, 1024, 1408], device)
+            profile(spec_name, 16384, device)
     return 0
 
 
