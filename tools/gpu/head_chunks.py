@@ -1,10 +1,10 @@
-"""Where the chunked head's time over the GEMM floor goes: variants of the head timed side by side (H200).
+"""Where the chunked head's time over the GEMM floor goes: variants of the head timed side by side (CUDA).
 
     python tools/gpu/head_chunks.py                      # ~3 minutes: ce, ce+z+grpo, ce+kd at 16384 and 65536
     python tools/gpu/head_chunks.py --tokens 16384 --specs ce+kd --rounds 3
 
 1. Variants of the chunked head (V=131072, H=2048, bf16, forward + backward by `torch.autograd.grad`),
-   timed interleaved: every round times each variant once (`--calls` calls between two CUDA events), so
+   timed interleaved: every round times each variant once (a few calls between two CUDA events), so
    a GPU that slows down as the run goes on slows every variant alike; the median over rounds is kept.
    The variants patch one thing each in `fastlm.losses.chunked_head` or the grad_output scaling:
    - default: the shipped rule (1408 MiB: 4096-token chunks, 2048 with a teacher);
@@ -135,13 +135,7 @@ def profile(spec_name: str, tokens: int, device: torch.device, calls: int = 3) -
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    head = build_head(spec_name, 1408, device)
-    inputs = make_inputs(tokens, HIDDEN, VOCAB, head.spec, device)
-    leaves = (inputs.hidden, inputs.weight)
-    runs = {
-        "default": lambda: torch.autograd.grad(head(inputs.hidden, inputs.weight, inputs.targets, inputs.normalizers).loss, leaves),
-        "floor": floor_call(inputs, head.spec),
-    }
+    runs = dict(zip(("default", "floor"), default_call(spec_name, tokens, device)))
     for name, call in runs.items():
         call()
         torch.cuda.synchronize()
@@ -160,16 +154,18 @@ def profile(spec_name: str, tokens: int, device: torch.device, calls: int = 3) -
     torch.cuda.empty_cache()
 
 
-def default_call(spec_name: str, tokens: int, device: torch.device) -> Callable[[], tuple]:
+def default_call(spec_name: str, tokens: int, device: torch.device) -> tuple[Callable[[], tuple], Callable[[], tuple]]:
+    """The default head's forward + backward, and the floor's GEMMs, on the same inputs."""
     head = build_head(spec_name, 1408, device)
     inputs = make_inputs(tokens, HIDDEN, VOCAB, head.spec, device)
     leaves = (inputs.hidden, inputs.weight)
-    return lambda: torch.autograd.grad(head(inputs.hidden, inputs.weight, inputs.targets, inputs.normalizers).loss, leaves)
+    return (lambda: torch.autograd.grad(head(inputs.hidden, inputs.weight, inputs.targets, inputs.normalizers).loss, leaves),
+            floor_call(inputs, head.spec))
 
 
 def find_syncs(spec_name: str, tokens: int, device: torch.device) -> None:
     """Each synchronizing CUDA call of one default call (torch's sync debug mode), with its Python stack."""
-    call = default_call(spec_name, tokens, device)
+    call, _ = default_call(spec_name, tokens, device)
     call()
     torch.cuda.synchronize()
     syncs: list[tuple[str, str]] = []
@@ -197,7 +193,7 @@ def trace(spec_name: str, tokens: int, device: torch.device, directory: Path, ca
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    call = default_call(spec_name, tokens, device)
+    call, _ = default_call(spec_name, tokens, device)
     call()
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -239,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         find_syncs(spec_name, 16384, device)
     for spec_name in ("ce", "ce+kd") if args.trace else ():
         trace(spec_name, 16384, device, args.trace)
-    print("| spec | T | variant | ms | x floor | spread | +MiB |")
-    print("|---|---|---|---|---|---|---|")
+    if not args.no_compare:
+        print("| spec | T | variant | ms | x floor | spread | +MiB |")
+        print("|---|---|---|---|---|---|---|")
     for tokens in () if args.no_compare else args.tokens:
         for spec_name in args.specs:
             compare(spec_name, tokens, args.rounds, device)

@@ -37,7 +37,7 @@ def scale_unless_one(tensor: torch.Tensor, scale: torch.Tensor) -> None:
     if scale.numel() != 1 or tensor.dtype not in DTYPES or scale.dtype not in DTYPES or not tensor.is_contiguous():
         tensor.mul_(scale)
         return
-    scale = scale.to(tensor.dtype if tensor.dtype == torch.float32 else torch.float32).reshape(1)
+    scale = scale.to(torch.float32).reshape(1)  # the math in fp32 for every 16-bit tensor, as mul_ does
     programs = min(triton.cdiv(tensor.numel(), BLOCK), MAX_PROGRAMS)
     if programs:
         scale_unless_one_kernel[(programs,)](tensor, scale, tensor.numel(), BLOCK=BLOCK, num_warps=NUM_WARPS)
