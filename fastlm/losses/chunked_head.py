@@ -25,8 +25,9 @@ where Triton runs, a kernel that skips the pass when it is 1). Only (chunk, V) l
   inputs' dtype; dH and dW come back in hidden's and weight's dtypes. dW accumulates in the weight's
   dtype (fp32 for the trainer's fp32 weights: no buffer beyond the gradient itself), or, with
   `fp32_weight_grad`, in an fp32 buffer for a 16-bit weight (docs/losses.md states both errors).
-- The value checks run once on the whole call and are read back at its end (or at the end of the
-  caller's `deferred_value_checks()` block), not once per chunk.
+- The value checks need only the targets: counted once on the whole call before its chunks, their copy
+  to the host starts then and is read at the call's end (or joins the caller's `deferred_value_checks()`
+  block), so that read does not wait for the chunks' GEMMs; the chunks' own counts are not read.
 """
 
 from __future__ import annotations
@@ -43,8 +44,7 @@ from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTarget
 from fastlm.losses.validation import (
     check_inputs,
     check_teacher_head,
-    deferred_to_call_end,
-    raise_on_bad_values,
+    checked_from_targets,
     value_flags,
 )
 
@@ -271,11 +271,11 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, call: _Call) -> tuple[L
     targets = _prepare(targets, normalizers, spec, torch.promote_types(dtype, torch.float32))
     grad_hidden = torch.empty_like(hidden) if call.hidden_grad else None
     grad_weight = WeightGrad(weight, dtype, call.fp32_weight_grad) if call.weight_grad else None
-    with torch.autocast(hidden.device.type, enabled=False), deferred_to_call_end():
+    with torch.autocast(hidden.device.type, enabled=False):
         _, counts = value_flags(stand_in, targets, spec, group)
-        raise_on_bad_values(counts, stand_in, targets, normalizers, spec, group)  # first: names whole-call indices
-        chunks = _Chunks(hidden, weight.to(dtype), teacher, targets, call.chunk, dtype, grad_hidden, grad_weight)
-        result = (_two_pass if spec.per_document else _one_pass)(chunks, call)
+        with checked_from_targets(counts, stand_in, targets, normalizers, spec, group):
+            chunks = _Chunks(hidden, weight.to(dtype), teacher, targets, call.chunk, dtype, grad_hidden, grad_weight)
+            result = (_two_pass if spec.per_document else _one_pass)(chunks, call)
     return result, grad_hidden, grad_weight
 
 

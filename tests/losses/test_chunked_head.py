@@ -32,6 +32,7 @@ from fastlm.losses.chunked_head import chunk_tokens, chunked_head_loss
 from fastlm.losses.compiled import compiled_loss
 from fastlm.losses.config import LMHeadConfig
 from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets, TeacherHead, label_logp
+from fastlm.losses.validation import collected_value_checks
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOKENS, HIDDEN, TEACHER_HIDDEN = 48, 8, 6
@@ -197,6 +198,18 @@ def test_bad_input_names_whole_call_tokens() -> None:
     other = dataclasses.replace(case, targets=dataclasses.replace(case.targets, teacher_head=teacher))
     with pytest.raises(ValueError, match=r"targets.teacher_head.weight must be \(vocab=37, teacher hidden size=6\), got \(30, 6\)"):
         run_head(other, "compiled", 12, {})
+
+
+def test_one_value_check_per_call() -> None:
+    """Collected (as the trainer does), a call of 4 chunks gives one check: the whole call's counts, made
+    before its chunks; the chunks count the same values on their rows and those are not collected."""
+    case = head_case("ce+z+grpo softcap")
+    with collected_value_checks() as checks:
+        run_head(case, "compiled", 12, {})
+    labels = case.targets.labels
+    assert len(checks) == 1
+    assert checks[0].counts.tolist() == [0, int((labels != -100).sum()), 0, 0]
+    assert checks[0].labels.shape == labels.shape
 
 
 def test_second_backward_says_how_to_get_one() -> None:

@@ -6,10 +6,11 @@
 1. Variants of the chunked head (V=131072, H=2048, bf16, forward + backward by `torch.autograd.grad`),
    timed interleaved: every round times each variant once (a few calls between two CUDA events), so
    a GPU that slows down as the run goes on slows every variant alike; the median over rounds is kept.
-   The variants patch one thing each in `fastlm.losses.chunked_head` or the grad_output scaling:
+   The variants patch one thing each (the value-check read, the grad_output scaling, the budget):
    - default: the shipped rule (1408 MiB: 4096-token chunks, 2048 with a teacher);
    - mul_ scale: backward multiplies dH and dW by grad_output with `mul_` (one pass over dW even for a 1);
-   - 5504 rows: chunks of 5504 tokens (the rule before commit 112ff1a: 3 chunks of 16384, not 4);
+   - end read: the value checks read at the call's end (a full drain of the GPU; before session 10 the
+     copy to the host did not start as soon as the counts were made);
    - full: the full-logits head (logits_memory_mib 0);
    - deferred: the default inside `deferred_value_checks()`, as the trainer calls it (the value checks
      read once per step, not at the end of every call).
@@ -41,8 +42,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 from bench_head import build_head, extra_mib, floor_call, make_inputs  # noqa: E402
 
-import fastlm.losses.chunked_head as chunked_head  # noqa: E402
 import fastlm.losses.triton.scale as scale  # noqa: E402
+import fastlm.losses.validation as validation  # noqa: E402
 from fastlm.losses.validation import deferred_value_checks  # noqa: E402
 
 VOCAB, HIDDEN = 131072, 2048
@@ -50,6 +51,16 @@ VOCAB, HIDDEN = 131072, 2048
 
 def _mul(tensor: torch.Tensor, factor: torch.Tensor) -> None:
     tensor.mul_(factor)
+
+
+class _EndRead:
+    """The value-check read before session 10: the counts read at the call's end, after its chunks (a full drain)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def read(self) -> list[float]:
+        return self.tensor.tolist()
 
 
 def _patch(module: object, name: str, value: object) -> Callable[[], object]:
@@ -61,11 +72,10 @@ VARIANTS: dict[str, tuple[float, tuple]] = {
     "default": (1408, ()),
     "deferred": (1408, (deferred_value_checks,)),
     "mul_ scale": (1408, (_patch(scale, "scale_unless_one", _mul),)),
-    "5504 rows": (1408, (_patch(chunked_head, "_chunk_rows", lambda tokens, limit: min(tokens, 5504)),)),
+    "end read": (1408, (_patch(validation, "_HostCopy", _EndRead),)),
     "full": (0, ()),
     "full deferred": (0, (deferred_value_checks,)),
 }
-STUDENT_ONLY = ("5504 rows",)
 
 
 @contextmanager
@@ -101,8 +111,6 @@ def variant_calls(spec_name: str, tokens: int, device: torch.device) -> tuple[di
     calls: dict[str, Callable[[], object]] = {"floor": floor_call(inputs, head0.spec)}
     memory: dict[str, float] = {}
     for name, (budget, contexts) in VARIANTS.items():
-        if name in STUDENT_ONLY and teacher:
-            continue
         if name.startswith("full") and tokens * VOCAB * 2 * (4 if teacher else 3) > 0.8 * torch.cuda.mem_get_info()[0]:
             continue
         head = build_head(spec_name, budget, device)
