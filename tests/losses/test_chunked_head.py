@@ -212,6 +212,29 @@ def test_one_value_check_per_call() -> None:
     assert checks[0].labels.shape == labels.shape
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to be busy after the call; runs on the H200")
+def test_call_returns_while_its_chunks_run() -> None:
+    """The call's one host read waits for its value-check counts (copied to the host before the chunks),
+    not for the chunks' GEMMs: the forward returns with the GPU still at work. Reading at the end, as
+    before session 10, drained it, and the GPU idled while the host queued the next call."""
+    tokens, hidden_size, vocab = 16384, 2048, 32768
+    spec = make_spec("ce+z")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, device="cuda", generator=generator, dtype=torch.bfloat16)
+    weight = torch.randn(vocab, hidden_size, device="cuda", generator=generator, dtype=torch.bfloat16) * hidden_size**-0.5
+    hidden.requires_grad_(True), weight.requires_grad_(True)
+    labels = torch.randint(0, vocab, (tokens,), device="cuda", generator=generator)
+    targets, normalizers = LossTargets(labels), LossNormalizers(float(tokens))
+    budget = rows_budget(2048, vocab, torch.bfloat16, False)  # 8 chunks: ~10 ms of GEMMs on an H100
+    for _ in range(2):  # the first compiles the kernels
+        torch.cuda.synchronize()
+        result = chunked_head_loss(hidden, weight, targets, normalizers, spec, "triton", budget)
+        busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert busy, "the chunked head's forward waited for its chunks to finish"
+    assert torch.isfinite(result.loss)
+
+
 def test_second_backward_says_how_to_get_one() -> None:
     """The gradients are handed over once (no copy kept); retain_graph users are told to use full logits."""
     case = head_case("ce+z")
