@@ -222,7 +222,8 @@ def test_call_returns_while_its_chunks_run() -> None:
     generator = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(tokens, hidden_size, device="cuda", generator=generator, dtype=torch.bfloat16)
     weight = torch.randn(vocab, hidden_size, device="cuda", generator=generator, dtype=torch.bfloat16) * hidden_size**-0.5
-    hidden.requires_grad_(True), weight.requires_grad_(True)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
     labels = torch.randint(0, vocab, (tokens,), device="cuda", generator=generator)
     targets, normalizers = LossTargets(labels), LossNormalizers(float(tokens))
     budget = rows_budget(2048, vocab, torch.bfloat16, False)  # 8 chunks: ~10 ms of GEMMs on an H100
