@@ -158,6 +158,14 @@ class ValueCheck:
 _PENDING: ContextVar[list[ValueCheck] | None] = ContextVar("fastlm_pending_value_checks", default=None)
 
 
+def _value_check(
+    counts: torch.Tensor, logits: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec,
+    group: ProcessGroup | None,
+) -> ValueCheck:
+    return ValueCheck(counts, vocab_shard(logits, group)[1], targets.labels, targets.old_logp, targets.advantages,
+                      normalizers, spec)
+
+
 def raise_on_bad_values(
     counts: torch.Tensor,
     logits: torch.Tensor,
@@ -168,8 +176,7 @@ def raise_on_bad_values(
 ) -> None:
     """The call's one device->host read of `counts` (from `value_flags` or the fused kernel), then the
     named `ValueError`; inside `deferred_value_checks()` the read waits for the block's end instead."""
-    check = ValueCheck(counts, vocab_shard(logits, group)[1], targets.labels, targets.old_logp, targets.advantages,
-                       normalizers, spec)
+    check = _value_check(counts, logits, targets, normalizers, spec, group)
     pending = _PENDING.get()
     if pending is None:
         check.raise_if_bad(counts.tolist())
@@ -248,8 +255,7 @@ def checked_from_targets(
     GPU, which then idled while the host queued the next call (~3.7 ms of a 43 ms head call on the
     H100). The loss calls inside the block count the same values on their rows: not read. Inside
     `collected_value_checks()` the call's check joins that block's; nothing is read if the block raises."""
-    check = ValueCheck(counts, vocab_shard(logits, group)[1], targets.labels, targets.old_logp, targets.advantages,
-                       normalizers, spec)
+    check = _value_check(counts, logits, targets, normalizers, spec, group)
     pending = _PENDING.get()
     copy = None if pending is not None else _HostCopy(counts)
     if pending is not None:
