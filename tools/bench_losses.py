@@ -3,6 +3,7 @@
     python tools/bench_losses.py                # H200: all specs x tokens {4096,16384} x vocab {32000,131072}
     python tools/bench_losses.py --tune         # block size x num_warps sweep (CE, CE+z+GRPO; T=16384, V=32000/131072)
     python tools/bench_losses.py --tune --tune-spec ce+kd --tune-prefetch 0 1   # with and without prefetch
+    python tools/bench_losses.py --tune --tune-spec ce+kd --tune-split 1 4 8 16 # programs per row
     python tools/bench_losses.py --cpu-smoke    # tiny shapes on CPU (Triton interpreted), a few seconds
 
 Implementations: triton (fresh gradient buffer), triton-deferred (the same inside
@@ -301,11 +302,18 @@ def benchmark(
 
 def tune(
     token_counts: list[int], vocabs: list[int], spec_names: list[str], bench: Bench, copy_gb_s: float,
-    prefetches: tuple[bool, ...] | None,
+    prefetches: tuple[bool, ...] | None, splits: tuple[int, ...] | None = None,
 ) -> list[dict]:
-    """Block size x num_warps x prefetch (None: each spec's default only) of the fused launch alone
-    (`fused_kernel_only`): the host tail is the same at every point, so it would only add noise."""
-    from fastlm.losses.triton.launcher import _block_size, default_max_block, default_num_warps, default_prefetch
+    """Block size x num_warps x prefetch x programs per row (None: each spec's default only) of the
+    fused launch alone (`fused_kernel_only`): the host tail is the same at every point, so it would
+    only add noise."""
+    from fastlm.losses.triton.launcher import (
+        _block_size,
+        default_max_block,
+        default_num_warps,
+        default_prefetch,
+        default_split,
+    )
 
     rows = []
     for spec_name, tokens, vocab in ((s, t, v) for s in spec_names for t in token_counts for v in vocabs):
@@ -316,17 +324,22 @@ def tune(
             case.buffer = case.logits.clone()
         r1_ms = roofline_bytes(cases[0], spec) / (copy_gb_s * 1e9) * 1e3
         default = _block_size(vocab, default_max_block(vocab, distill))
-        default_point = (default, default_num_warps(default), default_prefetch(distill))
+        default_point = (default, default_num_warps(default), default_prefetch(distill),
+                         default_split(vocab, default, distill))
         points = []
         flags = prefetches if prefetches is not None else (default_prefetch(distill),)
-        for block, warps, prefetch in ((b, w, f) for b in bench.tune_blocks for w in bench.tune_warps for f in flags):
-            options = {"max_block": block, "num_warps": warps, "prefetch": prefetch}
+        grid = ((b, w, f, s) for b in bench.tune_blocks for w in bench.tune_warps for f in flags
+                for s in (splits or (None,)))
+        for block, warps, prefetch, split in grid:
+            size = _block_size(vocab, block)
+            split = default_split(vocab, size, distill) if split is None else split
+            options = {"max_block": block, "num_warps": warps, "prefetch": prefetch, "split": split}
             calls = implementations(spec_name, spec, bench.device, None, options)
             kernel = bench.time_ms(rotating(cases, calls["triton-kernel"]))
-            point = (_block_size(vocab, block), warps, prefetch)
+            point = (size, warps, prefetch, split)
             points.append({
-                "spec": spec_name, "tokens": tokens, "vocab": vocab, "block": point[0], "num_warps": warps,
-                "prefetch": prefetch, "kernel_ms": kernel, "kernel_x_r1": kernel / r1_ms,
+                "spec": spec_name, "tokens": tokens, "vocab": vocab, "block": size, "num_warps": warps,
+                "prefetch": prefetch, "split": split, "kernel_ms": kernel, "kernel_x_r1": kernel / r1_ms,
                 "default": point == default_point, "best_kernel": False,
             })
         min(points, key=lambda p: p["kernel_ms"])["best_kernel"] = True
@@ -473,7 +486,7 @@ def ab_table(rows: list[dict]) -> str:
 
 
 def suggest_defaults(rows: list[dict]) -> list[dict]:
-    """Per vocab: the (block, num_warps, prefetch) with the lowest geometric mean over the swept
+    """Per vocab: the (block, num_warps, prefetch, split) with the lowest geometric mean over the swept
     (spec, tokens) of kernel-only time / that case's best kernel-only time (1.0 = best everywhere), next
     to the current default's."""
     suggestions = []
@@ -484,7 +497,7 @@ def suggest_defaults(rows: list[dict]) -> list[dict]:
         scores: dict[tuple, list[float]] = {}
         defaults: dict[tuple, bool] = {}
         for r in timed:
-            point = (r["block"], r["num_warps"], r["prefetch"])
+            point = (r["block"], r["num_warps"], r["prefetch"], r["split"])
             scores.setdefault(point, []).append(r["kernel_ms"] / best[(r["spec"], r["tokens"])])
             defaults[point] = defaults.get(point, False) or r["default"]
         geo = {p: statistics.geometric_mean(v) for p, v in scores.items() if len(v) == len(best)}
@@ -493,6 +506,7 @@ def suggest_defaults(rows: list[dict]) -> list[dict]:
         chosen = min(geo, key=geo.get)
         default = next((p for p, is_default in defaults.items() if is_default), None)
         suggestions.append({"vocab": vocab, "block": chosen[0], "num_warps": chosen[1], "prefetch": chosen[2],
+                            "split": chosen[3],
                             "score": geo[chosen], "default": default,
                             "default_score": geo.get(default) if default else None,
                             "specs": sorted(f"{spec}@{tokens}" for spec, tokens in best)})
@@ -533,9 +547,11 @@ def results_table(rows: list[dict], copy_gb_s: float) -> str:
 
 def tune_table(rows: list[dict], suggestions: list[dict]) -> str:
     """The kernel alone per point (`*` current default, `best` = fastest), then the suggestions."""
-    lines = ["| spec | T | V | block | num_warps | prefetch | kernel only ms | xR1 | default | best |", "|" + "---|" * 10]
+    lines = ["| spec | T | V | block | num_warps | prefetch | split | kernel only ms | xR1 | default | best |",
+             "|" + "---|" * 11]
     lines += [
         f"| {r['spec']} | {r['tokens']} | {r['vocab']} | {r['block']} | {r['num_warps']} | {int(r['prefetch'])} "
+        f"| {r['split']} "
         f"| {r['kernel_ms']:.3f} | {r['kernel_x_r1']:.2f} | {'*' if r['default'] else ''} | {'best' if r['best_kernel'] else ''} |"
         for r in rows
     ]
@@ -543,7 +559,7 @@ def tune_table(rows: list[dict], suggestions: list[dict]) -> str:
         current = "/".join(map(str, map(int, pick["default"]))) + f" at {pick['default_score']:.3f}" if pick["default"] else "not swept"
         lines.append(
             f"suggested default V={pick['vocab']}: max_block {pick['block']}, num_warps {pick['num_warps']}, "
-            f"prefetch {int(pick['prefetch'])} "
+            f"prefetch {int(pick['prefetch'])}, split {pick['split']} "
             f"(kernel only, geo-mean over {', '.join(pick['specs'])} of time / each case's best: "
             f"{pick['score']:.3f}; current {current})"
         )
@@ -562,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune-warps", type=int, nargs="+", default=None, help="override the num_warps grid")
     parser.add_argument("--tune-prefetch", type=int, nargs="+", choices=(0, 1), default=None,
                         help="sweep loading each vocab block an iteration ahead (1) or not (0); default: each spec's default")
+    parser.add_argument("--tune-split", type=int, nargs="+", default=None,
+                        help="sweep the fused launch's programs per row (powers of two); default: each spec's default")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="a folder from tools/gpu/make_baseline.sh (.baseline): time its fastlm_base ('before') "
                         "next to this tree ('after') on the same inputs, trainer call and kernel alone")
@@ -596,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
         bench.tune_blocks = args.tune_block or bench.tune_blocks
         bench.tune_warps = args.tune_warps or bench.tune_warps
         prefetches = None if args.tune_prefetch is None else tuple(bool(f) for f in args.tune_prefetch)
-        report["tune"] = tune(tokens, vocabs, args.tune_spec, bench, copy_gb_s, prefetches)
+        splits = None if args.tune_split is None else tuple(args.tune_split)
+        report["tune"] = tune(tokens, vocabs, args.tune_spec, bench, copy_gb_s, prefetches, splits)
         report["suggested"] = suggest_defaults(report["tune"])
         table = tune_table(report["tune"], report["suggested"])
     else:

@@ -57,6 +57,11 @@ import triton.language as tl
 MODE_FUSED = tl.constexpr(0)
 MODE_STATS = tl.constexpr(1)
 MODE_GRAD = tl.constexpr(2)
+# SPLIT > 1 (FUSED, looped rows): SPLIT programs share a row, one vocab segment each, and merge their stats.
+SPLIT_EXCHANGE = tl.constexpr(0)  # one launch: the row's programs publish, wait for each other, merge (GPU)
+SPLIT_PUBLISH = tl.constexpr(1)  # first of two launches: the stats pass, published, nothing else
+SPLIT_READ = tl.constexpr(2)  # second of two launches: merge what the first published, then terms and gradient
+N_PIECES = tl.constexpr(8)  # published per program: m, s, t, mu, su, cross, ss (base 2), the label's x2
 IGNORE_INDEX = tl.constexpr(-100)
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -405,6 +410,59 @@ def _store_grad_block(
 
 
 @triton.jit
+def _exchange_stats(
+    split_ptr, sync_ptr, row, part, m, s, t, mu, su, cross, ss, x2_label, inv_t, SPLIT: tl.constexpr,
+    SPLIT_PHASE: tl.constexpr, HAS_KD: tl.constexpr, KD_REVERSE: tl.constexpr, KD_TEMPERED: tl.constexpr,
+):
+    """A split row's stats (base 2, scalars): publish this segment's (PUBLISH, EXCHANGE), wait until
+    the row's SPLIT programs have published (EXCHANGE: an arrival counter per row; the programs took
+    tickets in launch order, so the ones a row waits for have started and none waits forever), then
+    merge all segments in segment order (READ, EXCHANGE), so every program of the row holds the same
+    stats. Returns them and the label's x2 (read by segment 0 before any gradient store)."""
+    slots = split_ptr + row * (SPLIT * N_PIECES)
+    if SPLIT_PHASE != SPLIT_READ:
+        slot = slots + part * N_PIECES
+        tl.store(slot, m)
+        tl.store(slot + 1, s)
+        tl.store(slot + 2, t)
+        tl.store(slot + 3, mu)
+        tl.store(slot + 4, su)
+        tl.store(slot + 5, cross)
+        tl.store(slot + 6, ss)
+        tl.store(slot + 7, x2_label)
+    if SPLIT_PHASE == SPLIT_EXCHANGE:
+        tl.debug_barrier()  # every thread's stores before the release
+        arrived = tl.atomic_add(sync_ptr + row, 1, sem="release") + 1
+        while arrived < SPLIT:
+            arrived = tl.atomic_add(sync_ptr + row, 0, sem="acquire")
+        tl.debug_barrier()
+    if SPLIT_PHASE != SPLIT_PUBLISH:
+        pieces = slots + tl.arange(0, SPLIT) * N_PIECES
+        maxima = tl.load(pieces, cache_modifier=".cg")  # .cg: from L2, where the other programs' stores are
+        m = tl.max(maxima, 0)
+        gap = tl.maximum(maxima - m, -3.0e38)  # an empty segment has max -inf and sums 0
+        weights = tl.exp2(gap)
+        sums = tl.load(pieces + 1, cache_modifier=".cg")
+        s = tl.sum(sums * weights, 0)
+        t = tl.sum(weights * (tl.load(pieces + 2, cache_modifier=".cg") + gap * sums), 0)
+        if HAS_KD:
+            teacher_maxima = tl.load(pieces + 3, cache_modifier=".cg")
+            mu = tl.max(teacher_maxima, 0)
+            teacher_weights = tl.exp2(teacher_maxima - mu)
+            su = tl.sum(tl.load(pieces + 4, cache_modifier=".cg") * teacher_weights, 0)
+            tempered_weights = tl.exp2(gap * inv_t)
+            ss = tl.sum(tl.load(pieces + 6, cache_modifier=".cg") * tempered_weights, 0)
+            # The cross sum is weighted like the softmax it sums under: the teacher's (forward), the KL
+            # student's (reverse: x, or x/T when tempered).
+            cross_weights = teacher_weights
+            if KD_REVERSE:
+                cross_weights = tempered_weights if KD_TEMPERED else weights
+            cross = tl.sum(tl.load(pieces + 5, cache_modifier=".cg") * cross_weights, 0)
+        x2_label = tl.load(slots + 7, cache_modifier=".cg")
+    return m, s, t, mu, su, cross, ss, x2_label
+
+
+@triton.jit
 def lm_loss_kernel(
     logits_ptr,
     logits_stride,
@@ -447,6 +505,8 @@ def lm_loss_kernel(
     cispo_entropy,
     cispo_token_weights_ptr,
     cispo_cap,
+    split_ptr,  # SPLIT > 1: (T, SPLIT, N_PIECES) fp32, each segment's published stats
+    sync_ptr,  # SPLIT > 1 and EXCHANGE: T arrival counters, then the ticket counter (int32, zeroed)
     MODE: tl.constexpr,
     ROW_CE: tl.constexpr,
     ROW_Z: tl.constexpr,
@@ -476,6 +536,8 @@ def lm_loss_kernel(
     PREFETCH: tl.constexpr,  # looped rows: load block b+1 before block b's math
     BLOCK: tl.constexpr,
     ACC: tl.constexpr,  # lanes of the running sums (one per thread)
+    SPLIT: tl.constexpr,  # programs per row (FUSED, looped rows), one vocab segment of whole blocks each
+    SPLIT_PHASE: tl.constexpr,  # SPLIT > 1: SPLIT_EXCHANGE, or SPLIT_PUBLISH then SPLIT_READ (two launches)
 ):
     # Base-2 units inside (exp2 is one instruction); natural units in and out.
     x_scale = logit_scale / softcap if HAS_SOFTCAP else logit_scale * LOG2E
@@ -486,14 +548,25 @@ def lm_loss_kernel(
     has_tail = n_full * BLOCK < n_cols
     kd_coeff = kd_weight * token_scale
     grad_coeff = grad_scale * logit_scale  # d(loss)/dx -> d(loss)/dz (times 1 - (x/c)^2 with a softcap)
-    row = tl.program_id(0).to(tl.int64)
-    n_rows = tl.num_programs(0).to(tl.int64)
+    n_rows = (tl.num_programs(0) // SPLIT).to(tl.int64)
+    if SPLIT > 1 and SPLIT_PHASE == SPLIT_EXCHANGE:
+        ticket = tl.atomic_add(sync_ptr + n_rows, 1).to(tl.int64)  # launch order, whatever the block ids
+    else:
+        ticket = tl.program_id(0).to(tl.int64)
+    row = ticket // SPLIT
+    part = (ticket % SPLIT).to(tl.int32)
+    # This program's blocks: full ones [first, end_full), and the row's tail block when it falls in them.
+    part_blocks = tl.cdiv(tl.cdiv(n_cols, BLOCK), SPLIT)
+    first = part * part_blocks
+    end_full = tl.minimum(first + part_blocks, n_full)
+    own_tail = has_tail & (n_full >= first) & (n_full < first + part_blocks)
     logits_row = logits_ptr + row * logits_stride
     grad_row = grad_ptr + row * grad_stride
     teacher_row = teacher_ptr + row * teacher_stride
     label = tl.load(labels_ptr + row)
     local_label = label - vocab_start
     in_shard = (local_label >= 0) & (local_label < n_cols)
+    owns_label = in_shard & (local_label >= first * BLOCK) & (local_label < (first + part_blocks) * BLOCK)
     if label != IGNORE_INDEX:
         if SINGLE_PASS:  # the whole row stays in registers for both passes
             x2 = _load_x2(logits_row, offsets, n_cols, x_scale, softcap, HAS_SOFTCAP, True, "evict_first")
@@ -533,18 +606,19 @@ def lm_loss_kernel(
                 m, s, t, mu, su, cross, ss, e = _block_stats(
                     x2, u2, m, s, t, mu, su, cross, ss, inv_temperature, True, need_moment, HAS_KD, KD_REVERSE,
                     KD_TEMPERED, ACC)
-            else:
+            elif SPLIT_PHASE != SPLIT_READ:
                 # Loads ask L2 to keep the row for the second pass. PREFETCH issues the next block's loads
                 # before this block's math (the last iteration re-reads the last block, unused).
                 if PREFETCH:
-                    z_next, teacher_next = _load_pair(logits_row, teacher_row, offsets, n_cols, HAS_KD, False,
-                                                      "evict_last")
-                for block in range(0, n_full):
+                    z_next, teacher_next = _load_pair(logits_row, teacher_row,
+                                                      tl.minimum(first, n_full - 1) * BLOCK + offsets, n_cols, HAS_KD,
+                                                      False, "evict_last")
+                for block in range(first, end_full):
                     if PREFETCH:
                         z_raw, teacher_raw = z_next, teacher_next
                         z_next, teacher_next = _load_pair(logits_row, teacher_row,
-                                                          tl.minimum(block + 1, n_full - 1) * BLOCK + offsets, n_cols,
-                                                          HAS_KD, False, "evict_last")
+                                                          tl.minimum(block + 1, end_full - 1) * BLOCK + offsets,
+                                                          n_cols, HAS_KD, False, "evict_last")
                     else:
                         z_raw, teacher_raw = _load_pair(logits_row, teacher_row, block * BLOCK + offsets, n_cols, HAS_KD,
                                                         False, "evict_last")
@@ -552,27 +626,37 @@ def lm_loss_kernel(
                         z_raw, teacher_raw, block * BLOCK + offsets, n_cols, x_scale, softcap, u_scale, m, s, t, mu, su,
                         cross, ss, inv_temperature, HAS_SOFTCAP, False, need_moment, HAS_KD, KD_REVERSE, KD_TEMPERED,
                         ACC)
-                if has_tail:
+                if own_tail:
                     tail = n_full * BLOCK + offsets
                     z_raw, teacher_raw = _load_pair(logits_row, teacher_row, tail, n_cols, HAS_KD, True, "evict_last")
                     m, s, t, mu, su, cross, ss = _merge_block(
                         z_raw, teacher_raw, tail, n_cols, x_scale, softcap, u_scale, m, s, t, mu, su, cross, ss,
                         inv_temperature, HAS_SOFTCAP, True, need_moment, HAS_KD, KD_REVERSE, KD_TEMPERED, ACC)
             s = tl.sum(s, 0)
-            t = tl.sum(t, 0) * LN2  # natural units from here on
+            t = tl.sum(t, 0)
+            su = tl.sum(su, 0)
+            cross = tl.sum(cross, 0)
+            ss = tl.sum(ss, 0)
+            if SPLIT > 1:
+                m, s, t, mu, su, cross, ss, x2_label = _exchange_stats(
+                    split_ptr, sync_ptr, row, part, m, s, t, mu, su, cross, ss, x2_label, inv_temperature, SPLIT,
+                    SPLIT_PHASE, HAS_KD, KD_REVERSE, KD_TEMPERED)
+            t = t * LN2  # natural units from here on
             m = m * LN2
             x_label = x2_label * LN2
-            if MODE == MODE_STATS:
+            if SPLIT_PHASE == SPLIT_PUBLISH:
+                pass  # the second launch does the rest
+            elif MODE == MODE_STATS:
                 tl.store(out0_ptr + row, m)
                 tl.store(out1_ptr + row, s)
                 tl.store(out2_ptr + row, x_label)
                 tl.store(out3_ptr + row, t)
                 if HAS_KD:
                     tl.store(kd0_ptr + row, mu * LN2)
-                    tl.store(kd1_ptr + row, tl.sum(su, 0))
-                    tl.store(kd2_ptr + row, tl.sum(cross, 0) * LN2)
+                    tl.store(kd1_ptr + row, su)
+                    tl.store(kd2_ptr + row, cross * LN2)
                     if KD_TEMPERED:  # its max is the student's over T
-                        tl.store(kd1_ptr + n_rows + row, tl.sum(ss, 0))
+                        tl.store(kd1_ptr + n_rows + row, ss)
             else:
                 log_s = tl.log(s)
                 lse = m + log_s
@@ -614,11 +698,11 @@ def lm_loss_kernel(
                         cispo_entropy, lse, entropy, prob_coeff, label_coeff, x_coeff, CISPO_REF, CISPO_ENTROPY)
                 kl_kd = 0.0
                 if HAS_KD:
-                    teacher_sum = tl.sum(su, 0)
+                    teacher_sum = su
                     teacher_lse2 = mu + tl.log2(teacher_sum)
-                    cross_sum = tl.sum(cross, 0) * LN2
+                    cross_sum = cross * LN2
                     if KD_TEMPERED:  # T^2 KL(q || p_T) or T^2 KL(p_T || q); every gradient term per element
-                        student_sum = tl.sum(ss, 0)
+                        student_sum = ss
                         student_lse = m * inv_temperature + tl.log(student_sum)
                         student_lse2 = student_lse * LOG2E
                         if KD_REVERSE:
@@ -635,15 +719,16 @@ def lm_loss_kernel(
                     else:
                         kl_kd = cross_sum / teacher_sum - teacher_lse2 * LN2 + lse
                         prob_coeff += kd_coeff
-                _store_terms(
-                    out0_ptr, row, n_rows, lse, new_logp, entropy, in_shard, old_logp, advantage, ratio, ref_gap,
-                    kl_kd, prob_coeff, label_coeff, x_coeff, teacher_lse2 * LN2, student_lse2 * LN2, kd_gap2 * LN2,
-                    token_scale, ce_weight, z_weight, kd_weight, grpo_weight, grpo_beta, grpo_entropy, w_grpo, eps_low,
-                    eps_high, grpo_delta, cispo_weight, cispo_beta, cispo_entropy, w_cispo, cispo_cap, ROW_CE, ROW_Z,
-                    ROW_GRPO, ROW_GSPO, ROW_CISPO, ROW_KD, GRPO_REF, CISPO_REF, GSPO_REF, KD_TEMPERED, ROW_TOTAL,
-                    ROW_FLAGS, ROW_STATE,
-                )
-        if COMPUTE_GRAD:
+                if part == 0:
+                    _store_terms(
+                        out0_ptr, row, n_rows, lse, new_logp, entropy, in_shard, old_logp, advantage, ratio, ref_gap,
+                        kl_kd, prob_coeff, label_coeff, x_coeff, teacher_lse2 * LN2, student_lse2 * LN2, kd_gap2 * LN2,
+                        token_scale, ce_weight, z_weight, kd_weight, grpo_weight, grpo_beta, grpo_entropy, w_grpo, eps_low,
+                        eps_high, grpo_delta, cispo_weight, cispo_beta, cispo_entropy, w_cispo, cispo_cap, ROW_CE, ROW_Z,
+                        ROW_GRPO, ROW_GSPO, ROW_CISPO, ROW_KD, GRPO_REF, CISPO_REF, GSPO_REF, KD_TEMPERED, ROW_TOTAL,
+                        ROW_FLAGS, ROW_STATE,
+                    )
+        if COMPUTE_GRAD and SPLIT_PHASE != SPLIT_PUBLISH:
             lse2 = lse * LOG2E
             prob_coeff = prob_coeff * grad_coeff
             label_coeff = label_coeff * grad_coeff
@@ -665,21 +750,22 @@ def lm_loss_kernel(
                 # re-read is evict-first. In place is safe: each thread stores only elements it loaded
                 # earlier, and a prefetched block is loaded an iteration before its own store.
                 if PREFETCH:
-                    z_next, teacher_next = _load_pair(logits_row, teacher_row, (n_full - 1) * BLOCK + offsets, n_cols,
-                                                      KD_GRAD, False, "evict_first")
-                if has_tail:
+                    z_next, teacher_next = _load_pair(logits_row, teacher_row,
+                                                      tl.maximum(end_full - 1, 0) * BLOCK + offsets, n_cols, KD_GRAD,
+                                                      False, "evict_first")
+                if own_tail:
                     tail = n_full * BLOCK + offsets
                     z_raw, teacher_raw = _load_pair(logits_row, teacher_row, tail, n_cols, KD_GRAD, True, "evict_first")
                     _store_grad_block(grad_row, z_raw, teacher_raw, tail, n_cols, x_scale, softcap, u_scale, lse2,
                                       teacher_lse2, inv_temperature, student_lse2, kd_gap2, prob_coeff, kd_grad_coeff,
                                       x_coeff, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE, KD_TEMPERED, X_TERM, True)
-                for step in range(0, n_full):
-                    block_offsets = (n_full - 1 - step) * BLOCK + offsets
+                for step in range(0, end_full - first):
+                    block_offsets = (end_full - 1 - step) * BLOCK + offsets
                     if PREFETCH:
                         z_raw, teacher_raw = z_next, teacher_next
                         z_next, teacher_next = _load_pair(logits_row, teacher_row,
-                                                          tl.maximum(n_full - 2 - step, 0) * BLOCK + offsets, n_cols,
-                                                          KD_GRAD, False, "evict_first")
+                                                          tl.maximum(end_full - 2 - step, first) * BLOCK + offsets,
+                                                          n_cols, KD_GRAD, False, "evict_first")
                     else:
                         z_raw, teacher_raw = _load_pair(logits_row, teacher_row, block_offsets, n_cols, KD_GRAD, False,
                                                         "evict_first")
@@ -687,7 +773,7 @@ def lm_loss_kernel(
                                       lse2, teacher_lse2, inv_temperature, student_lse2, kd_gap2, prob_coeff,
                                       kd_grad_coeff, x_coeff, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE,
                                       KD_TEMPERED, X_TERM, False)
-            if in_shard:
+            if owns_label:
                 # The label's element: the blocks above left out -label_coeff; rewrite it once the
                 # whole CTA's block stores are done (the barrier orders them before this one).
                 tl.debug_barrier()
@@ -711,14 +797,15 @@ def lm_loss_kernel(
                 tl.store(kd2_ptr + row, 0.0)
                 if KD_TEMPERED:
                     tl.store(kd1_ptr + n_rows + row, 1.0)
-        if MODE == MODE_FUSED:
-            for index in tl.static_range(N_TERMS):
-                _store_term(out0_ptr, index, n_rows, row, 0.0)
-        if COMPUTE_GRAD:
+        if MODE == MODE_FUSED and SPLIT_PHASE != SPLIT_PUBLISH:
+            if part == 0:
+                for index in tl.static_range(N_TERMS):
+                    _store_term(out0_ptr, index, n_rows, row, 0.0)
+        if COMPUTE_GRAD and SPLIT_PHASE != SPLIT_PUBLISH:
             zeros = tl.zeros([BLOCK], dtype=grad_ptr.dtype.element_ty)
-            for block in range(0, n_full):
+            for block in range(first, end_full):
                 tl.store(grad_row + block * BLOCK + offsets, zeros, cache_modifier=".cs")
-            if has_tail:
+            if own_tail:
                 tail = n_full * BLOCK + offsets
                 tl.store(grad_row + tail, zeros, mask=tail < n_cols, cache_modifier=".cs")
 

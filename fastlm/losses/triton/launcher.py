@@ -25,6 +25,7 @@ everything is enqueued, so the host never waits for the GPU before the end of th
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from functools import lru_cache, partial
 
@@ -44,10 +45,21 @@ from fastlm.losses.spec import (
     assemble_result,
     safe_inverse,
 )
-from fastlm.losses.triton.kernel import MODE_FUSED, MODE_GRAD, MODE_STATS, lm_loss_kernel, row_sums_kernel
+from fastlm.losses.triton.kernel import (
+    MODE_FUSED,
+    MODE_GRAD,
+    MODE_STATS,
+    N_PIECES,
+    SPLIT_EXCHANGE,
+    SPLIT_PUBLISH,
+    SPLIT_READ,
+    lm_loss_kernel,
+    row_sums_kernel,
+)
 from fastlm.losses.validation import check_inputs, raise_on_bad_values, value_flags, vocab_shard
 
 MAX_BLOCK = 32768
+SPLIT_DEFAULT = 8  # programs per row with distillation (`default_split`)
 ROW_SUM_BLOCK, ROW_SUM_WARPS = 8192, 16  # the term-sum launch: columns per step, warps (run 5: the fastest of 3)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -82,7 +94,17 @@ def default_prefetch(distillation: bool = False) -> bool:
     return distillation
 
 
-def _check_supported(logits: torch.Tensor, targets: LossTargets, spec: LossSpec, num_warps: int | None) -> None:
+def default_split(vocab: int, block: int, distillation: bool = False) -> int:
+    """Programs per row of the fused launch. With distillation a row of student + teacher (512 KiB at
+    V=131072 in bf16) is too long for its second read to hit L2 when each program holds a whole row;
+    SPLIT_DEFAULT programs per row each hold 1/SPLIT of it (at most one per block)."""
+    if not distillation or vocab <= block:
+        return 1
+    return min(SPLIT_DEFAULT, 1 << (triton.cdiv(vocab, block).bit_length() - 1))
+
+
+def _check_supported(logits: torch.Tensor, targets: LossTargets, spec: LossSpec, num_warps: int | None,
+                     split: int | None = None) -> None:
     """What this kernel cannot run, named; the shared checks live in validation.py."""
     if not spec.children:
         raise ValueError("the loss spec has no children; nothing for the Triton kernel to compute")
@@ -91,6 +113,8 @@ def _check_supported(logits: torch.Tensor, targets: LossTargets, spec: LossSpec,
         raise ValueError(f"the Triton kernel has no slot for {unsupported}; use the compiled path")
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps}")
+    if split is not None and split not in (1, 2, 4, 8, 16, 32, 64):
+        raise ValueError(f"split must be a power of two in [1, 64], got {split}")
     if not spec.logit_scale > 0 or (spec.softcap is not None and not spec.softcap > 0):
         # The kernel divides by the softcap; both are positive in every config (losses/config.py).
         raise ValueError(f"logit_scale and softcap must be > 0, got {spec.logit_scale} and {spec.softcap}")
@@ -127,6 +151,7 @@ class _Launch:
         max_block: int | None,
         num_warps: int | None,
         prefetch: bool | None,
+        split: int | None = None,
     ):
         self.logits = logits
         self.labels = targets.labels.contiguous()
@@ -142,6 +167,14 @@ class _Launch:
         self.num_warps = num_warps if num_warps is not None else default_num_warps(self.block)
         self.kd_grad = distillation and spec.teacher.weight != 0
         self.prefetch = default_prefetch(distillation) if prefetch is None else prefetch
+        vocab = logits.shape[1]
+        self.split = default_split(vocab, self.block, distillation) if split is None else split
+        if vocab <= self.block:
+            self.split = 1  # a single-block row has nothing to share
+        # On the GPU a split row's programs exchange their stats inside one launch; the interpreter runs
+        # programs one after another (a program that waited would wait forever), so it launches twice.
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1" or not logits.is_cuda
+        self.split_phases = (SPLIT_PUBLISH.value, SPLIT_READ.value) if interpreted else (SPLIT_EXCHANGE.value,)
 
     def vector(self, rows: int = 1) -> torch.Tensor:
         """An fp32 output of `rows` x tokens for a stats launch."""
@@ -183,38 +216,51 @@ class _Launch:
         rows = (layout.total, layout.flags, layout.state, layout.rows) if layout else (-1,) * 4
         if fused:
             x_term = _slot_arguments(self.spec, True)["X_TERM"]
-        lm_loss_kernel[(self.logits.shape[0],)](
-            self.logits,
-            self.logits.stride(0),
-            grad if grad is not None else self.logits,
-            grad.stride(0) if grad is not None else 0,
-            self.labels,
-            teacher,
-            teacher.stride(0),
-            self.logits.shape[1],
-            self.vocab_start,
-            float(self.spec.logit_scale),
-            float(self.spec.softcap) if self.spec.softcap is not None else 1.0,
-            *out,
-            *kd_out,
-            *(self._per_token(name) if fused else self.logits for name in ("old_logp", "advantages", "ref_logp")),
-            float(token_scale),
-            float(grad_scale),
-            **self.child_arguments(fused),
-            MODE=mode,
-            **dict(zip(("ROW_TOTAL", "ROW_FLAGS", "ROW_STATE", "N_TERMS"), rows)),
-            HAS_KD=mode != MODE_GRAD.value and distill is not None,
-            KD_GRAD=mode != MODE_STATS.value and grad is not None and self.kd_grad,
-            X_TERM=x_term,
-            HAS_SOFTCAP=self.spec.softcap is not None,
-            COMPUTE_GRAD=grad is not None,
-            SINGLE_PASS=self.logits.shape[1] <= self.block,
-            PREFETCH=self.prefetch and self.logits.shape[1] > self.block,
-            BLOCK=self.block,
-            ACC=min(self.block, 32 * self.num_warps * (16 // self.logits.element_size())),
-            num_warps=self.num_warps,
-            enable_fp_fusion=True,  # the fused multiply-adds the kernel is costed with; Triton 3.10 turns the default off
-        )
+        tokens = self.logits.shape[0]
+        split = self.split if fused else 1
+        phases, pieces, sync = (SPLIT_EXCHANGE.value,), self.logits, self.logits  # (never read unsplit)
+        if split > 1:
+            phases = self.split_phases
+            pieces = torch.empty(tokens * split * N_PIECES.value, dtype=torch.float32, device=self.logits.device)
+            if phases == (SPLIT_EXCHANGE.value,):
+                sync = torch.zeros(tokens + 1, dtype=torch.int32, device=self.logits.device)
+        for phase in phases:  # one launch, or publish then read (the interpreter)
+            lm_loss_kernel[(self.logits.shape[0] * split,)](
+                self.logits,
+                self.logits.stride(0),
+                grad if grad is not None else self.logits,
+                grad.stride(0) if grad is not None else 0,
+                self.labels,
+                teacher,
+                teacher.stride(0),
+                self.logits.shape[1],
+                self.vocab_start,
+                float(self.spec.logit_scale),
+                float(self.spec.softcap) if self.spec.softcap is not None else 1.0,
+                *out,
+                *kd_out,
+                *(self._per_token(name) if fused else self.logits for name in ("old_logp", "advantages", "ref_logp")),
+                float(token_scale),
+                float(grad_scale),
+                **self.child_arguments(fused),
+                split_ptr=pieces,
+                sync_ptr=sync,
+                MODE=mode,
+                **dict(zip(("ROW_TOTAL", "ROW_FLAGS", "ROW_STATE", "N_TERMS"), rows)),
+                HAS_KD=mode != MODE_GRAD.value and distill is not None,
+                KD_GRAD=mode != MODE_STATS.value and grad is not None and self.kd_grad,
+                X_TERM=x_term,
+                HAS_SOFTCAP=self.spec.softcap is not None,
+                COMPUTE_GRAD=grad is not None,
+                SINGLE_PASS=self.logits.shape[1] <= self.block,
+                PREFETCH=self.prefetch and self.logits.shape[1] > self.block,
+                BLOCK=self.block,
+                ACC=min(self.block, 32 * self.num_warps * (16 // self.logits.element_size())),
+                SPLIT=split,
+                SPLIT_PHASE=phase,
+                num_warps=self.num_warps,
+                enable_fp_fusion=True,  # the fused multiply-adds the kernel is costed with; Triton 3.10 turns the default off
+            )
 
 
 @lru_cache(maxsize=256)
@@ -382,12 +428,14 @@ def triton_loss(
     max_block: int | None = None,
     num_warps: int | None = None,
     prefetch: bool | None = None,
+    split: int | None = None,
 ) -> tuple[LossResult, torch.Tensor | None]:
     """The monolithic loss and its gradient w.r.t. the raw logits (this rank's vocab shard under
     `group`). `inplace` overwrites `logits` with the gradient; `max_block` caps the vocab block
-    (default `default_max_block(vocab)`), `num_warps` overrides the per-block default and `prefetch`
-    loads each vocab block an iteration ahead (default `default_prefetch`); all three for tuning."""
-    launch = _checked_launch(logits, targets, normalizers, spec, group, max_block, num_warps, prefetch)
+    (default `default_max_block(vocab)`), `num_warps` overrides the per-block default, `prefetch`
+    loads each vocab block an iteration ahead (default `default_prefetch`) and `split` sets the fused
+    launch's programs per row (default `default_split`); all four for tuning."""
+    launch = _checked_launch(logits, targets, normalizers, spec, group, max_block, num_warps, prefetch, split)
     grad = None
     if compute_grad:
         grad = logits if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
@@ -407,20 +455,20 @@ def triton_loss(
 def _checked_launch(
     logits: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec,
     group: ProcessGroup | None, max_block: int | None = None, num_warps: int | None = None,
-    prefetch: bool | None = None,
+    prefetch: bool | None = None, split: int | None = None,
 ) -> _Launch:
     """The host checks (this kernel's, then the shared ones), then the call's launch arguments."""
-    _check_supported(logits, targets, spec, num_warps)
+    _check_supported(logits, targets, spec, num_warps, split)
     check_inputs(logits, targets, normalizers, spec, group)
     vocab_start, _ = vocab_shard(logits, group)
-    return _Launch(logits, targets, normalizers, spec, vocab_start, max_block, num_warps, prefetch)
+    return _Launch(logits, targets, normalizers, spec, vocab_start, max_block, num_warps, prefetch, split)
 
 
 def triton_stats(
     logits: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec, *,
     group: ProcessGroup | None = None, **tuning: int | bool | None,
 ) -> dict[str, torch.Tensor]:
-    """The stats phase of one token chunk (for `triton_finish`); `tuning`: max_block, num_warps, prefetch."""
+    """The stats phase of one token chunk (for `triton_finish`); `tuning`: max_block, num_warps, prefetch, split."""
     launch = _checked_launch(logits, targets, normalizers, spec, group, **tuning)
     return _stats_phase(launch, group)
 
@@ -459,11 +507,12 @@ def fused_kernel_only(
     max_block: int | None = None,
     num_warps: int | None = None,
     prefetch: bool | None = None,
+    split: int | None = None,
 ) -> torch.Tensor:
     """The single fused launch and nothing else (no validation, no reduction of the terms), for specs
     without GSPO: the benchmark times it next to `triton_loss` to split kernel time from host-side
     work. Returns the (K, T) per-token term buffer."""
-    _check_supported(logits, targets, spec, num_warps)
-    launch = _Launch(logits, targets, normalizers, spec, 0, max_block, num_warps, prefetch)
+    _check_supported(logits, targets, spec, num_warps, split)
+    launch = _Launch(logits, targets, normalizers, spec, 0, max_block, num_warps, prefetch, split)
     terms, _ = _fused_terms(launch, grad, 1.0)
     return terms
