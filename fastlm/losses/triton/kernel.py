@@ -730,12 +730,12 @@ def lm_loss_kernel(
                         prob_coeff += kd_coeff
                 if part == 0:
                     _store_terms(
-                        out0_ptr, row, n_rows, lse, new_logp, entropy, in_shard, old_logp, advantage, ratio, ref_gap,
-                        kl_kd, prob_coeff, label_coeff, x_coeff, teacher_lse2 * LN2, student_lse2 * LN2, kd_gap2 * LN2,
-                        token_scale, ce_weight, z_weight, kd_weight, grpo_weight, grpo_beta, grpo_entropy, w_grpo, eps_low,
-                        eps_high, grpo_delta, cispo_weight, cispo_beta, cispo_entropy, w_cispo, cispo_cap, ROW_CE, ROW_Z,
-                        ROW_GRPO, ROW_GSPO, ROW_CISPO, ROW_KD, GRPO_REF, CISPO_REF, GSPO_REF, KD_TEMPERED, ROW_TOTAL,
-                        ROW_FLAGS, ROW_STATE,
+                        out0_ptr, row, n_rows, lse, new_logp, entropy, in_shard, old_logp, advantage, ratio,
+                        ref_gap, kl_kd, prob_coeff, label_coeff, x_coeff, teacher_lse2 * LN2, student_lse2 * LN2,
+                        kd_gap2 * LN2, token_scale, ce_weight, z_weight, kd_weight, grpo_weight, grpo_beta,
+                        grpo_entropy, w_grpo, eps_low, eps_high, grpo_delta, cispo_weight, cispo_beta, cispo_entropy,
+                        w_cispo, cispo_cap, ROW_CE, ROW_Z, ROW_GRPO, ROW_GSPO, ROW_CISPO, ROW_KD, GRPO_REF, CISPO_REF,
+                        GSPO_REF, KD_TEMPERED, ROW_TOTAL, ROW_FLAGS, ROW_STATE,
                     )
         if COMPUTE_GRAD and SPLIT_PHASE != SPLIT_PUBLISH:
             lse2 = lse * LOG2E

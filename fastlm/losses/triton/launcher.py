@@ -173,7 +173,7 @@ class _Launch:
             self.split = 1  # a single-block row has nothing to share
         # On the GPU a split row's programs exchange their stats inside one launch; the interpreter runs
         # programs one after another (a program that waited would wait forever), so it launches twice.
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1" or not logits.is_cuda
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # (tools/kernel_report.py: CPU tensors, compiled)
         self.split_phases = (SPLIT_PUBLISH.value, SPLIT_READ.value) if interpreted else (SPLIT_EXCHANGE.value,)
 
     def vector(self, rows: int = 1) -> torch.Tensor:
