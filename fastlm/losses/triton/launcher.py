@@ -228,7 +228,7 @@ class _Launch:
             if phases == (SPLIT_EXCHANGE.value,):
                 sync = torch.zeros(tokens + 1, dtype=torch.int32, device=self.logits.device)
         for phase in phases:  # one launch, or publish then read (the interpreter)
-            lm_loss_kernel[(self.logits.shape[0] * split,)](
+            lm_loss_kernel[(tokens * split,)](
                 self.logits,
                 self.logits.stride(0),
                 grad if grad is not None else self.logits,
