@@ -4,6 +4,7 @@ full-logits head, the fused-linear peers and the three-GEMM floor, in one run.
     python tools/bench_head.py                    # H200: ce, ce+z+grpo, ce+kd at T x H x V = {16384, 65536} x 2048 x 131072
     python tools/bench_head.py --specs ce ce+z --tokens 16384
     python tools/bench_head.py --cpu-smoke        # tiny shapes on CPU (the compiled path), seconds
+    python tools/bench_head.py --specs ce+kd --splits 1 8   # the chunked head at 1 and 8 programs per row, side by side
 
 One call = forward + backward of the head: hidden (T, H) bf16 and weight (V, H) bf16, both requiring
 grad, gradients by `torch.autograd.grad` (no accumulation into .grad). Columns:
@@ -13,6 +14,8 @@ grad, gradients by `torch.autograd.grad` (no accumulation into .grad). Columns:
   second logits GEMM of its two passes: the work no head can skip;
 - chunked: fastlm's LMHead at the default logits budget (`model.head.logits_memory_mib`, default 1408),
   dW summed in the weight's dtype (bf16 here); chunked+fp32dW: the same with an fp32 dW buffer;
+- chunked split=N (`--splits`): the chunked column with the fused kernel's `split=N` programs per row
+  (docs/tuning-log.md entry 19), to compare splits against the default in one run;
 - full: fastlm's LMHead with logits_memory_mib 0 (full logits; skipped where it would not fit);
 - liger: Liger-Kernel's fused linear cross entropy (CE; CE+z through lse_square_scale);
 - cce: Cut Cross-Entropy's linear_cross_entropy (CE only, shipped defaults);
@@ -65,7 +68,7 @@ DEFAULT_SPECS = ["ce", "ce+z+grpo", "ce+kd"]
 GPU_SHAPE = {"tokens": [16384, 65536], "hidden": 2048, "vocab": 131072}
 SMOKE_SHAPE = {"tokens": [40], "hidden": 16, "vocab": 96}
 COLUMNS = ("floor", "chunked", "chunked+fp32dW", "full", "liger", "cce", "eager")  # display order
-FASTLM = ("chunked", "chunked+fp32dW", "full")
+FASTLM = ("chunked", "chunked+fp32dW", "full")  # the columns whose gradients are checked (and the split ones)
 LIGER_Z_WEIGHT = {"ce": 0.0, "ce+z": 1e-4}  # the rows Liger's fused linear CE computes (z-loss: lse_square_scale)
 MEMORY_HEADROOM = 0.85  # a column runs when its estimated bytes fit in this share of the free memory
 
@@ -131,7 +134,21 @@ def _with_teacher(targets: LossTargets, teacher_logits: torch.Tensor | None) -> 
     return LossTargets(targets.labels, targets.old_logp, targets.advantages, targets.document_ids, teacher_logits)
 
 
-def column_calls(spec_name: str, inputs: Inputs, device: torch.device) -> dict[str, Callable[[], tuple]]:
+def split_column(split: int) -> str:
+    return f"chunked split={split}"
+
+
+def columns(splits: tuple[int, ...]) -> tuple[str, ...]:
+    """Display order: the split columns right after the default chunked one."""
+    return (*COLUMNS[:2], *(split_column(s) for s in splits), *COLUMNS[2:])
+
+
+def fastlm_columns(splits: tuple[int, ...]) -> tuple[str, ...]:
+    return (*FASTLM, *(split_column(s) for s in splits))
+
+
+def column_calls(spec_name: str, inputs: Inputs, device: torch.device,
+                 splits: tuple[int, ...] = ()) -> dict[str, Callable[[], tuple]]:
     """column -> a call doing forward + backward, returning (dH, dW) (the floor: its GEMM outputs)."""
     hidden, weight, targets, normalizers = inputs.hidden, inputs.weight, inputs.targets, inputs.normalizers
     leaves = (hidden, weight)
@@ -143,10 +160,13 @@ def column_calls(spec_name: str, inputs: Inputs, device: torch.device) -> dict[s
     def fastlm(head: LMHead) -> Callable[[], tuple]:
         return lambda: torch.autograd.grad(head(hidden, weight, targets, normalizers).loss, leaves)
 
-    def chunked_fp32() -> tuple:
-        result = chunked_head_loss(hidden, weight, targets, normalizers, spec, chunked.resolve(device),
-                                   DEFAULT_LOGITS_MEMORY_MIB, fp32_weight_grad=True)
-        return torch.autograd.grad(result.loss, leaves)
+    def chunked_with(fp32_weight_grad: bool = False, **options: int) -> Callable[[], tuple]:
+        def call() -> tuple:
+            result = chunked_head_loss(hidden, weight, targets, normalizers, spec, chunked.resolve(device),
+                                       DEFAULT_LOGITS_MEMORY_MIB, fp32_weight_grad=fp32_weight_grad, options=options)
+            return torch.autograd.grad(result.loss, leaves)
+
+        return call
 
     def eager() -> tuple:
         """bf16 logits (and teacher logits), the float32 reference loss on them by autograd."""
@@ -155,7 +175,8 @@ def column_calls(spec_name: str, inputs: Inputs, device: torch.device) -> dict[s
         loss = reference_loss(logits, _with_teacher(targets, teacher_logits), normalizers, spec).loss
         return torch.autograd.grad(loss, leaves)
 
-    calls: dict[str, Callable[[], tuple]] = {"chunked": fastlm(chunked), "chunked+fp32dW": chunked_fp32}
+    calls: dict[str, Callable[[], tuple]] = {"chunked": fastlm(chunked), "chunked+fp32dW": chunked_with(True)}
+    calls.update({split_column(split): chunked_with(split=split) for split in splits})
     if fits("floor", tokens, vocab, teacher, device):
         calls["floor"] = floor_call(inputs, spec)
     if fits("full", tokens, vocab, teacher, device):
@@ -262,7 +283,7 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def bench_row(spec_name: str, tokens: int, hidden: int, vocab: int, device: torch.device, rep_ms: int,
-              check: bool) -> dict:
+              check: bool, splits: tuple[int, ...] = ()) -> dict:
     """Every column of one (spec, shape); `check`: the fastlm columns' dH, dW against `reference_grads`."""
     spec = build_head(spec_name, 0, device).spec
     inputs = make_inputs(tokens, hidden, vocab, spec, device)
@@ -275,11 +296,11 @@ def bench_row(spec_name: str, tokens: int, hidden: int, vocab: int, device: torc
         except Exception as error:  # noqa: BLE001 - the timings still run
             row["failed"]["reference"] = f"{type(error).__name__}: {error}"
             traceback.print_exc()
-    calls = column_calls(spec_name, inputs, device)
-    for column in (c for c in COLUMNS if c in calls):
+    calls = column_calls(spec_name, inputs, device, splits)
+    for column in (c for c in columns(splits) if c in calls):
         try:
             grads = calls[column]()  # warm-up (compiles), and the accuracy sample
-            if reference is not None and column in FASTLM:
+            if reference is not None and column in fastlm_columns(splits):
                 row["err"][column] = {"dH": rel_err(grads[0], reference[0]), "dW": rel_err(grads[1], reference[1])}
             del grads
             row["ms"][column] = time_ms(calls[column], device, rep_ms)
@@ -304,23 +325,24 @@ def _round(value: object) -> object:
     return round(value, 4) if isinstance(value, float) else str(value)
 
 
-def table(rows: list[dict], device_name: str) -> str:
+def table(rows: list[dict], device_name: str, splits: tuple[int, ...] = ()) -> str:
+    shown, checked = columns(splits), fastlm_columns(splits)
     lines = [
         f"device {device_name}; torch {torch.__version__}; ms = median forward+backward of the head, (x) = / floor, "
         "+MiB = peak extra memory beyond inputs and the returned dH, dW; err = dH/dW vs float32 eager",
-        "| spec | T x H x V | " + " | ".join(COLUMNS) + " | err chunked | err chunked+fp32dW | err full |",
-        "|" + "---|" * (len(COLUMNS) + 5),
+        "| spec | T x H x V | " + " | ".join(shown) + " | " + " | ".join(f"err {c}" for c in checked) + " |",
+        "|" + "---|" * (len(shown) + len(checked) + 2),
     ]
     for row in rows:
         cells = []
-        for column in COLUMNS:
+        for column in shown:
             ms, extra, ratio = row["ms"].get(column), row["extra_mib"].get(column), row["x_floor"].get(column)
             if ms is None:
                 cells.append("fail" if column in row["failed"] else "-")
                 continue
             cell = f"{ms:.2f}" + (f" ({ratio:.2f}x)" if ratio else "")
             cells.append(cell + (f", +{extra:.0f}" if extra is not None else ""))
-        errs = [f"{e['dH']:.1e}/{e['dW']:.1e}" if (e := row["err"].get(column)) else "-" for column in FASTLM]
+        errs = [f"{e['dH']:.1e}/{e['dW']:.1e}" if (e := row["err"].get(column)) else "-" for column in checked]
         lines.append(f"| {row['spec']} | {row['tokens']} x {row['hidden']} x {row['vocab']} | " + " | ".join(cells)
                      + " | " + " | ".join(errs) + " |")
     return "\n".join(lines)
@@ -334,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--vocab", type=int, default=None)
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring time per column (ms)")
+    parser.add_argument("--splits", type=int, nargs="+", default=[],
+                        help="extra chunked columns at these programs per row of the fused kernel (CUDA)")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
         os.environ.setdefault("FASTLM_COMPILE", "0")
@@ -342,13 +366,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no CUDA device: use --cpu-smoke on CPU")
     else:
         device, shape = torch.device("cuda"), GPU_SHAPE
+    if args.splits and device.type != "cuda":
+        parser.error("--splits tunes the Triton kernel: it needs a CUDA device")
+    splits = tuple(args.splits)
     tokens = args.tokens or shape["tokens"]
     hidden, vocab = args.hidden or shape["hidden"], args.vocab or shape["vocab"]
     rows = []
     for index, count in enumerate(tokens):
         for spec_name in args.specs:
             try:
-                rows.append(bench_row(spec_name, count, hidden, vocab, device, args.rep_ms, check=index == 0))
+                rows.append(bench_row(spec_name, count, hidden, vocab, device, args.rep_ms, check=index == 0,
+                                      splits=splits))
             except Exception:  # noqa: BLE001 - a failed row must not lose the others
                 traceback.print_exc()
             if device.type == "cuda":
@@ -357,9 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"]) / "bench_head.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"device": device_name, "rows": rows}, indent=1, default=_round))
+        path.write_text(json.dumps({"device": device_name, "splits": splits, "rows": rows}, indent=1, default=_round))
         print(f"wrote {path}")
-    print(table(rows, device_name))
+    print(table(rows, device_name, splits))
     return 0
 
 
