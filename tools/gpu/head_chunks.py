@@ -13,12 +13,16 @@
      copy to the host did not start as soon as the counts were made);
    - full: the full-logits head (logits_memory_mib 0);
    - deferred: the default inside `deferred_value_checks()`, as the trainer calls it (the value checks
-     read once per step, not at the end of every call).
+     read once per step, not at the end of every call);
+   - split 1: the fused kernel with one program per row (`SPLIT_DEFAULT` 1, before tuning-log entry
+     19; the same as the default without distillation).
+   `--variants` picks some.
 2. With --syncs: every synchronizing CUDA call of one default call, with the Python stack that made it.
 3. With --trace DIR: a chrome trace of three default calls (CPU ops and kernels) per spec, and the GPU's
    idle time between kernels, the largest gaps named by the kernels around them.
-4. A kernel-time profile of the default head and the floor at 16384 tokens (ce, ce+kd): CUDA time per
-   call by kernel, so the gap over the floor is named (GEMMs, the loss kernel, the rest).
+4. A kernel-time profile of the default head, the other picked variants (not `full`) and the floor at
+   `--profile-tokens` (ce, ce+kd): CUDA time per call by kernel, so the gap over the floor is named
+   (GEMMs, the loss kernel, the rest).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 from bench_head import build_head, extra_mib, floor_call, make_inputs  # noqa: E402
 
+import fastlm.losses.triton.launcher as launcher  # noqa: E402
 import fastlm.losses.triton.scale as scale  # noqa: E402
 import fastlm.losses.validation as validation  # noqa: E402
 from fastlm.losses.validation import deferred_value_checks  # noqa: E402
@@ -75,6 +80,7 @@ VARIANTS: dict[str, tuple[float, tuple]] = {
     "end read": (1408, (_patch(validation, "_HostCopy", _EndRead),)),
     "full": (0, ()),
     "full deferred": (0, (deferred_value_checks,)),
+    "split 1": (1408, (_patch(launcher, "SPLIT_DEFAULT", 1),)),
 }
 
 
@@ -84,6 +90,11 @@ def entered(contexts: tuple) -> Iterator[None]:
         for context in contexts:
             stack.enter_context(context())
         yield
+
+
+def _under(contexts: tuple, call: Callable[[], tuple]) -> tuple:
+    with entered(contexts):
+        return call()
 
 
 def timed_rounds(calls: dict[str, Callable[[], object]], rounds: int, per_round: int) -> dict[str, list[float]]:
@@ -102,7 +113,8 @@ def timed_rounds(calls: dict[str, Callable[[], object]], rounds: int, per_round:
     return samples
 
 
-def variant_calls(spec_name: str, tokens: int, device: torch.device) -> tuple[dict[str, Callable[[], object]], dict[str, float]]:
+def variant_calls(spec_name: str, tokens: int, device: torch.device,
+                  variants: list[str]) -> tuple[dict[str, Callable[[], object]], dict[str, float]]:
     """Each variant's forward + backward (run under its patches), after one warm-up call; its extra MiB."""
     head0 = build_head(spec_name, 1408, device)
     teacher = head0.spec.teacher is not None
@@ -110,7 +122,8 @@ def variant_calls(spec_name: str, tokens: int, device: torch.device) -> tuple[di
     leaves = (inputs.hidden, inputs.weight)
     calls: dict[str, Callable[[], object]] = {"floor": floor_call(inputs, head0.spec)}
     memory: dict[str, float] = {}
-    for name, (budget, contexts) in VARIANTS.items():
+    for name in variants:
+        budget, contexts = VARIANTS[name]
         if name.startswith("full") and tokens * VOCAB * 2 * (4 if teacher else 3) > 0.8 * torch.cuda.mem_get_info()[0]:
             continue
         head = build_head(spec_name, budget, device)
@@ -125,8 +138,8 @@ def variant_calls(spec_name: str, tokens: int, device: torch.device) -> tuple[di
     return calls, memory
 
 
-def compare(spec_name: str, tokens: int, rounds: int, device: torch.device) -> None:
-    calls, memory = variant_calls(spec_name, tokens, device)
+def compare(spec_name: str, tokens: int, rounds: int, device: torch.device, variants: list[str]) -> None:
+    calls, memory = variant_calls(spec_name, tokens, device, variants)
     samples = timed_rounds(calls, rounds, max(2, 131072 // tokens))  # ~0.4 s a variant a round
     floor = statistics.median(samples["floor"])
     for name, values in samples.items():
@@ -138,12 +151,14 @@ def compare(spec_name: str, tokens: int, rounds: int, device: torch.device) -> N
     torch.cuda.empty_cache()
 
 
-def profile(spec_name: str, tokens: int, device: torch.device, calls: int = 3) -> None:
-    """CUDA time per call by kernel (the top ones), the default head and the floor."""
+def profile(spec_name: str, tokens: int, device: torch.device, variants: list[str], calls: int = 3) -> None:
+    """CUDA time per call by kernel (the top ones): the default head, the other chunked variants, the floor."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     runs = dict(zip(("default", "floor"), default_call(spec_name, tokens, device)))
+    for name in (v for v in variants if VARIANTS[v][0] and v != "default"):
+        runs[name] = lambda call=runs["default"], contexts=VARIANTS[name][1]: _under(contexts, call)
     for name, call in runs.items():
         call()
         torch.cuda.synchronize()
@@ -231,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--specs", nargs="+", default=["ce", "ce+z+grpo", "ce+kd"])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--profile-tokens", type=int, default=16384)
+    parser.add_argument("--profile-specs", nargs="+", default=["ce", "ce+kd"])
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--no-compare", action="store_true")
     parser.add_argument("--syncs", action="store_true", help="list the synchronizing CUDA calls of a default call")
@@ -248,10 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|---|---|---|---|")
     for tokens in () if args.no_compare else args.tokens:
         for spec_name in args.specs:
-            compare(spec_name, tokens, args.rounds, device)
+            compare(spec_name, tokens, args.rounds, device, args.variants)
     if not args.no_profile:
-        for spec_name in ("ce", "ce+kd"):
-            profile(spec_name, 16384, device)
+        for spec_name in args.profile_specs:
+            profile(spec_name, args.profile_tokens, device, args.variants)
     return 0
 
 

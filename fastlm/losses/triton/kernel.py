@@ -47,7 +47,7 @@ read before any store, so in-place gradients are safe). Three constexpr modes sh
 
 Masked rows (label -100) branch around the work and write a zero gradient; no early return.
 
-`SPLIT` > 1 (FUSED, looped rows; on request until measured, launcher.default_split): SPLIT programs
+`SPLIT` > 1 (FUSED, looped rows with distillation by default, launcher.default_split): SPLIT programs
 share a row, each owning a segment of whole blocks. Each runs the stats pass over its segment,
 publishes its pieces (`_exchange_stats`), merges every segment's in segment order, computes the same
 coefficients, and writes its segment's gradient, so a row's second read follows its first by one

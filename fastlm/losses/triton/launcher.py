@@ -59,10 +59,10 @@ from fastlm.losses.triton.kernel import (
 from fastlm.losses.validation import check_inputs, raise_on_bad_values, value_flags, vocab_shard
 
 MAX_BLOCK = 32768
-# Programs per row with distillation (`default_split`). 1 until a GPU run measures the split (tuning-log
-# entry 19: built and tested on the interpreter, compiled for sm_90, no device came in session 12); the
-# split runs on request: `split=` here, `bench_losses.py --tune-split`.
-SPLIT_DEFAULT = 1
+# Programs per row with distillation (`default_split`): 8, the fastest of 1/4/8/16 at the default
+# 4096/4 in the H100 sweep of tuning-log entry 19 (CE+kd's kernel alone at 2048 x 131072: 0.796 ->
+# 0.684 ms, 1.46 -> 1.26 x R1; at 16384: 5.94 -> 5.27 ms).
+SPLIT_DEFAULT = 8
 ROW_SUM_BLOCK, ROW_SUM_WARPS = 8192, 16  # the term-sum launch: columns per step, warps (run 5: the fastest of 3)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
