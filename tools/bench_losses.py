@@ -324,7 +324,7 @@ def tune(
             case.buffer = case.logits.clone()
         r1_ms = roofline_bytes(cases[0], spec) / (copy_gb_s * 1e9) * 1e3
         default = _block_size(vocab, default_max_block(vocab, distill))
-        default_point = (default, default_num_warps(default), default_prefetch(distill),
+        default_point = (default, default_num_warps(default, distill), default_prefetch(distill),
                          default_split(vocab, default, distill))
         points = []
         flags = prefetches if prefetches is not None else (default_prefetch(distill),)

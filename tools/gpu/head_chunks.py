@@ -14,8 +14,8 @@
    - full: the full-logits head (logits_memory_mib 0);
    - deferred: the default inside `deferred_value_checks()`, as the trainer calls it (the value checks
      read once per step, not at the end of every call);
-   - split 1: the fused kernel with one program per row (`SPLIT_DEFAULT` 1, before tuning-log entry
-     19; the same as the default without distillation).
+   - unsplit: the fused kernel with one program per row (`SPLIT_SEGMENT_COLUMNS` past any vocabulary,
+     so with distillation 4096/4 as before tuning-log entry 19; the default without distillation).
    `--variants` picks some.
 2. With --syncs: every synchronizing CUDA call of one default call, with the Python stack that made it.
 3. With --trace DIR: a chrome trace of three default calls (CPU ops and kernels) per spec, and the GPU's
@@ -80,7 +80,7 @@ VARIANTS: dict[str, tuple[float, tuple]] = {
     "end read": (1408, (_patch(validation, "_HostCopy", _EndRead),)),
     "full": (0, ()),
     "full deferred": (0, (deferred_value_checks,)),
-    "split 1": (1408, (_patch(launcher, "SPLIT_DEFAULT", 1),)),
+    "unsplit": (1408, (_patch(launcher, "SPLIT_SEGMENT_COLUMNS", 1 << 40),)),
 }
 
 

@@ -7,10 +7,11 @@
 #   (b) <=90 s  bench_losses.py --tune: CE+kd's kernel alone at 2048 and 16384 tokens, V = 32000, 152064,
 #              262144, split 1/2/4/8/16 at the default 4096/4 (V=131072 was swept in the first run at
 #              2048/4096 blocks); then V=131072 at blocks 8192/16384, warps 8/16, split 2/4/8;
-#   (c) <=130 s head_chunks.py: CE+kd's chunked head, default (split 8) and `split 1` interleaved at 16384
-#              and 65536 tokens, then a kernel-time profile of both and the floor at 16384;
-#   (d) the rest: bench_head.py (ce, ce+z+grpo, ce+kd at 16384 and 65536 x 2048 x 131072: the floor, the
-#              chunked and full heads, Liger, CCE), the issue's table.
+#   (c) <=130 s head_chunks.py: CE+kd's chunked head, default (split rows) and `unsplit` (4096/4, one
+#              program a row) interleaved at 16384 and 65536 tokens, then a kernel-time profile of both and
+#              the floor at 16384;
+#   (d) the rest: bench_head.py (SPLIT_HEAD_SPECS, default ce, ce+z+grpo, ce+kd at 16384 and 65536 x 2048 x
+#              131072: the floor, the chunked and full heads, Liger, CCE), the issue's table.
 # SPLIT_SECTIONS="a c": only those. A failing or overrunning section prints its traceback; the next runs.
 set -u
 cd "$(dirname "$0")/../.."
@@ -31,7 +32,7 @@ wanted() { [[ " $SECTIONS " == *" $1 "* ]]; }
   section "environment"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
   python3 -c "import torch, triton, pydantic; print('torch', torch.__version__, 'triton', triton.__version__, 'pydantic', pydantic.__version__, 'cuda', torch.cuda.is_available())"
-  grep -n "^SPLIT_DEFAULT" fastlm/losses/triton/launcher.py
+  grep -n "^SPLIT_SEGMENT_COLUMNS" fastlm/losses/triton/launcher.py
 
   if wanted a; then
     section "(a) tests compiled: test_triton_distillation.py, test_chunked_head.py, test_lm_head.py"
@@ -55,16 +56,16 @@ wanted() { [[ " $SECTIONS " == *" $1 "* ]]; }
   fi
 
   if wanted c; then
-    section "(c) head_chunks.py: CE+kd chunked head, split 8 (default) vs split 1, interleaved; profile"
+    section "(c) head_chunks.py: CE+kd chunked head, default (split rows) vs unsplit, interleaved; profile"
     timeout "$(capped 130 140)" python3 tools/gpu/head_chunks.py --specs ce+kd --tokens 16384 65536 --rounds 7 \
-      --variants default "split 1" --profile-specs ce+kd --profile-tokens 16384 > /tmp/split-chunks.txt 2>&1
+      --variants default unsplit --profile-specs ce+kd --profile-tokens 16384 > /tmp/split-chunks.txt 2>&1
     echo "head_chunks exit status: $? (124: timed out)" >> /tmp/split-chunks.txt
     cat /tmp/split-chunks.txt | tail -50
   fi
 
   if wanted d; then
-    section "(d) bench_head.py: ce, ce+z+grpo, ce+kd at 16384 and 65536"
-    timeout "$(capped 600 5)" python3 tools/bench_head.py --rep-ms 200 > /tmp/split-head.txt 2>&1
+    section "(d) bench_head.py at 16384 and 65536"
+    timeout "$(capped 600 5)" python3 tools/bench_head.py --specs ${SPLIT_HEAD_SPECS:-ce ce+z+grpo ce+kd} --rep-ms 200 > /tmp/split-head.txt 2>&1
     echo "bench_head exit status: $? (124: timed out)" >> /tmp/split-head.txt
     tail -10 /tmp/split-head.txt
   fi

@@ -59,10 +59,11 @@ from fastlm.losses.triton.kernel import (
 from fastlm.losses.validation import check_inputs, raise_on_bad_values, value_flags, vocab_shard
 
 MAX_BLOCK = 32768
-# Programs per row with distillation (`default_split`): 8, the fastest of 1/4/8/16 at the default
-# 4096/4 in the H100 sweep of tuning-log entry 19 (CE+kd's kernel alone at 2048 x 131072: 0.796 ->
-# 0.684 ms, 1.46 -> 1.26 x R1; at 16384: 5.94 -> 5.27 ms).
-SPLIT_DEFAULT = 8
+# With distillation a row longer than this many columns is split (`default_split`) into segments of
+# about this size, one program each, walked in 16384-column blocks on 8 warps: the fastest of the H100
+# sweeps in tuning-log entry 19 (CE+kd's kernel alone, 2048 rows: 0.796 -> 0.615 ms at V=131072,
+# 1.595 -> 1.207 at 262144, 0.921 -> 0.773 at 152064); shorter rows stay whole at 4096/4.
+SPLIT_SEGMENT_COLUMNS = 65536
 ROW_SUM_BLOCK, ROW_SUM_WARPS = 8192, 16  # the term-sum launch: columns per step, warps (run 5: the fastest of 3)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -76,18 +77,20 @@ def _block_size(vocab: int, max_block: int) -> int:
 def default_max_block(vocab: int, distillation: bool = False) -> int:
     """Label-based children: a quarter of the row per block, 16384 at most (8192 at V=32000, 16384 at
     V=131072: the fastest points of the H200 sweep, docs/tuning-log.md entry 12); a row of at most
-    4096 columns is one block. With distillation (two live rows per block) 4096."""
+    4096 columns is one block. With distillation (two live rows per block) 4096, and 16384 for a row
+    long enough to be split (entry 19)."""
     if distillation:
-        return 4096
+        return 16384 if vocab > SPLIT_SEGMENT_COLUMNS else 4096
     if vocab <= 4096:
         return triton.next_power_of_2(vocab)
     return min(16384, triton.next_power_of_2(triton.cdiv(vocab, 4)))
 
 
-def default_num_warps(block: int) -> int:
-    """One warp per 1024 columns, at least 4 (8192/8, 16384/16, distillation's 4096/4): 2-3% faster
-    than half the warps for CE and CE+z+GRPO in the H200 sweeps of runs 4, 6 and 7 (entry 14)."""
-    return min(32, max(4, block // 1024))
+def default_num_warps(block: int, distillation: bool = False) -> int:
+    """One warp per 1024 columns, at least 4 (8192/8, 16384/16): 2-3% faster than half the warps for CE
+    and CE+z+GRPO in the H200 sweeps of runs 4, 6 and 7 (entry 14). With distillation (two live rows
+    per block) one per 2048 (4096/4, 16384/8: 8 warps 10% faster than 16 at 16384, entry 19)."""
+    return min(32, max(4, block // (2048 if distillation else 1024)))
 
 
 def default_prefetch(distillation: bool = False) -> bool:
@@ -99,11 +102,13 @@ def default_prefetch(distillation: bool = False) -> bool:
 
 def default_split(vocab: int, block: int, distillation: bool = False) -> int:
     """Programs per row of the fused launch. With distillation a row of student + teacher (512 KiB at
-    V=131072 in bf16) is too long for its second read to hit L2 when each program holds a whole row;
-    SPLIT_DEFAULT programs per row each hold 1/SPLIT of it (at most one per block)."""
-    if not distillation or vocab <= block:
+    V=131072 in bf16) is too long for its second read to hit L2 when each program holds a whole row:
+    a row longer than SPLIT_SEGMENT_COLUMNS goes to a power of two of programs, each owning about that
+    many columns (2 at V=131072 and 152064, 4 at 262144), at most one per block."""
+    if not distillation or vocab <= SPLIT_SEGMENT_COLUMNS:
         return 1
-    return min(SPLIT_DEFAULT, 1 << (triton.cdiv(vocab, block).bit_length() - 1))
+    segments = 1 << (triton.cdiv(vocab, SPLIT_SEGMENT_COLUMNS).bit_length() - 1)
+    return min(segments, 1 << (triton.cdiv(vocab, block).bit_length() - 1))
 
 
 def _check_supported(logits: torch.Tensor, targets: LossTargets, spec: LossSpec, num_warps: int | None,
@@ -167,7 +172,7 @@ class _Launch:
         if max_block is None:
             max_block = default_max_block(logits.shape[1], distillation)
         self.block = _block_size(logits.shape[1], max_block)
-        self.num_warps = num_warps if num_warps is not None else default_num_warps(self.block)
+        self.num_warps = num_warps if num_warps is not None else default_num_warps(self.block, distillation)
         self.kd_grad = distillation and spec.teacher.weight != 0
         self.prefetch = default_prefetch(distillation) if prefetch is None else prefetch
         vocab = logits.shape[1]
