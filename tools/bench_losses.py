@@ -3,7 +3,7 @@
     python tools/bench_losses.py                # H200: all specs x tokens {4096,16384} x vocab {32000,131072}
     python tools/bench_losses.py --tune         # block size x num_warps sweep (CE, CE+z+GRPO; T=16384, V=32000/131072)
     python tools/bench_losses.py --tune --tune-spec ce+kd --tune-prefetch 0 1   # with and without prefetch
-    python tools/bench_losses.py --tune --tune-spec ce+kd --tune-split 1 4 8 16 # programs per row
+    python tools/bench_losses.py --tune --tune-spec ce+kd --tune-split 1 2 4 8 # programs per row
     python tools/bench_losses.py --cpu-smoke    # tiny shapes on CPU (Triton interpreted), a few seconds
 
 Implementations: triton (fresh gradient buffer), triton-deferred (the same inside

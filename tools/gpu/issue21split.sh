@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Issue 21 / tuning-log entry 19: the fused kernel's split rows (SPLIT programs per row, one launch
-# exchanging stats; 8 by default with distillation) on one GPU, everything in $OUT/i21split.log. About
+# exchanging stats; with distillation for rows over 65536 columns) on one GPU, all in $OUT/i21split.log. About
 # 9 minutes (SPLIT_BUDGET_S, default 540):
 #   (a) <=100 s tests compiled: test_triton_distillation.py (split_rows: the one-launch exchange against
 #              float64) and test_chunked_head.py + test_lm_head.py (every child chunked, the split default);
 #   (b) <=90 s  bench_losses.py --tune: CE+kd's kernel alone at 2048 and 16384 tokens, V = 32000, 152064,
-#              262144, split 1/2/4/8/16 at the default 4096/4 (V=131072 was swept in the first run at
-#              2048/4096 blocks); then V=131072 at blocks 8192/16384, warps 8/16, split 2/4/8;
+#              262144, split 1/2/4/8/16 at 4096/4 (a short row's default); then V = 32000, 131072, 152064,
+#              262144 at 16384/8 (a long row's), split 1/2/4/8;
 #   (c) <=130 s head_chunks.py: CE+kd's chunked head, default (split rows) and `unsplit` (4096/4, one
 #              program a row) interleaved at 16384 and 65536 tokens, then a kernel-time profile of both and
 #              the floor at 16384;
@@ -44,15 +44,15 @@ wanted() { [[ " $SECTIONS " == *" $1 "* ]]; }
   fi
 
   if wanted b; then
-    section "(b) bench_losses.py --tune: CE+kd's kernel alone at V = 32000, 152064, 262144"
+    section "(b) bench_losses.py --tune: CE+kd's kernel alone, programs per row x vocabulary"
     timeout "$(capped 90 320)" python3 tools/bench_losses.py --tune --tune-spec ce+kd --tune-tokens 2048 16384 \
       --tune-vocab 32000 152064 262144 --tune-block 4096 --tune-warps 4 --tune-split 1 2 4 8 16 > /tmp/split-tune.txt 2>&1
     echo "bench_losses exit status: $? (124: timed out)" >> /tmp/split-tune.txt
     grep -v '^{' /tmp/split-tune.txt | tail -36
     timeout "$(capped 60 250)" python3 tools/bench_losses.py --tune --tune-spec ce+kd --tune-tokens 2048 16384 \
-      --tune-vocab 131072 --tune-block 8192 16384 --tune-warps 8 16 --tune-split 2 4 8 > /tmp/split-tune-big.txt 2>&1
+      --tune-vocab 32000 131072 152064 262144 --tune-block 16384 --tune-warps 8 --tune-split 1 2 4 8 > /tmp/split-tune-big.txt 2>&1
     echo "bench_losses exit status: $? (124: timed out)" >> /tmp/split-tune-big.txt
-    grep -v '^{' /tmp/split-tune-big.txt | tail -28
+    grep -v '^{' /tmp/split-tune-big.txt | tail -40
   fi
 
   if wanted c; then
