@@ -47,10 +47,11 @@ read before any store, so in-place gradients are safe). Three constexpr modes sh
 
 Masked rows (label -100) branch around the work and write a zero gradient; no early return.
 
-`SPLIT` > 1 (FUSED, looped rows with distillation by default, launcher.default_split): SPLIT programs
-share a row, each owning a segment of whole blocks. Each runs the stats pass over its segment,
-publishes its pieces (`_exchange_stats`), merges every segment's in segment order, computes the same
-coefficients, and writes its segment's gradient, so a row's second read follows its first by one
+`SPLIT` > 1 (FUSED, looped rows; by default with distillation on rows over 65536 columns,
+launcher.default_split): SPLIT programs share a row, each owning a segment of whole blocks. Each runs
+the stats pass over its segment, publishes its pieces (`_exchange_stats`), merges every segment's in
+segment order, computes the same coefficients, and writes its segment's gradient, so a row's second
+read follows its first by one
 segment, not one row (a row of student + teacher is 512 KiB at V=131072, and one row per resident
 program is already more than L2). Segment 0 writes the per-token terms; the label's owner rewrites
 its element. On the GPU the exchange is inside one launch (SPLIT_EXCHANGE); the interpreter runs
