@@ -51,11 +51,11 @@ Masked rows (label -100) branch around the work and write a zero gradient; no ea
 launcher.default_split): SPLIT programs share a row, each owning a segment of whole blocks. Each runs
 the stats pass over its segment, publishes its pieces (`_exchange_stats`), merges every segment's in
 segment order, computes the same coefficients, and writes its segment's gradient, so a row's second
-read follows its first by one
-segment, not one row (a row of student + teacher is 512 KiB at V=131072, and one row per resident
-program is already more than L2). Segment 0 writes the per-token terms; the label's owner rewrites
-its element. On the GPU the exchange is inside one launch (SPLIT_EXCHANGE); the interpreter runs
-programs one at a time, so it launches twice (SPLIT_PUBLISH, then SPLIT_READ), same arithmetic.
+read follows its first by one segment, not one row (a row of student + teacher is 512 KiB at
+V=131072, and one row per resident program is already more than L2). Segment 0 writes the per-token
+terms; the label's owner rewrites its element. On the GPU the exchange is inside one launch
+(SPLIT_EXCHANGE); the interpreter runs programs one at a time, so it launches twice (SPLIT_PUBLISH,
+then SPLIT_READ), same arithmetic.
 """
 
 from __future__ import annotations
