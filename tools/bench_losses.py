@@ -307,13 +307,7 @@ def tune(
     """Block size x num_warps x prefetch x programs per row (None: each spec's default only) of the
     fused launch alone (`fused_kernel_only`): the host tail is the same at every point, so it would
     only add noise."""
-    from fastlm.losses.triton.launcher import (
-        _block_size,
-        default_max_block,
-        default_num_warps,
-        default_prefetch,
-        default_split,
-    )
+    from fastlm.losses.triton.launcher import default_prefetch, schedule
 
     rows = []
     for spec_name, tokens, vocab in ((s, t, v) for s in spec_names for t in token_counts for v in vocabs):
@@ -323,23 +317,19 @@ def tune(
         for case in cases:
             case.buffer = case.logits.clone()
         r1_ms = roofline_bytes(cases[0], spec) / (copy_gb_s * 1e9) * 1e3
-        default = _block_size(vocab, default_max_block(vocab, distill))
-        default_point = (default, default_num_warps(default, distill), default_prefetch(distill),
-                         default_split(vocab, default, distill))
+        default_point = schedule(vocab, distill)
         points = []
         flags = prefetches if prefetches is not None else (default_prefetch(distill),)
         grid = ((b, w, f, s) for b in bench.tune_blocks for w in bench.tune_warps for f in flags
                 for s in (splits or (None,)))
         for block, warps, prefetch, split in grid:
-            size = _block_size(vocab, block)
-            split = default_split(vocab, size, distill) if split is None else split
-            options = {"max_block": block, "num_warps": warps, "prefetch": prefetch, "split": split}
+            point = schedule(vocab, distill, block, warps, prefetch, split)
+            options = {"max_block": block, "num_warps": warps, "prefetch": prefetch, "split": point.split}
             calls = implementations(spec_name, spec, bench.device, None, options)
             kernel = bench.time_ms(rotating(cases, calls["triton-kernel"]))
-            point = (size, warps, prefetch, split)
             points.append({
-                "spec": spec_name, "tokens": tokens, "vocab": vocab, "block": size, "num_warps": warps,
-                "prefetch": prefetch, "split": split, "kernel_ms": kernel, "kernel_x_r1": kernel / r1_ms,
+                "spec": spec_name, "tokens": tokens, "vocab": vocab, "block": point.block, "num_warps": warps,
+                "prefetch": prefetch, "split": point.split, "kernel_ms": kernel, "kernel_x_r1": kernel / r1_ms,
                 "default": point == default_point, "best_kernel": False,
             })
         min(points, key=lambda p: p["kernel_ms"])["best_kernel"] = True

@@ -96,12 +96,11 @@ def test_default_schedule_of_long_rows(vocab: int, split: int) -> None:
     """No tuning given: with distillation a row longer than SPLIT_SEGMENT_COLUMNS is split into segments
     of about that size in 16384-column blocks on 8 warps (131077: 9 blocks, the tail one short; 200003:
     13 blocks, the last segment one block), a shorter one stays whole at 4096/4; float64 agreement."""
-    from fastlm.losses.triton.launcher import _block_size, default_max_block, default_num_warps, default_split
+    from fastlm.losses.triton.launcher import Schedule, schedule
 
-    block = _block_size(vocab, default_max_block(vocab, distillation=True))
-    assert (block, default_num_warps(block, True), default_split(vocab, block, True)) == (
-        (4096, 4, 1) if split == 1 else (16384, 8, split))
-    assert default_split(vocab, block, distillation=False) == 1
+    assert schedule(vocab, distillation=True) == (
+        Schedule(4096, 4, True, 1) if split == 1 else Schedule(16384, 8, True, split))
+    assert schedule(vocab, distillation=False).split == 1
     spec, logits, targets, normalizers = _case("ce+z+kd", seed=15, tokens=4, vocab=vocab)
     result, grad = triton_loss(logits, targets, normalizers, spec)
     expected, expected_grad = reference_with_grad(logits, targets, normalizers, spec)

@@ -1,14 +1,18 @@
 """Can the loss kernel of one chunk hide under the dH/dW GEMMs of the previous one (two CUDA streams)?
 
-    python tools/gpu/overlap_probe.py
+    python tools/gpu/overlap_probe.py [--specs ce ce+kd] [--rows 2048 4096] [--blas cublas cublaslt]
+                                      [--carveouts 0 8 16]
 
 Per chunk size R (V=131072, H=2048, bf16): the chunk's dH + dW GEMMs alone, the fused loss kernel alone
 (in place, on another chunk's logits), both in one stream, and both at once on two streams (the loss
-stream at high priority or not). Hidden share = (serial - overlapped) / loss alone.
+stream at high priority or not). Hidden share = (serial - overlapped) / loss alone. With a carve-out
+(`torch._C._set_sm_carveout_experimental`, honoured by cuBLASLt only, so `--blas cublaslt`) the GEMMs
+target that many SMs fewer, leaving them to the loss kernel.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from collections.abc import Callable
@@ -36,7 +40,7 @@ def per_call_ms(step: Callable[[], None], calls: int = 20) -> float:
     return (time.perf_counter() - start) / calls * 1e3
 
 
-def probe(spec_name: str, rows: int, device: torch.device) -> None:
+def probe(spec_name: str, rows: int, device: torch.device, label: str) -> None:
     spec = build_head(spec_name, 0, device).spec
     inputs = make_inputs(rows, HIDDEN, VOCAB, spec, device)
     targets = inputs.targets
@@ -81,17 +85,28 @@ def probe(spec_name: str, rows: int, device: torch.device) -> None:
         "two streams, loss high priority": per_call_ms(lambda: (reset(), overlapped(high)())) - reset_ms,
     }
     serial = times["serial"]
-    print(f"\n{spec_name}, {rows} rows: " + ", ".join(f"{k} {v:.3f} ms" for k, v in times.items()))
+    print(f"\n{spec_name}, {rows} rows, {label}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in times.items()))
     for name in ("two streams", "two streams, loss high priority"):
         print(f"  {name}: hides {(serial - times[name]) / times['loss']:.0%} of the loss kernel")
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--specs", nargs="+", default=["ce", "ce+kd"])
+    parser.add_argument("--rows", nargs="+", type=int, default=[2048, 4096])
+    parser.add_argument("--blas", nargs="+", default=["cublas"], choices=["cublas", "cublaslt"])
+    parser.add_argument("--carveouts", nargs="+", type=int, default=[0], help="SMs kept from cuBLASLt's GEMMs")
+    args = parser.parse_args()
     device = torch.device("cuda")
-    print(torch.cuda.get_device_name(), torch.__version__)
-    for spec_name in ("ce", "ce+kd"):
-        for rows in (2048, 4096):
-            probe(spec_name, rows, device)
+    print(torch.cuda.get_device_name(), torch.__version__, torch.cuda.get_device_properties(device).multi_processor_count, "SMs")
+    for blas in args.blas:
+        torch.backends.cuda.preferred_blas_library(blas)
+        for carveout in args.carveouts if blas == "cublaslt" else [0]:
+            torch._C._set_sm_carveout_experimental(carveout or None)
+            for spec_name in args.specs:
+                for rows in args.rows:
+                    probe(spec_name, rows, device, f"{blas}, carve-out {carveout}")
+    torch._C._set_sm_carveout_experimental(None)
     return 0
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from functools import lru_cache, partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -111,6 +112,31 @@ def default_split(vocab: int, block: int, distillation: bool = False) -> int:
     return min(segments, 1 << (triton.cdiv(vocab, block).bit_length() - 1))
 
 
+class Schedule(NamedTuple):
+    """How the fused launch walks a row: columns per block, warps, the next block's loads ahead or not,
+    programs per row."""
+
+    block: int
+    num_warps: int
+    prefetch: bool
+    split: int
+
+
+def schedule(vocab: int, distillation: bool, max_block: int | None = None, num_warps: int | None = None,
+             prefetch: bool | None = None, split: int | None = None) -> Schedule:
+    """The launch's schedule for rows of `vocab` columns: each value given (tuning, tests) or its default
+    (`default_max_block`, `default_num_warps`, `default_prefetch`, `default_split`); a row of one block
+    is never split (nothing to share)."""
+    block = _block_size(vocab, default_max_block(vocab, distillation) if max_block is None else max_block)
+    split = default_split(vocab, block, distillation) if split is None else split
+    return Schedule(
+        block,
+        default_num_warps(block, distillation) if num_warps is None else num_warps,
+        default_prefetch(distillation) if prefetch is None else prefetch,
+        1 if vocab <= block else split,
+    )
+
+
 def _check_supported(logits: torch.Tensor, targets: LossTargets, spec: LossSpec, num_warps: int | None,
                      split: int | None = None) -> None:
     """What this kernel cannot run, named; the shared checks live in validation.py."""
@@ -168,17 +194,9 @@ class _Launch:
         self.spec = spec
         self.teacher = targets.teacher_logits if spec.teacher is not None else None
         self.vocab_start = vocab_start
-        distillation = spec.teacher is not None
-        if max_block is None:
-            max_block = default_max_block(logits.shape[1], distillation)
-        self.block = _block_size(logits.shape[1], max_block)
-        self.num_warps = num_warps if num_warps is not None else default_num_warps(self.block, distillation)
-        self.kd_grad = distillation and spec.teacher.weight != 0
-        self.prefetch = default_prefetch(distillation) if prefetch is None else prefetch
-        vocab = logits.shape[1]
-        self.split = default_split(vocab, self.block, distillation) if split is None else split
-        if vocab <= self.block:
-            self.split = 1  # a single-block row has nothing to share
+        self.kd_grad = spec.teacher is not None and spec.teacher.weight != 0
+        self.block, self.num_warps, self.prefetch, self.split = schedule(
+            logits.shape[1], spec.teacher is not None, max_block, num_warps, prefetch, split)
         # On the GPU a split row's programs exchange their stats inside one launch; the interpreter runs
         # programs one after another (a program that waited would wait forever), so it launches twice.
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # (tools/kernel_report.py: CPU tensors, compiled)
