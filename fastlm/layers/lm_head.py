@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from fastlm.losses.chunked_head import chunk_tokens, chunked_head_loss
+from fastlm.losses.chunked_head import chunked_head_loss, chunking
 from fastlm.losses.config import DEFAULT_LOGITS_MEMORY_MIB, DPOConfig, LMHeadConfig
 from fastlm.losses.dispatch import describe_implementation, monolithic_loss, resolve_implementation
 from fastlm.losses.dpo import dpo_head_loss
@@ -86,11 +86,11 @@ class LMHead(nn.Module):
         if tokens is None or vocab is None:
             return line
         dtype = dtype or torch.float32
-        teacher = self.spec.teacher is not None
-        chunk = chunk_tokens(tokens, vocab, dtype.itemsize, budget, teacher)
-        count = -(-tokens // chunk)
+        plan = chunking(tokens, vocab, dtype.itemsize, budget, self.spec.teacher is not None)
+        count = -(-tokens // plan.tokens)
         passes = ", two passes: 4 GEMMs for the per-document child" if self.spec.per_document and count > 1 else ""
-        return (f"{line}: {chunk} of {tokens} tokens a chunk ({count} chunk{'s' * (count > 1)}{passes}) "
+        teacher = f", the teacher's logits {plan.teacher_tokens} at a time" if 0 < plan.teacher_tokens < plan.tokens else ""
+        return (f"{line}: {plan.tokens} of {tokens} tokens a chunk ({count} chunk{'s' * (count > 1)}{passes}{teacher}) "
                 f"at vocab {vocab} in {str(dtype).removeprefix('torch.')}")
 
     @torch.compiler.disable

@@ -8,7 +8,8 @@ Per chunk c of the call's tokens (shared/design/losses.md, "The head without ful
     dH[c] = G_c W,  dW += G_c^T H_c    into the gradients the node returns
 
 all in the forward; backward only multiplies dH and dW by grad_output, on the device (no host read;
-where Triton runs, a kernel that skips the pass when it is 1). Only (chunk, V) logits ever exist; the chunk size comes from a memory budget (`chunk_tokens`).
+where Triton runs, a kernel that skips the pass when it is 1). Only (chunk, V) logits ever exist; the chunk
+size comes from a memory budget (`chunking`).
 
 - Each chunk is a complete loss call: losses and metrics are additive sums over the step, so the
   chunks' results add up. What depends on the whole call (loss_type grpo/bnpo token weights) the
@@ -16,8 +17,10 @@ where Triton runs, a kernel that skips the pass when it is 1). Only (chunk, V) l
 - A per-document child (GSPO) needs every token's log-prob before any coefficient: pass 1 over the
   chunks (GEMM + the implementation's stats phase, per-token state kept, logits dropped), its
   middle once on the whole call, pass 2 (GEMM again + the grad phase + dH, dW): 4 GEMMs, not 3.
-- Distillation: the teacher's logits per chunk from its hidden states and head weight
-  (`LossTargets.teacher_head`), into a second buffer (full `teacher_logits` are sliced instead).
+- Distillation: the teacher's logits from its hidden states and head weight (`LossTargets.teacher_head`)
+  into a second buffer, a piece of the chunk at a time (a quarter when the call's two logits do not
+  both fit); each piece is then one loss call, and the chunk's dH and dW GEMMs run once on all its rows.
+  Full `teacher_logits` are sliced instead.
 - Tensor parallelism: every chunk call all-reduces its statistics over the group (the
   implementations' TP form); dH is this rank's share, summed over the group by the caller's
   `copy_to_tp`.
@@ -33,6 +36,7 @@ where Triton runs, a kernel that skips the pass when it is 1). Only (chunk, V) l
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
@@ -56,13 +60,44 @@ CHUNK_MULTIPLE = 128  # below GEMM_ROWS, chunk sizes are multiples of this many 
 GEMM_ROWS = 1024
 
 
-def chunk_tokens(tokens: int, vocab: int, element_size: int, budget_mib: float, teacher: bool = False) -> int:
-    """Tokens per chunk: as many rows of (vocab) logits (and teacher logits) of `element_size` bytes as
-    fit in `budget_mib` (all tokens when they fit), down to GEMM_ROWS x the largest power of two that fits;
-    budgets under GEMM_ROWS rows take a multiple of CHUNK_MULTIPLE (at least one row), evened out so the
-    call's chunks come out about equal (1100 tokens at 512 a chunk: 3 x 384, not 2 x 512 + 76)."""
-    row_bytes = vocab * element_size * (2 if teacher else 1)
-    limit = max(1, int(budget_mib * 2**20) // row_bytes)
+TEACHER_PIECES = 4
+# With a teacher head, when the call's student and teacher logits do not both fit, the teacher's come a
+# quarter of the student's chunk at a time: the chunk's dH and dW GEMMs then run on twice the rows the
+# budget would give two equal buffers (4096 instead of 2048 at 1408 MiB and V=131072), and the H100
+# profile at 65536 tokens put those GEMMs 7 ms a call closer to the floor's (docs/benchmarks.md, session 14).
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """Rows of the student's logits a chunk (one logits GEMM, one dH and one dW GEMM) and of the teacher's
+    logits at a time within it (0 without a teacher head)."""
+
+    tokens: int
+    teacher_tokens: int = 0
+
+
+def chunking(tokens: int, vocab: int, element_size: int, budget_mib: float, teacher: bool = False) -> Chunking:
+    """The chunks of a call within `budget_mib` of (vocab)-column logits of `element_size` bytes. With a
+    teacher head: the whole call at once when both its logits fit, else the student's chunk from
+    TEACHER_PIECES / (TEACHER_PIECES + 1) of the budget and the teacher's a TEACHER_PIECES-th of that
+    chunk (multiples of CHUNK_MULTIPLE from there up)."""
+    row_bytes = vocab * element_size
+    budget = int(budget_mib * 2**20)
+    if not teacher:
+        return Chunking(chunk_tokens(tokens, budget // row_bytes))
+    if 2 * tokens * row_bytes <= budget:
+        return Chunking(max(tokens, 1), max(tokens, 1))
+    chunk = chunk_tokens(tokens, budget * TEACHER_PIECES // (TEACHER_PIECES + 1) // row_bytes)
+    piece = max(1, chunk // TEACHER_PIECES)
+    return Chunking(chunk, piece - piece % CHUNK_MULTIPLE if piece >= CHUNK_MULTIPLE else piece)
+
+
+def chunk_tokens(tokens: int, limit: int) -> int:
+    """Tokens per chunk when at most `limit` rows fit: all tokens when they fit, down to GEMM_ROWS x the
+    largest power of two that fits; budgets under GEMM_ROWS rows take a multiple of CHUNK_MULTIPLE (at
+    least one row), evened out so the call's chunks come out about equal (1100 tokens at 512 a chunk:
+    3 x 384, not 2 x 512 + 76)."""
+    limit = max(1, limit)
     if tokens <= limit:
         return max(tokens, 1)
     if limit >= GEMM_ROWS:
@@ -143,7 +178,7 @@ class _Call:
     options: dict[str, Any]
     hidden_grad: bool
     weight_grad: bool
-    chunk: int = 0  # set by the forward (from the budget, the vocab and the GEMMs' dtype)
+    chunking: Chunking | None = None  # set by the forward (from the budget, the vocab and the GEMMs' dtype)
 
 
 @dataclass
@@ -159,14 +194,17 @@ class _Chunks:
     dtype: torch.dtype
     grad_hidden: torch.Tensor | None
     grad_weight: WeightGrad | None
+    teacher_chunk: int = 0  # rows of teacher logits at a time (`Chunking.teacher_tokens`)
     rows: list[slice] = field(init=False)
 
     def __post_init__(self) -> None:
         tokens, device = self.hidden.shape[0], self.hidden.device
-        self.rows = [slice(start, min(start + self.chunk, tokens)) for start in range(0, max(tokens, 1), self.chunk)]
+        self.rows = _slices(0, max(tokens, 1), self.chunk)
         size = min(self.chunk, tokens)
         self.buffer = torch.empty((size, self.weight.shape[0]), dtype=self.dtype, device=device)
-        self.teacher_buffer = None if self.teacher is None else torch.empty_like(self.buffer)
+        self.teacher_buffer = None if self.teacher is None else torch.empty(
+            (min(self.teacher_chunk, size), self.weight.shape[0]), dtype=self.dtype, device=device)
+        self.teacher_rows: slice | None = None  # whose teacher logits the teacher buffer holds
         cast = self.hidden.dtype != self.dtype
         self.hidden_buffer = torch.empty((size, self.hidden.shape[1]), dtype=self.dtype, device=device) if cast else None
         cast_back = self.grad_hidden is not None and self.grad_hidden.dtype != self.dtype
@@ -176,16 +214,26 @@ class _Chunks:
     def backward(self) -> bool:
         return self.grad_hidden is not None or self.grad_weight is not None
 
-    def logits(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor, LossTargets]:
-        """(Z_c in the buffer, H_c in the GEMMs' dtype, the chunk's targets with its teacher logits)."""
+    def logits(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Z_c in the buffer, H_c in the GEMMs' dtype)."""
         count = rows.stop - rows.start
         hidden = self.hidden[rows] if self.hidden_buffer is None else self.hidden_buffer[:count].copy_(self.hidden[rows])
-        logits = torch.mm(hidden, self.weight.t(), out=self.buffer[:count])
-        targets = self.targets.rows(rows)
-        if self.teacher is not None:
-            teacher_logits = self.teacher.rows(rows).logits(self.dtype, out=self.teacher_buffer[:count])
-            targets = replace(targets, teacher_logits=teacher_logits, teacher_head=None)
-        return logits, hidden, targets
+        return torch.mm(hidden, self.weight.t(), out=self.buffer[:count]), hidden
+
+    def pieces(self, rows: slice, logits: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor, LossTargets]]:
+        """The chunk's loss calls: (their rows, their logits, their targets); with a teacher head one per
+        `teacher_chunk` rows, its teacher logits computed into the teacher buffer (unless it holds them)."""
+        if self.teacher is None:
+            yield rows, logits, self.targets.rows(rows)
+            return
+        for piece in _slices(rows.start, rows.stop, self.teacher_chunk):
+            count = piece.stop - piece.start
+            teacher_logits = self.teacher_buffer[:count]
+            if self.teacher_rows != piece:
+                self.teacher.rows(piece).logits(self.dtype, out=teacher_logits)
+                self.teacher_rows = piece
+            targets = replace(self.targets.rows(piece), teacher_logits=teacher_logits, teacher_head=None)
+            yield piece, logits[piece.start - rows.start : piece.stop - rows.start], targets
 
     def backprop(self, grad: torch.Tensor, hidden: torch.Tensor, rows: slice) -> None:
         """dH[rows] = G_c W; dW += G_c^T H_c."""
@@ -198,35 +246,44 @@ class _Chunks:
             self.grad_weight.add(grad, hidden)
 
 
+def _slices(start: int, stop: int, size: int) -> list[slice]:
+    return [slice(first, min(first + size, stop)) for first in range(start, stop, size)]
+
+
 def _one_pass(chunks: _Chunks, call: _Call) -> LossResult:
-    """Each chunk a whole loss call with its gradient written over its logits, then backpropagated."""
+    """Each piece of a chunk a whole loss call with its gradient written over its logits, then the
+    chunk backpropagated."""
     implementation = get_implementation(call.implementation)
     results = []
     for rows in chunks.rows:
-        logits, hidden, targets = chunks.logits(rows)
-        result, _ = implementation(logits, targets, call.normalizers, call.spec, grad_scale=call.grad_scale,
-                                   group=call.group, compute_grad=chunks.backward, inplace=True, **call.options)
+        logits, hidden = chunks.logits(rows)
+        for _, piece_logits, targets in chunks.pieces(rows, logits):
+            result, _ = implementation(piece_logits, targets, call.normalizers, call.spec, grad_scale=call.grad_scale,
+                                       group=call.group, compute_grad=chunks.backward, inplace=True, **call.options)
+            results.append(result)
         if chunks.backward:
             chunks.backprop(logits, hidden, rows)
-        results.append(result)
     return _sum_results(results)
 
 
 def _two_pass(chunks: _Chunks, call: _Call) -> LossResult:
-    """Stats phase per chunk, the middle on the whole call, then GEMM again + grad phase per chunk (one
-    chunk: its logits are still in the buffer)."""
+    """Stats phase per piece, the middle on the whole call, then GEMM again + grad phase per piece (one
+    chunk: its logits are still in the buffer; one piece: its teacher logits too)."""
     phases = get_phases(call.implementation)
-    states, last = [], None
+    states, logits, hidden = [], None, None
     for rows in chunks.rows:
-        last = chunks.logits(rows)
-        states.append(phases.stats(last[0], last[2], call.normalizers, call.spec, group=call.group, **call.options))
-    result, coefficients, _ = phases.finish(states, last[0], chunks.targets, call.normalizers, call.spec,
+        logits, hidden = chunks.logits(rows)
+        states += [phases.stats(piece_logits, targets, call.normalizers, call.spec, group=call.group, **call.options)
+                   for _, piece_logits, targets in chunks.pieces(rows, logits)]
+    result, coefficients, _ = phases.finish(states, logits, chunks.targets, call.normalizers, call.spec,
                                             grad_scale=call.grad_scale, group=call.group)  # counts: checked once, above
     if chunks.backward:
         for rows in chunks.rows:
-            logits, hidden, targets = last if len(chunks.rows) == 1 else chunks.logits(rows)
-            phases.grad(logits, targets, call.normalizers, call.spec, coefficients.rows(rows), logits, group=call.group,
-                        **call.options)
+            if len(chunks.rows) > 1:
+                logits, hidden = chunks.logits(rows)
+            for piece, piece_logits, targets in chunks.pieces(rows, logits):
+                phases.grad(piece_logits, targets, call.normalizers, call.spec, coefficients.rows(piece), piece_logits,
+                            group=call.group, **call.options)
             chunks.backprop(logits, hidden, rows)
     return result
 
@@ -264,7 +321,7 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, call: _Call) -> tuple[L
     if spec.teacher is not None and targets.teacher_logits is None and targets.teacher_head is not None:
         check_teacher_head(targets.teacher_head, tokens, vocab, group)
         teacher = replace(targets.teacher_head, weight=targets.teacher_head.weight.to(dtype))
-    call.chunk = chunk_tokens(tokens, vocab, dtype.itemsize, call.logits_memory_mib, teacher is not None)
+    call.chunking = chunking(tokens, vocab, dtype.itemsize, call.logits_memory_mib, teacher is not None)
     # The whole call's host checks, on a shape-only stand-in for its (tokens, vocab) logits.
     stand_in = torch.empty((tokens, vocab), dtype=dtype, device="meta")
     check_inputs(stand_in, targets if teacher is None else replace(targets, teacher_logits=stand_in), normalizers, spec, group)
@@ -274,7 +331,8 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, call: _Call) -> tuple[L
     with torch.autocast(hidden.device.type, enabled=False):
         _, counts = value_flags(stand_in, targets, spec, group)
         with checked_from_targets(counts, stand_in, targets, normalizers, spec, group):
-            chunks = _Chunks(hidden, weight.to(dtype), teacher, targets, call.chunk, dtype, grad_hidden, grad_weight)
+            chunks = _Chunks(hidden, weight.to(dtype), teacher, targets, call.chunking.tokens, dtype, grad_hidden,
+                             grad_weight, call.chunking.teacher_tokens)
             result = (_two_pass if spec.per_document else _one_pass)(chunks, call)
     return result, grad_hidden, grad_weight
 

@@ -27,9 +27,9 @@ class DPOConfig(ChildConfig):
 MonolithicChild = Annotated[Union[CHILD_CONFIGS], Field(discriminator="type")]  # type: ignore[valid-type]
 LossChild = Annotated[Union[(*CHILD_CONFIGS, DPOConfig)], Field(discriminator="type")]  # type: ignore[valid-type]
 
-# The chunked head's default logits budget: 4096-token chunks at V=131072 in bf16 (2048 with a teacher; extra
-# memory under the 1.5 GiB goal), a single chunk for small heads (docs/losses.md, "The head without full
-# logits", says why).
+# The chunked head's default logits budget: 4096-token chunks at V=131072 in bf16 (with a teacher, its logits
+# 1024 tokens at a time beside them: 1.25 GiB; extra memory under the 1.5 GiB goal), a single chunk for small
+# heads (docs/losses.md, "The head without full logits", says why).
 DEFAULT_LOGITS_MEMORY_MIB = 1408.0
 
 CHILD_TYPES: frozenset[str] = frozenset({*(child.kind for child in CHILD_CLASSES), "dpo"})

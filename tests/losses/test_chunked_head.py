@@ -28,7 +28,7 @@ from loss_cases import make_case, make_spec, reference_with_grad, rel_err, seed_
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastlm.layers.lm_head import LMHead
-from fastlm.losses.chunked_head import chunk_tokens, chunked_head_loss
+from fastlm.losses.chunked_head import TEACHER_PIECES, Chunking, chunked_head_loss, chunking
 from fastlm.losses.compiled import compiled_loss
 from fastlm.losses.config import LMHeadConfig
 from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets, TeacherHead, label_logp
@@ -99,10 +99,13 @@ def free_port() -> int:
 
 
 def rows_budget(rows: int, vocab: int, dtype: torch.dtype, teacher: bool) -> float:
-    """The logits_memory_mib that makes `rows`-token chunks."""
-    budget = rows * vocab * dtype.itemsize * (2 if teacher else 1) / 2**20
-    assert chunk_tokens(10**6, vocab, dtype.itemsize, budget, teacher) == rows
-    return budget
+    """The logits_memory_mib that makes `rows`-token chunks (with a teacher head, its logits a quarter
+    of that at a time)."""
+    size = rows * vocab * dtype.itemsize
+    budget = (-(-size * (TEACHER_PIECES + 1) // TEACHER_PIECES) if teacher else size) + 0.5
+    plan = chunking(10**6, vocab, dtype.itemsize, budget / 2**20, teacher)
+    assert plan == Chunking(rows, max(1, rows // TEACHER_PIECES) if teacher else 0), plan
+    return budget / 2**20
 
 
 def expected(
@@ -138,11 +141,13 @@ def on_device(targets: LossTargets, device: torch.device, full_teacher: bool) ->
 
 
 def run_head(case: HeadCase, implementation: str, rows: int, options: dict, dtype: torch.dtype = torch.float32,
-             full_teacher: bool = False, **kwargs: object) -> tuple[LossResult, torch.Tensor, torch.Tensor]:
+             full_teacher: bool = False, budget: float | None = None,
+             **kwargs: object) -> tuple[LossResult, torch.Tensor, torch.Tensor]:
+    """The chunked head on `case`, in chunks of `rows` tokens (or from `budget` MiB); backward on 0.75 x loss."""
     hidden = case.hidden.to(DEVICE, dtype).requires_grad_(True)
     weight = case.weight.to(DEVICE, dtype).requires_grad_(True)
     teacher = case.spec.teacher is not None and not full_teacher
-    budget = rows_budget(rows, case.weight.shape[0], dtype, teacher)
+    budget = rows_budget(rows, case.weight.shape[0], dtype, teacher) if budget is None else budget
     result = chunked_head_loss(hidden, weight, on_device(case.targets, DEVICE, full_teacher), case.normalizers,
                                case.spec, implementation, budget, grad_scale=2.0, options=options, **kwargs)
     (result.loss * 0.75).backward()
@@ -169,8 +174,9 @@ def test_chunked_head_matches_float64(name: str, run: str) -> None:
     implementation, rows, options = RUNS[run]
     case = head_case(name)
     errors = errors_of(*run_head(case, implementation, rows, options), case)
-    chunk = chunk_tokens(TOKENS, case.weight.shape[0], 4, rows_budget(rows, case.weight.shape[0], torch.float32, False))
-    print(f"{name} / {run}, chunks of {chunk}: "
+    teacher = case.spec.teacher is not None
+    plan = chunking(TOKENS, case.weight.shape[0], 4, rows_budget(rows, case.weight.shape[0], torch.float32, teacher), teacher)
+    print(f"{name} / {run}, chunks of {plan.tokens} (teacher logits {plan.teacher_tokens} at a time): "
           + ", ".join(f"{k}={v:.1e}" for k, v in errors.items()))
     assert max(errors.values()) < FP32_TOL, errors
 
@@ -236,6 +242,22 @@ def test_call_returns_while_its_chunks_run() -> None:
     assert torch.isfinite(result.loss)
 
 
+def test_teacher_logits_come_a_piece_of_the_chunk_at_a_time() -> None:
+    """With a teacher head the call runs whole when both its logits fit; else the student's chunk takes
+    4/5 of the budget (its dH and dW GEMMs on twice the rows of two equal buffers) and the teacher's
+    logits a quarter of it at a time, in multiples of 128 tokens; student + teacher stay in the budget."""
+    assert chunking(16384, 131072, 2, 1408, teacher=True) == Chunking(4096, 1024)  # 1.25 GiB, not 2 x 2048 rows
+    assert chunking(2816, 131072, 2, 1408, teacher=True) == Chunking(2816, 2816)  # both fit: one chunk, one piece
+    assert chunking(3000, 131072, 2, 1408, teacher=True) == Chunking(3000, 750 - 750 % 128)
+    assert chunking(48, 37, 4, 0.001, teacher=True) == Chunking(5, 1)  # 7 rows fit: 5 + 1
+    for budget in (0.001, 0.01, 0.5, 3.0, 100.0, 700.0, 1408.0, 5000.0):
+        for tokens in (1, 47, 1000, 5000, 65536):
+            plan = chunking(tokens, 131072, 2, budget, teacher=True)
+            rows = max(1, int(budget * 2**20) // (131072 * 2))
+            assert 1 <= plan.teacher_tokens <= plan.tokens <= max(tokens, 1), (budget, tokens, plan)
+            assert plan.tokens + plan.teacher_tokens <= max(rows, 2), (budget, tokens, plan)
+
+
 def test_second_backward_says_how_to_get_one() -> None:
     """The gradients are handed over once (no copy kept); retain_graph users are told to use full logits."""
     case = head_case("ce+z")
@@ -263,10 +285,11 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("name", ["ce+kd", "gspo dapo delta entropy beta+z"])
+@pytest.mark.parametrize("name", ["ce+kd", "gspo dapo delta entropy beta+z", "gspo dr_grpo+kd_rev"])
 def test_full_logits_never_exist(name: str) -> None:
     """No op of forward + backward makes a tensor of more than one chunk of logits (T=48, chunks of 12,
-    vocab 37); the logits GEMMs write a (12, 37) buffer: 3 GEMMs a chunk, 4 with a per-document child."""
+    vocab 37); the logits GEMMs write a (12, 37) buffer: 3 GEMMs a chunk, 4 with a per-document child;
+    a teacher's logits come 3 rows at a time (4 GEMMs a chunk, in each pass)."""
     case = head_case(name)
     with _Recorder() as recorder:
         run_head(case, "compiled", 12, {})
@@ -274,20 +297,25 @@ def test_full_logits_never_exist(name: str) -> None:
     biggest = max(torch.Size(shape).numel() for _, shapes in recorder.calls for shape in shapes)
     gemms = [(op, shapes) for op, shapes in recorder.calls if op in GEMMS]
     logits_gemms = [shapes for op, shapes in gemms if shapes == [(12, vocab)]]
+    teacher_gemms = [shapes for op, shapes in gemms if shapes == [(3, vocab)]]
     per_chunk = 4 if case.spec.per_document else 3
-    teacher = 1 if case.spec.teacher is not None else 0
+    teacher = TEACHER_PIECES * (2 if case.spec.per_document else 1) if case.spec.teacher is not None else 0
     print(f"{name}: largest tensor {biggest} elements (full logits {TOKENS * vocab}), {len(gemms)} GEMMs")
     assert biggest <= 12 * vocab < TOKENS * vocab
-    assert len(gemms) == chunks * (per_chunk + teacher * (2 if case.spec.per_document else 1))
-    assert len(logits_gemms) == chunks * (per_chunk - 2 + teacher * (2 if case.spec.per_document else 1))
+    assert len(gemms) == chunks * (per_chunk + teacher)
+    assert len(logits_gemms) == chunks * (per_chunk - 2) and len(teacher_gemms) == chunks * teacher
 
 
-def test_one_chunk_with_a_per_document_child_keeps_its_logits() -> None:
-    """Two passes over a single chunk reuse the logits still in the buffer: 3 GEMMs, as the one-pass head."""
-    case = head_case("gspo dapo delta entropy beta+z")
+@pytest.mark.parametrize("name", ["gspo dapo delta entropy beta+z", "gspo dr_grpo+kd_rev"])
+def test_one_chunk_with_a_per_document_child_keeps_its_logits(name: str) -> None:
+    """Two passes over a single chunk reuse the logits still in the buffer (the teacher's too, when the
+    call's two logits fit the budget): 3 GEMMs (+ 1 for the teacher), as the one-pass head."""
+    case = head_case(name)
+    teacher = case.spec.teacher is not None
+    budget = 2 * TOKENS * case.weight.shape[0] * 4 / 2**20
     with _Recorder() as recorder:
-        result, grad_hidden, grad_weight = run_head(case, "compiled", TOKENS, {})
-    assert sum(op in GEMMS for op, _ in recorder.calls) == 3
+        result, grad_hidden, grad_weight = run_head(case, "compiled", TOKENS, {}, budget=budget)
+    assert sum(op in GEMMS for op, _ in recorder.calls) == 3 + teacher
     assert max(errors_of(result, grad_hidden, grad_weight, case).values()) < FP32_TOL
 
 
@@ -342,11 +370,10 @@ def test_lm_head_config_picks_the_chunked_head() -> None:
     assert "chunked, no full logits (logits_memory_mib 1408): 4096 of 16384 tokens a chunk (4 chunks)" in default.describe(
         16384, 131072, torch.bfloat16)
     assert "head: full logits" in full.describe(16384, 131072, torch.bfloat16)
-    assert chunk_tokens(16484, 131072, 2, 1408) == 4096  # 1024 x a power of two from 1024 rows up (5632 fit)
-    assert chunk_tokens(16384, 131072, 2, 1408, teacher=True) == 2048  # two buffers: 2816 rows fit
-    assert chunk_tokens(16384, 32000, 2, 1408) == 16384  # all tokens fit: one chunk
-    assert chunk_tokens(1100, 131072, 2, 128) == 384  # 512 rows fit: 3 even chunks, multiples of 128
-    assert chunk_tokens(5, 131072, 2, 0.001) == 1  # at least one row
+    assert chunking(16484, 131072, 2, 1408) == Chunking(4096)  # 1024 x a power of two from 1024 rows up (5632 fit)
+    assert chunking(16384, 32000, 2, 1408) == Chunking(16384)  # all tokens fit: one chunk
+    assert chunking(1100, 131072, 2, 128) == Chunking(384)  # 512 rows fit: 3 even chunks, multiples of 128
+    assert chunking(5, 131072, 2, 0.001) == Chunking(1)  # at least one row
     case = head_case("ce+z")
     hidden, weight = case.hidden.float().requires_grad_(True), case.weight.float().requires_grad_(True)
     targets = on_device(case.targets, torch.device("cpu"), False)

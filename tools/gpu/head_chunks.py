@@ -7,7 +7,7 @@
    timed interleaved: every round times each variant once (a few calls between two CUDA events), so
    a GPU that slows down as the run goes on slows every variant alike; the median over rounds is kept.
    The variants patch one thing each (the value-check read, the grad_output scaling, the budget):
-   - default: the shipped rule (1408 MiB: 4096-token chunks, 2048 with a teacher);
+   - default: the shipped rule (1408 MiB: 4096-token chunks; with a teacher its logits 1024 at a time);
    - mul_ scale: backward multiplies dH and dW by grad_output with `mul_` (one pass over dW even for a 1);
    - end read: the value checks read at the call's end (a full drain of the GPU; before session 10 the
      copy to the host did not start as soon as the counts were made);
@@ -15,11 +15,16 @@
    - deferred: the default inside `deferred_value_checks()`, as the trainer calls it (the value checks
      read once per step, not at the end of every call);
    - unsplit: the fused kernel with one program per row (`SPLIT_SEGMENT_COLUMNS` past any vocabulary,
-     so with distillation 4096/4 as before tuning-log entry 19; the default without distillation).
+     so with distillation 4096/4 as before tuning-log entry 19; the default without distillation);
+   - equal-buffers: with a teacher, student and teacher logits in two buffers of one chunk each (2048
+     tokens at 1408 MiB: the rule before session 14);
+   - pieces-2: with a teacher, 1536 MiB in 4096-token chunks and the teacher's logits 2048 at a time;
+   - chunk-8192: 2816 MiB, twice the default's chunk (with a teacher, 2048 of its logits at a time).
    `--variants` picks some.
 2. With --syncs: every synchronizing CUDA call of one default call, with the Python stack that made it.
-3. With --trace DIR: a chrome trace of three default calls (CPU ops and kernels) per spec, and the GPU's
-   idle time between kernels, the largest gaps named by the kernels around them.
+3. With --trace DIR: a chrome trace of three default calls (CPU ops and kernels) per `--profile-specs`
+   at `--profile-tokens`, and the GPU's idle time between kernels, the largest gaps named by the
+   kernels around them.
 4. A kernel-time profile of the default head, the other picked variants (not `full`) and the floor at
    `--profile-tokens` (ce, ce+kd): CUDA time per call by kernel, so the gap over the floor is named
    (GEMMs, the loss kernel, the rest).
@@ -46,6 +51,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 from bench_head import build_head, extra_mib, floor_call, make_inputs  # noqa: E402
 
+import fastlm.losses.chunked_head as chunked_head  # noqa: E402
 import fastlm.losses.triton.launcher as launcher  # noqa: E402
 import fastlm.losses.triton.scale as scale  # noqa: E402
 import fastlm.losses.validation as validation  # noqa: E402
@@ -81,6 +87,9 @@ VARIANTS: dict[str, tuple[float, tuple]] = {
     "full": (0, ()),
     "full deferred": (0, (deferred_value_checks,)),
     "unsplit": (1408, (_patch(launcher, "SPLIT_SEGMENT_COLUMNS", 1 << 40),)),
+    "equal-buffers": (1408, (_patch(chunked_head, "TEACHER_PIECES", 1),)),
+    "pieces-2": (1536, (_patch(chunked_head, "TEACHER_PIECES", 2),)),
+    "chunk-8192": (2816, ()),  # 2 GiB without a teacher, 2.5 with one: over the issue's 1.5
 }
 
 
@@ -156,10 +165,11 @@ def profile(spec_name: str, tokens: int, device: torch.device, variants: list[st
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    runs = dict(zip(("default", "floor"), default_call(spec_name, tokens, device)))
-    for name in (v for v in variants if VARIANTS[v][0] and v != "default"):
-        runs[name] = lambda call=runs["default"], contexts=VARIANTS[name][1]: _under(contexts, call)
-    for name, call in runs.items():
+    names = ["default", "floor", *(v for v in variants if VARIANTS[v][0] and v != "default")]
+    for name in names:
+        budget, contexts = VARIANTS["default" if name == "floor" else name]
+        head_call, floor = default_call(spec_name, tokens, device, budget)
+        call = floor if name == "floor" else (lambda head_call=head_call, contexts=contexts: _under(contexts, head_call))
         call()
         torch.cuda.synchronize()
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -169,17 +179,26 @@ def profile(spec_name: str, tokens: int, device: torch.device, variants: list[st
         events = [e for e in prof.key_averages() if e.device_time_total > 0]
         events.sort(key=lambda e: -e.device_time_total)
         total = sum(e.self_device_time_total for e in events) / calls / 1e3
-        print(f"\n{spec_name} {tokens} {name}: {total:.2f} ms of kernels a call")
+        parts = {"GEMMs": 0.0, "loss kernel": 0.0, "other": 0.0}
+        for event in events:
+            key = event.key.lower()
+            part = "loss kernel" if "lm_loss" in key else "GEMMs" if any(
+                word in key for word in ("gemm", "nvjet", "cutlass", "xmma")) else "other"
+            parts[part] += event.self_device_time_total / calls / 1e3
+        print(f"\n{spec_name} {tokens} {name}: {total:.2f} ms of kernels a call ("
+              + ", ".join(f"{part} {ms:.2f}" for part, ms in parts.items()) + ")")
         print("| kernel | launches a call | ms a call |")
         print("|---|---|---|")
         for event in events[:14]:
             print(f"| {event.key[:90]} | {event.count / calls:g} | {event.self_device_time_total / calls / 1e3:.3f} |")
-    torch.cuda.empty_cache()
+        del head_call, floor, call
+        torch.cuda.empty_cache()
 
 
-def default_call(spec_name: str, tokens: int, device: torch.device) -> tuple[Callable[[], tuple], Callable[[], tuple]]:
-    """The default head's forward + backward, and the floor's GEMMs, on the same inputs."""
-    head = build_head(spec_name, 1408, device)
+def default_call(spec_name: str, tokens: int, device: torch.device,
+                 budget: float = 1408) -> tuple[Callable[[], tuple], Callable[[], tuple]]:
+    """The head's forward + backward (the default budget unless given), and the floor's GEMMs, on the same inputs."""
+    head = build_head(spec_name, budget, device)
     inputs = make_inputs(tokens, HIDDEN, VOCAB, head.spec, device)
     leaves = (inputs.hidden, inputs.weight)
     return (lambda: torch.autograd.grad(head(inputs.hidden, inputs.weight, inputs.targets, inputs.normalizers).loss, leaves),
@@ -259,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.rounds} interleaved rounds; spread = (max - min) / median")
     for spec_name in ("ce", "ce+kd") if args.syncs else ():
         find_syncs(spec_name, 16384, device)
-    for spec_name in ("ce", "ce+kd") if args.trace else ():
-        trace(spec_name, 16384, device, args.trace)
+    for spec_name in args.profile_specs if args.trace else ():
+        trace(spec_name, args.profile_tokens, device, args.trace)
     if not args.no_compare:
         print("| spec | T | variant | ms | x floor | spread | +MiB |")
         print("|---|---|---|---|---|---|---|")

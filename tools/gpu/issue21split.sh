@@ -12,7 +12,8 @@
 #              the floor at 16384;
 #   (d) the rest: bench_head.py (SPLIT_HEAD_SPECS, default ce, ce+z+grpo, ce+kd at 16384 and 65536 x 2048 x
 #              131072: the floor, the chunked and full heads, Liger, CCE), the issue's table.
-# SPLIT_SECTIONS="a c": only those. A failing or overrunning section prints its traceback; the next runs.
+# SPLIT_SECTIONS="a c": only those; SPLIT_VARIANTS / SPLIT_PROFILE_TOKENS: head_chunks.py's variants and
+# profile size in (c). A failing or overrunning section prints its traceback; the next runs.
 set -u
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/i21split-out}
@@ -56,9 +57,10 @@ wanted() { [[ " $SECTIONS " == *" $1 "* ]]; }
   fi
 
   if wanted c; then
-    section "(c) head_chunks.py: CE+kd chunked head, default (split rows) vs unsplit, interleaved; profile"
+    section "(c) head_chunks.py: CE+kd chunked head, variants ${SPLIT_VARIANTS:-default unsplit} interleaved; profile"
     timeout "$(capped 130 140)" python3 tools/gpu/head_chunks.py --specs ce+kd --tokens 16384 65536 --rounds 7 \
-      --variants default unsplit --profile-specs ce+kd --profile-tokens 16384 > /tmp/split-chunks.txt 2>&1
+      --variants ${SPLIT_VARIANTS:-default unsplit} --profile-specs ce+kd --profile-tokens ${SPLIT_PROFILE_TOKENS:-16384} \
+      > /tmp/split-chunks.txt 2>&1
     echo "head_chunks exit status: $? (124: timed out)" >> /tmp/split-chunks.txt
     grep -v -e UserWarning -e _warn_once /tmp/split-chunks.txt | head -80  # the comparison rows first
   fi
