@@ -56,15 +56,13 @@ CHUNK_MULTIPLE = 128  # below GEMM_ROWS, chunk sizes are multiples of this many 
 # From GEMM_ROWS up, chunks are GEMM_ROWS x a power of two: the per-chunk dH GEMM (chunk x V) @ (V x H) has
 # few output tiles, and on the H200 its rows cost least at 1024, 2048, 4096 (0.70-0.75 ms per 1k rows at
 # H 2048, V 131072) against up to 0.94 between them; the whole head was fastest at 4096 (2048 with a
-# teacher) in a sweep of budgets (docs/benchmarks.md, "chunk size").
+# teacher in two equal buffers, the rule then) in a sweep of budgets (docs/benchmarks.md, "chunk size").
 GEMM_ROWS = 1024
-
-
-TEACHER_PIECES = 4
 # With a teacher head, when the call's student and teacher logits do not both fit, the teacher's come a
 # quarter of the student's chunk at a time: the chunk's dH and dW GEMMs then run on twice the rows the
-# budget would give two equal buffers (4096 instead of 2048 at 1408 MiB and V=131072), and the H100
-# profile at 65536 tokens put those GEMMs 7 ms a call closer to the floor's (docs/benchmarks.md, session 14).
+# budget would give two equal buffers (4096 instead of 2048 at 1408 MiB and V=131072); in the H100
+# profile at 65536 tokens 4096-row chunks ran those GEMMs 7 ms a call faster (docs/benchmarks.md, session 14).
+TEACHER_PIECES = 4
 
 
 @dataclass(frozen=True)
