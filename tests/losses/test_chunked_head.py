@@ -370,6 +370,10 @@ def test_lm_head_config_picks_the_chunked_head() -> None:
     assert "chunked, no full logits (logits_memory_mib 1408): 4096 of 16384 tokens a chunk (4 chunks)" in default.describe(
         16384, 131072, torch.bfloat16)
     assert "head: full logits" in full.describe(16384, 131072, torch.bfloat16)
+    distill = LMHead(LMHeadConfig.model_validate({"losses": {"ce": {"type": "cross_entropy"}, "kd": {"type": "distillation"}}}))
+    assert ("4096 of 16384 tokens a chunk (4 chunks, the teacher's logits 1024 at a time) at vocab 131072 in bfloat16"
+            in distill.describe(16384, 131072, torch.bfloat16))
+    assert "2048 of 2048 tokens a chunk (1 chunk) at vocab 131072" in distill.describe(2048, 131072, torch.bfloat16)
     assert chunking(16484, 131072, 2, 1408) == Chunking(4096)  # 1024 x a power of two from 1024 rows up (5632 fit)
     assert chunking(16384, 32000, 2, 1408) == Chunking(16384)  # all tokens fit: one chunk
     assert chunking(1100, 131072, 2, 128) == Chunking(384)  # 512 rows fit: 3 even chunks, multiples of 128
