@@ -58,10 +58,11 @@ CHUNK_MULTIPLE = 128  # below GEMM_ROWS, chunk sizes are multiples of this many 
 # H 2048, V 131072) against up to 0.94 between them; the whole head was fastest at 4096 (2048 with a
 # teacher in two equal buffers, the rule then) in a sweep of budgets (docs/benchmarks.md, "chunk size").
 GEMM_ROWS = 1024
-# With a teacher head, when the call's student and teacher logits do not both fit, the teacher's come a
-# quarter of the student's chunk at a time: the chunk's dH and dW GEMMs then run on twice the rows the
-# budget would give two equal buffers (4096 instead of 2048 at 1408 MiB and V=131072); in the H100
-# profile at 65536 tokens 4096-row chunks ran those GEMMs 7 ms a call faster (docs/benchmarks.md, session 14).
+# With a teacher head, when the call's student and teacher logits do not both fit, the student's chunk
+# takes up to TEACHER_PIECES / (TEACHER_PIECES + 1) of the budget and the teacher's logits the rest, a
+# piece of the chunk at a time: the chunk's dH and dW GEMMs then run on twice the rows the budget would
+# give two equal buffers (4096 + 1536 instead of 2048 + 2048 at 1408 MiB and V=131072; docs/benchmarks.md,
+# session 14: 4096-row chunks ran those GEMMs up to 7 ms a call faster at 65536 tokens on the H100).
 TEACHER_PIECES = 4
 
 
@@ -77,16 +78,16 @@ class Chunking:
 def chunking(tokens: int, vocab: int, element_size: int, budget_mib: float, teacher: bool = False) -> Chunking:
     """The chunks of a call within `budget_mib` of (vocab)-column logits of `element_size` bytes. With a
     teacher head: the whole call at once when both its logits fit, else the student's chunk from
-    TEACHER_PIECES / (TEACHER_PIECES + 1) of the budget and the teacher's a TEACHER_PIECES-th of that
-    chunk (multiples of CHUNK_MULTIPLE from there up)."""
+    TEACHER_PIECES / (TEACHER_PIECES + 1) of the budget and the teacher's pieces from the rest (at most
+    a chunk, multiples of CHUNK_MULTIPLE from there up, at least one row)."""
     row_bytes = vocab * element_size
-    budget = int(budget_mib * 2**20)
+    limit = int(budget_mib * 2**20) // row_bytes
     if not teacher:
-        return Chunking(chunk_tokens(tokens, budget // row_bytes))
-    if 2 * tokens * row_bytes <= budget:
+        return Chunking(chunk_tokens(tokens, limit))
+    if 2 * tokens <= limit:
         return Chunking(max(tokens, 1), max(tokens, 1))
-    chunk = chunk_tokens(tokens, budget * TEACHER_PIECES // (TEACHER_PIECES + 1) // row_bytes)
-    piece = max(1, chunk // TEACHER_PIECES)
+    chunk = chunk_tokens(tokens, limit * TEACHER_PIECES // (TEACHER_PIECES + 1))
+    piece = max(1, min(chunk, limit - chunk))
     return Chunking(chunk, piece - piece % CHUNK_MULTIPLE if piece >= CHUNK_MULTIPLE else piece)
 
 

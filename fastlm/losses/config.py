@@ -28,7 +28,7 @@ MonolithicChild = Annotated[Union[CHILD_CONFIGS], Field(discriminator="type")]  
 LossChild = Annotated[Union[(*CHILD_CONFIGS, DPOConfig)], Field(discriminator="type")]  # type: ignore[valid-type]
 
 # The chunked head's default logits budget: 4096-token chunks at V=131072 in bf16 (with a teacher, its logits
-# 1024 tokens at a time beside them: 1.25 GiB; extra memory under the 1.5 GiB goal), a single chunk for small
+# 1536 tokens at a time beside them: 1.375 GiB; extra memory under the 1.5 GiB goal), a single chunk for small
 # heads (docs/losses.md, "The head without full logits", says why).
 DEFAULT_LOGITS_MEMORY_MIB = 1408.0
 

@@ -99,13 +99,13 @@ def free_port() -> int:
 
 
 def rows_budget(rows: int, vocab: int, dtype: torch.dtype, teacher: bool) -> float:
-    """The logits_memory_mib that makes `rows`-token chunks (with a teacher head, its logits a quarter
-    of that at a time)."""
-    size = rows * vocab * dtype.itemsize
-    budget = (-(-size * (TEACHER_PIECES + 1) // TEACHER_PIECES) if teacher else size) + 0.5
-    plan = chunking(10**6, vocab, dtype.itemsize, budget / 2**20, teacher)
-    assert plan == Chunking(rows, max(1, rows // TEACHER_PIECES) if teacher else 0), plan
-    return budget / 2**20
+    """The logits_memory_mib that makes `rows`-token chunks (with a teacher head, its logits about a
+    quarter of that at a time: the rest of the budget)."""
+    limit = -(-rows * (TEACHER_PIECES + 1) // TEACHER_PIECES) if teacher else rows
+    budget = (limit * vocab * dtype.itemsize + 0.5) / 2**20
+    plan = chunking(10**6, vocab, dtype.itemsize, budget, teacher)
+    assert plan == Chunking(rows, max(1, limit - rows) if teacher else 0), plan
+    return budget
 
 
 def expected(
@@ -243,13 +243,14 @@ def test_call_returns_while_its_chunks_run() -> None:
 
 
 def test_teacher_logits_come_a_piece_of_the_chunk_at_a_time() -> None:
-    """With a teacher head the call runs whole when both its logits fit; else the student's chunk takes
+    """With a teacher head the call runs whole when both its logits fit; else the student's chunk from
     4/5 of the budget (its dH and dW GEMMs on twice the rows of two equal buffers) and the teacher's
-    logits a quarter of it at a time, in multiples of 128 tokens; student + teacher stay in the budget."""
-    assert chunking(16384, 131072, 2, 1408, teacher=True) == Chunking(4096, 1024)  # 1.25 GiB, not 2 x 2048 rows
+    logits the rest at a time, in multiples of 128 tokens; student + teacher stay in the budget."""
+    assert chunking(16384, 131072, 2, 1408, teacher=True) == Chunking(4096, 1536)  # 5632 rows fit, not 2 x 2048
+    assert chunking(16384, 131072, 2, 1536, teacher=True) == Chunking(4096, 2048)  # 6144 rows
     assert chunking(2816, 131072, 2, 1408, teacher=True) == Chunking(2816, 2816)  # both fit: one chunk, one piece
-    assert chunking(3000, 131072, 2, 1408, teacher=True) == Chunking(3000, 750 - 750 % 128)
-    assert chunking(48, 37, 4, 0.001, teacher=True) == Chunking(5, 1)  # 7 rows fit: 5 + 1
+    assert chunking(3000, 131072, 2, 1408, teacher=True) == Chunking(3000, 2632 - 2632 % 128)
+    assert chunking(48, 37, 4, 0.001, teacher=True) == Chunking(5, 2)  # 7 rows fit: 5 + 2
     for budget in (0.001, 0.01, 0.5, 3.0, 100.0, 700.0, 1408.0, 5000.0):
         for tokens in (1, 47, 1000, 5000, 65536):
             plan = chunking(tokens, 131072, 2, budget, teacher=True)
@@ -299,7 +300,7 @@ def test_full_logits_never_exist(name: str) -> None:
     logits_gemms = [shapes for op, shapes in gemms if shapes == [(12, vocab)]]
     teacher_gemms = [shapes for op, shapes in gemms if shapes == [(3, vocab)]]
     per_chunk = 4 if case.spec.per_document else 3
-    teacher = TEACHER_PIECES * (2 if case.spec.per_document else 1) if case.spec.teacher is not None else 0
+    teacher = 12 // 3 * (2 if case.spec.per_document else 1) if case.spec.teacher is not None else 0
     print(f"{name}: largest tensor {biggest} elements (full logits {TOKENS * vocab}), {len(gemms)} GEMMs")
     assert biggest <= 12 * vocab < TOKENS * vocab
     assert len(gemms) == chunks * (per_chunk + teacher)
@@ -371,7 +372,7 @@ def test_lm_head_config_picks_the_chunked_head() -> None:
         16384, 131072, torch.bfloat16)
     assert "head: full logits" in full.describe(16384, 131072, torch.bfloat16)
     distill = LMHead(LMHeadConfig.model_validate({"losses": {"ce": {"type": "cross_entropy"}, "kd": {"type": "distillation"}}}))
-    assert ("4096 of 16384 tokens a chunk (4 chunks, the teacher's logits 1024 at a time) at vocab 131072 in bfloat16"
+    assert ("4096 of 16384 tokens a chunk (4 chunks, the teacher's logits 1536 at a time) at vocab 131072 in bfloat16"
             in distill.describe(16384, 131072, torch.bfloat16))
     assert "2048 of 2048 tokens a chunk (1 chunk) at vocab 131072" in distill.describe(2048, 131072, torch.bfloat16)
     assert chunking(16484, 131072, 2, 1408) == Chunking(4096)  # 1024 x a power of two from 1024 rows up (5632 fit)
