@@ -18,8 +18,9 @@ size comes from a memory budget (`chunking`).
   chunks (GEMM + the implementation's stats phase, per-token state kept, logits dropped), its
   middle once on the whole call, pass 2 (GEMM again + the grad phase + dH, dW): 4 GEMMs, not 3.
 - Distillation: the teacher's logits from its hidden states and head weight (`LossTargets.teacher_head`)
-  into a second buffer, a piece of the chunk at a time (a quarter when the call's two logits do not
-  both fit); each piece is then one loss call, and the chunk's dH and dW GEMMs run once on all its rows.
+  into a second buffer, a piece of the chunk at a time (what the budget leaves beside a chunk from 4/5 of
+  it, when the call's two logits do not both fit); each piece is one loss call, and the chunk's dH and dW
+  GEMMs run once on all its rows.
   Full `teacher_logits` are sliced instead.
 - Tensor parallelism: every chunk call all-reduces its statistics over the group (the
   implementations' TP form); dH is this rank's share, summed over the group by the caller's
