@@ -243,7 +243,7 @@ def trace(spec_name: str, tokens: int, device: torch.device, directory: Path, ca
             call()
         torch.cuda.synchronize()
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"trace_{spec_name}_{tokens}.json"
+    path = directory / f"trace_{spec_name.replace('+', '-')}_{tokens}.json"  # no "+": $OUT brings back letters, digits, ._-
     prof.export_chrome_trace(str(path))
     with path.open("rb") as source, gzip.open(f"{path}.gz", "wb") as target:
         shutil.copyfileobj(source, target)
