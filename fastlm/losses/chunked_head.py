@@ -62,8 +62,8 @@ GEMM_ROWS = 1024
 # With a teacher head, when the call's student and teacher logits do not both fit, the student's chunk
 # takes up to TEACHER_PIECES / (TEACHER_PIECES + 1) of the budget and the teacher's logits the rest, a
 # piece of the chunk at a time: the chunk's dH and dW GEMMs then run on twice the rows the budget would
-# give two equal buffers (4096 + 1536 instead of 2048 + 2048 at 1408 MiB and V=131072; docs/benchmarks.md,
-# session 14: 4096-row chunks ran those GEMMs up to 7 ms a call faster at 65536 tokens on the H100).
+# give two equal buffers (4096 + 1536 instead of 2048 + 2048 at 1408 MiB and V=131072: CE+kd's head 2-3%
+# faster at 65536 tokens on the H100, docs/benchmarks.md, session 14).
 TEACHER_PIECES = 4
 
 
