@@ -49,7 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
-from bench_head import build_head, extra_mib, floor_call, make_inputs  # noqa: E402
+from bench_head import Inputs, build_head, extra_mib, floor_call, make_inputs  # noqa: E402
 
 import fastlm.losses.chunked_head as chunked_head  # noqa: E402
 import fastlm.losses.triton.launcher as launcher  # noqa: E402
@@ -101,9 +101,15 @@ def entered(contexts: tuple) -> Iterator[None]:
         yield
 
 
-def _under(contexts: tuple, call: Callable[[], tuple]) -> tuple:
-    with entered(contexts):
-        return call()
+def head_call(head: torch.nn.Module, inputs: Inputs, contexts: tuple = ()) -> Callable[[], tuple]:
+    """The head's forward + backward on `inputs` (dH, dW by `torch.autograd.grad`), run under `contexts`."""
+
+    def call() -> tuple:
+        with entered(contexts):
+            loss = head(inputs.hidden, inputs.weight, inputs.targets, inputs.normalizers).loss
+            return torch.autograd.grad(loss, (inputs.hidden, inputs.weight))
+
+    return call
 
 
 def timed_rounds(calls: dict[str, Callable[[], object]], rounds: int, per_round: int) -> dict[str, list[float]]:
@@ -128,20 +134,13 @@ def variant_calls(spec_name: str, tokens: int, device: torch.device,
     head0 = build_head(spec_name, 1408, device)
     teacher = head0.spec.teacher is not None
     inputs = make_inputs(tokens, HIDDEN, VOCAB, head0.spec, device)
-    leaves = (inputs.hidden, inputs.weight)
     calls: dict[str, Callable[[], object]] = {"floor": floor_call(inputs, head0.spec)}
     memory: dict[str, float] = {}
     for name in variants:
         budget, contexts = VARIANTS[name]
         if name.startswith("full") and tokens * VOCAB * 2 * (4 if teacher else 3) > 0.8 * torch.cuda.mem_get_info()[0]:
             continue
-        head = build_head(spec_name, budget, device)
-
-        def call(head=head, contexts=contexts) -> tuple:
-            with entered(contexts):
-                loss = head(inputs.hidden, inputs.weight, inputs.targets, inputs.normalizers).loss
-                return torch.autograd.grad(loss, leaves)
-
+        call = head_call(build_head(spec_name, budget, device), inputs, contexts)
         memory[name] = extra_mib(call, device) or 0.0
         calls[name] = call
     return calls, memory
@@ -165,11 +164,13 @@ def profile(spec_name: str, tokens: int, device: torch.device, variants: list[st
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    names = ["default", "floor", *(v for v in variants if VARIANTS[v][0] and v != "default")]
-    for name in names:
-        budget, contexts = VARIANTS["default" if name == "floor" else name]
-        head_call, floor = default_call(spec_name, tokens, device, budget)
-        call = floor if name == "floor" else (lambda head_call=head_call, contexts=contexts: _under(contexts, head_call))
+    spec = build_head(spec_name, 1408, device).spec
+    inputs = make_inputs(tokens, HIDDEN, VOCAB, spec, device)
+    runs = {"floor": floor_call(inputs, spec)}
+    for name in ("default", *(v for v in variants if VARIANTS[v][0] and v != "default")):
+        budget, contexts = VARIANTS[name]
+        runs[name] = head_call(build_head(spec_name, budget, device), inputs, contexts)
+    for name, call in runs.items():
         call()
         torch.cuda.synchronize()
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -191,18 +192,15 @@ def profile(spec_name: str, tokens: int, device: torch.device, variants: list[st
         print("|---|---|---|")
         for event in events[:14]:
             print(f"| {event.key[:90]} | {event.count / calls:g} | {event.self_device_time_total / calls / 1e3:.3f} |")
-        del head_call, floor, call
-        torch.cuda.empty_cache()
+    del runs, inputs
+    torch.cuda.empty_cache()
 
 
-def default_call(spec_name: str, tokens: int, device: torch.device,
-                 budget: float = 1408) -> tuple[Callable[[], tuple], Callable[[], tuple]]:
-    """The head's forward + backward (the default budget unless given), and the floor's GEMMs, on the same inputs."""
-    head = build_head(spec_name, budget, device)
+def default_call(spec_name: str, tokens: int, device: torch.device) -> tuple[Callable[[], tuple], Callable[[], tuple]]:
+    """The default head's forward + backward, and the floor's GEMMs, on the same inputs."""
+    head = build_head(spec_name, 1408, device)
     inputs = make_inputs(tokens, HIDDEN, VOCAB, head.spec, device)
-    leaves = (inputs.hidden, inputs.weight)
-    return (lambda: torch.autograd.grad(head(inputs.hidden, inputs.weight, inputs.targets, inputs.normalizers).loss, leaves),
-            floor_call(inputs, head.spec))
+    return head_call(head, inputs), floor_call(inputs, head.spec)
 
 
 def find_syncs(spec_name: str, tokens: int, device: torch.device) -> None:
