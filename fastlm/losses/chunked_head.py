@@ -178,7 +178,6 @@ class _Call:
     options: dict[str, Any]
     hidden_grad: bool
     weight_grad: bool
-    chunking: Chunking | None = None  # set by the forward (from the budget, the vocab and the GEMMs' dtype)
 
 
 @dataclass
@@ -321,7 +320,7 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, call: _Call) -> tuple[L
     if spec.teacher is not None and targets.teacher_logits is None and targets.teacher_head is not None:
         check_teacher_head(targets.teacher_head, tokens, vocab, group)
         teacher = replace(targets.teacher_head, weight=targets.teacher_head.weight.to(dtype))
-    call.chunking = chunking(tokens, vocab, dtype.itemsize, call.logits_memory_mib, teacher is not None)
+    plan = chunking(tokens, vocab, dtype.itemsize, call.logits_memory_mib, teacher is not None)
     # The whole call's host checks, on a shape-only stand-in for its (tokens, vocab) logits.
     stand_in = torch.empty((tokens, vocab), dtype=dtype, device="meta")
     check_inputs(stand_in, targets if teacher is None else replace(targets, teacher_logits=stand_in), normalizers, spec, group)
@@ -331,8 +330,8 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, call: _Call) -> tuple[L
     with torch.autocast(hidden.device.type, enabled=False):
         _, counts = value_flags(stand_in, targets, spec, group)
         with checked_from_targets(counts, stand_in, targets, normalizers, spec, group):
-            chunks = _Chunks(hidden, weight.to(dtype), teacher, targets, call.chunking.tokens, dtype, grad_hidden,
-                             grad_weight, call.chunking.teacher_tokens)
+            chunks = _Chunks(hidden, weight.to(dtype), teacher, targets, plan.tokens, dtype, grad_hidden, grad_weight,
+                             plan.teacher_tokens)
             result = (_two_pass if spec.per_document else _one_pass)(chunks, call)
     return result, grad_hidden, grad_weight
 
