@@ -19,7 +19,10 @@
    - equal-buffers: with a teacher, student and teacher logits in two buffers of one chunk each (2048
      tokens at 1408 MiB: the rule before session 14);
    - budget-1536: 1536 MiB, the issue's 1.5 GiB (with a teacher 4096-token chunks and its logits 2048 at a time);
-   - chunk-8192: 2816 MiB, twice the default's chunk (with a teacher, 3072 of its logits at a time).
+   - chunk-8192: 2816 MiB, twice the default's chunk (with a teacher, 3072 of its logits at a time);
+   - kernel-file: the default with the fused loss kernel taken from `--kernel-file` (another version of
+     kernel.py with the same arguments, e.g. `git show HEAD~1:fastlm/losses/triton/kernel.py > /tmp/k.py`):
+     two kernels in one run.
    `--variants` picks some.
 2. With --syncs: every synchronizing CUDA call of one default call, with the Python stack that made it.
 3. With --trace DIR: a chrome trace of three default calls (CPU ops and kernels) per `--profile-specs`
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib.util
 import shutil
 import statistics
 import sys
@@ -91,6 +95,14 @@ VARIANTS: dict[str, tuple[float, tuple]] = {
     "budget-1536": (1536, ()),
     "chunk-8192": (2816, ()),  # 2 GiB without a teacher, 2.75 with one: over the issue's 1.5
 }
+
+
+def kernel_from(path: Path) -> object:
+    """`lm_loss_kernel` of another kernel.py, loaded as a module of its own."""
+    module_spec = importlib.util.spec_from_file_location("kernel_file", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.lm_loss_kernel
 
 
 @contextmanager
@@ -263,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--specs", nargs="+", default=["ce", "ce+z+grpo", "ce+kd"])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "kernel-file"],
+                        choices=[*VARIANTS, "kernel-file"])
+    parser.add_argument("--kernel-file", type=Path, help="the kernel.py of the `kernel-file` variant")
     parser.add_argument("--profile-tokens", type=int, default=16384)
     parser.add_argument("--profile-specs", nargs="+", default=["ce", "ce+kd"])
     parser.add_argument("--no-profile", action="store_true")
@@ -271,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--syncs", action="store_true", help="list the synchronizing CUDA calls of a default call")
     parser.add_argument("--trace", type=Path, help="write chrome traces here and print the GPU's idle gaps")
     args = parser.parse_args(argv)
+    if "kernel-file" in args.variants:
+        if args.kernel_file is None:
+            parser.error("the kernel-file variant needs --kernel-file")
+        VARIANTS["kernel-file"] = (1408, (_patch(launcher, "lm_loss_kernel", kernel_from(args.kernel_file)),))
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; V={VOCAB}, H={HIDDEN}, bf16, median of "
           f"{args.rounds} interleaved rounds; spread = (max - min) / median")
