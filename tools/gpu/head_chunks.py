@@ -275,8 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--specs", nargs="+", default=["ce", "ce+z+grpo", "ce+kd"])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "kernel-file"],
-                        choices=[*VARIANTS, "kernel-file"])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=[*VARIANTS, "kernel-file"])
     parser.add_argument("--kernel-file", type=Path, help="the kernel.py of the `kernel-file` variant")
     parser.add_argument("--profile-tokens", type=int, default=16384)
     parser.add_argument("--profile-specs", nargs="+", default=["ce", "ce+kd"])
@@ -288,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     if "kernel-file" in args.variants:
         if args.kernel_file is None:
             parser.error("the kernel-file variant needs --kernel-file")
-        VARIANTS["kernel-file"] = (1408, (_patch(launcher, "lm_loss_kernel", kernel_from(args.kernel_file)),))
+        kernel = kernel_from(args.kernel_file)
+        VARIANTS["kernel-file"] = (VARIANTS["default"][0], (_patch(launcher, "lm_loss_kernel", kernel),))
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; V={VOCAB}, H={HIDDEN}, bf16, median of "
           f"{args.rounds} interleaved rounds; spread = (max - min) / median")

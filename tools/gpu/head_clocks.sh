@@ -7,7 +7,7 @@ cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/head-clocks-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} WANDB_MODE=disabled
-nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader,nounits -lms 50 > $OUT/clocks.csv &
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader,nounits -lms 50 > "$OUT/clocks.csv" &
 SMI=$!
 sleep 1
 rm -f "$OUT/marks.txt"
@@ -17,7 +17,7 @@ python3 tools/bench_losses.py --tune --tune-spec ce+kd --tune-tokens 1536 4096 -
 mark alone_end
 python3 tools/gpu/head_chunks.py --specs ce+kd --tokens 65536 --rounds 5 --variants default --no-profile 2>&1 | grep "^| ce"
 mark head_end
-kill $SMI
+kill "$SMI"
 python3 - <<'PY'
 import os, datetime, statistics
 out = os.environ["OUT"]
