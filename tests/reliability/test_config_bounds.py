@@ -6,6 +6,7 @@ a hang, a memory blow-up or a traceback; a 20,000-key file is parsed in linear t
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -26,33 +27,53 @@ def _bomb(levels: int, width: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-HOSTILE = {
+# Each case: the text, and fastlm's own wording where fastlm's check is the one that refuses it (None where the
+# YAML library reports it: its wording is its own and changes between releases, e.g. PyYAML 6.0.4 bounds flow
+# nesting itself). The contract is the same for all: one ConfigError naming the file and a line, exit 2 from
+# `validate` without a traceback, in bounded time.
+HOSTILE: dict[str, tuple[str | bytes, str | None]] = {
     "alias bomb (9**10 values in 875 bytes)": (_bomb(10, 9), "line 6, column 5: expands to more than"),
     "self-referencing alias": ("model: &a {x: *a}\n", "line 1, column 8: an alias refers to a collection that contains it"),
-    "100k-deep flow nesting": ("a: " + "[" * 100_000 + "]" * 100_000 + "\n", f"nested deeper than {MAX_DEPTH} levels"),
+    "100k-deep flow nesting": ("a: " + "[" * 100_000 + "]" * 100_000 + "\n", None),
     "1000-deep block nesting": ("".join(f"{' ' * i}k:\n" for i in range(1000)), f"nested deeper than {MAX_DEPTH}"),
-    "5000-digit integer": ("run: {seed: " + "9" * 5000 + "}\n", "line 1, column 13: not valid YAML: Exceeds the limit"),
+    "5000-digit integer": ("run: {seed: " + "9" * 5000 + "}\n", None),
     "duplicate key": ("run:\n  seed: 1\n  name: x\n  seed: 2\n", "line 4, column 3: duplicate key 'seed' \\(first given on line 2\\)"),
     "duplicate top-level section": ("run: {seed: 1}\nmodel: {}\nrun: {seed: 2}\n", "line 3, column 1: duplicate key 'run'"),
     "invalid UTF-8": (b"run:\n  name: \xff\xfe\n", "line 2: not valid UTF-8"),
-    "impossible date": ("run: {name: 2021-02-30}\n", "not valid YAML: day is out of range"),
-    "tab indentation": ("run:\n\tseed: 1\n", "not valid YAML"),
-    "unsafe tag": ("run: !!python/object/apply:os.system [true]\n", "could not determine a constructor"),
+    "impossible date": ("run: {name: 2021-02-30}\n", None),
+    "tab indentation": ("run:\n\tseed: 1\n", None),
+    "unsafe tag": ("run: !!python/object/apply:os.system [true]\n", None),
 }
+HOSTILE_SECONDS = 10.0  # a hang guard on a loaded 2-core machine, not a speed goal (each takes well under 1 s)
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_hostile_yaml_is_one_config_error_with_the_line(tmp_path: Path, case: str,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    text, message = HOSTILE[case]
+    text, own_message = HOSTILE[case]
     path = tmp_path / "hostile.yaml"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
     started = time.perf_counter()
-    with pytest.raises(ConfigError, match=f"{path} (line .*: )?{message}"):
+    with pytest.raises(ConfigError) as caught:
         load_config(path)
-    print(f"{case}: refused in {time.perf_counter() - started:.3f} s")
+    seconds = time.perf_counter() - started
+    message = caught.value.render()
+    print(f"{case}: refused in {seconds:.3f} s: {message[:160]}")
+    assert re.search(rf"{re.escape(str(path))} line \d+", message), message
+    if own_message is not None:
+        assert re.search(own_message, message), message
+    assert seconds < HOSTILE_SECONDS
     assert main(["validate", str(path)]) == 2
-    assert "Traceback" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert str(path) in err and "Traceback" not in err, err
+
+
+def test_block_nesting_is_bounded_by_fastlm_where_yaml_does_not(tmp_path: Path) -> None:
+    """PyYAML bounds flow nesting (6.0.4 on) but not block nesting: fastlm's own depth limit refuses that."""
+    path = tmp_path / "deep.yaml"
+    path.write_text("".join(f"{' ' * i}k{i}:\n" for i in range(MAX_DEPTH + 1)))
+    with pytest.raises(ConfigError, match=rf"{path} line \d+, column \d+: nested deeper than {MAX_DEPTH} levels"):
+        load_config(path)
 
 
 @pytest.mark.parametrize("target", ["/dev/zero", "/dev/urandom", "fifo", "directory"])
