@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_train import packed_document_ids  # noqa: E402 - tools/ is the script directory, on sys.path
+
 from fastlm.layers.embedding import document_positions  # noqa: E402 - after the path fix
 from fastlm.layers.packed_attention import (  # noqa: E402
     attention_layout,
@@ -118,7 +119,8 @@ def main() -> int:
 
         try:
             out = output_of(forward()).float()
-            error = float((out - reference).norm() / reference.norm()) if name != "sdpa causal (no documents)" else float("nan")
+            masked = name != "sdpa causal (no documents)"
+            error = float((out - reference).norm() / reference.norm()) if masked else float("nan")
             forward_ms = time_ms(lambda: forward())
             total_ms = time_ms(fwd_bwd)
             rows.append({"candidate": name, "fwd_ms": forward_ms, "fwd_bwd_ms": total_ms, "rel_err_vs_dense": error})
@@ -135,17 +137,20 @@ def main() -> int:
     mask_mod = document_mask_mod(positions, None)
     for name, build in (
         ("flex block mask from documents (once per batch)", lambda: flex_block_mask(positions, None, b, s, device)),
-        ("torch create_block_mask, compiled (peer)", lambda: create_block_mask(mask_mod, b, None, s, s, device=device, _compile=True)),
+        ("torch create_block_mask, compiled (peer)",
+         lambda: create_block_mask(mask_mod, b, None, s, s, device=device, _compile=True)),
     ):
         rows.append({"candidate": name, "fwd_ms": time_ms(build)})
         print(rows[-1], flush=True)
 
     for options in ({"BLOCK_M": 128, "BLOCK_N": 64}, {"BLOCK_M": 64, "BLOCK_N": 64}, {"PRESCALE_QK": True}):
         compiled = torch.compile(flex_attention, dynamic=False)
-        add(f"flex {options}", lambda c=compiled, o=options: c(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=o))
+        add(f"flex {options}",
+            lambda c=compiled, o=options: c(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=o))
     varlen = varlen_candidate(q, k, v, documents)
     if varlen is None:
-        rows.append({"candidate": "varlen", "error": "torch.nn.attention.varlen.varlen_attn (with GQA) not in this torch"})
+        rows.append({"candidate": "varlen",
+                     "error": "torch.nn.attention.varlen.varlen_attn (with GQA) not in this torch"})
     else:
         run, unflatten = varlen
         add("varlen flash (documents)", run, unflatten)

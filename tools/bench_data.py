@@ -51,8 +51,9 @@ def bench_prepare(directory: Path, tokenizer_dir: Path, texts: list[str], corpus
     started = time.perf_counter()
     direct = sum(len(ids) for ids in tokenizer.encode_batch(texts, bos=True, eos=True))
     direct_seconds = time.perf_counter() - started
-    summary = prepare(PrepareConfig(tokenizer={"type": "huggingface", "path": str(tokenizer_dir)}, input_path=str(corpus),
-                                    output_path=str(directory / "prepared"), num_proc=num_proc, batch_size=1000))
+    summary = prepare(PrepareConfig(tokenizer={"type": "huggingface", "path": str(tokenizer_dir)},
+                                    input_path=str(corpus), output_path=str(directory / "prepared"),
+                                    num_proc=num_proc, batch_size=1000))
     assert summary.tokens == direct, (summary.tokens, direct)
     return {"tokens": direct, "direct_tokens_per_second": direct / direct_seconds,
             "prepare_tokens_per_second": summary.tokens / summary.seconds, "prepare_seconds": summary.seconds,
@@ -88,24 +89,29 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(scratch)
         corpus, texts = _corpus(directory, args.documents)
-        tokenizer_dir = args.tokenizer or train_bpe_tokenizer(generate_documents(5000, seed=99), directory / "tok", args.vocab)
+        tokenizer_dir = args.tokenizer or train_bpe_tokenizer(generate_documents(5000, seed=99), directory / "tok",
+                                                              args.vocab)
         tokenizer = build_tokenizer(HuggingFaceTokenizerConfig(path=str(tokenizer_dir)))
-        print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores visible, torch {torch.__version__}, "
-              f"transformers {transformers.__version__}, tokenizers {tokenizers.__version__}, datasets {datasets.__version__}")
-        print(f"# tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size}); corpus {corpus.stat().st_size / 2**20:.1f} MiB "
-              f"in {len(texts):,} records")
+        print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores visible, "
+              f"torch {torch.__version__}, transformers {transformers.__version__}, "
+              f"tokenizers {tokenizers.__version__}, datasets {datasets.__version__}")
+        print(f"# tokenizer {tokenizer.name} (vocab {tokenizer.vocab_size}); "
+              f"corpus {corpus.stat().st_size / 2**20:.1f} MiB in {len(texts):,} records")
         result = bench_prepare(directory, tokenizer_dir, texts, corpus, args.num_proc)
-        print(f"prepare (num_proc={args.num_proc}, read + tokenize + write): {result['prepare_tokens_per_second']:,.0f} tokens/s "
+        print(f"prepare (num_proc={args.num_proc}, read + tokenize + write): "
+              f"{result['prepare_tokens_per_second']:,.0f} tokens/s "
               f"({result['tokens']:,} tokens in {result['prepare_seconds']:.1f} s)")
-        print(f"tokenizer called directly (encode_batch, in memory, one process): {result['direct_tokens_per_second']:,.0f} "
-              f"tokens/s ({result['direct_seconds']:.1f} s); prepare / direct = "
+        print(f"tokenizer called directly (encode_batch, in memory, one process): "
+              f"{result['direct_tokens_per_second']:,.0f} tokens/s ({result['direct_seconds']:.1f} s); "
+              f"prepare / direct = "
               f"{result['prepare_tokens_per_second'] / result['direct_tokens_per_second']:.2f}")
         loader = bench_loader(result["path"], tokenizer_dir, args.batch_size, args.loader_seconds)
         trainer_batches = args.trainer_tokens_per_second / (args.batch_size * 2048)
         print(f"memmap loader, seq 2048, batch {args.batch_size} ({loader['rows']:,} rows): "
               f"{loader['batches_per_second']:,.1f} batches/s = {loader['tokens_per_second']:,.0f} tokens/s")
         print(f"trainer at {args.trainer_tokens_per_second:,.0f} tokens/s consumes {trainer_batches:.1f} batches/s; "
-              f"10x = {10 * trainer_batches:.1f}; loader / trainer = {loader['batches_per_second'] / trainer_batches:.1f}x "
+              f"10x = {10 * trainer_batches:.1f}; "
+              f"loader / trainer = {loader['batches_per_second'] / trainer_batches:.1f}x "
               f"({'meets' if loader['batches_per_second'] > 10 * trainer_batches else 'MISSES'} the 10x goal)")
 
 

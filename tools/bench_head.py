@@ -1,7 +1,7 @@
 """Benchmark the whole LM head (projection, loss, both gradients): fastlm's chunked head against its
 full-logits head, the fused-linear peers and the three-GEMM floor, in one run.
 
-    python tools/bench_head.py                    # H200: ce, ce+z+grpo, ce+kd at T x H x V = {16384, 65536} x 2048 x 131072
+    python tools/bench_head.py                    # ce, ce+z+grpo, ce+kd at T x H x V = {16384, 65536} x 2048 x 131072
     python tools/bench_head.py --specs ce ce+z --tokens 16384
     python tools/bench_head.py --cpu-smoke        # tiny shapes on CPU (the compiled path), seconds
     python tools/bench_head.py --specs ce+kd --splits 1 8   # the chunked head at 1 and 8 programs per row, side by side
@@ -199,12 +199,14 @@ def reference_grads(inputs: Inputs, spec: LossSpec) -> tuple[torch.Tensor, torch
     weight = inputs.weight.detach().float().requires_grad_(True)
     teacher = inputs.targets.teacher_head
     teacher_logits = None if spec.teacher is None else teacher.hidden.float() @ teacher.weight.float().t()
-    loss = reference_loss(hidden @ weight.t(), _with_teacher(inputs.targets, teacher_logits), inputs.normalizers, spec).loss
+    targets = _with_teacher(inputs.targets, teacher_logits)
+    loss = reference_loss(hidden @ weight.t(), targets, inputs.normalizers, spec).loss
     return torch.autograd.grad(loss, (hidden, weight))
 
 
 def floor_call(inputs: Inputs, spec: LossSpec) -> Callable[[], tuple]:
-    """The head's GEMMs alone into preallocated outputs (with GSPO the logits GEMM twice; with a teacher its GEMM too)."""
+    """The head's GEMMs alone into preallocated outputs (with GSPO the logits GEMM twice; with a teacher its
+    GEMM too)."""
     hidden, weight = inputs.hidden.detach(), inputs.weight.detach()
     logits = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device=hidden.device)
     grad_hidden, grad_weight = torch.empty_like(hidden), torch.empty_like(weight)
@@ -316,8 +318,8 @@ def bench_row(spec_name: str, tokens: int, hidden: int, vocab: int, device: torc
         row["ms"]["floor"] = statistics.mean(row["floor_ms"])
     floor = row["ms"].get("floor")
     row["x_floor"] = {column: ms / floor for column, ms in row["ms"].items()} if floor else {}
-    print(json.dumps({k: row[k] for k in ("spec", "tokens", "ms", "floor_ms", "extra_mib", "err", "failed") if k in row},
-                     default=_round), flush=True)
+    shown = ("spec", "tokens", "ms", "floor_ms", "extra_mib", "err", "failed")
+    print(json.dumps({k: row[k] for k in shown if k in row}, default=_round), flush=True)
     return row
 
 

@@ -44,8 +44,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402 - TRITON_INTERPRET must be set (in main) before triton is imported
 
 from fastlm.losses import children as fastlm_children  # noqa: E402
-from fastlm.losses.validation import deferred_value_checks  # noqa: E402
 from fastlm.losses.spec import LossNormalizers, LossSpec, LossTargets  # noqa: E402
+from fastlm.losses.validation import deferred_value_checks  # noqa: E402
 
 
 def make_specs(children: ModuleType, spec_class: type) -> dict[str, object]:
@@ -234,7 +234,8 @@ def implementations(
         reference_loss(z, case.targets, case.normalizers, spec).loss.backward()
         return z.grad
 
-    found: dict[str, Callable[[Case], object]] = {"triton": triton, "triton-deferred": triton, "triton-inplace": triton_inplace}
+    found: dict[str, Callable[[Case], object]] = {
+        "triton": triton, "triton-deferred": triton, "triton-inplace": triton_inplace}
     if not spec.per_document:
         found["triton-kernel"] = triton_kernel
     found["copy"] = same_shape_copy
@@ -282,7 +283,7 @@ def benchmark(
                     # the trainer reads them once per step (validation.deferred_value_checks).
                     with deferred_value_checks() if impl.endswith("-deferred") else nullcontext():
                         row["ms"][impl] = bench.time_ms(rotating(cases, call))
-                    row["peak_mib"][impl] = bench.peak_mib(lambda: call(cases[0]))
+                    row["peak_mib"][impl] = bench.peak_mib(partial(call, cases[0]))
                 except torch.cuda.OutOfMemoryError:
                     row["ms"][impl], row["peak_mib"][impl] = None, "oom"
                     torch.cuda.empty_cache()
@@ -290,10 +291,12 @@ def benchmark(
             row["x_r1"] = {impl: t / r1_ms for impl, t in ms.items() if t is not None}
             row["gb_s"] = {impl: r1_bytes / (t * 1e-3) / 1e9 for impl, t in ms.items() if t is not None}
             row["speedup"] = {
-                other: ms[other] / ms["triton"] for other in ("compiled", "eager", "liger") if ms.get(other) and ms["triton"]
+                other: ms[other] / ms["triton"]
+                for other in ("compiled", "eager", "liger") if ms.get(other) and ms["triton"]
             }
             rows.append(row)
-            print(json.dumps({k: row[k] for k in ("spec", "tokens", "vocab", "ms", "x_r1")}, default=_round), flush=True)
+            shown = {k: row[k] for k in ("spec", "tokens", "vocab", "ms", "x_r1")}
+            print(json.dumps(shown, default=_round), flush=True)
             del cases
             if bench.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -352,7 +355,7 @@ class Tree:
 
 
 def load_tree(name: str, package: str) -> Tree:
-    """The loss modules of `package` (`fastlm`, or `fastlm_base` from tools/gpu/make_baseline.sh)."""
+    """The loss modules of `package` (`fastlm`, or `fastlm_base` from tools/bench/make_baseline.sh)."""
     spec_module = importlib.import_module(f"{package}.losses.spec")
     children = importlib.import_module(f"{package}.losses.children")
     return Tree(name, importlib.import_module(f"{package}.losses.triton.launcher"),
@@ -364,7 +367,8 @@ def tree_inputs(tree: Tree, case: Case) -> tuple:
     """The case's targets and normalizers as the tree's own dataclasses (converted once)."""
     if tree.name not in case.converted:
         known = {f.name for f in fields(tree.spec_module.LossTargets)}  # the baseline predates some (teacher_head)
-        unset = [f.name for f in fields(case.targets) if f.name not in known and getattr(case.targets, f.name) is not None]
+        unset = [f.name for f in fields(case.targets)
+                 if f.name not in known and getattr(case.targets, f.name) is not None]
         if unset:
             raise ValueError(f"{tree.name}'s LossTargets has no {unset}")
         targets = tree.spec_module.LossTargets(**{name: getattr(case.targets, name) for name in known})
@@ -425,7 +429,8 @@ def ab_benchmark(shapes: list[tuple[int, int]], bench: Bench, copy_gb_s: float, 
         for name in spec_names:
             row: dict = {"spec": name, "tokens": tokens, "vocab": vocab}
             try:
-                cases = [make_case(tokens, vocab, seed, bench.device, SPECS[name].teacher is not None) for seed in range(SETS)]
+                teacher = SPECS[name].teacher is not None
+                cases = [make_case(tokens, vocab, seed, bench.device, teacher) for seed in range(SETS)]
                 for case in cases:
                     case.buffer = case.logits.clone()
                 row["r1_ms"] = roofline_bytes(cases[0], SPECS[name]) / (copy_gb_s * 1e9) * 1e3
@@ -517,8 +522,8 @@ def results_table(rows: list[dict], copy_gb_s: float) -> str:
     lines = [
         f"copy bandwidth {copy_gb_s:.0f} GB/s (read+write); ms = median forward+gradient; (xR1) = time / roofline R1; "
         "same-shape copy = the R1 bytes through copy_ (add with a teacher), timed alike",
-        "| spec | T | V | R1 ms | triton | deferred checks | in-place | kernel only | same-shape copy | compiled | eager "
-        "| liger | xcomp | xeager | xliger | grad err | peak MiB tri/inp/comp/eager/liger |",
+        "| spec | T | V | R1 ms | triton | deferred checks | in-place | kernel only | same-shape copy | compiled "
+        "| eager | liger | xcomp | xeager | xliger | grad err | peak MiB tri/inp/comp/eager/liger |",
         "|" + "---|" * 17,
     ]
     for row in rows:
@@ -542,11 +547,13 @@ def tune_table(rows: list[dict], suggestions: list[dict]) -> str:
     lines += [
         f"| {r['spec']} | {r['tokens']} | {r['vocab']} | {r['block']} | {r['num_warps']} | {int(r['prefetch'])} "
         f"| {r['split']} "
-        f"| {r['kernel_ms']:.3f} | {r['kernel_x_r1']:.2f} | {'*' if r['default'] else ''} | {'best' if r['best_kernel'] else ''} |"
+        f"| {r['kernel_ms']:.3f} | {r['kernel_x_r1']:.2f} | {'*' if r['default'] else ''} "
+        f"| {'best' if r['best_kernel'] else ''} |"
         for r in rows
     ]
     for pick in suggestions:
-        current = "/".join(map(str, map(int, pick["default"]))) + f" at {pick['default_score']:.3f}" if pick["default"] else "not swept"
+        current = ("/".join(map(str, map(int, pick["default"]))) + f" at {pick['default_score']:.3f}"
+                   if pick["default"] else "not swept")
         lines.append(
             f"suggested default V={pick['vocab']}: max_block {pick['block']}, num_warps {pick['num_warps']}, "
             f"prefetch {int(pick['prefetch'])}, split {pick['split']} "
@@ -560,18 +567,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, Triton interpreted")
     parser.add_argument("--specs", nargs="+", default=list(SPECS), choices=list(SPECS), help="specs of the full table")
-    parser.add_argument("--tune", action="store_true", help="sweep block size x num_warps (x prefetch), the kernel alone")
+    parser.add_argument("--tune", action="store_true",
+                        help="sweep block size x num_warps (x prefetch), the kernel alone")
     parser.add_argument("--tune-spec", nargs="+", default=TUNE_SPECS, choices=list(SPECS))
     parser.add_argument("--tune-tokens", type=int, nargs="+", default=[16384])
     parser.add_argument("--tune-vocab", type=int, nargs="+", default=[32000, 131072])
     parser.add_argument("--tune-block", type=int, nargs="+", default=None, help="override the block grid")
     parser.add_argument("--tune-warps", type=int, nargs="+", default=None, help="override the num_warps grid")
     parser.add_argument("--tune-prefetch", type=int, nargs="+", choices=(0, 1), default=None,
-                        help="sweep loading each vocab block an iteration ahead (1) or not (0); default: each spec's default")
+                        help="sweep loading each vocab block an iteration ahead (1) or not (0); "
+                        "default: each spec's default")
     parser.add_argument("--tune-split", type=int, nargs="+", default=None,
                         help="sweep the fused launch's programs per row (powers of two); default: each spec's default")
     parser.add_argument("--baseline", type=Path, default=None,
-                        help="a folder from tools/gpu/make_baseline.sh (.baseline): time its fastlm_base ('before') "
+                        help="a folder from tools/bench/make_baseline.sh (.baseline): time its fastlm_base ('before') "
                         "next to this tree ('after') on the same inputs, trainer call and kernel alone")
     parser.add_argument("--ab-shapes", nargs="+", default=["16384x32000", "16384x131072", "4096x32000"],
                         help="TxV shapes of the --baseline table")
@@ -589,12 +598,14 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(device, args.rep_ms or (TUNE_REP_MS if args.tune else 100))
     copy_gb_s = bench.copy_gb_s()
     liger, liger_status = load_liger() if device.type == "cuda" else (None, "not on CPU")
-    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; liger: {liger_status}", flush=True)
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"device {device_name}; liger: {liger_status}", flush=True)
     report: dict = {"device": str(device), "copy_gb_s": copy_gb_s, "liger": liger_status}
     if args.baseline is not None:
         sys.path.insert(0, str(args.baseline.resolve()))
         trees = [load_tree("before", "fastlm_base"), load_tree("after", "fastlm")]
-        report["baseline"] = (args.baseline / "COMMIT").read_text().strip() if (args.baseline / "COMMIT").exists() else "?"
+        commit_file = args.baseline / "COMMIT"
+        report["baseline"] = commit_file.read_text().strip() if commit_file.exists() else "?"
         print(f"before: fastlm_base {report['baseline']} from {args.baseline}; after: {ROOT}", flush=True)
         shapes = SMOKE_SHAPES if args.cpu_smoke else [tuple(int(n) for n in s.split("x")) for s in args.ab_shapes]
         report["ab_rows"] = ab_benchmark(shapes, bench, copy_gb_s, trees, args.specs)

@@ -43,9 +43,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastlm.run_config.schema import RunConfig  # noqa: E402 - after the path fix
 from fastlm.generation import Generator, SamplingOptions  # noqa: E402
 from fastlm.models.decoder import DecoderLM, build_model  # noqa: E402
+from fastlm.run_config.schema import RunConfig  # noqa: E402 - after the path fix
 
 
 @dataclass

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from fastlm.run_config.schema import RunConfig  # noqa: E402 - after the path fix
 from fastlm.engine.compile import CompileFallback  # noqa: E402
 from fastlm.engine.optim import build_optimizer  # noqa: E402
-from fastlm.engine.runtime import autocast  # noqa: E402
+from fastlm.system.device import autocast  # noqa: E402
 from fastlm.layers.embedding import document_positions  # noqa: E402
 from fastlm.layers.packed_attention import attention_layout  # noqa: E402
 from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets  # noqa: E402

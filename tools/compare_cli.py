@@ -41,11 +41,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import bench_train
 import torch
+from bench_train import DOC_MAX, DOC_MIN, Loop, StepBatch, measured_peak_flops, synthetic_batches
 from torch._dynamo.utils import counters
 
-import bench_train
-from bench_train import DOC_MAX, DOC_MIN, Loop, StepBatch, measured_peak_flops, synthetic_batches
 from fastlm.data.batch import Batch
 from fastlm.data.loader import build_loaders
 from fastlm.data.tokenizer import build_tokenizer
@@ -58,8 +58,10 @@ from fastlm.losses.spec import IGNORE_INDEX
 from fastlm.models import model_flops_per_token
 from fastlm.models.decoder import DecoderLM
 from fastlm.run_config.schema import RunConfig
-from gpu_clocks import ClockMean, ClockSampler
-from kernel_trace import TraceSummary, differences_table, profile_steps, profile_table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "profile"))  # the clock sampler and trace reader
+from gpu_clocks import ClockMean, ClockSampler  # noqa: E402
+from kernel_trace import TraceSummary, differences_table, profile_steps, profile_table  # noqa: E402
 
 WARMUP = 3  # untimed steps before a row (compilation, optimizer state, pinned buffers)
 NEVER = 10**9  # trainer.steps / log_every of the Trainer of row C: no read point of its own
@@ -324,7 +326,8 @@ def decompose(shape: Shape, peak: float, sampler: ClockSampler, deadline: float)
     facts: dict[str, dict[str, str]] = {}
     with tempfile.TemporaryDirectory(prefix="fastlm-compare-") as folder:
         corpus = Path(folder, "corpus.txt")
-        steps = max(shape.cli_steps, WARMUP + 2 * shape.timed_steps + shape.profile_steps)  # E's, or C and D's trainer's
+        # E's steps, or those of C and D's trainer
+        steps = max(shape.cli_steps, WARMUP + 2 * shape.timed_steps + shape.profile_steps)
         needed = steps * shape.batch * (shape.seq_len + 1)  # tokens: no row wraps around the corpus
         write_corpus(corpus, needed // ((DOC_MIN + DOC_MAX) // 2) + 1, seed=0)
         runs = Path(folder, "runs")
@@ -424,8 +427,9 @@ def rows_table(result: Decomposition) -> str:
     reference = result.row("A")
     flops = model_flops_per_token(bench_train.model_config(result.shape.preset, result.shape.loss, None).model,
                                   result.shape.seq_len)
-    lines = [("| row | runs | tokens/s per window | mean tokens/s | ms/step | MFU | vs A | graphs compiled (E: whole run) "
-              "| SM MHz | power W | peak GiB |"), "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [("| row | runs | tokens/s per window | mean tokens/s | ms/step | MFU | vs A "
+              "| graphs compiled (E: whole run) | SM MHz | power W | peak GiB |"),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in result.rows:
         mean = row.tokens_per_second
         ratio = f"{mean / reference.tokens_per_second:.3f}" if reference else "n/a"
@@ -489,7 +493,8 @@ def report(result: Decomposition, failures: list[str]) -> str:
 def compare_main(args: argparse.Namespace) -> int:
     """CUDA at the given presets (packed+compile, the Triton loss), or --cpu-smoke's tiny shape."""
     if args.cpu_smoke:
-        device, presets, batches, seq_len, loss, variant = torch.device("cpu"), ["tiny-llama"], [2], 32, "compiled", "packed"
+        device, presets, batches, seq_len = torch.device("cpu"), ["tiny-llama"], [2], 32
+        loss, variant = "compiled", "packed"
         cli_steps, window, profiled = 6, 2, 2
     elif not torch.cuda.is_available():
         print("needs a CUDA device; use --cpu-smoke on CPU", file=sys.stderr)

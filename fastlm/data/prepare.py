@@ -36,7 +36,7 @@ from fastlm.data.prepared import (
     tokenizer_metadata,
 )
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
-from fastlm.engine.disk_space import DiskFullError, raise_if_disk_full
+from fastlm.system.disk_space import DiskFullError, raise_if_disk_full
 
 FileFormat = Literal["text", "json", "parquet", "csv"]
 _SUFFIXES: dict[str, FileFormat] = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
@@ -253,13 +253,13 @@ def load_prepare_config(path: str, overrides: list[str]) -> PrepareConfig:
     from pydantic import ValidationError
 
     from fastlm.config.errors import ConfigError
-    from fastlm.run_config.loader import _to_issue, load_layers
+    from fastlm.run_config.loader import load_layers, to_issue
 
     layered = load_layers(path, overrides)
     try:
         return PrepareConfig.model_validate(layered.data)
     except ValidationError as error:
-        raise ConfigError([_to_issue(item, layered) for item in error.errors()]) from None
+        raise ConfigError([to_issue(item, layered) for item in error.errors()]) from None
 
 
 def prepare_command(path: str, overrides: list[str]) -> int:

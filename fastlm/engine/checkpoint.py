@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from fastlm.engine.disk_space import raise_if_disk_full
+from fastlm.system.disk_space import raise_if_disk_full
 from fastlm.engine.signals import fault_point
 
 MODEL_FILE = "model.safetensors"

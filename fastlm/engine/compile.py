@@ -14,6 +14,7 @@ from typing import Literal, TypeVar
 import torch
 
 from fastlm.models.decoder import DecoderLM
+from fastlm.system.errors import first_line
 
 Result = TypeVar("Result")
 
@@ -33,14 +34,6 @@ def describe_training_path(setting: Literal["auto"] | bool, checkpointing: bool,
     attention = "FlexAttention block mask" if device.type == "cuda" else "SDPA with a dense mask"
     return (f"training path: {blocks} (trainer.compile={str(setting).lower()} on {device.type}), packed rows "
             f"through {attention}, activation checkpointing {'on' if checkpointing else 'off'}")
-
-
-def first_line(error: BaseException) -> str:
-    """The root cause's type and first line (dynamo wraps backend errors in BackendCompilerFailed)."""
-    while (inner := getattr(error, "inner_exception", None) or error.__cause__) is not None:
-        error = inner
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__
 
 
 class CompileFallback:

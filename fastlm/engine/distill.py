@@ -18,7 +18,7 @@ import torch
 from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.engine.frozen import check_compatible, frozen_head_input, frozen_logits, load_frozen_model
-from fastlm.engine.runtime import autocast
+from fastlm.system.device import autocast
 from fastlm.engine.trainer import Trainer
 
 

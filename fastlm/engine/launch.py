@@ -13,7 +13,7 @@ from fastlm.run_config.schema import RunConfig
 from fastlm.data.datasets import DataError
 from fastlm.engine.checkpoint import CheckpointError
 from fastlm.engine.distributed import run_distributed, torchrun_env
-from fastlm.engine.disk_space import DiskFullError
+from fastlm.system.disk_space import DiskFullError
 from fastlm.engine.preflight import preflight_issues
 from fastlm.engine.run_dir import RunDirError
 from fastlm.engine.runtime import select_device

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import random
 from typing import TYPE_CHECKING, Any
 
@@ -28,10 +27,6 @@ def autocast_dtype(config: TrainerConfig, device: torch.device) -> torch.dtype |
     if config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return None
-
-
-def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def describe_head(config: RunConfig, device: torch.device) -> str:

@@ -45,7 +45,7 @@ from fastlm.engine.checkpoint import (
     step_dir_name,
 )
 from fastlm.engine.compile import CompileFallback, compile_wanted
-from fastlm.engine.disk_space import ensure_space
+from fastlm.system.disk_space import ensure_space
 from fastlm.engine.distributed import (
     RankShardLoader,
     build_parallel,
@@ -61,7 +61,6 @@ from fastlm.engine.optim import build_optimizer, build_scheduler, clip_divisor, 
 from fastlm.engine.preflight import preflight_issues
 from fastlm.engine.run_dir import FreshStart, RunDirError, RunDirLock
 from fastlm.engine.runtime import (
-    autocast,
     autocast_dtype,
     describe_head,
     rng_state,
@@ -70,6 +69,7 @@ from fastlm.engine.runtime import (
     set_rng_state,
 )
 from fastlm.engine.signals import StopRequest
+from fastlm.system.device import autocast
 from fastlm.engine.step_scalars import InFlightRead, PendingSteps, StepResult, StepValues
 from fastlm.logging.jsonl import drop_records_after
 from fastlm.logging.logger import METRICS_FILE, MetricLogger

@@ -28,11 +28,11 @@ from typing import Literal, Protocol
 
 import torch
 
-from fastlm.engine.compile import first_line
-from fastlm.engine.runtime import autocast
 from fastlm.generation.sampling import SamplingOptions, draw_race, pick_tokens
 from fastlm.layers.kv_cache import DecodeAttention, KVCache
 from fastlm.models.decoder import DecoderLM, build_model
+from fastlm.system.device import autocast
+from fastlm.system.errors import first_line
 
 CACHE_ROUNDING = 128  # graph path: cache lengths are rounded up to this, so a graph serves nearby prompt widths
 KEPT_GRAPHS = 2  # graph path: decode steps kept per Generator (e.g. the rollouts' and the greedy eval's)

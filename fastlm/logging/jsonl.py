@@ -9,7 +9,7 @@ import time
 import warnings
 from pathlib import Path
 
-from fastlm.engine.disk_space import raise_if_disk_full
+from fastlm.system.disk_space import raise_if_disk_full
 
 
 def _plain(value: float) -> float | None:

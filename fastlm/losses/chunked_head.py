@@ -1,7 +1,7 @@
 """The LM head without full logits: projection, loss and both GEMM gradients over token chunks, in one
 autograd node.
 
-Per chunk c of the call's tokens (shared/design/losses.md, "The head without full logits"):
+Per chunk c of the call's tokens (docs/design/losses.md, "The head without full logits"):
 
     Z_c = H_c W^T                      into one preallocated (chunk, V) buffer (`mm(out=)`)
     G_c = d loss / d Z_c               the loss implementation writes it over Z_c (`inplace`)
@@ -57,13 +57,13 @@ CHUNK_MULTIPLE = 128  # below GEMM_ROWS, chunk sizes are multiples of this many 
 # From GEMM_ROWS up, chunks are GEMM_ROWS x a power of two: the per-chunk dH GEMM (chunk x V) @ (V x H) has
 # few output tiles, and on the H200 its rows cost least at 1024, 2048, 4096 (0.70-0.75 ms per 1k rows at
 # H 2048, V 131072) against up to 0.94 between them; the whole head was fastest at 4096 (2048 with a
-# teacher in two equal buffers, the rule then) in a sweep of budgets (docs/benchmarks.md, "chunk size").
+# teacher in two equal buffers, the rule then) in a sweep of budgets (docs/tuning-log.md, "Chunk size").
 GEMM_ROWS = 1024
 # With a teacher head, when the call's student and teacher logits do not both fit, the student's chunk
 # takes up to TEACHER_PIECES / (TEACHER_PIECES + 1) of the budget and the teacher's logits the rest, a
 # piece of the chunk at a time: the chunk's dH and dW GEMMs then run on twice the rows the budget would
 # give two equal buffers (4096 + 1536 instead of 2048 + 2048 at 1408 MiB and V=131072: CE+kd's head 2-3%
-# faster at 65536 tokens on the H100, docs/benchmarks.md, session 14).
+# faster at 65536 tokens on the H100, docs/tuning-log.md, "The teacher's pieces").
 TEACHER_PIECES = 4
 
 

@@ -1,6 +1,6 @@
 """Loss children (discriminated by `type:`) and the monolithic loss they compose into.
 
-The math lives in ../shared/design/losses.md; this module only says what a user may configure and
+The math lives in docs/design/losses.md; this module only says what a user may configure and
 rejects combinations that no implementation can run.
 """
 

@@ -195,7 +195,7 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunCo
         config = RunConfig.model_validate(layered.data)
     except ValidationError as error:
         items = error.errors()
-        issues = [_to_issue(item, layered) for item in items[:MAX_REPORTED_ISSUES]]
+        issues = [to_issue(item, layered) for item in items[:MAX_REPORTED_ISSUES]]
         if len(items) > MAX_REPORTED_ISSUES:
             issues.append(ConfigIssue("", f"... and {len(items) - MAX_REPORTED_ISSUES} more problems like these"))
         raise ConfigError(issues) from None
@@ -219,7 +219,8 @@ def _size_issues(config: RunConfig) -> list[ConfigIssue]:
                         hint="lower model.hidden_size, model.vocab_size, model.intermediate_size or model.num_layers")]
 
 
-def _to_issue(item: dict[str, Any], layered: LayeredDict) -> ConfigIssue:
+def to_issue(item: dict[str, Any], layered: LayeredDict) -> ConfigIssue:
+    """One pydantic error as a `ConfigIssue`: its dotted path, the layer that set the value, and a hint."""
     path, parent_model = _dotted_path(item["loc"], layered.data)
     source = layered.source_of(path)
     kind = item["type"]

@@ -350,7 +350,7 @@ def test_autocast_grads_keep_the_input_dtypes(name: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 Triton GEMM path on CUDA; runs on the H200 (tools/gpu/issue21.sh)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 Triton GEMM path on CUDA; runs on the H200 (tools/gpu/head.sh)")
 @pytest.mark.parametrize("name", ["ce+z+grpo softcap", "cispo bnpo beta entropy", "gspo dapo delta entropy beta+z", "ce+kd"])
 def test_bf16_autocast_on_cuda(name: str) -> None:
     """The trainer's setting on CUDA: fp32 hidden and weight, bf16 autocast, the fused Triton kernel

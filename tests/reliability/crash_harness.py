@@ -1,6 +1,6 @@
 """Run `python -m fastlm train` as a real subprocess, kill it, resume it, and compare with an uninterrupted run.
 
-Shared by the reliability tests (a handful of kill points) and tools/kill_soak.py (many, for the figures
+Shared by the reliability tests (a handful of kill points) and tools/bench/kill_soak.py (many, for the figures
 in docs/reliability.md). Every run is a tiny CPU model with a fixed seed and one thread, so an
 uninterrupted run and a killed-and-resumed one must log bit-identical losses.
 """

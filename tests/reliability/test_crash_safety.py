@@ -1,6 +1,6 @@
 """SIGKILL a real training process at seeded random times and inside checkpoint writing; after every kill
 the newest checkpoint verifies and loads, and the resumed run logs exactly the losses of an
-uninterrupted one (tools/kill_soak.py runs many more kill points for docs/reliability.md)."""
+uninterrupted one (tools/bench/kill_soak.py runs many more kill points for docs/reliability.md)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from crash_harness import finish, run_dir, start, write_config
 
 from fastlm.cli import main
 from fastlm.engine.checkpoint import load_latest_checkpoint
-from fastlm.engine.disk_space import DiskFullError
+from fastlm.system.disk_space import DiskFullError
 from fastlm.logging.jsonl import JsonlSink, read_metrics
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a size-limited tmpfs needs root")

@@ -55,10 +55,10 @@ def test_cpu_smoke_tune_table(tmp_path: Path) -> None:
 
 
 def test_cpu_smoke_before_after(tmp_path: Path) -> None:
-    """--baseline: tools/gpu/make_baseline.sh writes HEAD's package as fastlm_base, and the table times
+    """--baseline: tools/bench/make_baseline.sh writes HEAD's package as fastlm_base, and the table times
     both trees on the same inputs (identical code here, so identical gradients)."""
     baseline = tmp_path / "baseline"
-    subprocess.run(["bash", str(ROOT / "tools" / "gpu" / "make_baseline.sh"), "HEAD", str(baseline)], cwd=ROOT,
+    subprocess.run(["bash", str(ROOT / "tools" / "bench" / "make_baseline.sh"), "HEAD", str(baseline)], cwd=ROOT,
                    check=True, capture_output=True, timeout=60)
     out = _run(tmp_path, "--baseline", str(baseline), "--specs", "grpo(seq)+z")
     assert [line for line in out.splitlines() if line.startswith("| grpo(seq)+z | 8 | 96 |")], out[-2000:]

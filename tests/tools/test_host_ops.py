@@ -1,4 +1,4 @@
-"""tools/host_ops.py in a subprocess (it stubs the Triton launches of the process): the host work of
+"""tools/profile/host_ops.py in a subprocess (it stubs the Triton launches of the process): the host work of
 one call stays small where it used to make calls host-bound, a regression guard on op counts (not on
 time). GSPO+z's call was 66 torch ops + 18 views around 3 launches (main 9398690), loss_type grpo's
 weights 20 + 7 around 2."""
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_policy_calls_enqueue_few_torch_ops() -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "host_ops.py"), "--specs", "gspo+z", "grpo(seq)+z",
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "profile" / "host_ops.py"), "--specs", "gspo+z", "grpo(seq)+z",
                            "--calls", "3"], cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"},
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

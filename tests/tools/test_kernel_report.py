@@ -1,4 +1,4 @@
-"""tools/kernel_report.py compiles the launcher's own fused launch for sm_90 on this GPU-less machine and
+"""tools/profile/kernel_report.py compiles the launcher's own fused launch for sm_90 on this GPU-less machine and
 reads the registers and SASS back with Triton's bundled cuobjdump."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_report_row_for_a_looped_prefetching_kernel(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "kernel_report.py"), "--spec", "ce+kd", "--vocab", "32000",
+        [sys.executable, str(ROOT / "tools" / "profile" / "kernel_report.py"), "--spec", "ce+kd", "--vocab", "32000",
          "--prefetch", "1", "--sass-dir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )

@@ -1,4 +1,4 @@
-"""tools/kernel_trace.py reads busy time and per-kernel time from a profiler trace; tools/gpu_clocks.py parses
+"""tools/profile/kernel_trace.py reads busy time and per-kernel time from a profiler trace; tools/profile/gpu_clocks.py parses
 nvidia-smi samples. Both feed `bench_train.py --compare-cli`'s decomposition of the CLI trainer's gap."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools" / "profile"))
 
 from gpu_clocks import ClockSampler, parse_sample  # noqa: E402
 from kernel_trace import kernel_differences, profile_steps, summarize, union_length  # noqa: E402

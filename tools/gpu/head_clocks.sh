@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # SM clock and power (nvidia-smi every 50 ms) while CE+kd's loss kernel runs alone (bench_losses.py, the default
 # schedule at 1536 and 4096 rows) and inside the chunked head at 65536 tokens (head_chunks.py), medians per
-# phase -> stdout; samples in $OUT/clocks.csv. Why the kernel is slower in the head (docs/tuning-log.md entry 20).
+# phase -> stdout; samples in $OUT/clocks.csv. Why the kernel is slower in the head (docs/tuning-log.md,
+# entry 20).
+#   bash tools/gpu/head_clocks.sh [BUDGET_S]     # default 240 s: half for the kernel alone, half in the head
 set -u
 cd "$(dirname "$0")/../.."
+BUDGET=${1:-240}
 export OUT=${OUT:-/tmp/head-clocks-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} WANDB_MODE=disabled
@@ -13,9 +16,9 @@ sleep 1
 rm -f "$OUT/marks.txt"
 mark() { echo "$1 $(date +%s.%N)" >> "$OUT/marks.txt"; }
 mark alone_start
-python3 tools/bench_losses.py --tune --tune-spec ce+kd --tune-tokens 1536 4096 --tune-vocab 131072 --tune-block 16384 --tune-warps 8 --tune-prefetch 1 --tune-split 2 --rep-ms 2000 2>&1 | grep "^| ce"
+timeout $(( BUDGET / 2 )) python3 tools/bench_losses.py --tune --tune-spec ce+kd --tune-tokens 1536 4096 --tune-vocab 131072 --tune-block 16384 --tune-warps 8 --tune-prefetch 1 --tune-split 2 --rep-ms 2000 2>&1 | grep "^| ce"
 mark alone_end
-python3 tools/gpu/head_chunks.py --specs ce+kd --tokens 65536 --rounds 5 --variants default --no-profile 2>&1 | grep "^| ce"
+timeout $(( BUDGET / 2 - 5 )) python3 tools/profile/head_chunks.py --specs ce+kd --tokens 65536 --rounds 5 --variants default --no-profile 2>&1 | grep "^| ce"
 mark head_end
 kill "$SMI"
 python3 - <<'PY'

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call (the lead's H200 session): install the carried wheels, record the machine, then run each
-# issue's GPU script under its own time limit so one failure or overrun does not lose the others.
-#   bash tools/gpu/run_all.sh 21:240 20:180      # issue:seconds, in order; logs land in $OUT
+# One device call: install the carried wheels, record the machine, then run each GPU runner of tools/gpu/ with
+# its time budget, under a hard limit a little above it, so one failure or overrun does not lose the others.
+#   bash tools/gpu/run_all.sh head:240 losses:180      # runner:seconds, in order; logs land in $OUT
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -25,6 +25,6 @@ export PATH=/tmp/bin:$PATH
 for part in "$@"; do
     name=${part%%:*}; limit=${part##*:}
     start=$(date +%s)
-    timeout -k 15 "$limit" bash "tools/gpu/issue$name.sh"
-    echo "issue$name: exit $? after $(( $(date +%s) - start )) s (limit $limit)" | tee -a "$OUT/env.log"
+    timeout -k 15 $(( limit + 15 )) bash "tools/gpu/$name.sh" "$limit"
+    echo "$name: exit $? after $(( $(date +%s) - start )) s (budget $limit)" | tee -a "$OUT/env.log"
 done

@@ -17,7 +17,7 @@ The gradient of every child with respect to the transformed logits x has the for
     prob_coeff_t * p_tj - label_coeff_t * [j == y_t] + teacher_coeff_t * (teacher term)_tj + x_coeff_t * p_tj * x_tj
 
 so a child only adds per-token coefficients (weight, normaliser included); the gradient pass is
-loss-agnostic (shared/design/losses.md, "Superposition").
+loss-agnostic (docs/design/losses.md, "Superposition").
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ scales the loss by T^2: `T^2 KL(q || p_T)`, gradient `T (p_T - q)` (forward; rev
 runs it: the vocab pass keeps a second online softmax of the student at x/T (its max is max(x)/T, so
 one more sum-exp) next to the untempered one the label children and the metrics use.
 
-Gradient with k_t = w/N on unmasked tokens (shared/design/losses.md):
+Gradient with k_t = w/N on unmasked tokens (docs/design/losses.md):
 - forward KL(q || p): d/dx_j = k*(p_j - q_j): `prob += k`, teacher term `-k*q_j`;
 - reverse KL(p || q) = sum_j p_j l_j with l_j = log p_j - log q_j: d/dx_j = k*p_j*(l_j - KL)
   = k*p_j*((x_j - u_j) - E_p[x - u]) (the lse terms cancel): `prob -= k*E_p[x - u]`, teacher term

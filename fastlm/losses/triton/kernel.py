@@ -2,7 +2,7 @@
 through load mode) and distillation, in one vocab loop; each child has a constexpr slot (ROW_<KIND>).
 
 Every label-based child has a gradient of the form `prob_coeff * p_j - label_coeff * d_jy`, so one
-loss-agnostic gradient loop serves them all (see shared/design/losses.md, "Superposition").
+loss-agnostic gradient loop serves them all (see docs/design/losses.md, "Superposition").
 Distillation (teacher u = teacher_logits / T, q = softmax(u), coefficient k = w/N) adds one
 per-element term to the same loop, with the rest folded into `prob_coeff`:
 

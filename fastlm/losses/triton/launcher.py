@@ -199,7 +199,7 @@ class _Launch:
             logits.shape[1], spec.teacher is not None, max_block, num_warps, prefetch, split)
         # On the GPU a split row's programs exchange their stats inside one launch; the interpreter runs
         # programs one after another (a program that waited would wait forever), so it launches twice.
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # (tools/kernel_report.py: CPU tensors, compiled)
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # (tools/profile/kernel_report.py: CPU tensors, compiled)
         self.split_phases = (SPLIT_PUBLISH.value, SPLIT_READ.value) if interpreted else (SPLIT_EXCHANGE.value,)
 
     def vector(self, rows: int = 1) -> torch.Tensor:

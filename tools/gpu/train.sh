@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23 on one H200 (about 3 minutes, compiles included), from the repository root, pydantic importable:
+# The training step on one GPU (about 3 minutes at the default budget, 180 s, compiles included):
 #   (b) bench_train --compare-cli at llama-350m (8 x 2048, packed ~300-token documents, compiled, Triton loss):
 #       the CLI trainer's gap to bench_train's loop taken apart in one process (tools/compare_cli.py): rows
 #       A bench loop, B the loop on the CLI loader's batches, C Trainer.train_step without read points, D with a
@@ -7,17 +7,19 @@
 #       per row, a profile of device busy time against wall time (A, B, C) with the kernels that changed, and the
 #       two setups diffed. Its --time-limit skips late rows rather than lose the report;
 #   (a1) then the trainer's no-sync step tests (tests/engine/test_trainer_cuda.py);
-#   (a2) tests/models/test_packed_attention_cuda.py and the llama-1b compare only with a larger I23_BUDGET_S.
-# Writes $OUT/i23.log only (tests, tables, a summary at the end); a failing section never stops the others.
-# I23_BUDGET_S (default 180) bounds the whole script; each section gets a share of what is left.
+#   (a2) tests/models/test_packed_attention_cuda.py and the llama-1b compare only with a larger budget.
+# Writes $OUT/train.log only (tests, tables, a summary at the end); a failing section never stops the others.
+#   bash tools/gpu/train.sh [BUDGET_S]     # from the repository root; each section gets a share of what is left
+# TRAIN_CLI_STEPS: the CLI run's steps (default 40); TRAIN_1B_S: seconds the llama-1b compare needs (default 120).
 # Without CUDA (a smoke run of this script) the GPU tests skip and the compare runs at its --cpu-smoke shape.
 set -u
-OUT=${OUT:-/tmp/i23-out}
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/train-out}
 mkdir -p "$OUT"
-LOG="$OUT/i23.log"
+LOG="$OUT/train.log"
 : >"$LOG"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OUT
-BUDGET=${I23_BUDGET_S:-180}
+BUDGET=${1:-180}
 START=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 say() { echo "=== $* [t=$(( $(date +%s) - START ))s, $(left)s left]" | tee -a "$LOG"; }
@@ -44,7 +46,7 @@ pydantic.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() 
 COMPARE_S=$(min $(( $(left) - 65 )) 115)  # from its start; the box adds imports and a last section's overrun
 say "(b) CLI trainer's gap to bench_train, llama-350m (report within ~${COMPARE_S}s)"
 run $(( COMPARE_S + 25 )) env -u OUT TORCH_LOGS=recompiles python3 tools/bench_train.py --compare-cli \
-    --presets llama-350m --batch 8 --seq-len 2048 --cli-steps "${I23_CLI_STEPS:-40}" --log-every 10 --profile-steps 3 \
+    --presets llama-350m --batch 8 --seq-len 2048 --cli-steps "${TRAIN_CLI_STEPS:-40}" --log-every 10 --profile-steps 3 \
     --time-limit "$COMPARE_S" "${SMOKE[@]}"
 say "(a1) trainer step without syncs"
 run "$(min $(( $(left) - 3 )) 90)" python3 -m pytest -v -s -p no:cacheprovider tests/engine/test_trainer_cuda.py
@@ -52,12 +54,12 @@ if (( $(left) > 60 )); then
   say "(a2) packed attention on CUDA"
   run $(( $(left) - 40 )) python3 -m pytest -v -p no:cacheprovider tests/models/test_packed_attention_cuda.py
 fi
-if (( $(left) > ${I23_1B_S:-120} )); then
+if (( $(left) > ${TRAIN_1B_S:-120} )); then
   say "(b) CLI trainer's gap to bench_train, llama-1b"
   run $(( $(left) - 5 )) env -u OUT python3 tools/bench_train.py --compare-cli --presets llama-1b --batch 4 \
       --seq-len 2048 --cli-steps 30 --log-every 10 --time-limit $(( $(left) - 25 )) "${SMOKE[@]}"
 else
-  say "llama-1b compare skipped: $(left)s left, it needs ${I23_1B_S:-120}s (raise I23_BUDGET_S to run it)"
+  say "llama-1b compare skipped: $(left)s left, it needs ${TRAIN_1B_S:-120}s (raise the budget to run it)"
 fi
 
 say "summary"

@@ -1,28 +1,28 @@
 #!/usr/bin/env bash
-# Issue 21 / tuning-log entry 19: the fused kernel's split rows (SPLIT programs per row, one launch
-# exchanging stats; with distillation for rows over 65536 columns) on one GPU, all in $OUT/i21split.log. About
-# 9 minutes (SPLIT_BUDGET_S, default 540):
+# The fused kernel's split rows (SPLIT programs per row, one launch exchanging stats; with distillation for rows
+# over 65536 columns) on one GPU, all in $OUT/split_rows.log. About 9 minutes at the default budget (540 s):
 #   (a) <=100 s tests compiled: test_triton_distillation.py (split_rows: the one-launch exchange against
 #              float64) and test_chunked_head.py + test_lm_head.py (every child chunked, the split default);
 #   (b) <=90 s  bench_losses.py --tune: CE+kd's kernel alone at 2048 and 16384 tokens, V = 32000, 152064,
 #              262144, split 1/2/4/8/16 at 4096/4 (a short row's default); then V = 32000, 131072, 152064,
 #              262144 at 16384/8 (a long row's), split 1/2/4/8;
-#   (c) <=130 s head_chunks.py: CE+kd's chunked head, default (split rows) and `unsplit` (4096/4, one
-#              program a row) interleaved at 16384 and 65536 tokens, then a kernel-time profile of both and
+#   (c) <=130 s tools/profile/head_chunks.py: CE+kd's chunked head, default (split rows) and `unsplit` (4096/4,
+#              one program a row) interleaved at 16384 and 65536 tokens, then a kernel-time profile of both and
 #              the floor at 16384;
 #   (d) the rest: bench_head.py (SPLIT_HEAD_SPECS, default ce, ce+z+grpo, ce+kd at 16384 and 65536 x 2048 x
-#              131072: the floor, the chunked and full heads, Liger, CCE), the issue's table.
+#              131072: the floor, the chunked and full heads, Liger, CCE).
+#   bash tools/gpu/split_rows.sh [BUDGET_S]
 # SPLIT_SECTIONS="a c": only those; SPLIT_VARIANTS / SPLIT_PROFILE_TOKENS: head_chunks.py's variants and
 # profile size in (c). A failing or overrunning section prints its traceback; the next runs.
 set -u
 cd "$(dirname "$0")/../.."
-export OUT=${OUT:-/tmp/i21split-out}
+export OUT=${OUT:-/tmp/split-rows-out}
 mkdir -p "$OUT"
-LOG="$OUT/i21split.log"
+LOG="$OUT/split_rows.log"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export WANDB_MODE=disabled PYTHONUNBUFFERED=1
 START=$(date +%s)
-BUDGET=${SPLIT_BUDGET_S:-540}
+BUDGET=${1:-540}
 SECTIONS=${SPLIT_SECTIONS:-a b c d}
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 section() { echo; echo "== $1 ($(date +%T), $(left) s left)"; }
@@ -58,7 +58,7 @@ wanted() { [[ " $SECTIONS " == *" $1 "* ]]; }
 
   if wanted c; then
     section "(c) head_chunks.py: CE+kd chunked head, variants ${SPLIT_VARIANTS:-default unsplit} interleaved; profile"
-    timeout "$(capped 130 140)" python3 tools/gpu/head_chunks.py --specs ce+kd --tokens 16384 65536 --rounds 7 \
+    timeout "$(capped 130 140)" python3 tools/profile/head_chunks.py --specs ce+kd --tokens 16384 65536 --rounds 7 \
       --variants ${SPLIT_VARIANTS:-default unsplit} --profile-specs ce+kd --profile-tokens ${SPLIT_PROFILE_TOKENS:-16384} \
       > /tmp/split-chunks.txt 2>&1
     echo "head_chunks exit status: $? (124: timed out)" >> /tmp/split-chunks.txt

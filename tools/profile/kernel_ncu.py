@@ -2,7 +2,7 @@
 limits it: DRAM bytes against R1, issue slots, warps per scheduler, the SM clock.
 
     ncu --clock-control none -k regex:lm_loss_kernel --launch-skip 1 --launch-count 1 \
-        python tools/gpu/kd_kernel_ncu.py --spec ce+kd --tokens 1536 --vocab 131072
+        python tools/profile/kernel_ncu.py --spec ce+kd --tokens 1536 --vocab 131072
 
 Each shape launches the kernel twice (a warm-up that compiles, then the profiled one)."""
 
@@ -17,8 +17,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 import torch  # noqa: E402
-
 from bench_losses import SPECS, make_case, roofline_bytes  # noqa: E402
+
 from fastlm.losses.triton.launcher import fused_kernel_only  # noqa: E402
 
 

@@ -1,9 +1,9 @@
 """Compile the fused loss kernel for a GPU target on any machine (no GPU needed) and report its
 resources: registers, stack frame, local memory, and the SASS size of each variant.
 
-    python tools/kernel_report.py                                   # default specs and shapes, sm_90
-    python tools/kernel_report.py --spec ce+kd --vocab 32000 --block 4096 8192 --warps 4 8
-    python tools/kernel_report.py --prefetch 1 --sass-dir /tmp/sass   # prefetching variant, and its SASS
+    python tools/profile/kernel_report.py                                   # default specs and shapes, sm_90
+    python tools/profile/kernel_report.py --spec ce+kd --vocab 32000 --block 4096 8192 --warps 4 8
+    python tools/profile/kernel_report.py --prefetch 1 --sass-dir /tmp/sass   # prefetching variant, and its SASS
 
 The arguments are the launcher's own (`fused_kernel_only` runs with a recorder in place of the
 kernel), so what compiles here is what the H200 runs. Needs Triton's bundled `cuobjdump`.
@@ -20,11 +20,10 @@ import tempfile
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # this tool compiles for the GPU; it never interprets
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-
 import triton  # noqa: E402
 from triton._C.libtriton import native_specialize_impl  # noqa: E402
 from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
@@ -127,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"| {found.get('LOCAL')} | {found['sass_instructions']} |", flush=True)
                     if args.sass_dir:
                         args.sass_dir.mkdir(parents=True, exist_ok=True)
-                        name = f"{spec_name}_{vocab}_{kwargs['BLOCK']}_{kwargs['num_warps']}_{int(kwargs['PREFETCH'])}.sass"
+                        schedule = f"{kwargs['BLOCK']}_{kwargs['num_warps']}_{int(kwargs['PREFETCH'])}"
+                        name = f"{spec_name}_{vocab}_{schedule}.sass"
                         (args.sass_dir / name).write_text(found["sass"])
     return 0
 

@@ -2,7 +2,7 @@
 point), each followed by checkpoint verification, then a resume to the end compared bit for bit with an
 uninterrupted run. Prints the figures recorded in docs/reliability.md.
 
-    python tools/kill_soak.py --kills 50 --seed 0 [--json OUT.json]
+    python tools/bench/kill_soak.py --kills 50 --seed 0 [--json OUT.json]
 
 Kills are grouped in chains of `--per-chain` (one run directory each, resumed after every kill) so every
 chain ends in a full-length run whose losses can be compared. CPU only, one thread per process.
@@ -19,8 +19,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "reliability"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "reliability"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from crash_harness import FAULT_POINTS, STEPS, kill_chain, reference_losses, write_config  # noqa: E402
 

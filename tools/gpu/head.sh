@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 21 (the LM head without full logits) on one H200; everything in $OUT/i21.log, the head
-# benchmark's rows also in $OUT/bench_head.json. About 3.5 minutes (budget 4):
+# The LM head without full logits on one GPU; everything in $OUT/head.log, the head benchmark's rows also in
+# $OUT/bench_head.json. About 3.5 minutes at the default budget (230 s):
 #   (a) <=90 s GPU correctness: tests/losses/test_chunked_head.py (every child chunked against float64, the
 #              Triton kernel compiled; bf16-autocast cases at bf16 tolerance) and tests/losses/test_lm_head.py;
 #              the gloo tensor-parallel test is left to CPU CI (same code, process start-up costs ~20 s);
@@ -11,17 +11,19 @@
 #              at the preset's vocab 32000 and at 128256 (Llama 3's) when time is left;
 #   then a summary (goal check: chunked <= 1.10x floor and <= 1.5 GiB extra, every row).
 # A failing or overrunning section prints its traceback and the next one still runs.
-#   SMOKE=1 bash tools/gpu/issue21.sh     # CPU try-out: a few tests, the benches' --cpu-smoke modes
+#   bash tools/gpu/head.sh [BUDGET_S]     # bench_head alone takes ~3-4 min: give 400+ for every section in full
+#   SMOKE=1 bash tools/gpu/head.sh        # CPU try-out: a few tests, the benches' --cpu-smoke modes
+# HEAD_K: another -k selection of the tests; HEAD_PROBE=0: skip the fp32-dW probe (~30 s); HEAD_TRAIN=0: benches only.
 set -u
 cd "$(dirname "$0")/../.."
-export OUT=${OUT:-/tmp/i21-out}
+export OUT=${OUT:-/tmp/head-out}
 mkdir -p "$OUT"
-LOG="$OUT/i21.log"
+LOG="$OUT/head.log"
 SMOKE=${SMOKE:-0}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export WANDB_MODE=disabled PYTHONUNBUFFERED=1
 START=$(date +%s)
-BUDGET=${I21_BUDGET_S:-230}  # I21_BUDGET_S: a longer box when the run_all limit allows (bench_head takes ~3-4 min)
+BUDGET=${1:-230}
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }  # seconds of the budget left
 section() { echo; echo "== $1 ($(date +%T), $(left) s left)"; }
 
@@ -31,7 +33,7 @@ if [ "$SMOKE" = 1 ]; then
   TRAIN=(--cpu-smoke)
   TRAIN_BIG=()
 else
-  TESTS=(-k "${I21_K:-not tensor_parallel}")  # I21_K: another -k selection (a re-run of what changed)
+  TESTS=(-k "${HEAD_K:-not tensor_parallel}")
   BENCH=(--rep-ms 200)
   TRAIN=(--presets llama-1b --batch 4 --losses triton --logits-memory-mib 0 1408 --steps 10)
   TRAIN_BIG=(--presets llama-1b --batch 4 --losses triton --logits-memory-mib 0 1408 --steps 10 --vocab 128256)
@@ -43,7 +45,7 @@ fi
   python3 -c "import torch, triton, pydantic; print('torch', torch.__version__, 'triton', triton.__version__, 'pydantic', pydantic.__version__, 'cuda', torch.cuda.is_available())"
   python3 -c "import liger_kernel; print('liger-kernel', getattr(liger_kernel, '__version__', 'ok'))" 2>/dev/null || echo "liger-kernel: not installed (its column prints -)"
   python3 -c "import cut_cross_entropy; print('cut-cross-entropy ok')" 2>/dev/null || echo "cut-cross-entropy: not installed (its column prints -)"
-  [ "${I21_PROBE:-1}" = 1 ] && python3 - <<'PY' || true  # I21_PROBE=0: skip the fp32-dW probe (~30 s)
+  [ "${HEAD_PROBE:-1}" = 1 ] && python3 - <<'PY' || true
 import torch
 from fastlm.losses.chunked_head import _fp32_out_addmm
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -77,32 +79,32 @@ PY
 
   section "(a) GPU correctness: test_chunked_head.py + test_lm_head.py (FASTLM_COMPILE=0: no inductor compiles)"
   FASTLM_COMPILE=0 timeout $(( $(left) - 130 < 90 ? $(left) - 130 : 90 )) python3 -m pytest -q -p no:cacheprovider -rfEs -s \
-    tests/losses/test_chunked_head.py tests/losses/test_lm_head.py "${TESTS[@]}" > /tmp/i21-pytest.txt 2>&1
-  echo "pytest exit status: $? (124: timed out)" >> /tmp/i21-pytest.txt
-  grep -E "bf16|/ triton|/ compiled|autocast|vs float64|GEMMs|passed|failed|error|Error|exit status" /tmp/i21-pytest.txt | tail -70
+    tests/losses/test_chunked_head.py tests/losses/test_lm_head.py "${TESTS[@]}" > /tmp/head-pytest.txt 2>&1
+  echo "pytest exit status: $? (124: timed out)" >> /tmp/head-pytest.txt
+  grep -E "bf16|/ triton|/ compiled|autocast|vs float64|GEMMs|passed|failed|error|Error|exit status" /tmp/head-pytest.txt | tail -70
 
   section "(b) tools/bench_head.py"
-  timeout $(( $(left) - 45 > 60 ? $(left) - 45 : 60 )) python3 tools/bench_head.py "${BENCH[@]}" > /tmp/i21-bench.txt 2>&1
-  echo "bench_head exit status: $? (124: timed out)" >> /tmp/i21-bench.txt
-  cat /tmp/i21-bench.txt | tail -60
+  timeout $(( $(left) - 45 > 60 ? $(left) - 45 : 60 )) python3 tools/bench_head.py "${BENCH[@]}" > /tmp/head-bench.txt 2>&1
+  echo "bench_head exit status: $? (124: timed out)" >> /tmp/head-bench.txt
+  cat /tmp/head-bench.txt | tail -60
 
   section "(c) tools/bench_train.py: llama-1b seq 2048, full logits vs chunked head"
-  if [ "${I21_TRAIN:-1}" = 1 ] && [ "$(left)" -gt 25 ]; then  # I21_TRAIN=0: benches only
-    env -u OUT timeout $(( $(left) - 8 )) python3 tools/bench_train.py "${TRAIN[@]}" > /tmp/i21-train.txt 2>&1
-    echo "bench_train exit status: $? (124: timed out)" >> /tmp/i21-train.txt
-    tail -12 /tmp/i21-train.txt
+  if [ "${HEAD_TRAIN:-1}" = 1 ] && [ "$(left)" -gt 25 ]; then
+    env -u OUT timeout $(( $(left) - 8 )) python3 tools/bench_train.py "${TRAIN[@]}" > /tmp/head-train.txt 2>&1
+    echo "bench_train exit status: $? (124: timed out)" >> /tmp/head-train.txt
+    tail -12 /tmp/head-train.txt
   else
     echo "skipped: $(left) s left"
   fi
-  if [ "${I21_TRAIN:-1}" = 1 ] && [ ${#TRAIN_BIG[@]} -gt 0 ] && [ "$(left)" -gt 35 ]; then
+  if [ "${HEAD_TRAIN:-1}" = 1 ] && [ ${#TRAIN_BIG[@]} -gt 0 ] && [ "$(left)" -gt 35 ]; then
     section "(c') the same at vocab 128256"
-    env -u OUT timeout $(( $(left) - 8 )) python3 tools/bench_train.py "${TRAIN_BIG[@]}" > /tmp/i21-train-big.txt 2>&1
-    echo "bench_train exit status: $? (124: timed out)" >> /tmp/i21-train-big.txt
-    tail -8 /tmp/i21-train-big.txt
+    env -u OUT timeout $(( $(left) - 8 )) python3 tools/bench_train.py "${TRAIN_BIG[@]}" > /tmp/head-train-big.txt 2>&1
+    echo "bench_train exit status: $? (124: timed out)" >> /tmp/head-train-big.txt
+    tail -8 /tmp/head-train-big.txt
   fi
 
   section "summary"
-  grep -E "passed|failed|exit status" /tmp/i21-pytest.txt | tail -2
+  grep -E "passed|failed|exit status" /tmp/head-pytest.txt | tail -2
   python3 - <<'PY' || true
 import json, os
 path = os.path.join(os.environ["OUT"], "bench_head.json")
@@ -118,6 +120,6 @@ if os.path.exists(path):
         print(f"| {r['spec']} | {r['tokens']} | {r['ms'].get('floor', float('nan')):.2f} | {cell('chunked')} | "
               f"{extra.get('chunked') or 0:.0f} | {cell('full')} | {cell('liger')} | {cell('cce')} | {'PASS' if ok else 'MISS'} |")
 PY
-  for f in /tmp/i21-train.txt /tmp/i21-train-big.txt; do [ -f "$f" ] && grep -E "^\| (llama|tiny)" "$f"; done
+  for f in /tmp/head-train.txt /tmp/head-train-big.txt; do [ -f "$f" ] && grep -E "^\| (llama|tiny)" "$f"; done
   echo "total $(( $(date +%s) - START )) s"
 } 2>&1 | tee "$LOG"

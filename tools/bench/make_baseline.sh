@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Write main's loss code (default commit 9398690, issue 20's starting point) to .baseline/fastlm_base,
-# imports rewritten to fastlm_base, so one process can time it next to this tree's fastlm:
-#   tools/gpu/make_baseline.sh [COMMIT [DIR]]   # run locally (needs git history); DIR defaults to .baseline (ignored)
-# then carry .baseline to the device (run's `carry`) for `tools/bench_losses.py --baseline .baseline`.
+# Write another commit's fastlm (default: main) to .baseline/fastlm_base, imports rewritten to fastlm_base, so one
+# process can time it next to this tree's fastlm (before/after in one run, on the same GPU):
+#   bash tools/bench/make_baseline.sh [COMMIT [DIR]]   # run locally (needs git history); DIR defaults to .baseline (ignored)
+# then carry .baseline to the device for `tools/bench_losses.py --baseline .baseline` (tools/gpu/losses.sh) or
+# `tools/profile/host_ops.py --baseline .baseline`.
 set -euo pipefail
-commit=${1:-9398690}
+commit=${1:-main}
 root=$(git rev-parse --show-toplevel)
 out=${2:-$root/.baseline}
 rm -rf "$out"

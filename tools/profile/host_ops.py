@@ -1,7 +1,7 @@
 """Count the host work of one `triton_loss` call: torch ops, Triton launches, and host time, no GPU needed.
 
-    python tools/host_ops.py                                    # every bench spec (tools/bench_losses.py), this tree
-    python tools/host_ops.py --baseline .baseline --specs gspo+z  # and main's copy (tools/gpu/make_baseline.sh)
+    python tools/profile/host_ops.py                            # every bench spec (tools/bench_losses.py), this tree
+    python tools/profile/host_ops.py --baseline .baseline --specs gspo+z  # and a baseline: tools/bench/make_baseline.sh
 
 A call is host-bound when the host takes longer to enqueue it than the GPU takes to run it; then the
 trainer waits for Python (`bench_losses --baseline`'s `host` column measures that time on the GPU).
@@ -30,7 +30,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton's jit needs no driver; 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-TOOLS = Path(__file__).resolve().parent
+TOOLS = Path(__file__).resolve().parents[1]  # bench_losses.py's folder
 sys.path.insert(0, str(TOOLS))
 from bench_losses import SPECS, load_tree, make_case, tree_inputs  # noqa: E402
 
@@ -114,7 +114,8 @@ def measure(package: str, tree_name: str, spec_name: str, tokens: int, calls: in
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--specs", nargs="+", default=list(SPECS), choices=list(SPECS))
-    parser.add_argument("--baseline", type=Path, default=None, help="a tools/gpu/make_baseline.sh folder (fastlm_base)")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a tools/bench/make_baseline.sh folder (fastlm_base)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--by-op", action="store_true", help="list each torch op's count")
@@ -129,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         for tree_name, package in trees:
             found = measure(package, tree_name, spec_name, args.tokens, args.calls)
             launches = ", ".join(f"{name} x{n}" if n > 1 else name for name, n in found["launches"].items())
-            print(f"| {spec_name} | {tree_name} | {found['ops']} (+{found['views']}) | {sum(found['launches'].values())}: "
-                  f"{launches} | {found['host_us']:.0f} |")
+            print(f"| {spec_name} | {tree_name} | {found['ops']} (+{found['views']}) "
+                  f"| {sum(found['launches'].values())}: {launches} | {found['host_us']:.0f} |")
             if args.by_op:
                 print("  " + ", ".join(f"{op} {n}" for op, n in found["by_op"].most_common()))
     return 0

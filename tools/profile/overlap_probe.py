@@ -1,6 +1,6 @@
 """Can the loss kernel of one chunk hide under the dH/dW GEMMs of the previous one (two CUDA streams)?
 
-    python tools/gpu/overlap_probe.py [--specs ce ce+kd] [--rows 2048 4096] [--blas cublas cublaslt]
+    python tools/profile/overlap_probe.py [--specs ce ce+kd] [--rows 2048 4096] [--blas cublas cublaslt]
                                       [--carveouts 0 8 16]
 
 Per chunk size R (V=131072, H=2048, bf16): the chunk's dH + dW GEMMs alone, the fused loss kernel alone
@@ -98,7 +98,8 @@ def main() -> int:
     parser.add_argument("--carveouts", nargs="+", type=int, default=[0], help="SMs kept from cuBLASLt's GEMMs")
     args = parser.parse_args()
     device = torch.device("cuda")
-    print(torch.cuda.get_device_name(), torch.__version__, torch.cuda.get_device_properties(device).multi_processor_count, "SMs")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    print(torch.cuda.get_device_name(), torch.__version__, sms, "SMs")
     for blas in args.blas:
         torch.backends.cuda.preferred_blas_library(blas)
         for carveout in args.carveouts if blas == "cublaslt" else [0]:

@@ -1,7 +1,7 @@
 """Where the chunked head's time over the GEMM floor goes: variants of the head timed side by side (CUDA).
 
-    python tools/gpu/head_chunks.py                      # ~3 minutes: ce, ce+z+grpo, ce+kd at 16384 and 65536
-    python tools/gpu/head_chunks.py --tokens 16384 --specs ce+kd --rounds 3
+    python tools/profile/head_chunks.py                      # ~3 minutes: ce, ce+z+grpo, ce+kd at 16384 and 65536
+    python tools/profile/head_chunks.py --tokens 16384 --specs ce+kd --rounds 3
 
 1. Variants of the chunked head (V=131072, H=2048, bf16, forward + backward by `torch.autograd.grad`),
    timed interleaved: every round times each variant once (a few calls between two CUDA events), so
@@ -253,7 +253,8 @@ def trace(spec_name: str, tokens: int, device: torch.device, directory: Path, ca
             call()
         torch.cuda.synchronize()
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"trace_{spec_name.replace('+', '-')}_{tokens}.json"  # no "+": $OUT brings back letters, digits, ._-
+    # no "+" in the name: $OUT brings back letters, digits and ._- only
+    path = directory / f"trace_{spec_name.replace('+', '-')}_{tokens}.json"
     prof.export_chrome_trace(str(path))
     with path.open("rb") as source, gzip.open(f"{path}.gz", "wb") as target:
         shutil.copyfileobj(source, target)
