@@ -94,6 +94,10 @@ def _merge(target: LayeredDict, layer: dict[str, Any], source: str, prefix: str 
     node = target.data
     for part in prefix.split(".") if prefix else []:
         node = node[part]
+    if prefix and node and _swaps_variant(node, layer, prefix):  # another variant: its keys are not the old one's
+        target.drop_sources_below(prefix, node)
+        node.clear()
+        target.set_source(prefix, source)
     for key, value in layer.items():
         if not isinstance(key, str):
             raise ConfigError(ConfigIssue(f"{prefix}.{key}".strip("."), "keys must be strings", key, source))
@@ -112,6 +116,52 @@ def _merge(target: LayeredDict, layer: dict[str, Any], source: str, prefix: str 
             target.drop_sources_below(dotted, replaced)
         node[key] = _resolve_path(key, value, base_dir)
         target.set_source(dotted, source)
+
+
+def _swaps_variant(node: dict[str, Any], layer: dict[str, Any], prefix: str) -> bool:
+    """Whether `layer` gives the union section at `prefix` another `type:` than the one it holds (named, or
+    implied by the schema), so it replaces the section instead of deep-merging into the old variant's keys."""
+    new = layer.get("type")
+    if not isinstance(new, str):
+        return False
+    old = node.get("type", _implicit_type(prefix.split(".")))
+    return old is not None and old != new
+
+
+def _implicit_type(parts: list[str]) -> str | None:
+    """The variant a union section at `parts` means without a `type:` key: the field's default variant, or, for
+    an entry of a dict of variants (a loss child), its name when that is a variant's tag."""
+    annotation: Any = RunConfig
+    field_info = None
+    for part in parts:
+        field_info = None
+        for member in _unwrap(annotation):
+            if isinstance(member, type) and issubclass(member, BaseModel) and part in member.model_fields:
+                field_info = member.model_fields[part]
+                annotation = field_info.annotation
+                break
+            if typing.get_origin(member) is dict:
+                annotation = typing.get_args(member)[1]
+                break
+        else:
+            return None
+    tags = variant_tags(annotation)
+    if not tags:
+        return None
+    if field_info is not None:
+        return getattr(field_info.get_default(call_default_factory=True), "type", None)
+    return parts[-1] if parts[-1] in tags else None
+
+
+def variant_tags(annotation: Any) -> list[str]:
+    """The `type:` tags of the config models in a (discriminated) union annotation; empty when there are none."""
+    tags = []
+    for member in _unwrap(annotation):
+        if isinstance(member, type) and issubclass(member, BaseModel) and "type" in member.model_fields:
+            default = member.model_fields["type"].default
+            if isinstance(default, str):
+                tags.append(default)
+    return tags
 
 
 def _read_yaml(path: Path, source: str) -> dict[str, Any]:
