@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(validate)
     show = commands.add_parser("print-config", help="print the fully resolved config as YAML")
     _add_config_arguments(show)
+    show.add_argument("--describe", action="store_true", help="add each field's description as a # comment")
     convert = commands.add_parser("convert", help="import / export Hugging Face checkpoints (config.json + safetensors)")
     direction = convert.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="DIR", help="HF checkpoint to import: prints the matching model YAML")
@@ -132,7 +133,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(error.render(), file=sys.stderr)
         return 2
     if args.command == "print-config":
-        print(dump_config(config), end="")
+        if args.describe:
+            from fastlm.run_config.describe import describe_config
+
+            print(describe_config(config), end="")
+        else:
+            print(dump_config(config), end="")
         return 0
     if args.command == "validate" or args.dry_run:
         return _validate(config, dry_run=args.command == "train")

@@ -7,6 +7,7 @@ say "model.hidden_size: ... from configs/tiny.yaml" instead of only "invalid".
 from __future__ import annotations
 
 import difflib
+import os
 import typing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -184,7 +185,12 @@ def _load_file(path: Path, target: LayeredDict, chain: tuple[Path, ...], loaded:
     if len(loaded) > MAX_CONFIG_FILES:  # base lists that repeat files multiply: 8 x 8 x 8 ... loads
         raise ConfigError(ConfigIssue(BASE_KEY, f"more than {MAX_CONFIG_FILES} config files to read through "
                                       "base: lists", source=str(chain[-1]) if chain else str(path)))
-    layer = _read_yaml(path, str(chain[-1]) if chain else "command line")
+    try:
+        layer = _read_yaml(path, str(chain[-1]) if chain else "command line")
+    except ConfigError as error:
+        if not chain or path.exists():
+            raise
+        raise ConfigError([replace(issue, path=BASE_KEY, hint=_nearest_file_hint(path, chain[-1])) for issue in error.issues]) from None
     bases = layer.pop(BASE_KEY, None)
     if bases is not None:
         base_list = [bases] if isinstance(bases, str) else bases
@@ -195,6 +201,25 @@ def _load_file(path: Path, target: LayeredDict, chain: tuple[Path, ...], loaded:
         for base in base_list:
             _load_file(path.parent / base, target, (*chain, path), loaded)
     _merge(target, layer, str(path), base_dir=path.parent)
+
+
+def _nearest_file_hint(missing: Path, parent: Path) -> str:
+    """For a `base:` that names no file: the YAML file near it with the closest name, as the parent would write it."""
+    folder = missing.parent if missing.parent.is_dir() else parent.parent
+    candidates = {_as_written(file, parent.parent): file.name
+                  for pattern in ("*.yaml", "*.yml", "*/*.yaml", "*/*.yml") for file in folder.glob(pattern)
+                  if file.resolve() != parent}
+    close = difflib.get_close_matches(missing.name, list(candidates.values()), n=1, cutoff=0.5)
+    if not close:
+        return f"base: paths are relative to {parent.parent}; no YAML file there has a similar name"
+    written = next(relative for relative, name in candidates.items() if name == close[0])
+    return f"did you mean base: {written}? (paths are relative to the file's folder)"
+
+
+def _as_written(file: Path, folder: Path) -> str:
+    """`file` relative to `folder` when it lies below it, else absolute."""
+    relative = os.path.relpath(file, folder)
+    return str(file) if relative.startswith("..") else relative
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -276,8 +301,8 @@ def _to_issue(item: dict[str, Any], layered: LayeredDict) -> ConfigIssue:
     if kind == "extra_forbidden":
         leaf = path.rsplit(".", 1)[-1]
         known = sorted(parent_model.model_fields) if parent_model else []
-        close = difflib.get_close_matches(leaf, known, n=1)
-        hint = f"did you mean '{close[0]}'?" if close else f"known keys here: {', '.join(known)}"
+        close = nearest_key(leaf, known)
+        hint = f"did you mean '{close}'?" if close else f"known keys here: {', '.join(known)}"
         return ConfigIssue(path, "unknown key", item.get("input"), source, hint)
     if kind == "union_tag_invalid":
         expected = item.get("ctx", {}).get("expected_tags", "")
@@ -307,11 +332,46 @@ def _hint_for(kind: str, item: dict[str, Any]) -> str | None:
         return f"use a value {words[kind]} {bound}"
     if kind == "literal_error":
         return f"use one of {ctx.get('expected')}"
+    if kind in {"int_from_float", "int_parsing"}:
+        return _whole_number_hint(item.get("input"))
     if kind == "missing":
         return "add it to the YAML or pass key=value"
     if kind.endswith("_type") or kind.endswith("_parsing"):
         return f"give a value of the expected type ({kind.split('_')[0]})"
     return None
+
+
+# Names other trainers (HF TrainingArguments, TRL) give to fastlm's keys, where spelling alone cannot tell.
+KEY_ALIASES = {"learning_rate": "lr", "max_steps": "steps", "num_train_steps": "steps",
+               "gradient_accumulation_steps": "grad_accumulation", "per_device_train_batch_size": "micro_batch_size",
+               "batch_size": "micro_batch_size", "max_grad_norm": "grad_clip", "logging_steps": "log_every",
+               "eval_steps": "eval_every", "save_steps": "checkpoint_every", "save_total_limit": "keep_checkpoints",
+               "max_seq_length": "seq_len", "max_length": "seq_len", "num_generations": "group_size",
+               "max_completion_length": "max_new_tokens", "lr_scheduler_type": "decay"}
+
+
+def nearest_key(given: str, known: list[str]) -> str | None:
+    """The known key `given` most likely means: an alias from another trainer (learning_rate -> lr), its initials
+    (learning_rate -> lr), else the closest spelling; None when nothing is close."""
+    alias = KEY_ALIASES.get(given.lower())
+    if alias in known:
+        return alias
+    initials = "".join(part[0] for part in given.lower().split("_") if part)
+    if len(initials) > 1 and initials in known:
+        return initials
+    close = difflib.get_close_matches(given, known, n=1)
+    return close[0] if close else None
+
+
+def _whole_number_hint(value: Any) -> str:
+    """A float (or `1e3`, which YAML reads as a string) where a whole number is expected: the number to write."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return "give a whole number (an integer, e.g. 100)"
+    if number.is_integer():
+        return f"write it as a whole number: {int(number)}"
+    return f"this key counts things: give a whole number, e.g. {round(number)}"
 
 
 def _dotted_path(loc: tuple[Any, ...], data: Any) -> tuple[str, type[BaseModel] | None]:
