@@ -60,6 +60,7 @@ from fastlm.engine.distributed import (
 from fastlm.engine.optim import build_optimizer, build_scheduler, clip_divisor, fused_update, step_unless
 from fastlm.engine.preflight import preflight_issues
 from fastlm.engine.run_dir import FreshStart, RunDirError, RunDirLock
+from fastlm.engine.schedule_resume import DecayAnchor, anchor_for_resume, continue_decay
 from fastlm.engine.runtime import (
     autocast,
     autocast_dtype,
@@ -167,6 +168,7 @@ class Trainer:
         self.halted = torch.zeros((), dtype=torch.bool, device=self.device)  # a failure holds every update back
         self.checkpoints_written = 0  # by this process: a start that wrote one is not undone on failure
         self.wandb_run_id: str | None = None  # kept in checkpoints: a resume logs to the same wandb run
+        self.decay_anchor: DecayAnchor | None = None  # set by a resume that changed trainer.steps (schedule_resume.py)
 
     def build_loaders(self, tokenizer: Tokenizer) -> tuple[Any, BatchLoader | None]:
         """The train data source (`next_batch`, `state_dict`, `load_state_dict`) and the eval loader; RL overrides it.
@@ -372,6 +374,8 @@ class Trainer:
             "data_fingerprint": self.data_fingerprint,
             "rng": rng_state(),
             "wandb_run_id": self.wandb_run_id,
+            "total_steps": self.config.trainer.steps,
+            "decay_anchor": None if self.decay_anchor is None else self.decay_anchor.to_state(),
         }
 
     def save(self) -> Path:
@@ -419,6 +423,7 @@ class Trainer:
                 self.optimizer.load_state_dict(loaded.optimizer_state)
             state = loaded.trainer_state
             self.scheduler.load_state_dict(state["scheduler"])
+            self._continue_schedule(state, loaded.config)
             try:
                 self.train_loader.load_state_dict(state["data"])
             except ValueError:
@@ -433,6 +438,23 @@ class Trainer:
             raise
         except Exception as error:  # noqa: BLE001 - a malformed piece of a hostile checkpoint: skip it
             raise CheckpointError(f"{loaded.path}: cannot restore it ({type(error).__name__}: {str(error)[:200]})") from None
+
+    def _continue_schedule(self, state: dict[str, Any], stored_config: dict[str, Any]) -> None:
+        """A resume with another trainer.steps continues the lr decay from where the checkpoint left it (instead
+        of restarting it for the new total), and says so once."""
+        trainer = stored_config.get("trainer") if isinstance(stored_config.get("trainer"), dict) else {}
+        old_total = int(state.get("total_steps") or trainer.get("steps") or self.config.trainer.steps)
+        step, total, schedule = int(state["step"]), self.config.trainer.steps, self.config.schedule
+        self.decay_anchor = anchor_for_resume(step, old_total, total, schedule,
+                                              DecayAnchor.from_state(state.get("decay_anchor")))
+        if self.decay_anchor is None:
+            return
+        continue_decay(self.scheduler, total, schedule, self.decay_anchor)
+        if old_total != total and self.rank in (None, 0) and step < total:
+            end = self.scheduler.lr_lambdas[0](total) * self.scheduler.base_lrs[0]
+            print(f"fastlm: trainer.steps is {total}, the checkpoint's run went to {old_total}: the lr decay continues "
+                  f"from step {step} (lr {self.scheduler.get_last_lr()[0]:.3g}) to {end:.3g} at step {total} instead "
+                  "of restarting", file=sys.stderr, flush=True)
 
     # --- the loop --------------------------------------------------------------------------------------
     def _log_record(self, values: StepValues, tokens_per_second: float) -> dict[str, float]:

@@ -207,3 +207,31 @@ def test_fresh_run_refuses_an_earlier_runs_directory_unless_overwrite(tmp_path: 
     summary = Trainer(load_config(None, [*overrides, "run.overwrite=true"])).train()
     assert summary.steps == 2
     assert len(metrics.read_text().splitlines()) == len(before.splitlines())
+
+
+def test_resume_with_more_steps_continues_the_decay(tiny_config: Callable[..., RunConfig],
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Resuming a 6-step cosine run at step 4 with trainer.steps 10: the lr goes on down from where it was (no
+    jump back up), reaches min_lr_ratio x peak at the end, says so in one line; a second resume keeps the curve."""
+    from fastlm.engine.optim import lr_multiplier
+
+    sections = {"schedule": {"warmup_steps": 2, "decay": "cosine", "min_lr_ratio": 0.1}}
+    short = tiny_config("extend", trainer={"steps": 4, "checkpoint_every": 2}, **sections)
+    Trainer(short).train()
+    resumed = Trainer(tiny_config("extend", trainer={"steps": 10, "checkpoint_every": 2}, **sections))
+    summary = resumed.train(resume=True)
+    assert summary.steps == 10
+    err = capsys.readouterr().err
+    assert "trainer.steps is 10, the checkpoint's run went to 4: the lr decay continues from step 4" in err
+    lrs = {r["step"]: r["train/lr"] for r in read_metrics(summary.run_dir / "metrics.jsonl")}
+    peak = 1e-2
+    assert lrs[4] == pytest.approx(peak * lr_multiplier(3, 4, short.schedule))  # the first run's own schedule
+    restarted = peak * lr_multiplier(4, 10, short.schedule)  # what a schedule for 10 steps alone would use at step 5
+    print("lr by step:", {k: f"{v:.2e}" for k, v in lrs.items()}, f"(a restarted decay: {restarted:.2e} at step 5)")
+    assert lrs[5] <= lrs[4] + 1e-12 and lrs[5] < restarted
+    assert all(lrs[s + 1] <= lrs[s] + 1e-12 for s in range(4, 10))
+    assert resumed.scheduler.get_last_lr()[0] == pytest.approx(0.1 * peak)  # the end of the decay at step 10
+    # the anchor is in the checkpoints: resuming at step 6 with the same total gives the same lr for step 7-10
+    again = Trainer(tiny_config("extend", trainer={"steps": 10, "checkpoint_every": 2}, **sections))
+    again.resume()
+    assert again.step == 10 and again.decay_anchor == resumed.decay_anchor
