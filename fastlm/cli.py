@@ -8,6 +8,7 @@ import sys
 from typing import Sequence
 
 from fastlm.config.errors import ConfigError
+from fastlm.data.tokenizer import Tokenizer
 from fastlm.run_config.loader import dump_config, load_config
 from fastlm.run_config.schema import RunConfig
 
@@ -26,8 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(train)
     train.add_argument("--dry-run", action="store_true", help="validate and report, train nothing, write nothing")
     train.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    train.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                       help="start N processes on this machine (torchrun) after checking the config once")
     validate = commands.add_parser("validate", help="resolve and check a config, build the model on meta")
     _add_config_arguments(validate)
+    validate.add_argument("--resume", action="store_true", help="check as `train --resume` would (a checkpoint to "
+                          "continue) instead of a fresh start (no earlier run in the directory)")
     show = commands.add_parser("print-config", help="print the fully resolved config as YAML")
     _add_config_arguments(show)
     show.add_argument("--describe", action="store_true", help="add each field's description as a # comment")
@@ -85,9 +90,7 @@ def describe_data(config: RunConfig) -> str:
     dp = max(int(os.environ.get("WORLD_SIZE", "1")) // config.distributed.tensor_parallel, 1)
     batch_rows = data.micro_batch_size * dp
     if config.rl is not None:  # online RL: rollouts come from the policy, not from a data set
-        rl = config.rl
-        return (f"data: online RL on the {rl.task.type} task, {rl.prompts_per_rollout * dp} prompts x {rl.group_size} "
-                f"completions per rollout, {rl.warmup_steps} supervised warm-up steps")
+        return describe_rl_data(config, tokenizer, dp)
     if data.source.type in PREPARED_SOURCE_TYPES:
         from fastlm.data.memmap import describe_prepared
 
@@ -105,6 +108,23 @@ def describe_data(config: RunConfig) -> str:
     summary = summarize(train, evaluation, data.seq_len, batch_rows, trainer.grad_accumulation, trainer.steps,
                         tokenizer.pad_id, tokenizer.bos_id)
     return summary.describe()
+
+
+def describe_rl_data(config: RunConfig, tokenizer: Tokenizer, dp: int) -> str:
+    """Where an online RL run's prompts come from (the prompt file, loaded and checked as the trainer loads it,
+    or the built-in task) and what scores them; data.source is not read."""
+    from fastlm.rl.prompts import JsonlPrompts
+
+    rl = config.rl
+    assert rl is not None
+    if rl.prompts is not None:
+        prompts = JsonlPrompts(rl.prompts, tokenizer, config.model.max_seq_len - rl.max_new_tokens)
+        source = f"{len(prompts.records)} prompts from {rl.prompts.path} (rl.prompts; the {rl.task.type} task is not used)"
+    else:
+        source = f"the built-in {rl.task.type} task (rl.task; set rl.prompts for a prompt file)"
+    rewards = ", ".join(reward.function for reward in rl.rewards) or f"the {rl.task.type} task's own reward"
+    return (f"data: online RL on {source}, {rl.prompts_per_rollout * dp} prompts x {rl.group_size} completions per "
+            f"rollout, scored by {rewards}; {rl.warmup_steps} supervised warm-up steps; data.source is not read")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -141,19 +161,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(dump_config(config), end="")
         return 0
     if args.command == "validate" or args.dry_run:
-        return _validate(config, dry_run=args.command == "train")
+        return _validate(config, dry_run=args.command == "train", resume=args.resume)
+    if args.nproc_per_node is not None:
+        from fastlm.engine.launch import launch_processes
+
+        return launch_processes(config, args.nproc_per_node, argv if argv is not None else sys.argv[1:])
     from fastlm.engine.launch import run_training
 
     return run_training(config, resume=args.resume)
 
 
-def _validate(config: RunConfig, dry_run: bool) -> int:
+def _validate(config: RunConfig, dry_run: bool, resume: bool) -> int:
     """`validate` and `train --dry-run`: the trainer's start-up checks and the report; exit 2 on any problem."""
     from fastlm.data.datasets import DataError
-    from fastlm.engine.preflight import preflight_issues
+    from fastlm.engine.preflight import preflight_issues, run_dir_issues
 
     try:
-        issues = preflight_issues(config)
+        issues = [*preflight_issues(config), *run_dir_issues(config, resume)]
         if issues:
             raise ConfigError(issues)
         report = describe_run(config)

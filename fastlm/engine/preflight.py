@@ -23,6 +23,7 @@ from fastlm.run_config.schema import RunConfig
 from fastlm.data.config import PREPARED_SOURCE_TYPES
 from fastlm.data.prepared import prepared_source_issues
 from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, MODEL_FILE
+from fastlm.logging.logger import METRICS_FILE
 from fastlm.models.config import ModelConfig
 
 
@@ -154,6 +155,37 @@ def _safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]] | str:
             return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
     except Exception as error:  # noqa: BLE001 - safetensors raises several types for a damaged header
         return f"{file} is not a readable safetensors file ({error})"
+
+
+# --- the run directory ------------------------------------------------------------------------------
+CHECKPOINT_DIR = "checkpoints"
+EARLIER_RUN_FIX = "continue it with --resume, choose another run.name, or pass run.overwrite=true to start over"
+
+
+def earlier_run(run_dir: Path) -> list[str]:
+    """What makes the directory hold an earlier run: a checkpoint, or a logged metrics record. An empty
+    metrics.jsonl or only `.tmp-*` leftovers (a start killed before its first step) do not count."""
+    metrics = run_dir / METRICS_FILE
+    found = [METRICS_FILE] if metrics.is_file() and metrics.stat().st_size > 0 else []
+    checkpoints = run_dir / CHECKPOINT_DIR
+    if checkpoints.is_dir() and any(not p.name.startswith(".") for p in checkpoints.iterdir()):
+        found.append(CHECKPOINT_DIR)
+    return found
+
+
+def run_dir_issues(config: RunConfig, resume: bool) -> list[ConfigIssue]:
+    """What `train` (with or without --resume) would refuse about the run directory: an earlier run that a
+    fresh start would mix with, or nothing to resume. `preflight_issues` leaves these out: the trainer decides
+    them itself, holding the directory's lock."""
+    run_dir = Path(config.run.directory)
+    earlier = earlier_run(run_dir)
+    if resume and CHECKPOINT_DIR not in earlier:
+        return [ConfigIssue("run.name", f"--resume needs a checkpoint, and {run_dir / CHECKPOINT_DIR} holds none",
+                            config.run.name, hint="train without --resume to start the run")]
+    if not resume and earlier and not config.run.overwrite:
+        return [ConfigIssue("run.name", f"run directory {run_dir} already holds an earlier run ({', '.join(earlier)})",
+                            config.run.name, hint=EARLIER_RUN_FIX)]
+    return []
 
 
 # --- this machine ----------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ from fastlm.engine.distributed import (
     sum_over,
 )
 from fastlm.engine.optim import build_optimizer, build_scheduler, clip_divisor, fused_update, step_unless
-from fastlm.engine.preflight import preflight_issues
+from fastlm.engine.preflight import CHECKPOINT_DIR, EARLIER_RUN_FIX, earlier_run, preflight_issues
 from fastlm.engine.run_dir import FreshStart, RunDirError, RunDirLock
 from fastlm.engine.schedule_resume import DecayAnchor, anchor_for_resume, continue_decay
 from fastlm.engine.runtime import (
@@ -77,8 +77,6 @@ from fastlm.logging.logger import METRICS_FILE, MetricLogger
 from fastlm.losses.spec import LossNormalizers, LossResult
 from fastlm.losses.validation import ValueCheck, collected_value_checks, deferred_value_checks
 from fastlm.models.decoder import build_model
-
-CHECKPOINT_DIR = "checkpoints"
 
 
 class NonFiniteError(RuntimeError):
@@ -487,24 +485,13 @@ class Trainer:
         """Every rank stops at the same step (the checkpoint gathers from all of them), if any rank was signalled."""
         return self._any_rank(stop.requested)
 
-    def _earlier_run(self) -> list[str]:
-        """What makes the directory hold an earlier run: a checkpoint, or a logged metrics record. An empty
-        metrics.jsonl or only `.tmp-*` leftovers (a start killed before its first step) do not count."""
-        metrics = self.run_dir / METRICS_FILE
-        found = [METRICS_FILE] if metrics.is_file() and metrics.stat().st_size > 0 else []
-        if self.checkpoint_dir.is_dir() and any(not p.name.startswith(".") for p in self.checkpoint_dir.iterdir()):
-            found.append(CHECKPOINT_DIR)
-        return found
-
     def _claim_run_dir(self) -> None:
         """A fresh run never mixes with an earlier run's checkpoints or metrics: refuse such a directory,
         or clear them first with `run.overwrite: true` (rank 0 holds the lock, looks and clears)."""
-        earlier = self._earlier_run() if self.rank in (None, 0) else []
+        earlier = earlier_run(self.run_dir) if self.rank in (None, 0) else []
         if self._any_rank(bool(earlier) and not self.config.run.overwrite):
-            raise RunDirError(
-                f"run directory {self.run_dir} already holds an earlier run ({', '.join(earlier) or 'see rank 0'}); "
-                "continue it with --resume, choose another run.name, or pass run.overwrite=true to start over"
-            )
+            raise RunDirError(f"run directory {self.run_dir} already holds an earlier run "
+                              f"({', '.join(earlier) or 'see rank 0'}); {EARLIER_RUN_FIX}")
         if earlier:
             shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
             (self.run_dir / METRICS_FILE).unlink(missing_ok=True)
