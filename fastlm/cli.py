@@ -119,7 +119,8 @@ def describe_rl_data(config: RunConfig, tokenizer: Tokenizer, dp: int) -> str:
     assert rl is not None
     if rl.prompts is not None:
         prompts = JsonlPrompts(rl.prompts, tokenizer, config.model.max_seq_len - rl.max_new_tokens)
-        source = f"{len(prompts.records)} prompts from {rl.prompts.path} (rl.prompts; the {rl.task.type} task is not used)"
+        count = len(prompts.records)
+        source = f"{count} prompt{'s' if count != 1 else ''} from {rl.prompts.path} (rl.prompts; the {rl.task.type} task is not used)"
     else:
         source = f"the built-in {rl.task.type} task (rl.task; set rl.prompts for a prompt file)"
     rewards = ", ".join(reward.function for reward in rl.rewards) or f"the {rl.task.type} task's own reward"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import typing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from fastlm.run_config.checks import cross_check
 from fastlm.config.errors import _MISSING, ConfigError, ConfigIssue
+from fastlm.config.user_code import user_code_sections
 from fastlm.run_config.schema import RunConfig
 from fastlm.config.yaml_reader import parse_yaml, read_config_file
 from fastlm.models.build import describe_count, num_parameters
@@ -59,6 +61,7 @@ class LayeredDict:
                 parts = key.split(".")
                 for end in range(1, len(parts)):
                     self._below.setdefault(".".join(parts[:end]), []).append(source)
+        path = re.sub(r"\[\d+\]", "", path)  # an item of a list (rl.rewards[0]) comes from the layer that set the list
         below = self._below.get(path, []) if path else []
         if below:
             exact = self.sources.get(path)
@@ -274,11 +277,21 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunCo
         if len(items) > MAX_REPORTED_ISSUES:
             issues.append(ConfigIssue("", f"... and {len(items) - MAX_REPORTED_ISSUES} more problems like these"))
         raise ConfigError(issues) from None
+    _record_user_code_folders(config, layered, path)
     found = [*cross_check(config), *_size_issues(config)]
     issues = [replace(issue, source=layered.source_of(issue.path)) for issue in found]
     if issues:
         raise ConfigError(issues)
     return config
+
+
+def _record_user_code_folders(config: RunConfig, layered: LayeredDict, path: str | Path | None) -> None:
+    """Each section naming user code looks for it in the folder of the file that set it, then in the folder of
+    the config given (fastlm/config/user_code.py)."""
+    top = [Path(path).resolve().parent] if path is not None else []
+    for dotted, section in user_code_sections(config):
+        sources = layered.source_of(dotted).split(", ")
+        section.set_folders([*(Path(source).parent for source in sources if Path(source).is_file()), *top])
 
 
 MAX_PARAMETERS = 2**60  # fp64 storage of 2**60 values is 2**63 bytes: the most a torch tensor can address
