@@ -75,12 +75,35 @@ def _checkpoint_issues(config: RunConfig) -> list[ConfigIssue]:
         if problem is not None:
             issues.append(ConfigIssue(field, problem, path, hint="point it at a run, checkpoints/ or step-* "
                                       "directory of a finished fastlm run with the same tokenizer"))
-    if config.run.init_path is not None and Path(config.run.init_path).is_dir():
-        problem = hf_weights_problem(Path(config.run.init_path))
+    init = Path(config.run.init_path) if config.run.init_path is not None else None
+    if init is not None and (init / MANIFEST_FILE).is_file():  # a fastlm checkpoint (resolved by the loader)
+        problem = init_checkpoint_problem(init, config)
+        if problem is not None:
+            issues.append(ConfigIssue("run.init_path", problem, config.run.init_path,
+                                      hint="make the model section the checkpoint's (see its manifest.json), or start "
+                                      "from another run"))
+    elif init is not None and init.is_dir():
+        problem = hf_weights_problem(init)
         if problem is not None:
             issues.append(ConfigIssue("run.init_path", problem, config.run.init_path,
                                       hint="point it at a folder with config.json + *.safetensors (save_pretrained)"))
     return issues
+
+
+def init_checkpoint_problem(step_dir: Path, config: RunConfig) -> str | None:
+    """Why a fastlm checkpoint cannot start this run: it is not loadable, or its model (the loss head aside) is
+    not this run's model section."""
+    problem = fastlm_checkpoint_problem(step_dir, config)
+    if problem is not None:
+        return problem
+    stored = json.loads((step_dir / MANIFEST_FILE).read_text(encoding="utf-8"))["config"]["model"]
+    current = config.model.model_dump(mode="json")
+    changed = sorted(key for key in set(stored) | set(current)
+                     if key not in ("head", "init_std") and stored.get(key) != current.get(key))
+    if not changed:
+        return None
+    shown = "; ".join(f"model.{key}: checkpoint {stored.get(key)!r}, this run {current.get(key)!r}" for key in changed[:4])
+    return f"its model differs from this run's ({shown})"
 
 
 def resolve_step_dir(path: Path) -> Path | None:

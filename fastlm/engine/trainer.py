@@ -137,9 +137,7 @@ class Trainer:
         seed_everything(config.run.seed)  # the same seed on every rank: identical initial weights
         self.model = build_model(config.model, device=self.device)
         if config.run.init_path is not None:  # a resume overwrites these weights with the checkpoint's
-            from fastlm.models.hf import load_hf_weights_into
-
-            load_hf_weights_into(self.model, config.run.init_path)
+            self._load_init_weights(config.run.init_path)
         self.model.set_activation_checkpointing(config.trainer.activation_checkpointing)
         data_parallel = self.parallel.data_parallel if self.parallel.dp_size > 1 else None
         if compile_wanted(config.trainer.compile, self.device, data_parallel):
@@ -167,6 +165,23 @@ class Trainer:
         self.checkpoints_written = 0  # by this process: a start that wrote one is not undone on failure
         self.wandb_run_id: str | None = None  # kept in checkpoints: a resume logs to the same wandb run
         self.decay_anchor: DecayAnchor | None = None  # set by a resume that changed trainer.steps (schedule_resume.py)
+
+    def _load_init_weights(self, path: str) -> None:
+        """The starting weights: a fastlm checkpoint's (verified, its model checked against this run's) or a
+        Hugging Face folder's (fastlm/run_config/init_path.py resolved which one `path` is)."""
+        from fastlm.run_config.init_path import init_source
+
+        if init_source(path).kind == "hf":
+            from fastlm.models.hf import load_hf_weights_into
+
+            load_hf_weights_into(self.model, path)
+            return
+        from fastlm.engine.frozen import find_checkpoint
+
+        loaded = find_checkpoint(path, "run.init_path")
+        expected = {name: tuple(value.shape) for name, value in self.model.state_dict().items()}
+        loaded.check_fits(expected, self.config.model.model_dump(mode="json"))
+        loaded.load_model(self.model, self.device)
 
     def build_loaders(self, tokenizer: Tokenizer) -> tuple[Any, BatchLoader | None]:
         """The train data source (`next_batch`, `state_dict`, `load_state_dict`) and the eval loader; RL overrides it.

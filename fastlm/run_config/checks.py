@@ -118,9 +118,11 @@ def _tokenizer_checks(config: RunConfig) -> list[ConfigIssue]:
 
 
 def _init_checkpoint_checks(config: RunConfig) -> list[ConfigIssue]:
-    """`run.init_path` must be a HF checkpoint whose architecture the model section describes exactly,
-    so `fastlm validate` fails before any work instead of the trainer failing at load time."""
-    if config.run.init_path is None:
+    """A HF `run.init_path` must have the architecture the model section describes exactly, so `fastlm validate`
+    fails before any work instead of the trainer failing at load time (a fastlm checkpoint: preflight)."""
+    from fastlm.run_config.init_path import init_source
+
+    if config.run.init_path is None or init_source(config.run.init_path).kind != "hf":
         return []
     from fastlm.config.errors import ConfigError
     from fastlm.models.hf import check_matches, config_from_hf, read_hf_config

@@ -20,11 +20,13 @@ from pydantic import BaseModel, ValidationError
 from fastlm.run_config.checks import cross_check
 from fastlm.config.errors import _MISSING, ConfigError, ConfigIssue
 from fastlm.config.user_code import user_code_sections
+from fastlm.run_config.init_path import HUB_NAME, checkpoint_tokenizer, resolve_init_path
 from fastlm.run_config.schema import RunConfig
 from fastlm.config.yaml_reader import parse_yaml, read_config_file
 from fastlm.models.build import describe_count, num_parameters
 
 BASE_KEY = "base"
+INIT_KEY = "init_path"
 DEFAULT_SOURCE = "defaults"
 MAX_CONFIG_FILES = 64  # a config plus its bases, counted with repeats
 MAX_REPORTED_ISSUES = 50  # a file of 20,000 unknown keys needs the first few named, not 20,000 lines
@@ -90,6 +92,8 @@ def _resolve_path(key: str, value: Any, base_dir: Path | None) -> Any:
         return [{k: _resolve_path(k, v, base_dir) for k, v in item.items()} if isinstance(item, dict) else item
                 for item in value]
     if _is_path_key(key) and isinstance(value, str) and not Path(value).is_absolute():
+        if key == INIT_KEY and HUB_NAME.match(value) and not (base_dir / value).exists():
+            return value  # a hub name (Qwen/Qwen3-0.6B), not a folder next to the YAML
         return str((base_dir / value).resolve())
     return value
 
@@ -278,6 +282,7 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunCo
             issues.append(ConfigIssue("", f"... and {len(items) - MAX_REPORTED_ISSUES} more problems like these"))
         raise ConfigError(issues) from None
     _record_user_code_folders(config, layered, path)
+    _resolve_init_path(config, layered)
     found = [*cross_check(config), *_size_issues(config)]
     issues = [replace(issue, source=layered.source_of(issue.path)) for issue in found]
     if issues:
@@ -292,6 +297,20 @@ def _record_user_code_folders(config: RunConfig, layered: LayeredDict, path: str
     for dotted, section in user_code_sections(config):
         sources = layered.source_of(dotted).split(", ")
         section.set_folders([*(Path(source).parent for source in sources if Path(source).is_file()), *top])
+
+
+def _resolve_init_path(config: RunConfig, layered: LayeredDict) -> None:
+    """run.init_path becomes the local folder it names (fastlm/run_config/init_path.py); a fastlm checkpoint also
+    brings its tokenizer when data.tokenizer is not set."""
+    if config.run.init_path is None:
+        return
+    try:
+        source = resolve_init_path(config.run.init_path)
+    except ConfigError as error:
+        raise ConfigError([replace(issue, source=layered.source_of(issue.path)) for issue in error.issues]) from None
+    config.run.init_path = str(source.path)
+    if source.kind == "fastlm" and config.data.tokenizer is None:
+        config.data.tokenizer = checkpoint_tokenizer(source.path)
 
 
 MAX_PARAMETERS = 2**60  # fp64 storage of 2**60 values is 2**63 bytes: the most a torch tensor can address
