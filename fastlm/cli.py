@@ -104,10 +104,10 @@ def describe_data(config: RunConfig) -> str:
         batched = data.model_copy(update={"micro_batch_size": batch_rows})
         loaders = build_loaders(batched, config.run.seed, tokenizer)
         train, evaluation = loaders[0].rows, loaders[1].rows if loaders[1] is not None else None
-    check_batch_fits(train, evaluation, batch_rows, trainer.eval_batches * batch_rows if trainer.eval_every else 0)
+    note = check_batch_fits(train, evaluation, batch_rows, trainer.eval_batches * batch_rows if trainer.eval_every else 0)
     summary = summarize(train, evaluation, data.seq_len, batch_rows, trainer.grad_accumulation, trainer.steps,
                         tokenizer.pad_id, tokenizer.bos_id)
-    return summary.describe()
+    return summary.describe() + (f"\n{note}" if note else "")
 
 
 def describe_rl_data(config: RunConfig, tokenizer: Tokenizer, dp: int) -> str:

@@ -35,6 +35,7 @@ from fastlm.data.batch import Batch
 from fastlm.data.datasets import DataError
 from fastlm.data.fingerprint import data_fingerprint, describe_change
 from fastlm.data.loader import BatchLoader, build_loaders
+from fastlm.data.summary import eval_repeat_note
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
 from fastlm.engine.checkpoint import (
     CheckpointError,
@@ -71,7 +72,7 @@ from fastlm.engine.runtime import (
     set_rng_state,
 )
 from fastlm.engine.signals import StopRequest
-from fastlm.engine.step_scalars import InFlightRead, PendingSteps, StepResult, StepValues
+from fastlm.engine.step_scalars import InFlightRead, PendingSteps, StepResult, StepValues, window_mean
 from fastlm.logging.jsonl import drop_records_after
 from fastlm.logging.logger import METRICS_FILE, MetricLogger
 from fastlm.losses.spec import LossNormalizers, LossResult
@@ -194,6 +195,12 @@ class Trainer:
         if dp > 1:
             data = data.model_copy(update={"micro_batch_size": data.micro_batch_size * dp})
         train, evaluation = build_loaders(data, self.config.run.seed, tokenizer)
+        trainer = self.config.trainer
+        rows = getattr(evaluation, "rows", None)  # a prepared blend's eval loader draws rows by weight: no count
+        note = eval_repeat_note(len(rows), trainer.eval_batches * data.micro_batch_size, data.micro_batch_size) if (
+            rows is not None and trainer.eval_every) else None
+        if note and self.rank in (None, 0):
+            print(f"fastlm: {note}", file=sys.stderr, flush=True)
         if dp == 1:
             return train, evaluation
         rank = self.parallel.dp_rank
@@ -564,9 +571,12 @@ class Trainer:
         eval_loss = None
         total_tokens, total_seconds = 0, 0.0
         window_tokens, window_seconds = 0, 0.0
+        window: list[StepValues] = []  # the steps read since the last log record
+        if self.rank in (None, 0) and self.config.logging.progress:
+            print(self.banner(), file=sys.stderr, flush=True)
         with StopRequest() as stop, MetricLogger(
             self.config.logging, self.run_dir, self.config.run.name, trainer.steps, self._run_config(), self.rank,
-            self.wandb_run_id,
+            self.wandb_run_id, start_step=self.step,
         ) as logger:
             if logger.wandb is not None and logger.wandb.run_id is not None:
                 self.wandb_run_id = logger.wandb.run_id
@@ -584,8 +594,11 @@ class Trainer:
                     losses.extend(values.loss for values in read)
                 records: dict[int, dict[str, float]] = {}  # a late read logs the step before this one
                 for values in read:
+                    window.append(values)
                     if self.logs_at(values.step):
-                        records[values.step] = self._log_record(values, window_tokens / max(window_seconds, 1e-9))
+                        records[values.step] = self._log_record(window_mean(window),
+                                                                window_tokens / max(window_seconds, 1e-9))
+                        window = []
                 if read and self.logs_at(read[-1].step):
                     window_tokens, window_seconds = 0, 0.0
                 if self.evaluates_at(self.step):
@@ -605,6 +618,23 @@ class Trainer:
                 if read:
                     clock = time.perf_counter()
         return self._summary(losses, eval_loss, total_tokens, total_seconds, stopped_by)
+
+    def banner(self) -> str:
+        """What this run is, before its first step: where it writes, the model, the loss path, the device, and
+        whether it starts fresh or resumes."""
+        from fastlm.models.build import count_parameters
+
+        parameters = count_parameters(self.model)
+        steps = self.config.trainer.steps
+        start = f"resumed from step {self.step}" if self.step else "fresh start"
+        world = f", {self.parallel.world_size} processes" if self.parallel.distributed else ""
+        precision = f"{str(self.amp_dtype).removeprefix('torch.')} autocast" if self.amp_dtype is not None else "float32"
+        return "\n".join([
+            f"fastlm: run {self.config.run.name} in {self.run_dir} ({start}, steps {self.step + 1}-{steps})",
+            f"fastlm: model {self.config.model.type}, {parameters / 1e6:.2f} M parameters, on {self.device.type} in "
+            f"{precision}{world}",
+            f"fastlm: {describe_head(self.config, self.device)}",
+        ])
 
     def _summary(self, losses: list[float], eval_loss: float | None, tokens: int, seconds: float,
                  stopped_by: str | None, already_finished: bool = False) -> TrainSummary:
