@@ -52,6 +52,10 @@ class TrainerConfig(ConfigModel):
     activation_checkpointing: bool = Field(
         False, description="Recompute each block in backward instead of keeping its activations (less memory, ~1/3 more compute)."
     )
+    export_hf: bool = Field(
+        False, description="At the end, also write the final weights as a Hugging Face folder, RUN_DIR/hf (config.json "
+        "+ model.safetensors + tokenizer), as `fastlm convert --from RUN_DIR --to-hf RUN_DIR/hf` would."
+    )
 
 
 class DistributedConfig(ConfigModel):

@@ -80,6 +80,9 @@ from fastlm.losses.validation import ValueCheck, collected_value_checks, deferre
 from fastlm.models.decoder import build_model
 
 
+HF_EXPORT_DIR = "hf"  # trainer.export_hf writes the final weights here
+
+
 class NonFiniteError(RuntimeError):
     """Training met a non-finite loss or gradient with `trainer.nonfinite: stop`."""
 
@@ -617,7 +620,17 @@ class Trainer:
                     break
                 if read:
                     clock = time.perf_counter()
+        if trainer.export_hf and stopped_by is None and self.rank in (None, 0):
+            print(f"fastlm: wrote the Hugging Face folder {self.export_hf()}", file=sys.stderr, flush=True)
         return self._summary(losses, eval_loss, total_tokens, total_seconds, stopped_by)
+
+    def export_hf(self) -> Path:
+        """The final checkpoint as a Hugging Face folder (RUN_DIR/hf), through `fastlm convert --to-hf`'s code: read
+        from the checkpoint just written, so a sharded or data-parallel run exports the full model as well."""
+        from fastlm.models.hf import load_fastlm, save_hf
+
+        config, state, tokenizer = load_fastlm(self.run_dir)
+        return save_hf(config, state, self.run_dir / HF_EXPORT_DIR, tokenizer)
 
     def banner(self) -> str:
         """What this run is, before its first step: where it writes, the model, the loss path, the device, and

@@ -239,3 +239,21 @@ def test_resume_with_more_steps_continues_the_decay(tiny_config: Callable[..., R
     again = Trainer(tiny_config("extend", trainer={"steps": 10, "checkpoint_every": 2}, **sections))
     again.resume()
     assert again.step == 10 and again.decay_anchor == resumed.decay_anchor
+
+
+def test_export_hf_writes_a_transformers_folder_at_the_end(tiny_config: Callable[..., RunConfig]) -> None:
+    """trainer.export_hf: true leaves RUN_DIR/hf, which transformers loads to the trained model's logits."""
+    import transformers
+
+    trainer = Trainer(tiny_config("export", trainer={"steps": 2, "export_hf": True}))
+    summary = trainer.train()
+    exported = summary.run_dir / "hf"
+    assert (exported / "config.json").is_file() and (exported / "model.safetensors").is_file()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(exported)).eval()
+    ids = torch.randint(0, 256, (2, 16))
+    trainer.model.eval()
+    with torch.no_grad():
+        ours, theirs = trainer.model.logits(ids), hf_model(ids).logits
+    error = float((ours - theirs).abs().max() / theirs.abs().max())
+    print(f"exported HF logits vs fastlm: max rel err {error:.2e}")
+    assert error < 1e-5
