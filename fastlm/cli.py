@@ -80,8 +80,17 @@ def describe_run(config: RunConfig) -> str:
 
 def describe_data(config: RunConfig) -> str:
     """The data summary, from the rows the trainer would pack (raises what the trainer's loaders raise)."""
+    evaluation = config.data.eval_source
+    if evaluation is None:
+        return _describe_data(config)
+    where = getattr(evaluation, "path", None) or f"{evaluation.type} documents"
+    return (f"{_describe_data(config)}\ndata: the eval set is data.eval_source ({evaluation.type}: {where}), read "
+            "whole; the train source is not split (data.eval_fraction is not used)")
+
+
+def _describe_data(config: RunConfig) -> str:
     from fastlm.data.config import PREPARED_SOURCE_TYPES
-    from fastlm.data.loader import build_loaders
+    from fastlm.data.eval_source import build_run_loaders
     from fastlm.data.summary import check_batch_fits, summarize
     from fastlm.data.tokenizer import build_tokenizer
 
@@ -102,7 +111,7 @@ def describe_data(config: RunConfig) -> str:
         train, evaluation = pack_policy_samples(load_offline_rl(data.source.path, tokenizer), data.seq_len, tokenizer.pad_id), None
     else:
         batched = data.model_copy(update={"micro_batch_size": batch_rows})
-        loaders = build_loaders(batched, config.run.seed, tokenizer)
+        loaders = build_run_loaders(batched, config.run.seed, tokenizer)
         train, evaluation = loaders[0].rows, loaders[1].rows if loaders[1] is not None else None
     note = check_batch_fits(train, evaluation, batch_rows, trainer.eval_batches * batch_rows if trainer.eval_every else 0)
     summary = summarize(train, evaluation, data.seq_len, batch_rows, trainer.grad_accumulation, trainer.steps,

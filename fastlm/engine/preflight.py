@@ -34,15 +34,21 @@ def preflight_issues(config: RunConfig) -> list[ConfigIssue]:
 
 # --- data files ------------------------------------------------------------------------------------
 def _data_file_issues(config: RunConfig) -> list[ConfigIssue]:
-    if config.data.source.type in PREPARED_SOURCE_TYPES:
-        return prepared_source_issues(config)
-    path = getattr(config.data.source, "path", None)
-    if path is None:
-        return []
-    problem = _unreadable(Path(path))
+    issues = prepared_source_issues(config) if config.data.source.type in PREPARED_SOURCE_TYPES else _file_issues(
+        config.data.source, "data.source")
+    evaluation = config.data.eval_source
+    if evaluation is not None and evaluation.type not in PREPARED_SOURCE_TYPES:
+        issues += _file_issues(evaluation, "data.eval_source")
+    return issues
+
+
+def _file_issues(source: object, field: str) -> list[ConfigIssue]:
+    """The source's file (`path`) opens, if it has one."""
+    path = getattr(source, "path", None)
+    problem = None if path is None else _unreadable(Path(path))
     if problem is None:
         return []
-    return [ConfigIssue("data.source.path", problem, path, hint="point it at an existing, readable file")]
+    return [ConfigIssue(f"{field}.path", problem, path, hint="point it at an existing, readable file")]
 
 
 def _unreadable(path: Path) -> str | None:

@@ -34,7 +34,8 @@ from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.data.datasets import DataError
 from fastlm.data.fingerprint import data_fingerprint, describe_change
-from fastlm.data.loader import BatchLoader, build_loaders
+from fastlm.data.eval_source import build_run_loaders
+from fastlm.data.loader import BatchLoader
 from fastlm.data.summary import eval_repeat_note
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
 from fastlm.engine.checkpoint import (
@@ -197,7 +198,7 @@ class Trainer:
         data = self.config.data
         if dp > 1:
             data = data.model_copy(update={"micro_batch_size": data.micro_batch_size * dp})
-        train, evaluation = build_loaders(data, self.config.run.seed, tokenizer)
+        train, evaluation = build_run_loaders(data, self.config.run.seed, tokenizer)
         trainer = self.config.trainer
         rows = getattr(evaluation, "rows", None)  # a prepared blend's eval loader draws rows by weight: no count
         note = eval_repeat_note(len(rows), trainer.eval_batches * data.micro_batch_size, data.micro_batch_size) if (

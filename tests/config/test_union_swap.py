@@ -30,6 +30,7 @@ UNION_TESTS = {
     "rl.task": "test_rl_task_swap",
     "rl.prompts": "test_rl_prompts_is_replaced_and_null_clears_it",
     "optimizer": "test_single_variant_section_merges",
+    "data.eval_source": "test_eval_source_swap",
 }
 
 
@@ -121,3 +122,8 @@ def test_single_variant_section_merges() -> None:
     """optimizer has one variant (adamw): naming its type keeps the YAML's other keys."""
     config = load_config(CONFIGS / "tiny.yaml", ["optimizer={type: adamw, eps: 1.0e-6}"])
     assert (config.optimizer.lr, config.optimizer.eps) == (3.0e-3, 1.0e-6)
+
+
+def test_eval_source_swap() -> None:
+    layers = load_layers(None, ["data.eval_source={type: text, path: a.txt}", "data.eval_source={type: generated, seed: 7}"])
+    assert layers.data["data"]["eval_source"] == {"type": "generated", "seed": 7}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from fastlm.engine.trainer import NonFiniteError, Trainer
 from fastlm.logging.jsonl import read_metrics
 from host_reads import host_reads
 from wandb_reader import read_wandb_run
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tiny_llama_learns_and_logs(tiny_config: Callable[..., RunConfig], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -257,3 +260,26 @@ def test_export_hf_writes_a_transformers_folder_at_the_end(tiny_config: Callable
     error = float((ours - theirs).abs().max() / theirs.abs().max())
     print(f"exported HF logits vs fastlm: max rel err {error:.2e}")
     assert error < 1e-5
+
+
+def test_eval_source_is_a_separate_eval_set(tiny_config: Callable[..., RunConfig], tmp_path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """data.eval_source: eval/loss reads that file's documents, and the train source is used whole."""
+    from fastlm.cli import main
+
+    story = tmp_path / "held_out.txt"
+    story.write_text("".join(f"Held-out story number {i} about a red kite.\n\n" for i in range(60)))
+    split = Trainer(tiny_config("split", trainer={"steps": 1}))
+    separate = Trainer(tiny_config("separate", trainer={"steps": 2, "eval_every": 2},
+                                   data={"eval_source": {"type": "text", "path": str(story)}}))
+    assert len(separate.train_loader.rows) > len(split.train_loader.rows)  # nothing held out of the train source
+    text = separate.tokenizer.decode(separate.eval_set[0].input_ids[0].tolist())
+    assert "story number" in text  # seq_len 32 cuts the packed documents anywhere
+    summary = separate.train()
+    assert summary.eval_loss is not None and math.isfinite(summary.eval_loss)
+    base = ["validate", str(ROOT / "configs/tiny.yaml"), f"run.output_dir={tmp_path}/v"]
+    assert main([*base, f"data.eval_source={{type: text, path: {tmp_path}/missing.txt}}"]) == 2
+    assert "data.eval_source.path: data file not found" in capsys.readouterr().err
+    assert main(["validate", str(ROOT / "configs/grpo.yaml"), f"run.output_dir={tmp_path}/v",
+                 f"data.eval_source={{type: text, path: {story}}}"]) == 2
+    assert "data.eval_source: an online RL run is judged by eval/reward" in capsys.readouterr().err
