@@ -9,6 +9,7 @@ what train would fail on before its first step.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -23,6 +24,7 @@ from fastlm.run_config.schema import RunConfig
 from fastlm.data.config import PREPARED_SOURCE_TYPES
 from fastlm.data.prepared import prepared_source_issues
 from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, MODEL_FILE
+from fastlm.engine.run_dir import LOCK_FILE
 from fastlm.logging.logger import METRICS_FILE
 from fastlm.models.config import ModelConfig
 
@@ -207,6 +209,8 @@ def run_dir_issues(config: RunConfig, resume: bool) -> list[ConfigIssue]:
     fresh start would mix with, or nothing to resume. `preflight_issues` leaves these out: the trainer decides
     them itself, holding the directory's lock."""
     run_dir = Path(config.run.directory)
+    if _locked(run_dir / LOCK_FILE):  # another process trains there: the trainer's lock names it (exit 1)
+        return []
     earlier = earlier_run(run_dir)
     if resume and CHECKPOINT_DIR not in earlier:
         return [ConfigIssue("run.name", f"--resume needs a checkpoint, and {run_dir / CHECKPOINT_DIR} holds none",
@@ -215,6 +219,22 @@ def run_dir_issues(config: RunConfig, resume: bool) -> list[ConfigIssue]:
         return [ConfigIssue("run.name", f"run directory {run_dir} already holds an earlier run ({', '.join(earlier)})",
                             config.run.name, hint=EARLIER_RUN_FIX)]
     return []
+
+
+def _locked(path: Path) -> bool:
+    """Whether another process holds the run directory's lock (a shared probe, released at once)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 # --- this machine ----------------------------------------------------------------------------------

@@ -645,8 +645,8 @@ class Trainer:
         precision = f"{str(self.amp_dtype).removeprefix('torch.')} autocast" if self.amp_dtype is not None else "float32"
         return "\n".join([
             f"fastlm: run {self.config.run.name} in {self.run_dir} ({start}, steps {self.step + 1}-{steps})",
-            f"fastlm: model {self.config.model.type}, {parameters / 1e6:.2f} M parameters, on {self.device.type} in "
-            f"{precision}{world}",
+            f"fastlm: model {self.config.model.type}, {parameters / 1e6:.2f} M parameters, on {self.device.type} in {precision}"
+            + world,
             f"fastlm: {describe_head(self.config, self.device)}",
         ])
 
