@@ -8,6 +8,7 @@ import sys
 from typing import Sequence
 
 from fastlm.config.errors import ConfigError
+from fastlm.data.tokenizer import Tokenizer
 from fastlm.run_config.loader import dump_config, load_config
 from fastlm.run_config.schema import RunConfig
 
@@ -26,10 +27,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(train)
     train.add_argument("--dry-run", action="store_true", help="validate and report, train nothing, write nothing")
     train.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    train.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                       help="start N processes on this machine (torchrun) after checking the config once")
     validate = commands.add_parser("validate", help="resolve and check a config, build the model on meta")
     _add_config_arguments(validate)
+    validate.add_argument("--resume", action="store_true", help="check as `train --resume` would (a checkpoint to "
+                          "continue) instead of a fresh start (no earlier run in the directory)")
     show = commands.add_parser("print-config", help="print the fully resolved config as YAML")
     _add_config_arguments(show)
+    show.add_argument("--describe", action="store_true", help="add each field's description as a # comment")
     convert = commands.add_parser("convert", help="import / export Hugging Face checkpoints (config.json + safetensors)")
     direction = convert.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="DIR", help="HF checkpoint to import: prints the matching model YAML")
@@ -74,8 +80,17 @@ def describe_run(config: RunConfig) -> str:
 
 def describe_data(config: RunConfig) -> str:
     """The data summary, from the rows the trainer would pack (raises what the trainer's loaders raise)."""
+    evaluation = config.data.eval_source
+    if evaluation is None:
+        return _describe_data(config)
+    where = getattr(evaluation, "path", None) or f"{evaluation.type} documents"
+    return (f"{_describe_data(config)}\ndata: the eval set is data.eval_source ({evaluation.type}: {where}), read "
+            "whole; the train source is not split (data.eval_fraction is not used)")
+
+
+def _describe_data(config: RunConfig) -> str:
     from fastlm.data.config import PREPARED_SOURCE_TYPES
-    from fastlm.data.loader import build_loaders
+    from fastlm.data.eval_source import build_run_loaders
     from fastlm.data.summary import check_batch_fits, summarize
     from fastlm.data.tokenizer import build_tokenizer
 
@@ -84,9 +99,7 @@ def describe_data(config: RunConfig) -> str:
     dp = max(int(os.environ.get("WORLD_SIZE", "1")) // config.distributed.tensor_parallel, 1)
     batch_rows = data.micro_batch_size * dp
     if config.rl is not None:  # online RL: rollouts come from the policy, not from a data set
-        rl = config.rl
-        return (f"data: online RL on the {rl.task.type} task, {rl.prompts_per_rollout * dp} prompts x {rl.group_size} "
-                f"completions per rollout, {rl.warmup_steps} supervised warm-up steps")
+        return describe_rl_data(config, tokenizer, dp)
     if data.source.type in PREPARED_SOURCE_TYPES:
         from fastlm.data.memmap import describe_prepared
 
@@ -98,12 +111,30 @@ def describe_data(config: RunConfig) -> str:
         train, evaluation = pack_policy_samples(load_offline_rl(data.source.path, tokenizer), data.seq_len, tokenizer.pad_id), None
     else:
         batched = data.model_copy(update={"micro_batch_size": batch_rows})
-        loaders = build_loaders(batched, config.run.seed, tokenizer)
+        loaders = build_run_loaders(batched, config.run.seed, tokenizer)
         train, evaluation = loaders[0].rows, loaders[1].rows if loaders[1] is not None else None
-    check_batch_fits(train, evaluation, batch_rows, trainer.eval_batches * batch_rows if trainer.eval_every else 0)
+    note = check_batch_fits(train, evaluation, batch_rows, trainer.eval_batches * batch_rows if trainer.eval_every else 0)
     summary = summarize(train, evaluation, data.seq_len, batch_rows, trainer.grad_accumulation, trainer.steps,
                         tokenizer.pad_id, tokenizer.bos_id)
-    return summary.describe()
+    return summary.describe() + (f"\n{note}" if note else "")
+
+
+def describe_rl_data(config: RunConfig, tokenizer: Tokenizer, dp: int) -> str:
+    """Where an online RL run's prompts come from (the prompt file, loaded and checked as the trainer loads it,
+    or the built-in task) and what scores them; data.source is not read."""
+    from fastlm.rl.prompts import JsonlPrompts
+
+    rl = config.rl
+    assert rl is not None
+    if rl.prompts is not None:
+        prompts = JsonlPrompts(rl.prompts, tokenizer, config.model.max_seq_len - rl.max_new_tokens)
+        count = len(prompts.records)
+        source = f"{count} prompt{'s' if count != 1 else ''} from {rl.prompts.path} (rl.prompts; the {rl.task.type} task is not used)"
+    else:
+        source = f"the built-in {rl.task.type} task (rl.task; set rl.prompts for a prompt file)"
+    rewards = ", ".join(reward.function for reward in rl.rewards) or f"the {rl.task.type} task's own reward"
+    return (f"data: online RL on {source}, {rl.prompts_per_rollout * dp} prompts x {rl.group_size} completions per "
+            f"rollout, scored by {rewards}; {rl.warmup_steps} supervised warm-up steps; data.source is not read")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -132,22 +163,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(error.render(), file=sys.stderr)
         return 2
     if args.command == "print-config":
-        print(dump_config(config), end="")
+        if args.describe:
+            from fastlm.run_config.describe import describe_config
+
+            print(describe_config(config), end="")
+        else:
+            print(dump_config(config), end="")
         return 0
     if args.command == "validate" or args.dry_run:
-        return _validate(config, dry_run=args.command == "train")
+        return _validate(config, dry_run=args.command == "train", resume=args.resume)
+    if args.nproc_per_node is not None:
+        from fastlm.engine.launch import launch_processes
+
+        return launch_processes(config, args.nproc_per_node, argv if argv is not None else sys.argv[1:])
     from fastlm.engine.launch import run_training
 
     return run_training(config, resume=args.resume)
 
 
-def _validate(config: RunConfig, dry_run: bool) -> int:
+def _validate(config: RunConfig, dry_run: bool, resume: bool) -> int:
     """`validate` and `train --dry-run`: the trainer's start-up checks and the report; exit 2 on any problem."""
     from fastlm.data.datasets import DataError
-    from fastlm.engine.preflight import preflight_issues
+    from fastlm.engine.preflight import preflight_issues, run_dir_issues
 
     try:
-        issues = preflight_issues(config)
+        issues = [*preflight_issues(config), *run_dir_issues(config, resume)]
         if issues:
             raise ConfigError(issues)
         report = describe_run(config)

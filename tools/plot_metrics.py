@@ -4,8 +4,11 @@
 
 Reads RUN_DIR/metrics.jsonl (what every fastlm run writes) and writes RUN_DIR/metrics.png by default.
 Panels: train and eval loss, each loss child (when there are several), DPO rewards and accuracy, RL reward
-and eval reward/accuracy, clip fractions, entropy, KL, gradient norm and learning rate. Panels whose keys
-the run never logged are left out; a run with none of them is an error. Each panel has its own linear
+(per function too) and eval reward/accuracy, reward spread, advantages, completion lengths and the share cut
+at the budget, clip fractions, entropy, KL, the sampler-vs-trainer log-prob gap and importance weights,
+tokens/s, seconds per step (rollout / train), gradient norm and learning rate; then every other logged series
+(a loss child's own metrics) in a panel of its own. Panels whose keys the run never logged are left out; a
+run with none of them is an error. Each panel has its own linear
 y axis with tick values (a log axis only where a series spans orders of magnitude); an RL run's
 supervised warm-up is shaded and its end marked on every panel.
 """
@@ -34,13 +37,24 @@ PANELS: dict[str, str] = {
     "loss per child": r"^train/loss/.+$",
     "DPO rewards (beta x log-ratio)": r"^train/dpo/rewards/(chosen|rejected|margins)$",
     "DPO accuracy (chosen > rejected)": r"^train/dpo/rewards/accuracies$",
-    "reward": r"^(train/reward|eval/reward|eval/accuracy)$",
+    "reward": r"^(train/reward|eval/reward|eval/accuracy|train/rewards/[^/]+/mean)$",
+    "reward spread (group std, share of groups with one reward)": r"^train/(reward_std|frac_reward_zero_std|rewards/[^/]+/std)$",
+    "advantages": r"^train/advantage/(std|min|max)$",
+    "completion length (tokens)": r"^train/completions/(mean|min|max)_length$",
+    "completions cut at rl.max_new_tokens": r"^train/completions/clipped_ratio$",
     "clip fraction": r"^train/[^/]+/clip_ratio/(low|high|region)_mean$",
     "entropy": r"^train/[^/]+/entropy$",
     "KL": r"^train/[^/]+/kl(_old)?$",
+    "sampler vs trainer log-prob gap (logp_diff)": r"^train/sampling/logp_diff/(mean|max)$",
+    "importance weights": r"^train/sampling/importance_ratio/(mean|min|max)$",
+    "tokens/s": r"^train/tokens_per_second$",
+    "seconds per step (timing)": r"^train/timing/.+$",
     "gradient norm": r"^train/grad_norm$",
     "learning rate": r"^train/lr$",
 }
+# Bookkeeping, not series: the step itself, the warm-up flag (drawn as shading), counters.
+NOT_SERIES = re.compile(r"^(step|time|train/step|train/rl/warmup|train/rl/rollouts|train/skipped_steps"
+                        r"|train/rewards/[^/]+/none_count)$")
 WARMUP_KEY = "train/rl/warmup"
 
 
@@ -61,13 +75,19 @@ def panels_of(records: list[dict]) -> dict[str, Series]:
     """The panels this run has data for. Loss children get a panel each, and only when there are several
     (a lone child is train/loss): their scales differ by orders of magnitude (z_loss next to GRPO's ~0)."""
     panels: dict[str, Series] = {}
+    claimed: set[str] = set()
     for title, pattern in PANELS.items():
         found = series(records, pattern)
+        claimed |= set(found)
         if title == "loss per child":
             if len(found) > 1:
                 panels.update({f"{key} (unweighted)": {key: values} for key, values in found.items()})
         elif found:
             panels[title] = found
+    if panels:  # every other logged series (a child's own metrics, ...) in a panel of its own
+        others = series(records, r".*")
+        panels.update({key: {key: values} for key, values in others.items()
+                       if key not in claimed and not NOT_SERIES.match(key)})
     return panels
 
 
@@ -98,7 +118,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     if not panels:
         raise ValueError(f"{metrics}: none of the plotted metrics ({', '.join(PANELS)}) were logged")
     boundary = warmup_end(records)
-    columns = 2 if len(panels) > 1 else 1
+    columns = 1 if len(panels) == 1 else 2 if len(panels) <= 12 else 3
     rows = math.ceil(len(panels) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 3.0 * rows), squeeze=False, sharex=True)
     for axis, (title, found) in zip(axes.flat, panels.items()):

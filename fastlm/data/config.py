@@ -148,3 +148,6 @@ class DataConfig(ConfigModel):
     seq_len: int = Field(128, ge=2, description="Tokens per packed row (documents are packed with ids).")
     micro_batch_size: int = Field(8, ge=1)
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of documents held out for eval/loss.")
+    eval_source: DataSource | None = Field(
+        None, description="A separate eval set (a generated, text, jsonl or memmap source): eval/loss reads it, and "
+        "the train source is used whole (eval_fraction is then ignored).")

@@ -7,7 +7,6 @@ mid-batch), so it is an error; an eval split smaller than one micro-batch still 
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 from fastlm.config.errors import ConfigError, ConfigIssue
@@ -55,11 +54,10 @@ class DataSummary:
 
 
 def check_batch_fits(train: PackedRows, evaluation: PackedRows | None, batch_rows: int,
-                     eval_rows: int | None = None) -> None:
-    """ConfigError when one micro-batch (`batch_rows`, all dp ranks) is larger than the train split; a
-    warning when one evaluation reads more rows (`eval_rows`, default one micro-batch; 0 = no eval) than
-    the eval split holds."""
-    eval_rows = batch_rows if eval_rows is None else eval_rows
+                     eval_rows: int | None = None) -> str | None:
+    """ConfigError when one micro-batch (`batch_rows`, all dp ranks) is larger than the train split. With
+    `eval_rows` (what one evaluation reads; 0 = no eval), the note when the eval split is smaller (see
+    `eval_repeat_note`)."""
     if len(train) < batch_rows:
         raise ConfigError(ConfigIssue(
             "data.micro_batch_size", f"one micro-batch needs {batch_rows} rows (micro_batch_size x data-parallel "
@@ -67,13 +65,19 @@ def check_batch_fits(train: PackedRows, evaluation: PackedRows | None, batch_row
             "batch would repeat rows", batch_rows,
             hint=f"lower data.micro_batch_size to at most {len(train)} (per rank), lower data.seq_len, or add data",
         ))
-    if evaluation is not None and len(evaluation) < eval_rows:
-        warnings.warn(
-            f"the eval split packs into {len(evaluation)} rows, and one evaluation reads {eval_rows} "
-            "(trainer.eval_batches x micro-batch rows): eval/loss counts some rows twice; raise "
-            "data.eval_fraction, or lower trainer.eval_batches or data.micro_batch_size",
-            UserWarning, stacklevel=2,
-        )
+    if evaluation is None or not eval_rows:
+        return None
+    return eval_repeat_note(len(evaluation), eval_rows, batch_rows)
+
+
+def eval_repeat_note(held_out_rows: int, eval_rows: int, batch_rows: int) -> str | None:
+    """One line when an evaluation (`eval_rows` = trainer.eval_batches x `batch_rows`) reads more rows than the
+    eval split holds, so eval/loss counts some twice (the trainer prints it once; validate reports it)."""
+    if held_out_rows >= eval_rows:
+        return None
+    return (f"note: the eval split packs into {held_out_rows} rows and one evaluation reads {eval_rows} "
+            f"(trainer.eval_batches {eval_rows // batch_rows} x {batch_rows} rows), so eval/loss counts some rows "
+            "more than once; raise data.eval_fraction or lower trainer.eval_batches")
 
 
 def summarize(train: PackedRows, evaluation: PackedRows | None, seq_len: int, batch_rows: int, grad_accumulation: int,

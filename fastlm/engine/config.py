@@ -52,6 +52,10 @@ class TrainerConfig(ConfigModel):
     activation_checkpointing: bool = Field(
         False, description="Recompute each block in backward instead of keeping its activations (less memory, ~1/3 more compute)."
     )
+    export_hf: bool = Field(
+        False, description="At the end, also write the final weights as a Hugging Face folder, RUN_DIR/hf (config.json "
+        "+ model.safetensors + tokenizer), as `fastlm convert --from RUN_DIR --to-hf RUN_DIR/hf` would."
+    )
 
 
 class DistributedConfig(ConfigModel):
@@ -69,8 +73,9 @@ class RunSection(ConfigModel):
     seed: int = Field(0, ge=0, lt=2**32, description="Seeds torch, python and the data order (32 bits, as numpy's).")
     init_path: str | None = Field(
         None,
-        description="Local HF checkpoint directory (config.json + *.safetensors) to start from; the model "
-        "section must match it (use `fastlm convert --from-hf DIR` to print the matching model YAML).",
+        description="Weights to start from: a fastlm run, checkpoints/ or step-* folder (its tokenizer comes along), "
+        "a local HF folder (config.json + *.safetensors), or a hub name (Qwen/Qwen3-0.6B: the local HF cache's "
+        "snapshot, else downloaded). The model section must match it (`fastlm convert --from-hf DIR` prints it).",
     )
 
     overwrite: bool = Field(

@@ -21,9 +21,9 @@ from pydantic import ValidationError
 from fastlm.config.errors import ConfigError
 from fastlm.run_config.schema import RunConfig
 from fastlm.data.datasets import DataError, jsonl_records
-from fastlm.data.tokenizer import Tokenizer
+from fastlm.data.tokenizer import Message, Tokenizer
 from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, CheckpointError
-from fastlm.data.chat import encode_chat_prompt
+from fastlm.data.chat import ChatError, check_messages, encode_chat_prompt
 from fastlm.engine.preflight import resolve_step_dir
 from fastlm.engine.runtime import autocast_dtype, select_device
 from fastlm.models.decoder import DecoderLM, build_model
@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--jsonl", action="store_true", help="print one JSON object per completion")
     parser.add_argument("--chat", action="store_true", help="send each prompt as a user message through the "
-                        "tokenizer's chat template (for models fine-tuned on chat data)")
+                        "tokenizer's chat template (for models fine-tuned on chat data); a --prompts-file JSONL may "
+                        "then hold whole conversations, {\"messages\": [{\"role\", \"content\"}, ...]}")
 
 
 @dataclass
@@ -77,13 +78,22 @@ def load_model(source: Path, device: torch.device) -> LoadedModel:
     return LoadedModel(model.to(device).eval(), tokenizer, run, step_dir or source)
 
 
-def read_prompts(texts: list[str], file: Path | None) -> list[str]:
-    prompts = list(texts)
+def read_prompts(texts: list[str], file: Path | None, chat: bool = False) -> list[str | list[Message]]:
+    """Prompt texts; with `chat`, a JSONL record may instead hold a multi-turn conversation (`messages`)."""
+    prompts: list[str | list[Message]] = list(texts)
     if file is not None:
         if not file.is_file():
             raise DataError(f"{file}: prompts file not found")
         if file.suffix == ".jsonl":
             for line, record in jsonl_records(file):
+                if "messages" in record:
+                    if not chat:
+                        raise DataError(f"{file} line {line}: a conversation ('messages') needs --chat")
+                    try:
+                        prompts.append(check_messages(record["messages"]))
+                    except ChatError as error:
+                        raise DataError(f"{file} line {line}: {error}") from None
+                    continue
                 if not isinstance(record.get("prompt"), str):
                     raise DataError(f"{file} line {line}: needs a string field 'prompt' (keys: {sorted(record)})")
                 prompts.append(record["prompt"])
@@ -116,14 +126,15 @@ def sampling_options(args: argparse.Namespace, loaded: LoadedModel, tokenizer: T
 
 def generate_command(args: argparse.Namespace) -> int:
     try:
-        prompts = read_prompts(args.prompt, args.prompts_file)
+        prompts = read_prompts(args.prompt, args.prompts_file, args.chat)
         device = select_device_for(args.device)
         loaded = load_model(Path(args.source), device)
         tokenizer = loaded.tokenizer
         options = sampling_options(args, loaded, tokenizer)
         seed = args.seed if args.seed is not None else loaded.run.run.seed if loaded.run is not None else 0
-        encoded = [encode_chat_prompt(tokenizer, [{"role": "user", "content": prompt}]) if args.chat
-                   else tokenizer.encode(prompt, bos=True) for prompt in prompts]
+        conversations = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+        encoded = [encode_chat_prompt(tokenizer, messages) for messages in conversations] if args.chat else [
+            tokenizer.encode(prompt, bos=True) for prompt in prompts]
         room = loaded.model.config.max_seq_len - max(len(p) for p in encoded)
         if room < 1:
             raise DataError(f"the longest prompt is {max(len(p) for p in encoded)} tokens, and the model's "
@@ -145,7 +156,8 @@ def generate_command(args: argparse.Namespace) -> int:
             print(json.dumps({"prompt": prompt, "completion": text, "stopped": completion.stopped}))
         else:
             ending = "stopped at EOS" if completion.stopped else "no EOS: max_new_tokens reached"
-            print(f"--- {index}: {prompt!r} -> {len(completion.tokens)} new tokens, {ending}\n{prompt}{text}")
+            shown = prompt if isinstance(prompt, str) else tokenizer.render_chat(prompt, add_generation_prompt=True)
+            print(f"--- {index}: {shown!r} -> {len(completion.tokens)} new tokens, {ending}\n{shown}{text}")
     return 0
 
 

@@ -1,20 +1,27 @@
 """`fastlm train` after the config is valid: pick the trainer for the run, train, report.
 
 Under torchrun (RANK / WORLD_SIZE / LOCAL_RANK set) every rank runs this inside a process group
-(fastlm/engine/distributed.py); a rank that raises prints its traceback and exits non-zero.
+(fastlm/engine/distributed.py); a rank that raises prints its traceback and exits non-zero. A clean error
+(a config or run-directory problem, a named data or checkpoint failure) is the same on every rank, so only
+rank 0 prints it. torchrun itself then adds its ChildFailedError report; `fastlm train --nproc-per-node N`
+starts the processes without it: it checks the config once, runs torchrun's launcher in-process and ends a
+failed job with one line.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
+from collections.abc import Sequence
 
 from fastlm.config.errors import ConfigError
 from fastlm.run_config.schema import RunConfig
 from fastlm.data.datasets import DataError
 from fastlm.engine.checkpoint import CheckpointError
 from fastlm.engine.distributed import run_distributed, torchrun_env
+from fastlm.engine.preflight import preflight_issues, run_dir_issues
 from fastlm.system.disk_space import DiskFullError
-from fastlm.engine.preflight import preflight_issues
 from fastlm.engine.run_dir import RunDirError
 from fastlm.engine.runtime import select_device
 from fastlm.engine.trainer import NonFiniteError, TrainSummary
@@ -23,9 +30,9 @@ from fastlm.rl.rewards import RewardError
 
 def run_training(config: RunConfig, resume: bool = False) -> int:
     """Train to the end and print a one-line summary; the exit status for the CLI (2: the run cannot start)."""
-    issues = preflight_issues(config)  # before any device or process group is set up
+    issues = [*preflight_issues(config), *run_dir_issues(config, resume)]  # before any device or process group
     if issues:
-        print(ConfigError(issues).render(), file=sys.stderr)
+        _report(ConfigError(issues).render())
         return 2
     if torchrun_env():
         return run_distributed(lambda: _train(config, resume), config.distributed, select_device(config.trainer))
@@ -39,14 +46,60 @@ def _train(config: RunConfig, resume: bool) -> int:
         trainer = trainer_class_for(config)(config)
         summary = trainer.train(resume=resume)
     except ConfigError as error:  # found before anything was written: a user mistake, exit 2 like validate
-        print(error.render(), file=sys.stderr)
+        _report(error.render())
         return 2
     except (NonFiniteError, DataError, CheckpointError, RunDirError, DiskFullError, RewardError) as error:  # says what to fix
-        print(f"fastlm: {error}", file=sys.stderr)
+        _report(f"fastlm: {error}")
         return 1
     if trainer.rank in (None, 0):
         print(describe_summary(summary), file=sys.stderr)
     return 0
+
+
+def _report(message: str) -> None:
+    """A clean error, printed once: by the single process, or by rank 0 of a torchrun job."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+
+
+def launch_processes(config: RunConfig, processes: int, argv: Sequence[str]) -> int:
+    """`fastlm train --nproc-per-node N ...`: check the config and run directory once, then start N ranks of the
+    same command through torchrun's launcher (single node, a free port). A failed rank has printed its error;
+    the job ends with one line naming it and that rank's exit status, not torchrun's ChildFailedError report."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    resume = "--resume" in argv
+    issues = [*preflight_issues(config), *run_dir_issues(config, resume)]
+    if issues:
+        _report(ConfigError(issues).render())
+        return 2
+    worker = _without_option(list(argv), "--nproc-per-node")
+    launcher = get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(processes), "-m", "fastlm", *worker])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the ranks say what failed
+    try:
+        run(launcher)
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        print(f"fastlm: the job failed: rank {rank} exited with status {failure.exitcode} (its message is above)",
+              file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 1
+    return 0
+
+
+def _without_option(argv: list[str], option: str) -> list[str]:
+    """`argv` less `option VALUE` / `option=VALUE`."""
+    kept: list[str] = []
+    skip = False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == option:
+            skip = True
+        elif not item.startswith(f"{option}="):
+            kept.append(item)
+    return kept
 
 
 def describe_summary(summary: TrainSummary) -> str:

@@ -85,10 +85,14 @@ def lr_multiplier(step: int, total_steps: int, config: ScheduleConfig) -> float:
     """Linear warmup to 1 over `warmup_steps`, then cosine/linear decay to `min_lr_ratio` at `total_steps`."""
     if config.warmup_steps and step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
+    span = max(1, total_steps - config.warmup_steps)
+    return decay_multiplier(min(1.0, (step - config.warmup_steps) / span), config)
+
+
+def decay_multiplier(progress: float, config: ScheduleConfig) -> float:
+    """The multiplier `progress` (0..1) of the way through the decay: 1 -> `min_lr_ratio`."""
     if config.decay == "constant":
         return 1.0
-    span = max(1, total_steps - config.warmup_steps)
-    progress = min(1.0, (step - config.warmup_steps) / span)
     if config.decay == "cosine":
         shape = 0.5 * (1.0 + math.cos(math.pi * progress))
     else:

@@ -9,6 +9,7 @@ what train would fail on before its first step.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -23,6 +24,8 @@ from fastlm.run_config.schema import RunConfig
 from fastlm.data.config import PREPARED_SOURCE_TYPES
 from fastlm.data.prepared import prepared_source_issues
 from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, MODEL_FILE
+from fastlm.engine.run_dir import LOCK_FILE
+from fastlm.logging.logger import METRICS_FILE
 from fastlm.models.config import ModelConfig
 
 
@@ -33,15 +36,21 @@ def preflight_issues(config: RunConfig) -> list[ConfigIssue]:
 
 # --- data files ------------------------------------------------------------------------------------
 def _data_file_issues(config: RunConfig) -> list[ConfigIssue]:
-    if config.data.source.type in PREPARED_SOURCE_TYPES:
-        return prepared_source_issues(config)
-    path = getattr(config.data.source, "path", None)
-    if path is None:
-        return []
-    problem = _unreadable(Path(path))
+    issues = prepared_source_issues(config) if config.data.source.type in PREPARED_SOURCE_TYPES else _file_issues(
+        config.data.source, "data.source")
+    evaluation = config.data.eval_source
+    if evaluation is not None and evaluation.type not in PREPARED_SOURCE_TYPES:
+        issues += _file_issues(evaluation, "data.eval_source")
+    return issues
+
+
+def _file_issues(source: object, field: str) -> list[ConfigIssue]:
+    """The source's file (`path`) opens, if it has one."""
+    path = getattr(source, "path", None)
+    problem = None if path is None else _unreadable(Path(path))
     if problem is None:
         return []
-    return [ConfigIssue("data.source.path", problem, path, hint="point it at an existing, readable file")]
+    return [ConfigIssue(f"{field}.path", problem, path, hint="point it at an existing, readable file")]
 
 
 def _unreadable(path: Path) -> str | None:
@@ -74,12 +83,35 @@ def _checkpoint_issues(config: RunConfig) -> list[ConfigIssue]:
         if problem is not None:
             issues.append(ConfigIssue(field, problem, path, hint="point it at a run, checkpoints/ or step-* "
                                       "directory of a finished fastlm run with the same tokenizer"))
-    if config.run.init_path is not None and Path(config.run.init_path).is_dir():
-        problem = hf_weights_problem(Path(config.run.init_path))
+    init = Path(config.run.init_path) if config.run.init_path is not None else None
+    if init is not None and (init / MANIFEST_FILE).is_file():  # a fastlm checkpoint (resolved by the loader)
+        problem = init_checkpoint_problem(init, config)
+        if problem is not None:
+            issues.append(ConfigIssue("run.init_path", problem, config.run.init_path,
+                                      hint="make the model section the checkpoint's (see its manifest.json), or start "
+                                      "from another run"))
+    elif init is not None and init.is_dir():
+        problem = hf_weights_problem(init)
         if problem is not None:
             issues.append(ConfigIssue("run.init_path", problem, config.run.init_path,
                                       hint="point it at a folder with config.json + *.safetensors (save_pretrained)"))
     return issues
+
+
+def init_checkpoint_problem(step_dir: Path, config: RunConfig) -> str | None:
+    """Why a fastlm checkpoint cannot start this run: it is not loadable, or its model (the loss head aside) is
+    not this run's model section."""
+    problem = fastlm_checkpoint_problem(step_dir, config)
+    if problem is not None:
+        return problem
+    stored = json.loads((step_dir / MANIFEST_FILE).read_text(encoding="utf-8"))["config"]["model"]
+    current = config.model.model_dump(mode="json")
+    changed = sorted(key for key in set(stored) | set(current)
+                     if key not in ("head", "init_std") and stored.get(key) != current.get(key))
+    if not changed:
+        return None
+    shown = "; ".join(f"model.{key}: checkpoint {stored.get(key)!r}, this run {current.get(key)!r}" for key in changed[:4])
+    return f"its model differs from this run's ({shown})"
 
 
 def resolve_step_dir(path: Path) -> Path | None:
@@ -154,6 +186,55 @@ def _safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]] | str:
             return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
     except Exception as error:  # noqa: BLE001 - safetensors raises several types for a damaged header
         return f"{file} is not a readable safetensors file ({error})"
+
+
+# --- the run directory ------------------------------------------------------------------------------
+CHECKPOINT_DIR = "checkpoints"
+EARLIER_RUN_FIX = "continue it with --resume, choose another run.name, or pass run.overwrite=true to start over"
+
+
+def earlier_run(run_dir: Path) -> list[str]:
+    """What makes the directory hold an earlier run: a checkpoint, or a logged metrics record. An empty
+    metrics.jsonl or only `.tmp-*` leftovers (a start killed before its first step) do not count."""
+    metrics = run_dir / METRICS_FILE
+    found = [METRICS_FILE] if metrics.is_file() and metrics.stat().st_size > 0 else []
+    checkpoints = run_dir / CHECKPOINT_DIR
+    if checkpoints.is_dir() and any(not p.name.startswith(".") for p in checkpoints.iterdir()):
+        found.append(CHECKPOINT_DIR)
+    return found
+
+
+def run_dir_issues(config: RunConfig, resume: bool) -> list[ConfigIssue]:
+    """What `train` (with or without --resume) would refuse about the run directory: an earlier run that a
+    fresh start would mix with, or nothing to resume. `preflight_issues` leaves these out: the trainer decides
+    them itself, holding the directory's lock."""
+    run_dir = Path(config.run.directory)
+    if _locked(run_dir / LOCK_FILE):  # another process trains there: the trainer's lock names it (exit 1)
+        return []
+    earlier = earlier_run(run_dir)
+    if resume and CHECKPOINT_DIR not in earlier:
+        return [ConfigIssue("run.name", f"--resume needs a checkpoint, and {run_dir / CHECKPOINT_DIR} holds none",
+                            config.run.name, hint="train without --resume to start the run")]
+    if not resume and earlier and not config.run.overwrite:
+        return [ConfigIssue("run.name", f"run directory {run_dir} already holds an earlier run ({', '.join(earlier)})",
+                            config.run.name, hint=EARLIER_RUN_FIX)]
+    return []
+
+
+def _locked(path: Path) -> bool:
+    """Whether another process holds the run directory's lock (a shared probe, released at once)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 # --- this machine ----------------------------------------------------------------------------------

@@ -10,6 +10,10 @@ transfer at the next read point (a log, eval or checkpoint step, or the last one
 raises what was found in between. At a read point that only logs, the transfer starts behind the step
 (`start_read`) and the host waits for it (`InFlightRead.wait`) only after it has queued the next step, so
 the GPU is never left waiting for the host there.
+
+A log record stands for its logging window (every step since the last record), as in other trainers: its loss,
+per-loss values and metrics are the window's means (`window_mean`), taken on the host from the values the
+read points brought back anyway (no extra read).
 """
 
 from __future__ import annotations
@@ -74,6 +78,24 @@ class StepValues:
             raise ValueError(f"step {self.step}: {error}") from None
         if self.input_failed:
             raise ValueError(f"step {self.step}: a loss input check failed on another rank (its error names the tensor)")
+
+
+def _mean(values: list[float]) -> float:
+    """The mean of the finite values (a skipped non-finite step counts in no mean); NaN when there are none."""
+    finite = [value for value in values if math.isfinite(value)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def window_mean(window: list[StepValues]) -> StepValues:
+    """The steps of one logging window as one record: loss, per-loss values and metrics averaged over the window,
+    the rest (step, lr, gradient norm, counters, checks) the last step's."""
+    last = window[-1]
+    return StepValues(
+        last.step, _mean([v.loss for v in window]),
+        {name: _mean([v.losses[name] for v in window if name in v.losses]) for name in last.losses},
+        {name: _mean([v.metrics[name] for v in window if name in v.metrics]) for name in last.metrics},
+        last.tokens, last.grad_norm, last.input_failed, last.checks, last.counts, last.lr, last.skipped_steps,
+    )
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,9 @@ from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.data.datasets import DataError
 from fastlm.data.fingerprint import data_fingerprint, describe_change
-from fastlm.data.loader import BatchLoader, build_loaders
+from fastlm.data.eval_source import build_run_loaders
+from fastlm.data.loader import BatchLoader
+from fastlm.data.summary import eval_repeat_note
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
 from fastlm.engine.checkpoint import (
     CheckpointError,
@@ -58,8 +60,9 @@ from fastlm.engine.distributed import (
     sum_over,
 )
 from fastlm.engine.optim import build_optimizer, build_scheduler, clip_divisor, fused_update, step_unless
-from fastlm.engine.preflight import preflight_issues
+from fastlm.engine.preflight import CHECKPOINT_DIR, EARLIER_RUN_FIX, earlier_run, preflight_issues
 from fastlm.engine.run_dir import FreshStart, RunDirError, RunDirLock
+from fastlm.engine.schedule_resume import DecayAnchor, anchor_for_resume, continue_decay
 from fastlm.engine.runtime import (
     autocast_dtype,
     describe_head,
@@ -69,15 +72,16 @@ from fastlm.engine.runtime import (
     set_rng_state,
 )
 from fastlm.engine.signals import StopRequest
+from fastlm.engine.step_scalars import InFlightRead, PendingSteps, StepResult, StepValues, window_mean
 from fastlm.system.device import autocast
-from fastlm.engine.step_scalars import InFlightRead, PendingSteps, StepResult, StepValues
 from fastlm.logging.jsonl import drop_records_after
 from fastlm.logging.logger import METRICS_FILE, MetricLogger
 from fastlm.losses.spec import LossNormalizers, LossResult
 from fastlm.losses.validation import ValueCheck, collected_value_checks, deferred_value_checks
 from fastlm.models.decoder import build_model
 
-CHECKPOINT_DIR = "checkpoints"
+
+HF_EXPORT_DIR = "hf"  # trainer.export_hf writes the final weights here
 
 
 class NonFiniteError(RuntimeError):
@@ -138,9 +142,7 @@ class Trainer:
         seed_everything(config.run.seed)  # the same seed on every rank: identical initial weights
         self.model = build_model(config.model, device=self.device)
         if config.run.init_path is not None:  # a resume overwrites these weights with the checkpoint's
-            from fastlm.models.hf import load_hf_weights_into
-
-            load_hf_weights_into(self.model, config.run.init_path)
+            self._load_init_weights(config.run.init_path)
         self.model.set_activation_checkpointing(config.trainer.activation_checkpointing)
         data_parallel = self.parallel.data_parallel if self.parallel.dp_size > 1 else None
         if compile_wanted(config.trainer.compile, self.device, data_parallel):
@@ -167,6 +169,24 @@ class Trainer:
         self.halted = torch.zeros((), dtype=torch.bool, device=self.device)  # a failure holds every update back
         self.checkpoints_written = 0  # by this process: a start that wrote one is not undone on failure
         self.wandb_run_id: str | None = None  # kept in checkpoints: a resume logs to the same wandb run
+        self.decay_anchor: DecayAnchor | None = None  # set by a resume that changed trainer.steps (schedule_resume.py)
+
+    def _load_init_weights(self, path: str) -> None:
+        """The starting weights: a fastlm checkpoint's (verified, its model checked against this run's) or a
+        Hugging Face folder's (fastlm/run_config/init_path.py resolved which one `path` is)."""
+        from fastlm.run_config.init_path import init_source
+
+        if init_source(path).kind == "hf":
+            from fastlm.models.hf import load_hf_weights_into
+
+            load_hf_weights_into(self.model, path)
+            return
+        from fastlm.engine.frozen import find_checkpoint
+
+        loaded = find_checkpoint(path, "run.init_path")
+        expected = {name: tuple(value.shape) for name, value in self.model.state_dict().items()}
+        loaded.check_fits(expected, self.config.model.model_dump(mode="json"))
+        loaded.load_model(self.model, self.device)
 
     def build_loaders(self, tokenizer: Tokenizer) -> tuple[Any, BatchLoader | None]:
         """The train data source (`next_batch`, `state_dict`, `load_state_dict`) and the eval loader; RL overrides it.
@@ -178,7 +198,13 @@ class Trainer:
         data = self.config.data
         if dp > 1:
             data = data.model_copy(update={"micro_batch_size": data.micro_batch_size * dp})
-        train, evaluation = build_loaders(data, self.config.run.seed, tokenizer)
+        train, evaluation = build_run_loaders(data, self.config.run.seed, tokenizer)
+        trainer = self.config.trainer
+        rows = getattr(evaluation, "rows", None)  # a prepared blend's eval loader draws rows by weight: no count
+        note = eval_repeat_note(len(rows), trainer.eval_batches * data.micro_batch_size, data.micro_batch_size) if (
+            rows is not None and trainer.eval_every) else None
+        if note and self.rank in (None, 0):
+            print(f"fastlm: {note}", file=sys.stderr, flush=True)
         if dp == 1:
             return train, evaluation
         rank = self.parallel.dp_rank
@@ -372,6 +398,8 @@ class Trainer:
             "data_fingerprint": self.data_fingerprint,
             "rng": rng_state(),
             "wandb_run_id": self.wandb_run_id,
+            "total_steps": self.config.trainer.steps,
+            "decay_anchor": None if self.decay_anchor is None else self.decay_anchor.to_state(),
         }
 
     def save(self) -> Path:
@@ -419,6 +447,7 @@ class Trainer:
                 self.optimizer.load_state_dict(loaded.optimizer_state)
             state = loaded.trainer_state
             self.scheduler.load_state_dict(state["scheduler"])
+            self._continue_schedule(state, loaded.config)
             try:
                 self.train_loader.load_state_dict(state["data"])
             except ValueError:
@@ -433,6 +462,23 @@ class Trainer:
             raise
         except Exception as error:  # noqa: BLE001 - a malformed piece of a hostile checkpoint: skip it
             raise CheckpointError(f"{loaded.path}: cannot restore it ({type(error).__name__}: {str(error)[:200]})") from None
+
+    def _continue_schedule(self, state: dict[str, Any], stored_config: dict[str, Any]) -> None:
+        """A resume with another trainer.steps continues the lr decay from where the checkpoint left it (instead
+        of restarting it for the new total), and says so once."""
+        trainer = stored_config.get("trainer") if isinstance(stored_config.get("trainer"), dict) else {}
+        old_total = int(state.get("total_steps") or trainer.get("steps") or self.config.trainer.steps)
+        step, total, schedule = int(state["step"]), self.config.trainer.steps, self.config.schedule
+        self.decay_anchor = anchor_for_resume(step, old_total, total, schedule,
+                                              DecayAnchor.from_state(state.get("decay_anchor")))
+        if self.decay_anchor is None:
+            return
+        continue_decay(self.scheduler, total, schedule, self.decay_anchor)
+        if old_total != total and self.rank in (None, 0) and step < total:
+            end = self.scheduler.lr_lambdas[0](total) * self.scheduler.base_lrs[0]
+            print(f"fastlm: trainer.steps is {total}, the checkpoint's run went to {old_total}: the lr decay continues "
+                  f"from step {step} (lr {self.scheduler.get_last_lr()[0]:.3g}) to {end:.3g} at step {total} instead "
+                  "of restarting", file=sys.stderr, flush=True)
 
     # --- the loop --------------------------------------------------------------------------------------
     def _log_record(self, values: StepValues, tokens_per_second: float) -> dict[str, float]:
@@ -465,24 +511,13 @@ class Trainer:
         """Every rank stops at the same step (the checkpoint gathers from all of them), if any rank was signalled."""
         return self._any_rank(stop.requested)
 
-    def _earlier_run(self) -> list[str]:
-        """What makes the directory hold an earlier run: a checkpoint, or a logged metrics record. An empty
-        metrics.jsonl or only `.tmp-*` leftovers (a start killed before its first step) do not count."""
-        metrics = self.run_dir / METRICS_FILE
-        found = [METRICS_FILE] if metrics.is_file() and metrics.stat().st_size > 0 else []
-        if self.checkpoint_dir.is_dir() and any(not p.name.startswith(".") for p in self.checkpoint_dir.iterdir()):
-            found.append(CHECKPOINT_DIR)
-        return found
-
     def _claim_run_dir(self) -> None:
         """A fresh run never mixes with an earlier run's checkpoints or metrics: refuse such a directory,
         or clear them first with `run.overwrite: true` (rank 0 holds the lock, looks and clears)."""
-        earlier = self._earlier_run() if self.rank in (None, 0) else []
+        earlier = earlier_run(self.run_dir) if self.rank in (None, 0) else []
         if self._any_rank(bool(earlier) and not self.config.run.overwrite):
-            raise RunDirError(
-                f"run directory {self.run_dir} already holds an earlier run ({', '.join(earlier) or 'see rank 0'}); "
-                "continue it with --resume, choose another run.name, or pass run.overwrite=true to start over"
-            )
+            raise RunDirError(f"run directory {self.run_dir} already holds an earlier run "
+                              f"({', '.join(earlier) or 'see rank 0'}); {EARLIER_RUN_FIX}")
         if earlier:
             shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
             (self.run_dir / METRICS_FILE).unlink(missing_ok=True)
@@ -540,9 +575,12 @@ class Trainer:
         eval_loss = None
         total_tokens, total_seconds = 0, 0.0
         window_tokens, window_seconds = 0, 0.0
+        window: list[StepValues] = []  # the steps read since the last log record
+        if self.rank in (None, 0) and self.config.logging.progress:
+            print(self.banner(), file=sys.stderr, flush=True)
         with StopRequest() as stop, MetricLogger(
             self.config.logging, self.run_dir, self.config.run.name, trainer.steps, self._run_config(), self.rank,
-            self.wandb_run_id,
+            self.wandb_run_id, start_step=self.step,
         ) as logger:
             if logger.wandb is not None and logger.wandb.run_id is not None:
                 self.wandb_run_id = logger.wandb.run_id
@@ -560,8 +598,11 @@ class Trainer:
                     losses.extend(values.loss for values in read)
                 records: dict[int, dict[str, float]] = {}  # a late read logs the step before this one
                 for values in read:
+                    window.append(values)
                     if self.logs_at(values.step):
-                        records[values.step] = self._log_record(values, window_tokens / max(window_seconds, 1e-9))
+                        records[values.step] = self._log_record(window_mean(window),
+                                                                window_tokens / max(window_seconds, 1e-9))
+                        window = []
                 if read and self.logs_at(read[-1].step):
                     window_tokens, window_seconds = 0, 0.0
                 if self.evaluates_at(self.step):
@@ -580,7 +621,34 @@ class Trainer:
                     break
                 if read:
                     clock = time.perf_counter()
+        if trainer.export_hf and stopped_by is None and self.rank in (None, 0):
+            print(f"fastlm: wrote the Hugging Face folder {self.export_hf()}", file=sys.stderr, flush=True)
         return self._summary(losses, eval_loss, total_tokens, total_seconds, stopped_by)
+
+    def export_hf(self) -> Path:
+        """The final checkpoint as a Hugging Face folder (RUN_DIR/hf), through `fastlm convert --to-hf`'s code: read
+        from the checkpoint just written, so a sharded or data-parallel run exports the full model as well."""
+        from fastlm.models.hf import load_fastlm, save_hf
+
+        config, state, tokenizer = load_fastlm(self.run_dir)
+        return save_hf(config, state, self.run_dir / HF_EXPORT_DIR, tokenizer)
+
+    def banner(self) -> str:
+        """What this run is, before its first step: where it writes, the model, the loss path, the device, and
+        whether it starts fresh or resumes."""
+        from fastlm.models.build import count_parameters
+
+        parameters = count_parameters(self.model)
+        steps = self.config.trainer.steps
+        start = f"resumed from step {self.step}" if self.step else "fresh start"
+        world = f", {self.parallel.world_size} processes" if self.parallel.distributed else ""
+        precision = f"{str(self.amp_dtype).removeprefix('torch.')} autocast" if self.amp_dtype is not None else "float32"
+        return "\n".join([
+            f"fastlm: run {self.config.run.name} in {self.run_dir} ({start}, steps {self.step + 1}-{steps})",
+            f"fastlm: model {self.config.model.type}, {parameters / 1e6:.2f} M parameters, on {self.device.type} in {precision}"
+            + world,
+            f"fastlm: {describe_head(self.config, self.device)}",
+        ])
 
     def _summary(self, losses: list[float], eval_loss: float | None, tokens: int, seconds: float,
                  stopped_by: str | None, already_finished: bool = False) -> TrainSummary:

@@ -27,7 +27,8 @@ class MetricLogger:
     """Only rank 0 writes; other ranks get a logger with no sinks, so call sites need no rank checks.
 
     `run_config` (the resolved config plus facts such as the loss implementation) goes to wandb once;
-    `wandb_run_id` continues an earlier wandb run (a resume).
+    `wandb_run_id` continues an earlier wandb run (a resume), whose first step is `start_step` (the progress
+    line's pace counts from there).
     """
 
     def __init__(
@@ -39,6 +40,7 @@ class MetricLogger:
         run_config: dict[str, Any] | None = None,
         rank: int | None = None,
         wandb_run_id: str | None = None,
+        start_step: int = 0,
     ):
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self.run_dir = Path(run_dir)
@@ -52,7 +54,7 @@ class MetricLogger:
             self.wandb = WandbSink(config.wandb, self.run_dir, run_name, run_config or {}, wandb_run_id)
             self.sinks.append(self.wandb)
         if config.progress:
-            self.sinks.append(ProgressLine(total_steps))
+            self.sinks.append(ProgressLine(total_steps, timing=True, start_step=start_step))
 
     def log(self, step: int, metrics: dict[str, float | Rows]) -> None:
         """A list value is a table (rows of dicts): JSONL keeps it in the step's record, wandb as a `wandb.Table`."""

@@ -58,7 +58,7 @@ class LMHeadConfig(ConfigModel):
     softcap: float | None = Field(None, gt=0.0, description="x = softcap * tanh(x / softcap) when set.")
     chunk_tokens: int = Field(4096, ge=1, description="Tokens per chunk in the compiled path (bounds peak memory).")
     logits_memory_mib: float | None = Field(
-        None, ge=0.0,
+        DEFAULT_LOGITS_MEMORY_MIB, ge=0.0,
         description="The head without full logits: MiB for its (chunk, vocab) logits buffer (and the teacher's with "
         f"distillation), which sets the tokens per chunk; 0 = full logits; null = {DEFAULT_LOGITS_MEMORY_MIB:g}.",
     )

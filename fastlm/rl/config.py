@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Field, model_validator
 
 from fastlm.config.base import ConfigModel
+from fastlm.config.user_code import UserCodeConfig
 
 
 class AdditionTaskConfig(ConfigModel):
@@ -42,7 +43,7 @@ class JsonlPromptsConfig(ConfigModel):
     prompt_field: str = "prompt"
 
 
-class RewardConfig(ConfigModel):
+class RewardConfig(UserCodeConfig):
     """A reward function given as "package.module:name" (imported at start), weighted into the total reward."""
 
     function: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description='"package.module:function".')

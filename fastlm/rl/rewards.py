@@ -14,7 +14,6 @@ naming the function and the prompt index; a NaN does too, or counts as None with
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,10 +46,11 @@ def load_reward_functions(configs: list[RewardConfig]) -> list[RewardFunction]:
         where = f"rl.rewards[{index}].function"
         module_name, attribute = config.function.split(":")
         try:
-            module = importlib.import_module(module_name)
+            module = config.import_module(module_name)
         except Exception as error:  # noqa: BLE001 - any import failure of user code is a config problem
             issues.append(ConfigIssue(where, f"cannot import module '{module_name}': {type(error).__name__}: {error}",
-                                      config.function, hint="check the module path and that it is on PYTHONPATH"))
+                                      config.function, hint=f"looked in {', '.join(config.search_folders)} and "
+                                      "PYTHONPATH; put the module next to the config file or in the working directory"))
             continue
         function = getattr(module, attribute, None)
         if not callable(function):

@@ -29,7 +29,26 @@ def cross_check(config: RunConfig) -> list[ConfigIssue]:
     issues += _rl_checks(config)
     issues += _rollout_checks(config)
     issues += _output_dir_checks(config)
+    issues += _eval_source_checks(config)
     return issues
+
+
+def _eval_source_checks(config: RunConfig) -> list[ConfigIssue]:
+    """data.eval_source is a document stream beside a train source of documents (not pairs, rollouts or RL)."""
+    from fastlm.data.eval_source import EVAL_SOURCE_TYPES
+
+    evaluation = config.data.eval_source
+    if evaluation is None:
+        return []
+    if evaluation.type not in EVAL_SOURCE_TYPES:
+        return [ConfigIssue("data.eval_source.type", "an eval set is a stream of documents", evaluation.type,
+                            hint=f"use one of {sorted(EVAL_SOURCE_TYPES)}")]
+    source = config.data.source.type
+    if config.rl is not None or source in PREFERENCE_SOURCE_TYPES or source == "offline_rl":
+        what = "an online RL run is judged by eval/reward" if config.rl is not None else f"the {source} source has no eval/loss on documents"
+        return [ConfigIssue("data.eval_source", f"{what}: no eval set to read", evaluation.type,
+                            hint="remove data.eval_source")]
+    return []
 
 
 def _output_dir_checks(config: RunConfig) -> list[ConfigIssue]:
@@ -118,9 +137,11 @@ def _tokenizer_checks(config: RunConfig) -> list[ConfigIssue]:
 
 
 def _init_checkpoint_checks(config: RunConfig) -> list[ConfigIssue]:
-    """`run.init_path` must be a HF checkpoint whose architecture the model section describes exactly,
-    so `fastlm validate` fails before any work instead of the trainer failing at load time."""
-    if config.run.init_path is None:
+    """A HF `run.init_path` must have the architecture the model section describes exactly, so `fastlm validate`
+    fails before any work instead of the trainer failing at load time (a fastlm checkpoint: preflight)."""
+    from fastlm.run_config.init_path import init_source
+
+    if config.run.init_path is None or init_source(config.run.init_path).kind != "hf":
         return []
     from fastlm.config.errors import ConfigError
     from fastlm.models.hf import check_matches, config_from_hf, read_hf_config

@@ -7,6 +7,8 @@ say "model.hidden_size: ... from configs/tiny.yaml" instead of only "invalid".
 from __future__ import annotations
 
 import difflib
+import os
+import re
 import typing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,11 +19,14 @@ from pydantic import BaseModel, ValidationError
 
 from fastlm.run_config.checks import cross_check
 from fastlm.config.errors import _MISSING, ConfigError, ConfigIssue
+from fastlm.config.user_code import user_code_sections
+from fastlm.run_config.init_path import HUB_NAME, checkpoint_tokenizer, resolve_init_path
 from fastlm.run_config.schema import RunConfig
 from fastlm.config.yaml_reader import parse_yaml, read_config_file
 from fastlm.models.build import describe_count, num_parameters
 
 BASE_KEY = "base"
+INIT_KEY = "init_path"
 DEFAULT_SOURCE = "defaults"
 MAX_CONFIG_FILES = 64  # a config plus its bases, counted with repeats
 MAX_REPORTED_ISSUES = 50  # a file of 20,000 unknown keys needs the first few named, not 20,000 lines
@@ -58,6 +63,7 @@ class LayeredDict:
                 parts = key.split(".")
                 for end in range(1, len(parts)):
                     self._below.setdefault(".".join(parts[:end]), []).append(source)
+        path = re.sub(r"\[\d+\]", "", path)  # an item of a list (rl.rewards[0]) comes from the layer that set the list
         below = self._below.get(path, []) if path else []
         if below:
             exact = self.sources.get(path)
@@ -86,6 +92,8 @@ def _resolve_path(key: str, value: Any, base_dir: Path | None) -> Any:
         return [{k: _resolve_path(k, v, base_dir) for k, v in item.items()} if isinstance(item, dict) else item
                 for item in value]
     if _is_path_key(key) and isinstance(value, str) and not Path(value).is_absolute():
+        if key == INIT_KEY and HUB_NAME.match(value) and not (base_dir / value).exists():
+            return value  # a hub name (Qwen/Qwen3-0.6B), not a folder next to the YAML
         return str((base_dir / value).resolve())
     return value
 
@@ -94,6 +102,10 @@ def _merge(target: LayeredDict, layer: dict[str, Any], source: str, prefix: str 
     node = target.data
     for part in prefix.split(".") if prefix else []:
         node = node[part]
+    if prefix and node and _swaps_variant(node, layer, prefix):  # another variant: its keys are not the old one's
+        target.drop_sources_below(prefix, node)
+        node.clear()
+        target.set_source(prefix, source)
     for key, value in layer.items():
         if not isinstance(key, str):
             raise ConfigError(ConfigIssue(f"{prefix}.{key}".strip("."), "keys must be strings", key, source))
@@ -112,6 +124,52 @@ def _merge(target: LayeredDict, layer: dict[str, Any], source: str, prefix: str 
             target.drop_sources_below(dotted, replaced)
         node[key] = _resolve_path(key, value, base_dir)
         target.set_source(dotted, source)
+
+
+def _swaps_variant(node: dict[str, Any], layer: dict[str, Any], prefix: str) -> bool:
+    """Whether `layer` gives the union section at `prefix` another `type:` than the one it holds (named, or
+    implied by the schema), so it replaces the section instead of deep-merging into the old variant's keys."""
+    new = layer.get("type")
+    if not isinstance(new, str):
+        return False
+    old = node.get("type", _implicit_type(prefix.split(".")))
+    return old is not None and old != new
+
+
+def _implicit_type(parts: list[str]) -> str | None:
+    """The variant a union section at `parts` means without a `type:` key: the field's default variant, or, for
+    an entry of a dict of variants (a loss child), its name when that is a variant's tag."""
+    annotation: Any = RunConfig
+    field_info = None
+    for part in parts:
+        field_info = None
+        for member in _unwrap(annotation):
+            if isinstance(member, type) and issubclass(member, BaseModel) and part in member.model_fields:
+                field_info = member.model_fields[part]
+                annotation = field_info.annotation
+                break
+            if typing.get_origin(member) is dict:
+                annotation = typing.get_args(member)[1]
+                break
+        else:
+            return None
+    tags = variant_tags(annotation)
+    if not tags:
+        return None
+    if field_info is not None:
+        return getattr(field_info.get_default(call_default_factory=True), "type", None)
+    return parts[-1] if parts[-1] in tags else None
+
+
+def variant_tags(annotation: Any) -> list[str]:
+    """The `type:` tags of the config models in a (discriminated) union annotation; empty when there are none."""
+    tags = []
+    for member in _unwrap(annotation):
+        if isinstance(member, type) and issubclass(member, BaseModel) and "type" in member.model_fields:
+            default = member.model_fields["type"].default
+            if isinstance(default, str):
+                tags.append(default)
+    return tags
 
 
 def _read_yaml(path: Path, source: str) -> dict[str, Any]:
@@ -134,7 +192,12 @@ def _load_file(path: Path, target: LayeredDict, chain: tuple[Path, ...], loaded:
     if len(loaded) > MAX_CONFIG_FILES:  # base lists that repeat files multiply: 8 x 8 x 8 ... loads
         raise ConfigError(ConfigIssue(BASE_KEY, f"more than {MAX_CONFIG_FILES} config files to read through "
                                       "base: lists", source=str(chain[-1]) if chain else str(path)))
-    layer = _read_yaml(path, str(chain[-1]) if chain else "command line")
+    try:
+        layer = _read_yaml(path, str(chain[-1]) if chain else "command line")
+    except ConfigError as error:
+        if not chain or path.exists():
+            raise
+        raise ConfigError([replace(issue, path=BASE_KEY, hint=_nearest_file_hint(path, chain[-1])) for issue in error.issues]) from None
     bases = layer.pop(BASE_KEY, None)
     if bases is not None:
         base_list = [bases] if isinstance(bases, str) else bases
@@ -145,6 +208,25 @@ def _load_file(path: Path, target: LayeredDict, chain: tuple[Path, ...], loaded:
         for base in base_list:
             _load_file(path.parent / base, target, (*chain, path), loaded)
     _merge(target, layer, str(path), base_dir=path.parent)
+
+
+def _nearest_file_hint(missing: Path, parent: Path) -> str:
+    """For a `base:` that names no file: the YAML file near it with the closest name, as the parent would write it."""
+    folder = missing.parent if missing.parent.is_dir() else parent.parent
+    candidates = {_as_written(file, parent.parent): file.name
+                  for pattern in ("*.yaml", "*.yml", "*/*.yaml", "*/*.yml") for file in folder.glob(pattern)
+                  if file.resolve() != parent}
+    close = difflib.get_close_matches(missing.name, list(candidates.values()), n=1, cutoff=0.5)
+    if not close:
+        return f"base: paths are relative to {parent.parent}; no YAML file there has a similar name"
+    written = next(relative for relative, name in candidates.items() if name == close[0])
+    return f"did you mean base: {written}? (paths are relative to the file's folder)"
+
+
+def _as_written(file: Path, folder: Path) -> str:
+    """`file` relative to `folder` when it lies below it, else absolute."""
+    relative = os.path.relpath(file, folder)
+    return str(file) if relative.startswith("..") else relative
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -199,11 +281,36 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunCo
         if len(items) > MAX_REPORTED_ISSUES:
             issues.append(ConfigIssue("", f"... and {len(items) - MAX_REPORTED_ISSUES} more problems like these"))
         raise ConfigError(issues) from None
+    _record_user_code_folders(config, layered, path)
+    _resolve_init_path(config, layered)
     found = [*cross_check(config), *_size_issues(config)]
     issues = [replace(issue, source=layered.source_of(issue.path)) for issue in found]
     if issues:
         raise ConfigError(issues)
     return config
+
+
+def _record_user_code_folders(config: RunConfig, layered: LayeredDict, path: str | Path | None) -> None:
+    """Each section naming user code looks for it in the folder of the file that set it, then in the folder of
+    the config given (fastlm/config/user_code.py)."""
+    top = [Path(path).resolve().parent] if path is not None else []
+    for dotted, section in user_code_sections(config):
+        sources = layered.source_of(dotted).split(", ")
+        section.set_folders([*(Path(source).parent for source in sources if Path(source).is_file()), *top])
+
+
+def _resolve_init_path(config: RunConfig, layered: LayeredDict) -> None:
+    """run.init_path becomes the local folder it names (fastlm/run_config/init_path.py); a fastlm checkpoint also
+    brings its tokenizer when data.tokenizer is not set."""
+    if config.run.init_path is None:
+        return
+    try:
+        source = resolve_init_path(config.run.init_path)
+    except ConfigError as error:
+        raise ConfigError([replace(issue, source=layered.source_of(issue.path)) for issue in error.issues]) from None
+    config.run.init_path = str(source.path)
+    if source.kind == "fastlm" and config.data.tokenizer is None:
+        config.data.tokenizer = checkpoint_tokenizer(source.path)
 
 
 MAX_PARAMETERS = 2**60  # fp64 storage of 2**60 values is 2**63 bytes: the most a torch tensor can address
@@ -227,8 +334,8 @@ def to_issue(item: dict[str, Any], layered: LayeredDict) -> ConfigIssue:
     if kind == "extra_forbidden":
         leaf = path.rsplit(".", 1)[-1]
         known = sorted(parent_model.model_fields) if parent_model else []
-        close = difflib.get_close_matches(leaf, known, n=1)
-        hint = f"did you mean '{close[0]}'?" if close else f"known keys here: {', '.join(known)}"
+        close = nearest_key(leaf, known)
+        hint = f"did you mean '{close}'?" if close else f"known keys here: {', '.join(known)}"
         return ConfigIssue(path, "unknown key", item.get("input"), source, hint)
     if kind == "union_tag_invalid":
         expected = item.get("ctx", {}).get("expected_tags", "")
@@ -258,11 +365,46 @@ def _hint_for(kind: str, item: dict[str, Any]) -> str | None:
         return f"use a value {words[kind]} {bound}"
     if kind == "literal_error":
         return f"use one of {ctx.get('expected')}"
+    if kind in {"int_from_float", "int_parsing"}:
+        return _whole_number_hint(item.get("input"))
     if kind == "missing":
         return "add it to the YAML or pass key=value"
     if kind.endswith("_type") or kind.endswith("_parsing"):
         return f"give a value of the expected type ({kind.split('_')[0]})"
     return None
+
+
+# Names other trainers (HF TrainingArguments, TRL) give to fastlm's keys, where spelling alone cannot tell.
+KEY_ALIASES = {"learning_rate": "lr", "max_steps": "steps", "num_train_steps": "steps",
+               "gradient_accumulation_steps": "grad_accumulation", "per_device_train_batch_size": "micro_batch_size",
+               "batch_size": "micro_batch_size", "max_grad_norm": "grad_clip", "logging_steps": "log_every",
+               "eval_steps": "eval_every", "save_steps": "checkpoint_every", "save_total_limit": "keep_checkpoints",
+               "max_seq_length": "seq_len", "max_length": "seq_len", "num_generations": "group_size",
+               "max_completion_length": "max_new_tokens", "lr_scheduler_type": "decay"}
+
+
+def nearest_key(given: str, known: list[str]) -> str | None:
+    """The known key `given` most likely means: an alias from another trainer (learning_rate -> lr), its initials
+    (learning_rate -> lr), else the closest spelling; None when nothing is close."""
+    alias = KEY_ALIASES.get(given.lower())
+    if alias in known:
+        return alias
+    initials = "".join(part[0] for part in given.lower().split("_") if part)
+    if len(initials) > 1 and initials in known:
+        return initials
+    close = difflib.get_close_matches(given, known, n=1)
+    return close[0] if close else None
+
+
+def _whole_number_hint(value: Any) -> str:
+    """A float (or `1e3`, which YAML reads as a string) where a whole number is expected: the number to write."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return "give a whole number (an integer, e.g. 100)"
+    if number.is_integer():
+        return f"write it as a whole number: {int(number)}"
+    return f"this key counts things: give a whole number, e.g. {round(number)}"
 
 
 def _dotted_path(loc: tuple[Any, ...], data: Any) -> tuple[str, type[BaseModel] | None]:

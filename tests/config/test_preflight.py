@@ -3,6 +3,7 @@ before the first step (files, checkpoints, devices, world size, data too small),
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -103,11 +104,12 @@ def test_micro_batch_larger_than_the_data(tmp_path: Path, capsys: pytest.Capture
 
 
 def test_dry_run_prints_the_data_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.warns(UserWarning, match=r"eval split packs into \d+ rows, and one evaluation reads 32"):
-        assert main(["train", "--dry-run", str(_write_config(tmp_path)), "data.eval_fraction=0.1",
-                     "trainer.eval_every=1", "trainer.eval_batches=8", "trainer.grad_accumulation=2"]) == 0
+    assert main(["train", "--dry-run", str(_write_config(tmp_path)), "data.eval_fraction=0.1",
+                 "trainer.eval_every=1", "trainer.eval_batches=8", "trainer.grad_accumulation=2"]) == 0
     out = capsys.readouterr().out
     print(out)
+    assert re.search(r"\nnote: the eval split packs into \d+ rows and one evaluation reads 32 \(trainer.eval_batches 8 "
+                     r"x 4 rows\), so eval/loss counts some rows more than once", out)
     assert "data: train 54 documents" in out and "data: eval 6 documents" in out
     assert "8 rows per step x 3 steps" in out and "epochs of the train split" in out
     assert not (tmp_path / "run").exists()

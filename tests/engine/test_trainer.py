@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from fastlm.engine.trainer import NonFiniteError, Trainer
 from fastlm.logging.jsonl import read_metrics
 from host_reads import host_reads
 from wandb_reader import read_wandb_run
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tiny_llama_learns_and_logs(tiny_config: Callable[..., RunConfig], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -41,7 +44,8 @@ def test_tiny_llama_learns_and_logs(tiny_config: Callable[..., RunConfig], monke
     assert expected <= set(records[0])
     assert "train/z/lse" in records[0]  # child metrics, summed over micro-batches
     assert "eval/loss" in records[2] and "eval/loss" not in records[0]
-    assert records[-1]["train/loss"] == summary.last_loss
+    for record, window in zip(records, range(0, 30, 5)):  # each record: the mean of its window's 5 steps, as HF/TRL
+        assert record["train/loss"] == pytest.approx(sum(summary.losses[window:window + 5]) / 5, rel=1e-12)
     for record in records:  # the total is the weighted sum of the children
         combined = record["train/loss/ce"] + 1e-3 * record["train/loss/z"]
         assert abs(record["train/loss"] - combined) <= 1e-6 * record["train/loss"]
@@ -207,3 +211,75 @@ def test_fresh_run_refuses_an_earlier_runs_directory_unless_overwrite(tmp_path: 
     summary = Trainer(load_config(None, [*overrides, "run.overwrite=true"])).train()
     assert summary.steps == 2
     assert len(metrics.read_text().splitlines()) == len(before.splitlines())
+
+
+def test_resume_with_more_steps_continues_the_decay(tiny_config: Callable[..., RunConfig],
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Resuming a 6-step cosine run at step 4 with trainer.steps 10: the lr goes on down from where it was (no
+    jump back up), reaches min_lr_ratio x peak at the end, says so in one line; a second resume keeps the curve."""
+    from fastlm.engine.optim import lr_multiplier
+
+    sections = {"schedule": {"warmup_steps": 2, "decay": "cosine", "min_lr_ratio": 0.1}}
+    short = tiny_config("extend", trainer={"steps": 4, "checkpoint_every": 2}, **sections)
+    Trainer(short).train()
+    resumed = Trainer(tiny_config("extend", trainer={"steps": 10, "checkpoint_every": 2}, **sections))
+    summary = resumed.train(resume=True)
+    assert summary.steps == 10
+    err = capsys.readouterr().err
+    assert "trainer.steps is 10, the checkpoint's run went to 4: the lr decay continues from step 4" in err
+    lrs = {r["step"]: r["train/lr"] for r in read_metrics(summary.run_dir / "metrics.jsonl")}
+    peak = 1e-2
+    assert lrs[4] == pytest.approx(peak * lr_multiplier(3, 4, short.schedule))  # the first run's own schedule
+    restarted = peak * lr_multiplier(4, 10, short.schedule)  # what a schedule for 10 steps alone would use at step 5
+    print("lr by step:", {k: f"{v:.2e}" for k, v in lrs.items()}, f"(a restarted decay: {restarted:.2e} at step 5)")
+    assert lrs[5] <= lrs[4] + 1e-12 and lrs[5] < restarted
+    assert all(lrs[s + 1] <= lrs[s] + 1e-12 for s in range(4, 10))
+    assert resumed.scheduler.get_last_lr()[0] == pytest.approx(0.1 * peak)  # the end of the decay at step 10
+    banner = resumed.banner()
+    assert f"fastlm: run extend in {summary.run_dir} (resumed from step 10, steps 11-10)" in banner
+    assert "M parameters, on cpu in float32" in banner and "fastlm: loss: compiled PyTorch path" in banner
+    # the anchor is in the checkpoints: resuming at step 6 with the same total gives the same lr for step 7-10
+    again = Trainer(tiny_config("extend", trainer={"steps": 10, "checkpoint_every": 2}, **sections))
+    again.resume()
+    assert again.step == 10 and again.decay_anchor == resumed.decay_anchor
+
+
+def test_export_hf_writes_a_transformers_folder_at_the_end(tiny_config: Callable[..., RunConfig]) -> None:
+    """trainer.export_hf: true leaves RUN_DIR/hf, which transformers loads to the trained model's logits."""
+    import transformers
+
+    trainer = Trainer(tiny_config("export", trainer={"steps": 2, "export_hf": True}))
+    summary = trainer.train()
+    exported = summary.run_dir / "hf"
+    assert (exported / "config.json").is_file() and (exported / "model.safetensors").is_file()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(exported)).eval()
+    ids = torch.randint(0, 256, (2, 16))
+    trainer.model.eval()
+    with torch.no_grad():
+        ours, theirs = trainer.model.logits(ids), hf_model(ids).logits
+    error = float((ours - theirs).abs().max() / theirs.abs().max())
+    print(f"exported HF logits vs fastlm: max rel err {error:.2e}")
+    assert error < 1e-5
+
+
+def test_eval_source_is_a_separate_eval_set(tiny_config: Callable[..., RunConfig], tmp_path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """data.eval_source: eval/loss reads that file's documents, and the train source is used whole."""
+    from fastlm.cli import main
+
+    story = tmp_path / "held_out.txt"
+    story.write_text("".join(f"Held-out story number {i} about a red kite.\n\n" for i in range(60)))
+    split = Trainer(tiny_config("split", trainer={"steps": 1}))
+    separate = Trainer(tiny_config("separate", trainer={"steps": 2, "eval_every": 2},
+                                   data={"eval_source": {"type": "text", "path": str(story)}}))
+    assert len(separate.train_loader.rows) > len(split.train_loader.rows)  # nothing held out of the train source
+    text = separate.tokenizer.decode(separate.eval_set[0].input_ids[0].tolist())
+    assert "story number" in text  # seq_len 32 cuts the packed documents anywhere
+    summary = separate.train()
+    assert summary.eval_loss is not None and math.isfinite(summary.eval_loss)
+    base = ["validate", str(ROOT / "configs/tiny.yaml"), f"run.output_dir={tmp_path}/v"]
+    assert main([*base, f"data.eval_source={{type: text, path: {tmp_path}/missing.txt}}"]) == 2
+    assert "data.eval_source.path: data file not found" in capsys.readouterr().err
+    assert main(["validate", str(ROOT / "configs/grpo.yaml"), f"run.output_dir={tmp_path}/v",
+                 f"data.eval_source={{type: text, path: {story}}}"]) == 2
+    assert "data.eval_source: an online RL run is judged by eval/reward" in capsys.readouterr().err

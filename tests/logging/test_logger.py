@@ -95,7 +95,7 @@ def test_progress_line_plain_stream() -> None:
     progress.log(2, {"train/loss": 1.23456, "train/lr": 0.001, "train/tokens_per_second": 1234.0})
     progress.log(3, {"other": 1.0})  # nothing to show: no line
     progress.close()
-    assert stream.getvalue() == "step 2/3 | loss 1.2346 | lr 1.00e-03 | tok/s 1234\n"
+    assert stream.getvalue() == "step 2/3 | loss 1.2346 | lr 1.00e-03 | tok/s 1,234\n"
 
 
 def test_wandb_log_failure_warns_once_and_keeps_jsonl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,3 +124,17 @@ def test_progress_line_redraws_in_place_on_a_terminal() -> None:
     progress.log(2, {"train/loss": 2.0})
     progress.close()
     assert stream.getvalue() == "\rstep 1/2 | loss 10.0000\rstep 2/2 | loss 2.0000 \n"
+
+
+def test_progress_line_times_the_run_from_its_first_step() -> None:
+    """Elapsed time and ETA from this process's pace: a resume at step 10 of 30 that took 20 s for 10 steps
+    has 20 s left (the steps before the resume are not counted in the pace)."""
+    stream = io.StringIO()
+    now = iter([100.0, 120.0, 3820.0])
+    progress = ProgressLine(total_steps=30, stream=stream, timing=True, start_step=10, clock=lambda: next(now))
+    progress.log(20, {"train/loss": 1.0, "train/tokens_per_second": 12345.6})
+    progress.log(30, {"train/loss": 0.5})
+    assert stream.getvalue().splitlines() == [
+        "step 20/30 | loss 1.0000 | tok/s 12,346 | 0:20 elapsed, ETA 0:20",
+        "step 30/30 | loss 0.5000 | 1:02:00 elapsed, ETA 0:00",
+    ]
