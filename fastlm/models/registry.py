@@ -17,6 +17,7 @@ FAMILY_PACKAGES = (
     "llama",
     "qwen3",
     "gemma3",
+    "phi3",
 )
 DEFAULT_FAMILY = "llama"  # the model section's `type:` when a config leaves it out
 

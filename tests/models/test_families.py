@@ -46,10 +46,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                     "sliding_window": WINDOW, "layer_types": [SLIDING, FULL, SLIDING],
                                     "rope_parameters": {FULL: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                                                         SLIDING: {"rope_type": "default", "rope_theta": 1e4}}}),
+    "phi3": ("Phi3Config", {**BASE, "sliding_window": WINDOW, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}),
     "gpt2": ("GPT2Config", {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
                             "bos_token_id": 256, "eos_token_id": 257}),
 }
-ONE_PER_FAMILY = ["llama3-rope-llama3-tied", "qwen2-mixed-windows", "mistral", "qwen3", "gemma3", "gpt2"]
+ONE_PER_FAMILY = ["llama3-rope-llama3-tied", "qwen2-mixed-windows", "mistral", "qwen3", "gemma3", "phi3", "gpt2"]
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -187,3 +189,25 @@ def test_cli_convert_train_generate_export(case: str, folders: dict[str, tuple[t
     assert len(generated) == 1
     assert main(["convert", "--from", str(run), "--to-hf", str(tmp_path / "back")]) == 0
     assert type(_reload(tmp_path / "back")) is type(folders[case][0])
+
+
+@pytest.mark.parametrize(("case", "overrides", "field"), [
+    ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
+                                  "long_factor": [2.0] * 4, "original_max_position_embeddings": 32}},
+     "rope_parameters.rope_type"),
+    ("phi3", {"resid_pdrop": 0.1}, "resid_pdrop"),
+    ("qwen3", {"attention_bias": True}, "attention_bias"),
+    ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ("gemma3", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ("gemma3", {"rope_parameters": {FULL: {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
+                                    SLIDING: {"rope_type": "default", "rope_theta": 1e4}}},
+     f"rope_parameters.{FULL}.rope_type"),
+])
+def test_unsupported_options_name_the_field(case: str, overrides: dict[str, Any], field: str) -> None:
+    from fastlm.config.errors import ConfigError
+
+    config_name, fields = CASES[case]
+    with pytest.raises(ConfigError) as caught:
+        config_from_hf(getattr(transformers, config_name)(**fields).to_dict() | overrides)
+    print(caught.value.render())
+    assert any(issue.path == field for issue in caught.value.issues), caught.value.render()
