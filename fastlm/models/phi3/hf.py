@@ -8,7 +8,13 @@ from typing import Any, ClassVar
 
 from fastlm.config.errors import ConfigIssue
 from fastlm.models.hf_adapter import Reader, WeightRule
-from fastlm.models.llama.hf import COMMON_DEFAULTS, SILU_ACTIVATIONS, LlamaAdapter, llama_like_fields, llama_like_to_hf
+from fastlm.models.llama.hf import (
+    COMMON_DEFAULTS,
+    SILU_ACTIVATIONS,
+    LlamaAdapter,
+    llama_like_fields,
+    llama_like_to_hf,
+)
 from fastlm.models.phi3.config import Phi3Config
 
 
