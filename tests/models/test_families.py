@@ -211,3 +211,32 @@ def test_unsupported_options_name_the_field(case: str, overrides: dict[str, Any]
         config_from_hf(getattr(transformers, config_name)(**fields).to_dict() | overrides)
     print(caught.value.render())
     assert any(issue.path == field for issue in caught.value.issues), caught.value.render()
+
+
+@pytest.mark.parametrize("kind", ["dense", "flex"])
+def test_packed_documents_with_per_layer_windows(kind: str, folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
+    """Training layouts (dense mask on CPU, FlexAttention block masks on GPU; eager FlexAttention here) with
+    local and global layers: a packed row equals its documents run one by one, in float64."""
+    model = import_hf(folders["gemma3"][1]).double().eval()
+    model.attention_kind = kind
+    lengths = (5, 9, 4)
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(6))
+    documents = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    with torch.no_grad():
+        packed = model.logits(ids, documents)
+        model.attention_kind = None
+        alone = torch.cat([model.logits(piece) for piece in ids.split(lengths, dim=1)], dim=1)
+    error = float((packed - alone).abs().max())
+    print(f"gemma3 {kind} packed vs one-by-one float64 max abs err {error:.2e}")
+    assert error < 1e-10
+
+
+def test_rope_scaling_spellings_agree() -> None:
+    """transformers 5's rope_parameters and the older rope_theta + rope_scaling give the same model."""
+    new = CASES["llama3-rope-llama3-tied"][1]
+    parameters = dict(new["rope_parameters"])
+    theta = parameters.pop("rope_theta")
+    old = {**transformers.LlamaConfig(**new).to_dict(), "rope_theta": theta, "rope_scaling": parameters}
+    old.pop("rope_parameters")
+    assert config_from_hf(old) == config_from_hf(transformers.LlamaConfig(**new).to_dict())
+    assert config_from_hf(old).rope_scaling.type == "llama3"
