@@ -109,6 +109,11 @@ class DecoderConfig(ConfigModel):
         claim 10^15 layers, so the default multiplies instead of summing layer by layer)."""
         return self.num_layers * self.block_parameters(0)
 
+    def active_blocks_parameters(self) -> int:
+        """Block parameters one token's forward multiplies by (FLOPs); a mixture-of-experts family counts
+        only the experts a token is routed to."""
+        return self.blocks_parameters()
+
     def final_norm_parameters(self) -> int:
         raise NotImplementedError
 

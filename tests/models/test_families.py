@@ -240,3 +240,28 @@ def test_rope_scaling_spellings_agree() -> None:
     old.pop("rope_parameters")
     assert config_from_hf(old) == config_from_hf(transformers.LlamaConfig(**new).to_dict())
     assert config_from_hf(old).rope_scaling.type == "llama3"
+
+
+def test_multimodal_gemma3_imports_its_text_tower(tmp_path: Path) -> None:
+    """A Gemma3ForConditionalGeneration folder: its text_config and language-model tensors come in (the
+    vision tower is left out), and the logits equal the multimodal model's on text."""
+    _, fields = CASES["gemma3"]
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=transformers.Gemma3TextConfig(**fields).to_dict(),
+                                       vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    config.text_config._attn_implementation = "eager"
+    reference = transformers.Gemma3ForConditionalGeneration(config).eval()
+    _randomize(reference, seed=11)
+    with torch.no_grad():  # _randomize draws the offset norms' weights around 0 only for the text config class
+        for name, parameter in reference.named_parameters():
+            if "vision" not in name and parameter.ndim == 1 and "norm" in name:
+                parameter.copy_(0.1 * torch.randn_like(parameter))
+    reference.save_pretrained(tmp_path)
+    model = import_hf(tmp_path).eval()
+    assert model.config.type == "gemma3"
+    ids = _ids(seed=7)
+    with torch.no_grad():
+        error = float((model.logits(ids) - reference(input_ids=ids).logits).abs().max())
+    print(f"multimodal gemma3 text tower: fp32 logits max abs err {error:.2e}")
+    assert error <= 1e-5
