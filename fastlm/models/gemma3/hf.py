@@ -15,9 +15,22 @@ from typing import Any, ClassVar
 
 from fastlm.config.errors import ConfigIssue
 from fastlm.models.gemma3.config import GLOBAL_EVERY, Gemma3Config
-from fastlm.models.hf_adapter import FULL, SLIDING, Reader, WeightRule, rope_fields, rope_parameters, rope_to_hf
-from fastlm.models.llama.hf import COMMON_DEFAULTS, LlamaAdapter, llama_like_to_hf, split_rules, window_fields
-
+from fastlm.models.hf_adapter import (
+    FULL,
+    SLIDING,
+    Reader,
+    WeightRule,
+    rope_fields,
+    rope_parameters,
+    rope_to_hf,
+)
+from fastlm.models.llama.hf import (
+    COMMON_DEFAULTS,
+    LlamaAdapter,
+    llama_like_to_hf,
+    split_rules,
+    window_fields,
+)
 
 _TEXT_DEFAULTS = {
     **COMMON_DEFAULTS, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
