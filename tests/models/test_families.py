@@ -202,6 +202,8 @@ def test_cli_convert_train_generate_export(case: str, folders: dict[str, tuple[t
     ("gemma3", {"rope_parameters": {FULL: {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
                                     SLIDING: {"rope_type": "default", "rope_theta": 1e4}}},
      f"rope_parameters.{FULL}.rope_type"),
+    ("gemma3", {"num_hidden_layers": 10**15, "layer_types": None}, "num_hidden_layers"),  # no 10^15-entry list
+    ("qwen2-mixed-windows", {"num_hidden_layers": 10**15, "layer_types": None}, "num_hidden_layers"),
 ])
 def test_unsupported_options_name_the_field(case: str, overrides: dict[str, Any], field: str) -> None:
     from fastlm.config.errors import ConfigError

@@ -20,6 +20,7 @@ from fastlm.models.hf_adapter import (
     SLIDING,
     Reader,
     WeightRule,
+    plausible_layers,
     rope_fields,
     rope_parameters,
     rope_to_hf,
@@ -85,12 +86,12 @@ class Gemma3Adapter(LlamaAdapter):
         if local_scaling is not None:
             reader.fail(f"{local_key}.rope_type", "the sliding layers' RoPE is unscaled here", local.get("rope_type"))
         num_layers = fields["num_layers"]
-        if hf.get("layer_types") is None and isinstance(num_layers, int):  # HF derives them from the pattern
+        if hf.get("layer_types") is None and plausible_layers(reader, num_layers):  # HF derives them from the pattern
             every = hf.get("sliding_window_pattern", GLOBAL_EVERY)
             reader = Reader({**hf, "layer_types": [SLIDING if (i + 1) % every else FULL for i in range(num_layers)]},
                             reader.defaults, reader.source) if isinstance(every, int) and every > 0 else reader
         windows = window_fields(reader, reader.get("sliding_window"), num_layers)
-        if windows["layer_types"] is None and windows["sliding_window"] is not None:  # all local: say so
+        if windows["layer_types"] is None and windows["sliding_window"] is not None and not reader.issues:  # all local
             windows["layer_types"] = [SLIDING] * num_layers
         return {"type": "gemma3", **fields, **windows, "dropout": 0.0}
 
