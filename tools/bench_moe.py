@@ -75,8 +75,9 @@ def transformers_block(shape: LayerShape, experts_implementation: str | None, ou
     block = Qwen3MoeSparseMoeBlock(config).to(device=ours.down_proj.device, dtype=ours.down_proj.dtype)
     with torch.no_grad():
         block.gate.weight.copy_(ours.router.weight)
-        block.experts.gate_up_proj.copy_(ours.gate_up_proj)
-        block.experts.down_proj.copy_(ours.down_proj)
+        gate_up, down = ours.expert_weights()
+        block.experts.gate_up_proj.copy_(gate_up)
+        block.experts.down_proj.copy_(down)
     return block
 
 

@@ -34,9 +34,7 @@ class Routing:
 
     logits: torch.Tensor  # (T, E), fp32 (fp64 for fp64 inputs)
     probs: torch.Tensor  # (T, E) softmax of the logits
-    weights: (
-        torch.Tensor
-    )  # (T, k) the chosen experts' probabilities (renormalised if the family says so)
+    weights: torch.Tensor  # (T, k) the chosen experts' probabilities (renormalised if the family says so)
     experts: torch.Tensor  # (T, k) int64 expert ids, by descending probability
 
 
@@ -45,16 +43,12 @@ class RouterSums:
     """A layer's sufficient statistics for the router losses: sums over its T routed tokens."""
 
     counts: torch.Tensor  # (E,) fp32 assignments per expert (no gradient)
-    probs: (
-        torch.Tensor
-    )  # (E,) sum over tokens of the router probabilities (differentiable)
+    probs: torch.Tensor  # (E,) sum over tokens of the router probabilities (differentiable)
     z: torch.Tensor  # () sum over tokens of logsumexp(logits)^2 (differentiable)
     tokens: int
 
 
-def route(
-    x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool
-) -> Routing:
+def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool) -> Routing:
     """(T, H) tokens, (E, H) router weight -> softmax top-k routing, in fp32 even under autocast."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     with torch.autocast(x.device.type, enabled=False):
@@ -69,9 +63,7 @@ def route(
 def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """(N,) expert ids -> (E,) int64 counts, without bincount's device->host read of the maximum."""
     flat = experts.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat)
-    )
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -80,10 +72,7 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cuda":
-        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (
-            8,
-            0,
-        ):
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
             return False
     elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return False
@@ -93,16 +82,10 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the experts' GEMMs run in: autocast's when it is on (grouped GEMMs are not autocast ops)."""
-    return (
-        torch.get_autocast_dtype(x.device.type)
-        if torch.is_autocast_enabled(x.device.type)
-        else x.dtype
-    )
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
 
-def pick_backend(
-    rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
-) -> ExpertBackend:
+def pick_backend(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertBackend:
     """`auto`'s choice for these operands (see `ExpertBackend`)."""
     if rows.device.type != "cuda":
         return "loop"
@@ -127,27 +110,17 @@ def expert_mlp(
     if backend == "grouped":
         rows, gate_up, down = rows.to(dtype), gate_up.to(dtype), down.to(dtype)
         offsets = counts.cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(
-            2, dim=-1
-        )
+        gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
     if backend == "gather":
-        gate, up = (
-            torch.bmm(gate_up[row_experts].to(dtype), rows.to(dtype).unsqueeze(-1))
-            .squeeze(-1)
-            .chunk(2, dim=-1)
-        )
-        return torch.bmm(
-            down[row_experts].to(dtype), (F.silu(gate) * up).unsqueeze(-1)
-        ).squeeze(-1)
+        gate, up = torch.bmm(gate_up[row_experts].to(dtype), rows.to(dtype).unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+        return torch.bmm(down[row_experts].to(dtype), (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
     outputs = []
     for expert, chunk in enumerate(rows.split(counts.tolist())):
         if chunk.shape[0]:
             gate, up = F.linear(chunk, gate_up[expert]).chunk(2, dim=-1)
             outputs.append(F.linear(F.silu(gate) * up, down[expert]))
-    return (
-        torch.cat(outputs) if outputs else rows.new_zeros(0, down.shape[1], dtype=dtype)
-    )
+    return torch.cat(outputs) if outputs else rows.new_zeros(0, down.shape[1], dtype=dtype)
 
 
 def dispatch(
@@ -164,17 +137,11 @@ def dispatch(
     backend aside), so a CUDA graph can hold it. This is the piece an expert-parallel all-to-all wraps."""
     tokens, top_k = routing.experts.shape
     flat = routing.experts.reshape(-1)
-    order = flat.argsort(
-        stable=True
-    )  # assignments grouped by expert, token order inside a group
+    order = flat.argsort(stable=True)  # assignments grouped by expert, token order inside a group
     if counts is None:
         counts = expert_counts(flat, gate_up.shape[0])
-    expert_out = expert_mlp(
-        x[order // top_k], flat[order], counts, gate_up, down, backend
-    )
-    unsorted = torch.empty_like(expert_out).index_copy_(
-        0, order, expert_out
-    )  # a permutation: no atomics
+    expert_out = expert_mlp(x[order // top_k], flat[order], counts, gate_up, down, backend)
+    unsorted = torch.empty_like(expert_out).index_copy_(0, order, expert_out)  # a permutation: no atomics
     weights = routing.weights.to(unsorted.dtype).unsqueeze(-1)
     return (unsorted.view(tokens, top_k, -1) * weights).sum(dim=1)
 
@@ -182,9 +149,11 @@ def dispatch(
 class MoEMLP(nn.Module):
     """Router + E SwiGLU experts (+ an optional shared expert behind a sigmoid gate, Qwen2-MoE style).
 
-    Parameters are laid out as transformers' fused experts: `router.weight` (E, H), `gate_up_proj`
-    (E, 2F, H) gate rows first, `down_proj` (E, H, F). The forward stays eager under torch.compile
-    (data-dependent routing; `torch._grouped_mm` has no fp32 meta kernel)."""
+    Parameters: `router.weight` (E, H); the experts' weights stacked along rows as a checkpoint lists
+    them, `gate_up_proj` (E * 2F, H) (per expert its gate rows, then its up rows) and `down_proj`
+    (E * H, F), viewed as (E, 2F, H) and (E, H, F) in the forward; 2-D, so checkpoint conversion is
+    row concatenation and FSDP shards them like any linear weight. The forward stays eager under
+    torch.compile (data-dependent routing; `torch._grouped_mm` has no fp32 meta kernel)."""
 
     def __init__(
         self,
@@ -199,26 +168,14 @@ class MoEMLP(nn.Module):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
-        self.num_experts, self.top_k, self.normalize_top_k, self.backend = (
-            num_experts,
-            top_k,
-            normalize_top_k,
-            backend,
-        )
+        self.num_experts, self.top_k, self.normalize_top_k, self.backend = num_experts, top_k, normalize_top_k, backend
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * ffn_size, hidden_size)
-        )
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size))
-        self.shared_expert = (
-            None if shared_ffn_size is None else SwiGLUMLP(hidden_size, shared_ffn_size)
-        )
-        self.shared_expert_gate = (
-            None if shared_ffn_size is None else nn.Linear(hidden_size, 1, bias=False)
-        )
-        self.router_sums: RouterSums | None = (
-            None  # the last forward's, for `router_losses`
-        )
+        self.hidden_size, self.ffn_size = hidden_size, ffn_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts * 2 * ffn_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts * hidden_size, ffn_size))
+        self.shared_expert = None if shared_ffn_size is None else SwiGLUMLP(hidden_size, shared_ffn_size)
+        self.shared_expert_gate = None if shared_ffn_size is None else nn.Linear(hidden_size, 1, bias=False)
+        self.router_sums: RouterSums | None = None  # the last forward's, for `router_losses`
 
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -231,14 +188,16 @@ class MoEMLP(nn.Module):
             z=torch.logsumexp(routing.logits, dim=-1).float().square().sum(),
             tokens=flat.shape[0],
         )
-        out = dispatch(
-            flat, routing, self.gate_up_proj, self.down_proj, self.backend, counts
-        )
+        out = dispatch(flat, routing, *self.expert_weights(), self.backend, counts)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(
-                self.shared_expert_gate(flat)
-            ) * self.shared_expert(flat)
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.reshape(x.shape)
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate_up (E, 2F, H) and down (E, H, F) views of the stacked parameters."""
+        experts = self.num_experts
+        return (self.gate_up_proj.view(experts, 2 * self.ffn_size, self.hidden_size),
+                self.down_proj.view(experts, self.hidden_size, self.ffn_size))
 
     def reset_parameters(self, std: float, residual_std: float) -> None:
         init_linear(self.router, std)
@@ -276,11 +235,7 @@ def expert_load_metrics(sums: list[RouterSums], top_k: int) -> dict[str, torch.T
 
 
 def router_losses(
-    sums: list[RouterSums],
-    top_k: int,
-    aux_coef: float,
-    z_coef: float,
-    share: float = 1.0,
+    sums: list[RouterSums], top_k: int, aux_coef: float, z_coef: float, share: float = 1.0
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The weighted router loss to add to the step's loss, the unweighted losses (`moe_aux`,
     `moe_router_z`) and the load metrics, each times `share`, this forward's fraction of the step's
@@ -289,7 +244,5 @@ def router_losses(
     each micro-batch's own, weighted: Megatron's micro-batch balancing, as transformers on one batch)."""
     aux, z = load_balancing_loss(sums), router_z_loss(sums)
     losses = {"moe_aux": aux.detach() * share, "moe_router_z": z.detach() * share}
-    metrics = {
-        name: value * share for name, value in expert_load_metrics(sums, top_k).items()
-    }
+    metrics = {name: value * share for name, value in expert_load_metrics(sums, top_k).items()}
     return (aux_coef * aux + z_coef * z) * share, losses, metrics

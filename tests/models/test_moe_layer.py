@@ -36,57 +36,34 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _hf_block(kind: str, normalize: bool):
     common = {"hidden_size": HIDDEN, "num_experts_per_tok": TOP_K, "hidden_act": "silu"}
     if kind == "qwen3_moe":
-        cfg = Qwen3MoeConfig(
-            moe_intermediate_size=FFN,
-            num_experts=EXPERTS,
-            norm_topk_prob=normalize,
-            **common,
-        )
+        cfg = Qwen3MoeConfig(moe_intermediate_size=FFN, num_experts=EXPERTS, norm_topk_prob=normalize, **common)
         return Qwen3MoeSparseMoeBlock(cfg), None
     if kind == "mixtral":
         cfg = MixtralConfig(intermediate_size=FFN, num_local_experts=EXPERTS, **common)
         return MixtralSparseMoeBlock(cfg), None
     if kind == "olmoe":
-        cfg = OlmoeConfig(
-            intermediate_size=FFN,
-            num_experts=EXPERTS,
-            norm_topk_prob=normalize,
-            **common,
-        )
+        cfg = OlmoeConfig(intermediate_size=FFN, num_experts=EXPERTS, norm_topk_prob=normalize, **common)
         return OlmoeSparseMoeBlock(cfg), None
-    cfg = Qwen2MoeConfig(
-        moe_intermediate_size=FFN,
-        num_experts=EXPERTS,
-        norm_topk_prob=normalize,
-        shared_expert_intermediate_size=20,
-        **common,
-    )
+    cfg = Qwen2MoeConfig(moe_intermediate_size=FFN, num_experts=EXPERTS, norm_topk_prob=normalize,
+                         shared_expert_intermediate_size=20, **common)
     return Qwen2MoeSparseMoeBlock(cfg), 20
 
 
 def _copy_into(ours: MoEMLP, hf: torch.nn.Module) -> None:
     with torch.no_grad():
         ours.router.weight.copy_(hf.gate.weight)
-        ours.gate_up_proj.copy_(hf.experts.gate_up_proj)
-        ours.down_proj.copy_(hf.experts.down_proj)
+        ours.gate_up_proj.copy_(hf.experts.gate_up_proj.reshape(-1, HIDDEN))
+        ours.down_proj.copy_(hf.experts.down_proj.reshape(-1, FFN))
         if ours.shared_expert is not None:
             shared = hf.shared_expert
-            ours.shared_expert.gate_up_proj.weight.copy_(
-                torch.cat([shared.gate_proj.weight, shared.up_proj.weight])
-            )
+            ours.shared_expert.gate_up_proj.weight.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
             ours.shared_expert.down_proj.weight.copy_(shared.down_proj.weight)
             ours.shared_expert_gate.weight.copy_(hf.shared_expert_gate.weight)
 
 
 @pytest.mark.parametrize(
     ("kind", "normalize"),
-    [
-        ("qwen3_moe", True),
-        ("qwen3_moe", False),
-        ("mixtral", True),
-        ("olmoe", False),
-        ("qwen2_moe", True),
-    ],
+    [("qwen3_moe", True), ("qwen3_moe", False), ("mixtral", True), ("olmoe", False), ("qwen2_moe", True)],
 )
 def test_layer_equals_transformers_block(kind: str, normalize: bool) -> None:
     """Output, input and weight gradients, router probabilities and chosen experts, in float64. transformers
@@ -98,9 +75,7 @@ def test_layer_equals_transformers_block(kind: str, normalize: bool) -> None:
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0.0, 0.3)
-    ours = MoEMLP(
-        HIDDEN, FFN, EXPERTS, TOP_K, normalize, shared_ffn_size=shared, backend="loop"
-    ).double()
+    ours = MoEMLP(HIDDEN, FFN, EXPERTS, TOP_K, normalize, shared_ffn_size=shared, backend="loop").double()
     _copy_into(ours, hf)
     x = torch.randn(3, 7, HIDDEN, dtype=torch.float64)
     x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -108,50 +83,33 @@ def test_layer_equals_transformers_block(kind: str, normalize: bool) -> None:
     grad = torch.randn_like(out)
     out_hf.backward(grad)
     out.backward(grad)
-    print(
-        f"{kind}: out rel err {_rel(out, out_hf):.2e}, dx {_rel(x_ours.grad, x_hf.grad):.2e}"
-    )
+    print(f"{kind}: out rel err {_rel(out, out_hf):.2e}, dx {_rel(x_ours.grad, x_hf.grad):.2e}")
     assert _rel(out, out_hf) < 1e-6
     assert _rel(x_ours.grad, x_hf.grad) < 1e-6
     assert _rel(ours.router.weight.grad, hf.gate.weight.grad) < 1e-6
-    assert _rel(ours.gate_up_proj.grad, hf.experts.gate_up_proj.grad) < 1e-6
-    assert _rel(ours.down_proj.grad, hf.experts.down_proj.grad) < 1e-6
+    assert _rel(ours.gate_up_proj.grad, hf.experts.gate_up_proj.grad.reshape(-1, HIDDEN)) < 1e-6
+    assert _rel(ours.down_proj.grad, hf.experts.down_proj.grad.reshape(-1, FFN)) < 1e-6
     hf_logits, _, hf_experts = hf.gate(x.reshape(-1, HIDDEN))
     routing = route(x.reshape(-1, HIDDEN), ours.router.weight, TOP_K, normalize)
     assert torch.equal(routing.experts, hf_experts)
-    torch.testing.assert_close(
-        routing.probs, hf_logits.double().softmax(-1), rtol=0, atol=1e-7
-    )  # HF's softmax is fp32
+    torch.testing.assert_close(routing.probs, hf_logits.double().softmax(-1), rtol=0, atol=1e-7)  # HF's softmax is fp32
 
 
-def _random_layer(
-    dtype: torch.dtype, experts: int = EXPERTS, hidden: int = HIDDEN, ffn: int = FFN
-) -> MoEMLP:
+def _random_layer(dtype: torch.dtype, experts: int = EXPERTS, hidden: int = HIDDEN, ffn: int = FFN) -> MoEMLP:
     layer = MoEMLP(hidden, ffn, experts, TOP_K, True).to(dtype)
     layer.reset_parameters(0.3, 0.3)
     return layer
 
 
-def _outputs_and_grads(
-    layer: MoEMLP, x: torch.Tensor, grad: torch.Tensor, backend: str
-) -> list[torch.Tensor]:
+def _outputs_and_grads(layer: MoEMLP, x: torch.Tensor, grad: torch.Tensor, backend: str) -> list[torch.Tensor]:
     layer.zero_grad()
     x = x.clone().requires_grad_()
     layer.backend = backend
     layer(x).backward(grad)
-    return [
-        layer(x.detach()).detach(),
-        x.grad,
-        layer.router.weight.grad,
-        layer.gate_up_proj.grad,
-        layer.down_proj.grad,
-    ]
+    return [layer(x.detach()).detach(), x.grad, layer.router.weight.grad, layer.gate_up_proj.grad, layer.down_proj.grad]
 
 
-@pytest.mark.parametrize(
-    ("backend", "dtype", "tol"),
-    [("gather", torch.float64, 1e-12), ("grouped", torch.float32, 1e-5)],
-)
+@pytest.mark.parametrize(("backend", "dtype", "tol"), [("gather", torch.float64, 1e-12), ("grouped", torch.float32, 1e-5)])
 def test_backends_equal_the_loop(backend: str, dtype: torch.dtype, tol: float) -> None:
     """64 experts for 10 tokens, so most get none: empty groups included. `torch._grouped_mm` takes no
     float64 on CPU (fp32/bf16 only), so the grouped path is checked in float32; the gather path in float64."""
@@ -159,31 +117,13 @@ def test_backends_equal_the_loop(backend: str, dtype: torch.dtype, tol: float) -
     layer = _random_layer(dtype, experts=64)
     x = torch.randn(2, 5, HIDDEN, dtype=dtype)
     if backend == "grouped":
-        assert grouped_mm_supported(x, layer.gate_up_proj, layer.down_proj)
-        assert not grouped_mm_supported(
-            x.double(), layer.gate_up_proj.double(), layer.down_proj.double()
-        )
+        gate_up, down = layer.expert_weights()
+        assert grouped_mm_supported(x, gate_up, down)
+        assert not grouped_mm_supported(x.double(), gate_up.double(), down.double())
     grad = torch.randn_like(x)
     reference = _outputs_and_grads(layer, x, grad, "loop")
-    assert (
-        int(
-            (
-                expert_counts(
-                    route(
-                        x.reshape(-1, HIDDEN), layer.router.weight, TOP_K, True
-                    ).experts,
-                    64,
-                )
-                == 0
-            ).sum()
-        )
-        > 40
-    )
-    for name, got, want in zip(
-        ["out", "dx", "d_router", "d_gate_up", "d_down"],
-        _outputs_and_grads(layer, x, grad, backend),
-        reference,
-    ):
+    assert int((expert_counts(route(x.reshape(-1, HIDDEN), layer.router.weight, TOP_K, True).experts, 64) == 0).sum()) > 40
+    for name, got, want in zip(["out", "dx", "d_router", "d_gate_up", "d_down"], _outputs_and_grads(layer, x, grad, backend), reference):
         print(f"{backend} {name}: rel err {_rel(got, want):.2e}")
         assert _rel(got, want) < tol, name
 
@@ -200,14 +140,12 @@ def test_dispatch_reads_nothing_to_the_host_off_the_loop() -> None:
     x = torch.randn(6, HIDDEN)
     routing = route(x, layer.router.weight, TOP_K, True)
     counts = expert_counts(routing.experts, EXPERTS).as_subclass(NoHostRead)
-    expected = dispatch(x, routing, layer.gate_up_proj, layer.down_proj, "loop")
+    expected = dispatch(x, routing, *layer.expert_weights(), "loop")
     for backend in ("grouped", "gather"):
-        got = dispatch(x, routing, layer.gate_up_proj, layer.down_proj, backend, counts)
-        torch.testing.assert_close(
-            got.as_subclass(torch.Tensor), expected, rtol=1e-5, atol=1e-6
-        )
+        got = dispatch(x, routing, *layer.expert_weights(), backend, counts)
+        torch.testing.assert_close(got.as_subclass(torch.Tensor), expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(AssertionError, match="host"):
-        dispatch(x, routing, layer.gate_up_proj, layer.down_proj, "loop", counts)
+        dispatch(x, routing, *layer.expert_weights(), "loop", counts)
 
 
 def test_router_losses_equal_transformers() -> None:
@@ -222,32 +160,15 @@ def test_router_losses_equal_transformers() -> None:
         logits.append(layer.router(x.reshape(-1, HIDDEN)))
     sums = [layer.router_sums for layer in layers]
     expected = load_balancing_loss_func(tuple(logits), EXPERTS, TOP_K)
-    print(
-        f"aux {float(load_balancing_loss(sums).detach()):.6f} vs transformers {float(expected):.6f}"
-    )
-    torch.testing.assert_close(
-        load_balancing_loss(sums).float(), expected.float(), rtol=1e-6, atol=0
-    )
+    print(f"aux {float(load_balancing_loss(sums).detach()):.6f} vs transformers {float(expected):.6f}")
+    torch.testing.assert_close(load_balancing_loss(sums).float(), expected.float(), rtol=1e-6, atol=0)
     z = torch.logsumexp(torch.cat(logits), dim=-1).square().mean()
     torch.testing.assert_close(router_z_loss(sums).double(), z, rtol=1e-6, atol=0)
-    total, losses, metrics = router_losses(
-        sums, TOP_K, aux_coef=0.01, z_coef=0.001, share=0.25
-    )
-    torch.testing.assert_close(
-        total.double(), 0.25 * (0.01 * expected.double() + 0.001 * z), rtol=1e-6, atol=0
-    )
-    torch.testing.assert_close(
-        losses["moe_aux"].float(), 0.25 * expected.float(), rtol=1e-6, atol=0
-    )
+    total, losses, metrics = router_losses(sums, TOP_K, aux_coef=0.01, z_coef=0.001, share=0.25)
+    torch.testing.assert_close(total.double(), 0.25 * (0.01 * expected.double() + 0.001 * z), rtol=1e-6, atol=0)
+    torch.testing.assert_close(losses["moe_aux"].float(), 0.25 * expected.float(), rtol=1e-6, atol=0)
     counts = sums[1].counts
-    torch.testing.assert_close(
-        metrics["moe/layer1/max_over_mean_load"],
-        0.25 * counts.max() / (20 * TOP_K / EXPERTS),
-    )
-    torch.testing.assert_close(
-        metrics["moe/layer1/idle_experts"], 0.25 * (counts == 0).float().mean()
-    )
+    torch.testing.assert_close(metrics["moe/layer1/max_over_mean_load"], 0.25 * counts.max() / (20 * TOP_K / EXPERTS))
+    torch.testing.assert_close(metrics["moe/layer1/idle_experts"], 0.25 * (counts == 0).float().mean())
     total.backward()
-    assert (
-        layers[0].router.weight.grad.abs().sum() > 0
-    )  # the router learns from its losses
+    assert layers[0].router.weight.grad.abs().sum() > 0  # the router learns from its losses
