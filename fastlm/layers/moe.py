@@ -11,8 +11,8 @@ forward, so each layer keeps its `RouterSums` of the last forward and `router_lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -164,11 +164,14 @@ class MoEMLP(nn.Module):
         normalize_top_k: bool,
         shared_ffn_size: int | None = None,
         backend: ExpertBackend = "auto",
+        aux_loss_coef: float = 0.0,
+        z_loss_coef: float = 0.0,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
         self.num_experts, self.top_k, self.normalize_top_k, self.backend = num_experts, top_k, normalize_top_k, backend
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef  # read by `add_router_losses`
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
         self.hidden_size, self.ffn_size = hidden_size, ffn_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts * 2 * ffn_size, hidden_size))
@@ -246,3 +249,19 @@ def router_losses(
     losses = {"moe_aux": aux.detach() * share, "moe_router_z": z.detach() * share}
     metrics = {name: value * share for name, value in expert_load_metrics(sums, top_k).items()}
     return (aux_coef * aux + z_coef * z) * share, losses, metrics
+
+
+def add_router_losses(result: Any, model: nn.Module, positions: int, step_positions: float) -> Any:
+    """A training forward's `LossResult` with its MoE layers' router losses and load metrics added
+    (unchanged without MoE layers, or in eval mode): `positions` routed here of the step's
+    `step_positions` (`LossNormalizers.positions`; 0: this call is the whole step)."""
+    layers = [module for module in model.modules() if isinstance(module, MoEMLP) and module.router_sums is not None]
+    if not layers or not model.training:
+        return result
+    first = layers[0]
+    share = positions / step_positions if step_positions else 1.0
+    total, losses, metrics = router_losses(
+        [layer.router_sums for layer in layers], first.top_k, first.aux_loss_coef, first.z_loss_coef, share
+    )
+    return replace(result, loss=result.loss + total, losses={**result.losses, **losses},
+                   metrics={**result.metrics, **metrics})
