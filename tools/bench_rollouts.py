@@ -103,7 +103,7 @@ def step_bytes(model: DecoderLM, batch: int, filled: int) -> int:
     if config.tie_embeddings:
         matrices += model.output_weight.numel()
     weight_bytes = 2 * matrices + 2 * batch * config.hidden_size
-    kv_heads = config.num_heads if model.is_gpt2 else config.kv_heads
+    kv_heads = config.kv_heads
     kv_per_token = 2 * config.num_layers * kv_heads * config.head_dim * 2  # keys + values, bf16
     return weight_bytes + batch * kv_per_token * (filled + 1)
 

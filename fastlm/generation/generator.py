@@ -294,9 +294,8 @@ class Generator:
                   options: SamplingOptions) -> _DecodeStep:
         """A fresh cache, state and step (compiling and capturing it, on those paths)."""
         config = model.config
-        kv_heads = config.num_heads if model.is_gpt2 else config.kv_heads
         dtype = self.amp_dtype or model.output_weight.dtype
-        cache = KVCache(config.num_layers, batch, config.num_heads, kv_heads, length, config.head_dim, dtype,
+        cache = KVCache(config.num_layers, batch, config.num_heads, config.kv_heads, length, config.head_dim, dtype,
                         self.device, uniform_columns=self.padding == "left", decode_attention=self.decode_attention)
         state = DecodeState.empty(batch, config.vocab_size, options, self.device)
         return _DecodeStep(model, cache, state, options, self.pad_id, head_weight, self.amp_dtype, self.cuda_graph,

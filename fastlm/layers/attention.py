@@ -3,7 +3,8 @@
 The decoder builds one `AttentionLayout` per forward (fastlm/layers/packed_attention.py) and every
 layer attends through it: SDPA `is_causal` when nothing else is masked (flash attention on GPU),
 FlexAttention with a document / sliding-window block mask for packed rows on GPU, or SDPA with the
-boolean (B, 1, S, S) mask "causal AND same document AND within the window" built here.
+boolean (B, 1, S, S) mask "causal AND same document AND within the window" built here. Layers with
+different windows (sliding vs global) get different layouts; the decoder builds one per distinct window.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from fastlm.layers.init import init_linear
 from fastlm.layers.kv_cache import LayerCache
+from fastlm.layers.norm import NormKind, build_norm
 from fastlm.layers.rotary import apply_rotary
 
 if TYPE_CHECKING:
@@ -46,9 +48,11 @@ def attention_mask(
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float = 0.0
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float = 0.0,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + mask) v for q (B, Hq, S, D) and k, v (B, Hkv, S, D), Hq = g * Hkv.
+    """softmax(q k^T * scale + mask) v for q (B, Hq, S, D) and k, v (B, Hkv, S, D), Hq = g * Hkv
+    (scale None: 1/sqrt(D)).
 
     The causal path passes `enable_gqa` (flash attention handles grouped heads natively). On CUDA the
     masked path repeats k/v per group first, because the memory-efficient kernel that takes a mask does
@@ -56,16 +60,20 @@ def attend(
     """
     groups = q.shape[1] // k.shape[1]
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=groups > 1)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
+                                              enable_gqa=groups > 1)
     if groups > 1 and q.device.type == "cuda":
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
         groups = 1
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=groups > 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                          enable_gqa=groups > 1)
 
 
 class Attention(nn.Module):
-    """Fused qkv projection (q heads, then k heads, then v heads), optional RoPE, output projection."""
+    """Fused qkv projection (q heads, then k heads, then v heads), optional per-head q/k norm (QK-norm:
+    Qwen3, Gemma 3), optional RoPE, output projection. `head_dim` may differ from hidden / heads;
+    `scale` replaces 1/sqrt(head_dim) (Gemma's query_pre_attn_scalar^-0.5)."""
 
     def __init__(
         self,
@@ -75,39 +83,52 @@ class Attention(nn.Module):
         qkv_bias: bool,
         out_bias: bool,
         dropout: float,
+        head_dim: int | None = None,
+        qk_norm: NormKind | None = None,
+        norm_eps: float = 1e-6,
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
-        self.head_dim = hidden_size // num_heads
+        self.head_dim = head_dim or hidden_size // num_heads
         self.dropout = dropout
+        self.scale = scale
         q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
         self.split_sizes = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
+        self.q_norm = None if qk_norm is None else build_norm(qk_norm, self.head_dim, norm_eps)
+        self.k_norm = None if qk_norm is None else build_norm(qk_norm, self.head_dim, norm_eps)
         self.out_proj = nn.Linear(q_size, hidden_size, bias=out_bias)
 
     def forward(
         self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None, cache: LayerCache | None = None
     ) -> torch.Tensor:
         """x (B, S, H) -> (B, S, H); rotary = (cos, sin) from `rotary_angles`, or None (GPT-2); `layout`
-        from `attention_layout`, built once per forward. Generation passes a `cache` instead of a layout:
-        keys/values go into it and attention reads it (fastlm/layers/kv_cache.py)."""
+        from `attention_layout`, built once per forward for this layer's window. Generation passes a `cache`
+        instead of a layout: keys/values go into it and attention reads it (fastlm/layers/kv_cache.py)."""
         batch, seq_len, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = q.view(batch, seq_len, self.num_heads, self.head_dim)
+        k = k.view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if cache is not None:
-            out = cache.attend(q, k, v)
+            out = cache.attend(q, k, v, self.scale)
         else:
             assert layout is not None
-            out = layout.attend(q, k, v, self.dropout if self.training else 0.0)
+            out = layout.attend(q, k, v, self.dropout if self.training else 0.0, self.scale)
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def reset_parameters(self, std: float, residual_std: float) -> None:
         init_linear(self.qkv_proj, std)
         init_linear(self.out_proj, residual_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()

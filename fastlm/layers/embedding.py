@@ -21,17 +21,22 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
 
 
 class Embeddings(nn.Module):
-    """Token embedding, plus a learned position embedding when `max_positions` is given (GPT-2)."""
+    """Token embedding, plus a learned position embedding when `max_positions` is given (GPT-2); `scale`
+    multiplies the token embedding (Gemma: sqrt(hidden), rounded to the weight's dtype as Gemma does)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, max_positions: int | None, dropout: float) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, max_positions: int | None, dropout: float,
+                 scale: float = 1.0) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab_size, hidden_size)
         self.positions = nn.Embedding(max_positions, hidden_size) if max_positions else None
         self.dropout = nn.Dropout(dropout)
+        self.scale = scale
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids (B, S), positions (B or 1, S) -> (B, S, H)."""
         hidden = self.tokens(input_ids)
+        if self.scale != 1.0:
+            hidden = hidden * torch.tensor(self.scale, dtype=hidden.dtype)
         if self.positions is not None:
             limit = self.positions.num_embeddings
             if positions.shape[-1] > limit:

@@ -9,7 +9,8 @@ c - start[b] (RoPE angle or GPT-2 position id). A forward writes its tokens' key
 `columns` (B, S) and attends over the first `span` columns with the mask "key column in [start, own
 column], within the sliding window"; a token may always see itself, so a padding query never has an
 empty row (an all-masked row would give NaN, and 0 * NaN poisons the real rows' sums). The mask is
-additive (0 / -inf in the cache dtype), built once per forward for all layers.
+additive (0 / -inf in the cache dtype), built once per forward for each distinct sliding window (global
+layers share one, windowed layers another).
 Left-padded rows write the same columns (`uniform_columns`: one `index_copy_`); otherwise each row
 scatters into its own.
 
@@ -50,10 +51,11 @@ class LayerCache:
     columns: torch.Tensor  # (B, S) cache column of each token of this forward
     span: int  # attend over columns [0, span)
     uniform_columns: bool  # every row writes the same columns (left padding)
-    mask: CacheMask  # from `KVCache.attention_mask`, shared by all layers
+    mask: CacheMask  # from `KVCache.attention_mask`, shared by the layers with this layer's window
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Write k, v (B, Hkv, S, D) at `columns`, then softmax(q K^T / sqrt(d) + mask) V over the cache.
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """Write k, v (B, Hkv, S, D) at `columns`, then softmax(q K^T * scale + mask) V over the cache
+        (scale None: 1/sqrt(d)).
 
         q (B, Hq, S, D) -> (B, Hq, S, D).
         """
@@ -70,10 +72,10 @@ class LayerCache:
         if self.mask.blocks is not None:
             from fastlm.layers.packed_attention import flex_attend  # lazy: packed_attention imports this module (via attention.py)
 
-            return flex_attend(q.to(self.keys.dtype), self.keys, self.values, self.mask.blocks).to(q.dtype)
+            return flex_attend(q.to(self.keys.dtype), self.keys, self.values, self.mask.blocks, scale).to(q.dtype)
         keys, values = self.keys[:, :, : self.span], self.values[:, :, : self.span]
         grouped_q = q.reshape(batch, kv_heads, q_heads // kv_heads * seq_len, head_dim).to(keys.dtype)
-        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=self.mask.additive)
+        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=self.mask.additive, scale=scale)
         return out.reshape(batch, q_heads, seq_len, head_dim).to(q.dtype)
 
 

@@ -1,12 +1,16 @@
-"""Feed-forward blocks: GELU (GPT-2, with biases) and SwiGLU (Llama, no biases)."""
+"""Feed-forward blocks: GELU (GPT-2, with biases) and the gated MLPs SwiGLU (Llama) and GeGLU (Gemma)."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fastlm.layers.init import init_linear
+
+GateActivation = Literal["silu", "gelu_tanh"]
 
 
 class GeluMLP(nn.Module):
@@ -25,17 +29,20 @@ class GeluMLP(nn.Module):
         init_linear(self.down_proj, residual_std)
 
 
-class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate and up share one matmul (gate first, then up)."""
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), no biases; gate and up share one matmul (gate rows first, then up).
+    act = silu: SwiGLU (Llama, Qwen, Phi-3); act = gelu_tanh: GeGLU (Gemma)."""
 
-    def __init__(self, hidden_size: int, ffn_size: int) -> None:
+    def __init__(self, hidden_size: int, ffn_size: int, activation: GateActivation = "silu") -> None:
         super().__init__()
+        self.activation = activation
         self.gate_up_proj = nn.Linear(hidden_size, 2 * ffn_size, bias=False)
         self.down_proj = nn.Linear(ffn_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down_proj(gate * up)
 
     def reset_parameters(self, std: float, residual_std: float) -> None:
         init_linear(self.gate_up_proj, std)

@@ -43,13 +43,15 @@ class AttentionLayout:
     dense_mask: torch.Tensor | None = None
     block_mask: BlockMask | None = None
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + mask) v for q (B, Hq, S, D), k and v (B, Hkv, S, D), Hq = g * Hkv."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+               scale: float | None = None) -> torch.Tensor:
+        """softmax(q k^T * scale + mask) v for q (B, Hq, S, D), k and v (B, Hkv, S, D), Hq = g * Hkv
+        (scale None: 1/sqrt(D))."""
         if self.kind != "flex":
-            return attend(q, k, v, self.dense_mask, dropout_p)
+            return attend(q, k, v, self.dense_mask, dropout_p, scale)
         if dropout_p:
             raise ValueError("FlexAttention has no attention dropout; build the layout with dropout_active=True")
-        return flex_attend(q, k, v, self.block_mask)
+        return flex_attend(q, k, v, self.block_mask, scale)
 
 
 def document_mask_mod(positions: torch.Tensor | None, sliding_window: int | None) -> Callable:
@@ -147,10 +149,11 @@ def _compiled_flex_attention() -> Callable:
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,
+                scale: float | None = None) -> torch.Tensor:
     """FlexAttention of q (B, Hq, S, D) over k, v (B, Hkv, S, D) under `block_mask`, grouped heads in place."""
     if q.device.type == "cuda" and not torch.compiler.is_compiling():
         flex = _compiled_flex_attention()
     else:  # inside a compiled block, or CPU (tests: the unfused reference kernel, float64 included)
         from torch.nn.attention.flex_attention import flex_attention as flex
-    return flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])

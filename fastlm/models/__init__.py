@@ -1,4 +1,5 @@
-"""Model zoo: configs (`GPT2Config`, `LlamaConfig`), `DecoderLM`, `build_model` and sizing helpers.
+"""Model zoo: one package per family (fastlm/models/registry.py lists them), `ModelConfig` (their union),
+`DecoderLM`, `build_model` and sizing helpers.
 
 Exports are resolved on first access (PEP 562) so that importing the config schema, which imports
 `fastlm.models.config`, does not pull in torch and the layer stack.
@@ -14,7 +15,7 @@ _EXPORTS: dict[str, str] = {
     "LlamaConfig": "fastlm.models.config",
     "ModelConfig": "fastlm.models.config",
     "DecoderLM": "fastlm.models.decoder",
-    "DecoderBlock": "fastlm.models.decoder",
+    "DecoderBlock": "fastlm.layers.block",
     "build_model": "fastlm.models.decoder",
     "count_parameters": "fastlm.models.build",
     "num_parameters": "fastlm.models.build",

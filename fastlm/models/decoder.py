@@ -1,8 +1,9 @@
-"""The decoder-only LM: embeddings -> pre-norm blocks -> final norm -> LM head (docs/architecture.md).
+"""The decoder-only LM: embeddings -> blocks -> final norm -> LM head (docs/architecture.md).
 
-One class covers both architectures; the config type picks the parts:
-GPT-2 = LayerNorm + learned positions + GELU MLP + biases; Llama = RMSNorm + RoPE + GQA + SwiGLU
-(Qwen2 adds qkv biases, Mistral a sliding window).
+One class serves every family: the config supplies the parts (`build_block`, `build_final_norm`, the
+embedding's scale and learned positions) and each layer's attention (`layer_attention`: its window and
+rotary embedding). A forward builds one attention layout / cache mask per distinct window and one cos/sin
+per distinct rotary embedding, and hands each layer its own.
 """
 
 from __future__ import annotations
@@ -12,64 +13,17 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from fastlm.layers.attention import Attention
 from fastlm.layers.embedding import Embeddings, document_positions
-from fastlm.layers.kv_cache import KVCache, LayerCache
-from fastlm.layers.mlp import GeluMLP, SwiGLUMLP
-from fastlm.layers.norm import build_norm
-from fastlm.layers.packed_attention import AttentionLayout, LayoutKind, attention_layout
+from fastlm.layers.kv_cache import CacheMask, KVCache
+from fastlm.layers.packed_attention import LayoutKind, attention_layout
 from fastlm.layers.rotary import rotary_angles
 from fastlm.layers.vocab_parallel import gather_vocab, vocab_parallel_loss
 from fastlm.losses.spec import LossNormalizers, LossResult, LossTargets, ProcessGroup
-from fastlm.models.config import GPT2Config, ModelConfig
+from fastlm.models.base import LayerAttention, Rope
+from fastlm.models.config import ModelConfig
 
-
-class DecoderBlock(nn.Module):
-    """x + attn(norm(x)), then x + mlp(norm(x))."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        is_gpt2 = isinstance(config, GPT2Config)
-        norm_kind = "layernorm" if is_gpt2 else "rmsnorm"
-        self.attn_norm = build_norm(norm_kind, config.hidden_size, config.norm_eps)
-        self.attn = Attention(
-            config.hidden_size,
-            config.num_heads,
-            config.num_heads if is_gpt2 else config.kv_heads,
-            qkv_bias=is_gpt2 or config.qkv_bias,
-            out_bias=is_gpt2,
-            dropout=config.dropout,
-        )
-        self.mlp_norm = build_norm(norm_kind, config.hidden_size, config.norm_eps)
-        mlp_type = GeluMLP if is_gpt2 else SwiGLUMLP
-        self.mlp = mlp_type(config.hidden_size, config.ffn_size)
-        self.dropout = nn.Dropout(config.dropout)
-        self.activation_checkpointing = False  # set by DecoderLM.set_activation_checkpointing
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None,
-        layout: AttentionLayout | None,
-        cache: LayerCache | None = None,
-    ) -> torch.Tensor:
-        """With activation checkpointing (and grad on), only x is kept; backward recomputes the block.
-        Generation passes a `cache` (and no layout)."""
-        if self.activation_checkpointing and torch.is_grad_enabled() and cache is None:
-            return checkpoint(self._forward, x, rotary, layout, use_reentrant=False)
-        return self._forward(x, rotary, layout, cache)
-
-    def _forward(
-        self,
-        x: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None,
-        layout: AttentionLayout | None,
-        cache: LayerCache | None = None,
-    ) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rotary, layout, cache))
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+Rotary = tuple[torch.Tensor, torch.Tensor]
 
 
 class DecoderLM(nn.Module):
@@ -80,12 +34,11 @@ class DecoderLM(nn.Module):
         from fastlm.layers.lm_head import LMHead  # lazy: the head module imports the losses stack
 
         self.config = config
-        self.is_gpt2 = isinstance(config, GPT2Config)
-        self.embeddings = Embeddings(
-            config.vocab_size, config.hidden_size, config.max_seq_len if self.is_gpt2 else None, config.dropout
-        )
-        self.blocks = nn.ModuleList(DecoderBlock(config) for _ in range(config.num_layers))
-        self.final_norm = build_norm("layernorm" if self.is_gpt2 else "rmsnorm", config.hidden_size, config.norm_eps)
+        self.embeddings = Embeddings(config.vocab_size, config.hidden_size, config.learned_positions, config.dropout,
+                                     config.embedding_scale)
+        self.blocks = nn.ModuleList(config.build_block(layer) for layer in range(config.num_layers))
+        self.final_norm = config.build_final_norm()
+        self.layer_attention: list[LayerAttention] = [config.layer_attention(i) for i in range(config.num_layers)]
         self.lm_head_weight = (
             None if config.tie_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         )
@@ -110,10 +63,7 @@ class DecoderLM(nn.Module):
         residual_std = std / math.sqrt(2 * self.config.num_layers)
         self.embeddings.reset_parameters(std)
         for block in self.blocks:
-            block.attn_norm.reset_parameters()
-            block.mlp_norm.reset_parameters()
-            block.attn.reset_parameters(std, residual_std)
-            block.mlp.reset_parameters(std, residual_std)
+            block.reset_parameters(std, residual_std)
         self.final_norm.reset_parameters()
         if self.lm_head_weight is not None:
             nn.init.normal_(self.lm_head_weight, mean=0.0, std=std)
@@ -147,29 +97,37 @@ class DecoderLM(nn.Module):
         positions = (
             torch.arange(seq_len, device=input_ids.device)[None] if doc_positions is None else doc_positions
         )
-        window = None if self.is_gpt2 else self.config.sliding_window
         dropout_active = self.training and self.config.dropout > 0
-        layout = attention_layout(
-            batch, seq_len, doc_positions, window, input_ids.device, dropout_active, self.attention_kind
-        )
-        rotary = None if self.is_gpt2 else rotary_angles(positions, self.config.head_dim, self.config.rope_theta)
+        layouts = {window: attention_layout(batch, seq_len, doc_positions, window, input_ids.device, dropout_active,
+                                            self.attention_kind)
+                   for window in {attention.window for attention in self.layer_attention}}
+        rotaries = self._rotaries(positions)
         hidden = self.embeddings(input_ids, positions)
         # Compiled blocks serve the training forward only: evaluation and sampling (no grad, other shapes) stay eager.
         training_forward = self._compiled_blocks is not None and torch.is_grad_enabled()
-        for block in self._compiled_blocks if training_forward else self.blocks:
-            hidden = block(hidden, rotary, layout)
+        for block, attention in zip(self._compiled_blocks if training_forward else self.blocks, self.layer_attention):
+            hidden = block(hidden, rotaries[attention.rope], layouts[attention.window])
         return self.final_norm(hidden)
+
+    def _rotaries(self, positions: torch.Tensor) -> dict[Rope | None, Rotary | None]:
+        """cos/sin per distinct rotary embedding of the layers (None: a layer without RoPE)."""
+        head_dim = self.config.head_dim
+        assert head_dim is not None
+        return {rope: None if rope is None else rotary_angles(positions, head_dim, rope.theta, rope.scaling)
+                for rope in {attention.rope for attention in self.layer_attention}}
 
     def cached_hidden_states(self, input_ids: torch.Tensor, cache: KVCache, columns: torch.Tensor, span: int) -> torch.Tensor:
         """Generation: (B, S) tokens at cache `columns` (B, S) -> (B, S, H) after the final norm, their keys and
         values written into `cache`, attention over its first `span` columns (fastlm/layers/kv_cache.py)."""
         positions = cache.positions(columns)
-        window = None if self.is_gpt2 else self.config.sliding_window
-        mask = cache.attention_mask(columns, span, window)
-        rotary = None if self.is_gpt2 else rotary_angles(positions, self.config.head_dim, self.config.rope_theta)
+        masks: dict[int | None, CacheMask] = {
+            window: cache.attention_mask(columns, span, window)
+            for window in {attention.window for attention in self.layer_attention}}
+        rotaries = self._rotaries(positions)
         hidden = self.embeddings(input_ids, positions)
-        for index, block in enumerate(self.blocks):
-            hidden = block(hidden, rotary, None, cache.layer(index, columns, span, mask))
+        for index, (block, attention) in enumerate(zip(self.blocks, self.layer_attention)):
+            layer_cache = cache.layer(index, columns, span, masks[attention.window])
+            hidden = block(hidden, rotaries[attention.rope], None, layer_cache)
         return self.final_norm(hidden)
 
     def head_logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:

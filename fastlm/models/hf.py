@@ -1,15 +1,10 @@
 """Hugging Face checkpoint interop: `config.json` + safetensors <-> `ModelConfig` + `DecoderLM` weights.
 
-Supported: GPT-2 (`gpt2`) and the Llama family (`llama`, `qwen2` = llama + qkv biases, `mistral` =
-llama + sliding window). Options our decoder cannot reproduce exactly (RoPE scaling, other
-activations, Llama attention/MLP biases, per-layer attention patterns, ...) are errors that name the
-config.json field; nothing is silently dropped. Only safetensors are read and written (no pickle).
-transformers is not needed here: config.json is read as plain JSON, with the defaults of the HF
-config classes for keys a file leaves out.
-
-Layout notes: our RoPE uses the same half-split convention as HF's `rotate_half`, so q/k weights are
-copied as they are; our fused qkv (q, k, v rows) and gate_up (gate, up rows) are HF's separate
-projections concatenated; GPT-2's Conv1D stores (in, out), the transpose of our nn.Linear weights.
+Family-agnostic: which families exist and how each maps its config and weights is the family's HF
+adapter (`fastlm/models/<family>/hf.py`, found through `fastlm.models.registry`). Options a family
+cannot reproduce exactly are errors that name the config.json field; nothing is silently dropped. Only
+safetensors are read and written (no pickle). transformers is not needed here: config.json is read as
+plain JSON, with the defaults of the HF config classes for keys a file leaves out.
 """
 
 from __future__ import annotations
@@ -17,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,79 +22,33 @@ from safetensors.torch import load_file, save_file
 
 from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
-from fastlm.models.config import GPT2Config, LlamaConfig, ModelConfig
+from fastlm.models.base import DecoderConfig
 from fastlm.models.build import describe_count, num_parameters
+from fastlm.models.config import ModelConfig
 from fastlm.models.decoder import DecoderLM, build_model
+from fastlm.models.hf_adapter import Reader, WeightRule
+from fastlm.models.registry import family_for_model_type, family_of, hf_model_types
 
-DecoderConfigType = GPT2Config | LlamaConfig
 StateDict = dict[str, torch.Tensor]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 FASTLM_CONFIG_FILE = "model.yaml"
-SUPPORTED_TYPES = ("gpt2", "llama", "qwen2", "mistral")
-
-# Defaults of the installed HF config classes (transformers 5.x source) for keys a config.json omits.
-_HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "gpt2": {"n_inner": None, "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1,
-             "attn_pdrop": 0.1, "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "n_positions": 1024,
-             "tie_word_embeddings": True, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-             "add_cross_attention": False},
-    "llama": {"num_key_value_heads": None, "hidden_act": "silu", "max_position_embeddings": 2048,
-              "initializer_range": 0.02, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-              "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "head_dim": None},
-    "qwen2": {"num_key_value_heads": 32, "hidden_act": "silu", "max_position_embeddings": 32768,
-              "initializer_range": 0.02, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-              "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": 4096,
-              "max_window_layers": 28, "layer_types": None},
-    "mistral": {"num_key_value_heads": 8, "hidden_act": "silu", "max_position_embeddings": 4096 * 32,
-                "initializer_range": 0.02, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-                "attention_dropout": 0.0, "head_dim": None, "sliding_window": 4096, "layer_types": None},
-}
-_GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both are the tanh GELU our GeluMLP uses
-_SILU_ACTIVATIONS = ("silu", "swish")
-_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "mistral": "MistralForCausalLM"}
 
 
 # --- config.json -> ModelConfig --------------------------------------------------------------------
-class _Reader:
-    """Reads fields of one config.json with the architecture's defaults and collects every problem."""
-
-    def __init__(self, hf: Mapping[str, Any], model_type: str, source: str) -> None:
-        self.hf, self.defaults, self.source = hf, _HF_DEFAULTS[model_type], source
-        self.issues: list[ConfigIssue] = []
-
-    def get(self, key: str) -> Any:
-        if key in self.hf:
-            return self.hf[key]
-        if key in self.defaults:
-            return self.defaults[key]
-        self.issues.append(ConfigIssue(key, "required field is missing", source=self.source))
-        return None
-
-    def expect(self, key: str, allowed: tuple[Any, ...], why: str) -> Any:
-        value = self.get(key)
-        if key in self.hf or key in self.defaults:
-            if value not in allowed:
-                self.fail(key, f"unsupported value ({why})", value, f"fastlm supports {list(allowed)}")
-        return value
-
-    def fail(self, key: str, message: str, value: Any, hint: str | None = None) -> None:
-        self.issues.append(ConfigIssue(key, message, value, self.source, hint))
-
-
-def config_from_hf(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> DecoderConfigType:
+def config_from_hf(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> DecoderConfig:
     """Map a HF config.json dict to our model config; `ConfigError` names every unsupported field."""
     model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_TYPES:
+    family = family_for_model_type(model_type)
+    if family is None:
         raise ConfigError(ConfigIssue("model_type", "unsupported architecture", model_type, source,
-                                      f"fastlm converts {', '.join(SUPPORTED_TYPES)}"))
-    reader = _Reader(hf, model_type, source)
+                                      f"fastlm converts {', '.join(hf_model_types())}"))
+    reader = Reader(hf, family.hf.defaults[model_type], source)
     try:
-        fields = _gpt2_fields(reader) if model_type == "gpt2" else _llama_fields(reader, model_type)
-    except (TypeError, AttributeError, ValueError, OverflowError, ZeroDivisionError) as error:
+        fields = family.hf.fields(reader, model_type)
+    except (TypeError, AttributeError, ValueError, OverflowError, ZeroDivisionError, KeyError) as error:
         raise ConfigError(ConfigIssue("", f"a field has the wrong type or value ({error})", source=source,
                                       hint="compare config.json with one written by save_pretrained")) from None
     if reader.issues:
@@ -113,108 +61,16 @@ def config_from_hf(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> DecoderC
                            for item in error.errors()]) from None
 
 
-def _common_fields(reader: _Reader, names: dict[str, str]) -> dict[str, Any]:
-    """Fields every decoder has; `names` maps our field to the HF key of this architecture."""
-    return {ours: reader.get(theirs) for ours, theirs in names.items()}
-
-
-def _gpt2_fields(reader: _Reader) -> dict[str, Any]:
-    fields = _common_fields(reader, {
-        "vocab_size": "vocab_size", "hidden_size": "n_embd", "num_layers": "n_layer", "num_heads": "n_head",
-        "max_seq_len": "n_positions", "intermediate_size": "n_inner", "norm_eps": "layer_norm_epsilon",
-        "init_std": "initializer_range", "tie_embeddings": "tie_word_embeddings",
-    })
-    reader.expect("activation_function", _GPT2_ACTIVATIONS, "GPT-2 blocks here use the tanh GELU")
-    reader.expect("scale_attn_weights", (True,), "attention is always scaled by 1/sqrt(head_dim)")
-    reader.expect("scale_attn_by_inverse_layer_idx", (False,), "no per-layer attention scaling")
-    reader.expect("add_cross_attention", (False,), "decoder-only, no cross-attention")
-    # reorder_and_upcast_attn is accepted: it only changes mixed-precision rounding, not the math
-    rates = {key: reader.get(key) for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
-    if len(set(rates.values())) > 1:
-        reader.fail("attn_pdrop", "fastlm has one model.dropout for embeddings, residuals and attention",
-                    rates, "set resid_pdrop, embd_pdrop and attn_pdrop to the same value")
-    return {"type": "gpt2", **fields, "dropout": rates["resid_pdrop"]}
-
-
-def _llama_fields(reader: _Reader, model_type: str) -> dict[str, Any]:
-    fields = _common_fields(reader, {
-        "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
-        "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
-        "intermediate_size": "intermediate_size", "max_seq_len": "max_position_embeddings",
-        "norm_eps": "rms_norm_eps", "init_std": "initializer_range", "tie_embeddings": "tie_word_embeddings",
-    })
-    reader.expect("hidden_act", _SILU_ACTIVATIONS, "the MLP is SwiGLU")
-    reader.expect("attention_dropout", (0, 0.0), "model.dropout would also drop residual branches")
-    if model_type == "llama":
-        reader.expect("attention_bias", (False,), "Llama blocks here have no q/k/v/o biases; Qwen2 has q/k/v only")
-        reader.expect("mlp_bias", (False,), "the SwiGLU MLP has no biases")
-    head_dim = reader.hf.get("head_dim")
-    heads, hidden = fields["num_heads"], fields["hidden_size"]
-    if head_dim is not None and isinstance(heads, int) and isinstance(hidden, int) and head_dim * heads != hidden:
-        reader.fail("head_dim", f"must equal hidden_size / num_attention_heads = {hidden // heads}", head_dim)
-    fields["rope_theta"] = _rope_theta(reader)
-    fields["sliding_window"] = _sliding_window(reader, model_type, fields["num_layers"])
-    return {"type": "llama", **fields, "qkv_bias": model_type == "qwen2", "dropout": 0.0}
-
-
-def _rope_theta(reader: _Reader) -> float | None:
-    """Plain RoPE only: `rope_parameters` (transformers 5) or the older `rope_theta` + `rope_scaling`."""
-    hf = reader.hf
-    if hf.get("rope_scaling") is not None:
-        reader.fail("rope_scaling", "RoPE scaling is not supported", hf["rope_scaling"], "use plain RoPE (null)")
-    parameters = hf.get("rope_parameters") or {}
-    if parameters and all(isinstance(v, Mapping) for v in parameters.values()):  # nested per layer type
-        distinct = {json.dumps(v, sort_keys=True) for v in parameters.values()}
-        if len(distinct) > 1:
-            reader.fail("rope_parameters", "per-layer-type RoPE parameters differ", parameters)
-            return None
-        parameters = next(iter(parameters.values()))
-    rope_type = parameters.get("rope_type", parameters.get("type", "default"))
-    if rope_type != "default":
-        reader.fail("rope_parameters.rope_type", "only plain RoPE is supported", rope_type, "use 'default'")
-    partial = parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        reader.fail("partial_rotary_factor", "partial rotary embeddings are not supported", partial)
-    return float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))
-
-
-def _sliding_window(reader: _Reader, model_type: str, num_layers: Any) -> int | None:
-    """One window for every layer, or none; HF's per-layer mixes (Qwen2 max_window_layers) are errors."""
-    if model_type == "llama":
-        return None
-    window = reader.get("sliding_window")
-    if model_type == "qwen2" and not reader.get("use_sliding_window"):
-        window = None
-    layer_types = reader.get("layer_types")
-    if layer_types is None and model_type == "qwen2" and window is not None and isinstance(num_layers, int):
-        first = reader.get("max_window_layers")
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-    if layer_types is None:
-        return window
-    kinds = set(layer_types)
-    if kinds == {"full_attention"}:
-        return None
-    if kinds == {"sliding_attention"} and window is not None:
-        return window
-    key = "max_window_layers" if model_type == "qwen2" and reader.hf.get("layer_types") is None else "layer_types"
-    reader.fail(key, "fastlm applies one attention pattern (full or one sliding window) to every layer",
-                reader.hf.get(key, layer_types), "use the same attention type for all layers")
-    return None
-
-
 # --- ModelConfig -> config.json --------------------------------------------------------------------
-def hf_model_type(config: DecoderConfigType) -> str:
-    """gpt2; for Llama configs: qwen2 with qkv biases, mistral with a sliding window, else llama."""
-    if isinstance(config, GPT2Config):
-        return "gpt2"
-    if config.qkv_bias:
-        return "qwen2"
-    return "mistral" if config.sliding_window else "llama"
+def hf_model_type(config: DecoderConfig) -> str:
+    """The model_type the export writes."""
+    return family_of(config).hf.to_hf(config)["model_type"]
 
 
-def config_to_hf(config: DecoderConfigType, tokenizer: Tokenizer, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+def config_to_hf(config: DecoderConfig, tokenizer: Tokenizer, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The config.json of the HF model that computes the same logits, with the tokenizer's special ids;
     `ConfigError` if no HF model does."""
+    adapter = family_of(config).hf
     issues = []
     head = config.head
     if tokenizer.vocab_size > config.vocab_size:
@@ -225,136 +81,47 @@ def config_to_hf(config: DecoderConfigType, tokenizer: Tokenizer, dtype: torch.d
                                   hint="export a model trained with logit_scale 1.0"))
     if head.softcap is not None:
         issues.append(ConfigIssue("model.head.softcap", "these HF architectures have no logit softcap", head.softcap))
-    if isinstance(config, LlamaConfig) and config.dropout:
-        issues.append(ConfigIssue("model.dropout", "HF Llama-family models have attention dropout only",
-                                  config.dropout, hint="set model.dropout: 0.0"))
+    issues += adapter.export_issues(config)
     if issues:
         raise ConfigError(issues)
-    model_type = hf_model_type(config)
-    common = {"architectures": [_ARCHITECTURES[model_type]], "model_type": model_type,
-              "dtype": str(dtype).removeprefix("torch."),
-              "vocab_size": config.vocab_size, "initializer_range": config.init_std,
-              "tie_word_embeddings": config.tie_embeddings,
-              **{key: token for key, token in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.eos_id),
-                                               ("pad_token_id", tokenizer.pad_id)) if token is not None}}
-    if isinstance(config, GPT2Config):
-        return {**common, "n_embd": config.hidden_size, "n_layer": config.num_layers, "n_head": config.num_heads,
-                "n_positions": config.max_seq_len, "n_inner": config.ffn_size, "activation_function": "gelu_new",
-                "layer_norm_epsilon": config.norm_eps, "resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
-                "attn_pdrop": config.dropout, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-                "reorder_and_upcast_attn": False, "add_cross_attention": False}
-    hf = {**common, "hidden_size": config.hidden_size, "intermediate_size": config.ffn_size,
-          "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-          "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim, "hidden_act": "silu",
-          "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
-          "attention_dropout": 0.0, "rope_theta": config.rope_theta,  # read by transformers 4.x
-          "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta}}
-    if model_type == "llama":
-        return {**hf, "attention_bias": False, "mlp_bias": False}
-    if model_type == "mistral":
-        return {**hf, "sliding_window": config.sliding_window}
-    window = config.sliding_window
-    layer = "sliding_attention" if window else "full_attention"
-    return {**hf, "use_sliding_window": window is not None, "sliding_window": window,
-            "max_window_layers": 0 if window else config.num_layers, "layer_types": [layer] * config.num_layers}
+    return {**adapter.to_hf(config), "dtype": str(dtype).removeprefix("torch."),
+            "vocab_size": config.vocab_size, "initializer_range": config.init_std,
+            "tie_word_embeddings": config.tie_embeddings,
+            **{key: token for key, token in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.eos_id),
+                                             ("pad_token_id", tokenizer.pad_id)) if token is not None}}
 
 
-def model_yaml(config: DecoderConfigType, init_path: str | None = None) -> str:
+def model_yaml(config: DecoderConfig, init_path: str | None = None) -> str:
     """The `model:` section (head left to the run config) plus `run.init_path`, ready to paste or `base:`."""
-    document: dict[str, Any] = {"model": {"type": config.type, **config.model_dump(mode="json", exclude={"head", "type"})}}
+    document: dict[str, Any] = {"model": {"type": config.type,  # type: ignore[attr-defined]
+                                          **config.model_dump(mode="json", exclude={"head", "type"})}}
     if init_path is not None:
         document["run"] = {"init_path": init_path}
     return yaml.safe_dump(document, sort_keys=False)
 
 
 # --- weight names ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class WeightRule:
-    """One fastlm tensor = the HF tensors `theirs` concatenated along dim 0 (rows `sizes` each);
-    `transpose`: HF stores each piece as (in, out) (GPT-2's Conv1D)."""
-
-    ours: str
-    theirs: tuple[str, ...]
-    sizes: tuple[int, ...] | None = None
-    transpose: bool = False
-
-
-def weight_rules(config: DecoderConfigType) -> list[WeightRule]:
+def weight_rules(config: DecoderConfig) -> list[WeightRule]:
     """Every tensor of `DecoderLM(config).state_dict()` and where it lives in the HF layout."""
-    return _gpt2_rules(config) if isinstance(config, GPT2Config) else _llama_rules(config)
+    return family_of(config).hf.weight_rules(config)
 
 
-def _gpt2_rules(config: GPT2Config) -> list[WeightRule]:
-    rules = [WeightRule("embeddings.tokens.weight", ("transformer.wte.weight",)),
-             WeightRule("embeddings.positions.weight", ("transformer.wpe.weight",))]
-    pairs = (("attn_norm", "ln_1", False), ("attn.qkv_proj", "attn.c_attn", True),
-             ("attn.out_proj", "attn.c_proj", True), ("mlp_norm", "ln_2", False),
-             ("mlp.up_proj", "mlp.c_fc", True), ("mlp.down_proj", "mlp.c_proj", True))
-    for layer in range(config.num_layers):
-        for ours, theirs, conv1d in pairs:
-            base, hf = f"blocks.{layer}.{ours}", f"transformer.h.{layer}.{theirs}"
-            rules.append(WeightRule(f"{base}.weight", (f"{hf}.weight",), transpose=conv1d))
-            rules.append(WeightRule(f"{base}.bias", (f"{hf}.bias",)))
-    rules += [WeightRule("final_norm.weight", ("transformer.ln_f.weight",)),
-              WeightRule("final_norm.bias", ("transformer.ln_f.bias",))]
-    return rules + _head_rule(config)
-
-
-def _llama_rules(config: LlamaConfig) -> list[WeightRule]:
-    rules = [WeightRule("embeddings.tokens.weight", ("model.embed_tokens.weight",))]
-    q_size, kv_size, ffn = config.hidden_size, config.kv_heads * config.head_dim, config.ffn_size
-    for layer in range(config.num_layers):
-        base, hf = f"blocks.{layer}", f"model.layers.{layer}"
-        qkv = tuple(f"{hf}.self_attn.{name}_proj" for name in "qkv")
-        rules.append(WeightRule(f"{base}.attn_norm.weight", (f"{hf}.input_layernorm.weight",)))
-        rules.append(WeightRule(f"{base}.attn.qkv_proj.weight", tuple(f"{p}.weight" for p in qkv),
-                                (q_size, kv_size, kv_size)))
-        if config.qkv_bias:
-            rules.append(WeightRule(f"{base}.attn.qkv_proj.bias", tuple(f"{p}.bias" for p in qkv),
-                                    (q_size, kv_size, kv_size)))
-        rules += [WeightRule(f"{base}.attn.out_proj.weight", (f"{hf}.self_attn.o_proj.weight",)),
-                  WeightRule(f"{base}.mlp_norm.weight", (f"{hf}.post_attention_layernorm.weight",)),
-                  WeightRule(f"{base}.mlp.gate_up_proj.weight",
-                             (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"), (ffn, ffn)),
-                  WeightRule(f"{base}.mlp.down_proj.weight", (f"{hf}.mlp.down_proj.weight",))]
-    return rules + [WeightRule("final_norm.weight", ("model.norm.weight",))] + _head_rule(config)
-
-
-def _head_rule(config: DecoderConfigType) -> list[WeightRule]:
-    return [] if config.tie_embeddings else [WeightRule("lm_head_weight", ("lm_head.weight",))]
-
-
-def _tied_embedding_key(config: DecoderConfigType) -> str:
-    return "transformer.wte.weight" if isinstance(config, GPT2Config) else "model.embed_tokens.weight"
-
-
-def _ignored(key: str) -> bool:
-    """Buffers some older HF checkpoints saved: GPT-2's causal-mask tensors, Llama's RoPE inv_freq."""
-    return key.endswith((".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq"))
-
-
-def _normalise_keys(tensors: StateDict, config: DecoderConfigType) -> StateDict:
-    """Original GPT-2 checkpoints name the base model's tensors without the `transformer.` prefix."""
-    if isinstance(config, GPT2Config) and not any(key.startswith("transformer.") for key in tensors):
-        return {key if key == "lm_head.weight" else f"transformer.{key}": value for key, value in tensors.items()}
-    return tensors
-
-
-def to_fastlm_state(tensors: StateDict, config: DecoderConfigType, source: str = "checkpoint") -> StateDict:
+def to_fastlm_state(tensors: StateDict, config: DecoderConfig, source: str = "checkpoint") -> StateDict:
     """HF-named tensors -> our state dict; missing, unexpected or mis-shaped tensors are named in the error."""
-    tensors = _normalise_keys(tensors, config)
-    rules = weight_rules(config)
+    adapter = family_of(config).hf
+    tensors = adapter.normalise_keys(tensors)
+    rules = adapter.weight_rules(config)
     used = {name for rule in rules for name in rule.theirs}
     issues = [ConfigIssue(name, "tensor is missing from the checkpoint", source=source)
               for rule in rules for name in rule.theirs if name not in tensors]
     if config.tie_embeddings and "lm_head.weight" in tensors:
         used.add("lm_head.weight")
-        embedding = tensors.get(_tied_embedding_key(config))
+        embedding = tensors.get(adapter.embedding_key)
         if embedding is not None and not torch.equal(tensors["lm_head.weight"], embedding):
             issues.append(ConfigIssue("lm_head.weight", "differs from the token embedding but the config ties them",
                                       source=source, hint="set tie_word_embeddings: false in config.json"))
     issues += [ConfigIssue(name, "unexpected tensor (no place for it in the fastlm model)", source=source)
-               for name in sorted(set(tensors) - used) if not _ignored(name)]
+               for name in sorted(set(tensors) - used) if not name.endswith(adapter.ignored_suffixes)]
     if issues:
         raise ConfigError(issues)
     state = {}
@@ -372,7 +139,7 @@ def to_fastlm_state(tensors: StateDict, config: DecoderConfigType, source: str =
     return state
 
 
-def to_hf_state(state: Mapping[str, torch.Tensor], config: DecoderConfigType) -> StateDict:
+def to_hf_state(state: Mapping[str, torch.Tensor], config: DecoderConfig) -> StateDict:
     """Our state dict -> HF-named, contiguous CPU tensors (tied output weight stored once, as HF does)."""
     tensors: StateDict = {}
     for rule in weight_rules(config):
@@ -478,7 +245,7 @@ def available_memory() -> int:
     return available
 
 
-def check_fits_memory(config: DecoderConfigType, source: str, bytes_per_value: int = 4) -> None:
+def check_fits_memory(config: DecoderConfig, source: str, bytes_per_value: int = 4) -> None:
     """Refuse, with the numbers, a model whose weights (fp32 on CPU) cannot fit the memory left, before
     anything is allocated: a hostile config.json would otherwise allocate until the machine gives out."""
     count = num_parameters(config)
@@ -491,20 +258,11 @@ def check_fits_memory(config: DecoderConfigType, source: str, bytes_per_value: i
                                       hint="check hidden_size / num_hidden_layers / vocab_size in config.json"))
 
 
-def _architecture(config: DecoderConfigType) -> dict[str, Any]:
-    """What decides the weights' shapes and the forward's math (not init, dropout or the loss head)."""
-    values = {"type": config.type, "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-              "num_layers": config.num_layers, "num_heads": config.num_heads, "intermediate_size": config.ffn_size,
-              "norm_eps": config.norm_eps, "tie_embeddings": config.tie_embeddings}
-    if isinstance(config, GPT2Config):
-        return {**values, "max_seq_len": config.max_seq_len}
-    return {**values, "num_kv_heads": config.kv_heads, "rope_theta": config.rope_theta,
-            "qkv_bias": config.qkv_bias, "sliding_window": config.sliding_window}
-
-
-def check_matches(config: DecoderConfigType, expected: DecoderConfigType, source: str) -> None:
+def check_matches(config: DecoderConfig, expected: DecoderConfig, source: str) -> None:
     """`config` (the run's model section) must describe the checkpoint's architecture exactly."""
-    ours, theirs = _architecture(config), _architecture(expected)
+    ours, theirs = config.architecture(), expected.architecture()
+    if ours.get("type") != theirs.get("type"):
+        ours, theirs = {"type": ours.get("type")}, {"type": theirs.get("type")}
     issues = [ConfigIssue(f"model.{key}", f"does not match the checkpoint, which has {theirs.get(key)!r}",
                           value, source, "run `fastlm convert --from-hf DIR` to print the matching model section")
               for key, value in ours.items() if theirs.get(key) != value]
@@ -539,7 +297,7 @@ def import_hf(directory: str | Path, device: torch.device | str | None = None) -
     return model
 
 
-def save_hf(config: DecoderConfigType, state: Mapping[str, torch.Tensor], directory: str | Path,
+def save_hf(config: DecoderConfig, state: Mapping[str, torch.Tensor], directory: str | Path,
             tokenizer: Tokenizer) -> Path:
     """Write config.json + model.safetensors + the tokenizer's files: transformers' `from_pretrained` loads
     the model and `AutoTokenizer` its tokenizer from the one folder."""
@@ -568,7 +326,7 @@ def save_fastlm(model: DecoderLM, directory: str | Path, init_path: str | None =
     return directory
 
 
-def load_fastlm(source: str | Path) -> tuple[DecoderConfigType, StateDict, Tokenizer]:
+def load_fastlm(source: str | Path) -> tuple[DecoderConfig, StateDict, Tokenizer]:
     """Model config, weights and the run's tokenizer from a `save_fastlm` folder, a checkpoint step folder
     (manifest.json), a checkpoints folder (`latest`) or a run folder (checkpoints/): the newest verified
     checkpoint. The tokenizer is the stored run config's (`data.tokenizer`, else `run.init_path`'s, else bytes)."""

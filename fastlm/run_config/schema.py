@@ -10,13 +10,14 @@ from fastlm.config.base import ConfigModel
 from fastlm.data.config import DataConfig
 from fastlm.engine.config import DistributedConfig, OptimizerConfig, RunSection, ScheduleConfig, TrainerConfig
 from fastlm.logging.config import LoggingConfig
-from fastlm.models.config import LlamaConfig, ModelConfig
+from fastlm.models.config import DEFAULT_FAMILY, ModelConfig
+from fastlm.models.registry import FAMILIES
 from fastlm.rl.config import RLConfig
 
 
 class RunConfig(ConfigModel):
     run: RunSection = Field(default_factory=RunSection)
-    model: ModelConfig = Field(default_factory=LlamaConfig)
+    model: ModelConfig = Field(default_factory=FAMILIES[DEFAULT_FAMILY].config)  # type: ignore[arg-type]
     data: DataConfig = Field(default_factory=DataConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
@@ -31,7 +32,7 @@ class RunConfig(ConfigModel):
         """A section given without `type:` means the default variant (llama model, generated data)."""
         if isinstance(data, dict):
             data = dict(data)
-            for section, key, default in (("model", None, "llama"), ("data", "source", "generated")):
+            for section, key, default in (("model", None, DEFAULT_FAMILY), ("data", "source", "generated")):
                 node = data.get(section)
                 if key is not None:
                     parent = node if isinstance(node, dict) else None

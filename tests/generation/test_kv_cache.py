@@ -55,7 +55,7 @@ def test_cached_forward_equals_uncached(name: str, padding: str) -> None:
     continuation = torch.randint(0, 256, (len(prompts), 6), generator=torch.Generator().manual_seed(2))
     width = max(len(p) for p in prompts)
     config = model.config
-    kv_heads = config.num_heads if model.is_gpt2 else config.kv_heads
+    kv_heads = config.kv_heads
     cache = KVCache(config.num_layers, len(prompts), config.num_heads, kv_heads, width + 6, config.head_dim,
                     torch.float64, "cpu", uniform_columns=padding == "left")
     tokens = torch.zeros(len(prompts), width, dtype=torch.int64)

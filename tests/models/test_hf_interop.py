@@ -211,14 +211,15 @@ def _hf_dict(kind: str, **overrides: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("kind", "overrides", "field"), [
-    ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope_parameters.rope_type"),
-    ("llama", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling"),
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_parameters.rope_type"),
+    ("llama", {"rope_parameters": {"rope_type": "longrope", "factor": 2.0, "rope_theta": 1e4}}, "rope_parameters.rope_type"),
+    ("llama", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type"),
     ("llama", {"attention_bias": True}, "attention_bias"),
     ("llama", {"mlp_bias": True}, "mlp_bias"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act"),
-    ("llama", {"head_dim": 32}, "head_dim"),
+    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ("llama", {"attention_dropout": 0.1}, "attention_dropout"),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1, "layer_types": None}, "max_window_layers"),
+    ("qwen2", {"layer_types": ["sliding_attention", "global"]}, "layer_types"),
     ("mistral", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
     ("gpt2", {"activation_function": "relu"}, "activation_function"),
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),

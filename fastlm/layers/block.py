@@ -1,0 +1,56 @@
+"""The residual decoder block every family composes from its parts: pre-norm (x + attn(norm(x))) or
+sandwich-norm (x + post_norm(attn(norm(x))), Gemma) around attention and MLP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fastlm.layers.attention import Attention, Rotary
+from fastlm.layers.kv_cache import LayerCache
+from fastlm.layers.packed_attention import AttentionLayout
+
+
+class DecoderBlock(nn.Module):
+    """x + post_attn_norm(attn(attn_norm(x))), then x + post_mlp_norm(mlp(mlp_norm(x))); the post norms are
+    optional (None: plain pre-norm). Norms and the MLP are any modules with `reset_parameters`."""
+
+    def __init__(self, attn_norm: nn.Module, attn: Attention, mlp_norm: nn.Module, mlp: nn.Module, dropout: float,
+                 post_attn_norm: nn.Module | None = None, post_mlp_norm: nn.Module | None = None) -> None:
+        super().__init__()
+        self.attn_norm = attn_norm
+        self.attn = attn
+        self.post_attn_norm = post_attn_norm
+        self.mlp_norm = mlp_norm
+        self.mlp = mlp
+        self.post_mlp_norm = post_mlp_norm
+        self.dropout = nn.Dropout(dropout)
+        self.activation_checkpointing = False  # set by DecoderLM.set_activation_checkpointing
+
+    def forward(self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        """With activation checkpointing (and grad on), only x is kept; backward recomputes the block.
+        Generation passes a `cache` (and no layout)."""
+        if self.activation_checkpointing and torch.is_grad_enabled() and cache is None:
+            return checkpoint(self._forward, x, rotary, layout, use_reentrant=False)
+        return self._forward(x, rotary, layout, cache)
+
+    def _forward(self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None,
+                 cache: LayerCache | None = None) -> torch.Tensor:
+        attended = self.attn(self.attn_norm(x), rotary, layout, cache)
+        if self.post_attn_norm is not None:
+            attended = self.post_attn_norm(attended)
+        x = x + self.dropout(attended)
+        mixed = self.mlp(self.mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            mixed = self.post_mlp_norm(mixed)
+        return x + self.dropout(mixed)
+
+    def reset_parameters(self, std: float, residual_std: float) -> None:
+        """Norms to the identity, projections normal(0, std), residual outputs normal(0, residual_std)."""
+        for norm in (self.attn_norm, self.post_attn_norm, self.mlp_norm, self.post_mlp_norm):
+            if norm is not None:
+                norm.reset_parameters()
+        self.attn.reset_parameters(std, residual_std)
+        self.mlp.reset_parameters(std, residual_std)

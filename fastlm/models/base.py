@@ -1,0 +1,137 @@
+"""What every model family's config shares, and the interface a family fills in (docs/architecture.md,
+"Model families"): its blocks, its per-layer attention, its sizing. The generic decoder, sizing, HF
+interop and generator call only these methods, so nothing outside a family branches on its type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import Field, model_validator
+
+from fastlm.config.base import ConfigModel
+from fastlm.layers.rope_scaling import RopeScaling
+from fastlm.losses.config import LMHeadConfig
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+@dataclass(frozen=True)
+class Rope:
+    """A layer's rotary embedding: base `theta`, optional frequency `scaling` (hashable: layers sharing it
+    share one cos/sin per forward)."""
+
+    theta: float
+    scaling: RopeScaling | None = None
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends: a sliding `window` (None: global) and its `rope` (None: no rotary, e.g. learned
+    positions). The decoder builds one mask per distinct window and one cos/sin per distinct rope."""
+
+    window: int | None
+    rope: Rope | None
+
+
+class DecoderConfig(ConfigModel):
+    """What every decoder shares. A family subclasses it with a `type: Literal[...]` discriminator and
+    overrides the family interface below."""
+
+    vocab_size: int = Field(260, ge=2, description="Must cover the tokenizer (byte tokenizer: 260).")
+    hidden_size: int = Field(128, ge=1)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    head_dim: int | None = Field(None, ge=1, description="Defaults to hidden_size / num_heads.")
+    max_seq_len: int = Field(256, ge=1)
+    tie_embeddings: bool = True
+    init_std: float = Field(0.02, gt=0.0)
+    norm_eps: float = Field(1e-5, gt=0.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    head: LMHeadConfig = Field(default_factory=LMHeadConfig)
+
+    # Fields that do not change the weights' shapes or the forward's math (a checkpoint need not match them).
+    NOT_ARCHITECTURE: ClassVar[frozenset[str]] = frozenset({"head", "init_std", "dropout", "max_seq_len"})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_head_dim(cls, data: Any) -> Any:
+        """head_dim is explicit after validation (hidden_size / num_heads unless the config decouples it)."""
+        if isinstance(data, dict) and data.get("head_dim") is None:
+            hidden = data.get("hidden_size", cls.model_fields["hidden_size"].default)
+            heads = data.get("num_heads", cls.model_fields["num_heads"].default)
+            if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+                if hidden % heads:
+                    raise ValueError(f"hidden_size {hidden} is not divisible by num_heads {heads}; "
+                                     "pick num_heads that divides hidden_size, or set head_dim")
+                data = {**data, "head_dim": hidden // heads}
+        return data
+
+    # --- the family interface ---------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (grouped-query attention); all heads by default."""
+        return self.num_heads
+
+    @property
+    def ffn_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def embedding_scale(self) -> float:
+        """Factor on the token embedding (Gemma: sqrt(hidden_size))."""
+        return 1.0
+
+    @property
+    def learned_positions(self) -> int | None:
+        """Rows of a learned position embedding (GPT-2: max_seq_len); None without one."""
+        return None
+
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """Layer `layer`'s window and rotary embedding."""
+        raise NotImplementedError
+
+    def build_block(self, layer: int) -> nn.Module:
+        """Layer `layer` as a `fastlm.layers.block.DecoderBlock` (or any module with its forward and
+        `reset_parameters(std, residual_std)`); imports torch lazily."""
+        raise NotImplementedError
+
+    def build_final_norm(self) -> nn.Module:
+        raise NotImplementedError
+
+    def block_parameters(self, layer: int) -> int:
+        """Parameters of block `layer`, written out from the architecture (independent of the module code)."""
+        raise NotImplementedError
+
+    def blocks_parameters(self) -> int:
+        """All blocks; a family whose layers differ in size overrides this (a hostile config.json may
+        claim 10^15 layers, so the default multiplies instead of summing layer by layer)."""
+        return self.num_layers * self.block_parameters(0)
+
+    def final_norm_parameters(self) -> int:
+        raise NotImplementedError
+
+    def embedding_parameters(self) -> int:
+        """Token (+ learned position) embeddings and the untied output matrix, if any."""
+        tokens = self.vocab_size * self.hidden_size
+        positions = (self.learned_positions or 0) * self.hidden_size
+        return tokens + positions + (0 if self.tie_embeddings else tokens)
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs of the QK^T and AV products per token: 12 * (q heads * head_dim) * span per layer
+        (2 * 2 * span * width forward, x3 with the backward), span = min(seq_len, the layer's window); like
+        PaLM the causal halving is not applied, and packed documents are not taken into account."""
+        width = self.num_heads * (self.head_dim or 0)
+        total = 0.0
+        for layer in range(self.num_layers):
+            window = self.layer_attention(layer).window
+            total += 12.0 * width * (min(seq_len, window) if window else seq_len)
+        return total
+
+    def architecture(self) -> dict[str, Any]:
+        """What decides the weights' shapes and the forward's math, resolved (defaults filled in): a run's
+        model section must equal its `run.init_path` checkpoint's on these."""
+        values = self.model_dump(mode="json", exclude=set(self.NOT_ARCHITECTURE))
+        values["intermediate_size"] = self.ffn_size
+        return values
