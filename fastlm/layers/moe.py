@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastlm.layers.init import init_linear
-from fastlm.layers.mlp import SwiGLUMLP
+from fastlm.layers.mlp import GatedMLP
 
 ExpertBackend = Literal["auto", "grouped", "gather", "loop"]
 """How the experts' GEMMs run: `grouped` (`torch._grouped_mm`), `gather` (each assignment's weights
@@ -176,7 +176,7 @@ class MoEMLP(nn.Module):
         self.hidden_size, self.ffn_size = hidden_size, ffn_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts * 2 * ffn_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts * hidden_size, ffn_size))
-        self.shared_expert = None if shared_ffn_size is None else SwiGLUMLP(hidden_size, shared_ffn_size)
+        self.shared_expert = None if shared_ffn_size is None else GatedMLP(hidden_size, shared_ffn_size, "silu")
         self.shared_expert_gate = None if shared_ffn_size is None else nn.Linear(hidden_size, 1, bias=False)
         self.router_sums: RouterSums | None = None  # the last forward's, for `router_losses`
 
@@ -195,6 +195,10 @@ class MoEMLP(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.reshape(x.shape)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave the last forward's sums behind (they hold autograd graph tensors)."""
+        return {**self.__dict__, "router_sums": None}
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """gate_up (E, 2F, H) and down (E, H, F) views of the stacked parameters."""

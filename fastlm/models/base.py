@@ -112,6 +112,13 @@ class DecoderConfig(ConfigModel):
     def final_norm_parameters(self) -> int:
         raise NotImplementedError
 
+    def active_block_parameters(self, layer: int) -> int:
+        """Parameters of block `layer` that one token multiplies by (a mixture of experts: its top-k only)."""
+        return self.block_parameters(layer)
+
+    def active_blocks_parameters(self) -> int:
+        return sum(self.active_block_parameters(layer) for layer in range(self.num_layers))
+
     def embedding_parameters(self) -> int:
         """Token (+ learned position) embeddings and the untied output matrix, if any."""
         tokens = self.vocab_size * self.hidden_size

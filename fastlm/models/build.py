@@ -19,6 +19,11 @@ def num_parameters(config: ModelConfig) -> int:
     return config.blocks_parameters() + config.embedding_parameters() + config.final_norm_parameters()
 
 
+def active_parameters(config: ModelConfig) -> int:
+    """Parameters one token uses (all of them in a dense model; a mixture of experts counts its top-k)."""
+    return config.active_blocks_parameters() + config.embedding_parameters() + config.final_norm_parameters()
+
+
 def describe_count(count: int) -> str:
     """A count for a message: digits with separators, or a power of ten when it is astronomically large
     (a float conversion overflows past 1e308 and a decimal string is refused past 4300 digits)."""
@@ -38,10 +43,10 @@ def model_flops_per_token(config: ModelConfig, seq_len: int) -> float:
 
         6 * N_matmul + attention (12 * (heads * head_dim) * span per layer)
 
-    N_matmul counts the weights used in matmuls: all parameters except the input embeddings (a
+    N_matmul counts the weights a token multiplies by (a mixture of experts: its top-k experts): all except the input embeddings (a
     lookup costs no FLOPs), plus the output projection V*H (counted even when tied, since the head
     matmul runs either way). The attention term is the QK^T and AV products with span = seq_len, or the
     layer's sliding window when shorter (`DecoderConfig.attention_flops_per_token`).
     """
-    n_matmul = num_parameters(config) - config.embedding_parameters() + config.vocab_size * config.hidden_size
+    n_matmul = active_parameters(config) - config.embedding_parameters() + config.vocab_size * config.hidden_size
     return 6.0 * n_matmul + config.attention_flops_per_token(seq_len)

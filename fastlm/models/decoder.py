@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fastlm.layers.embedding import Embeddings, document_positions
+from fastlm.layers.moe import add_router_losses
 from fastlm.layers.kv_cache import CacheMask, KVCache
 from fastlm.layers.packed_attention import LayoutKind, attention_layout
 from fastlm.layers.rotary import rotary_angles
@@ -151,8 +152,10 @@ class DecoderLM(nn.Module):
         """Hidden states flattened to (B*S, H), then the LM head computes every configured loss."""
         hidden = self.hidden_states(input_ids, document_ids).reshape(-1, self.config.hidden_size)
         if self.tp_group is not None:
-            return vocab_parallel_loss(self.head, hidden, self.output_weight, targets, normalizers, self.tp_group)
-        return self.head(hidden, self.output_weight, targets, normalizers)
+            result = vocab_parallel_loss(self.head, hidden, self.output_weight, targets, normalizers, self.tp_group)
+        else:
+            result = self.head(hidden, self.output_weight, targets, normalizers)
+        return add_router_losses(result, self, input_ids.numel(), normalizers.positions)  # MoE blocks' routers
 
 
 def _check_inputs(input_ids: torch.Tensor, document_ids: torch.Tensor | None, vocab_size: int) -> None:

@@ -15,6 +15,8 @@ from fastlm.models.family import Family
 FAMILY_PACKAGES = (
     "gpt2",
     "llama",
+    "mixtral",
+    "olmoe",
 )
 DEFAULT_FAMILY = "llama"  # the model section's `type:` when a config leaves it out
 
