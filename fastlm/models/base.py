@@ -117,7 +117,8 @@ class DecoderConfig(ConfigModel):
         return self.block_parameters(layer)
 
     def active_blocks_parameters(self) -> int:
-        return sum(self.active_block_parameters(layer) for layer in range(self.num_layers))
+        """All blocks' active parameters; multiplied out like `blocks_parameters` (a family whose layers differ overrides)."""
+        return self.num_layers * self.active_block_parameters(0)
 
     def embedding_parameters(self) -> int:
         """Token (+ learned position) embeddings and the untied output matrix, if any."""
