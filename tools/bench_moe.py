@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastlm.layers.moe import MoEMLP  # noqa: E402
+from fastlm.layers.moe import MoEMLP
 
 
 @dataclass(frozen=True)

@@ -66,18 +66,18 @@ def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
-def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` takes these operands: bf16 on CUDA (SM >= 80), fp32/bf16 on CPU (eager),
-    and every GEMM dimension a multiple of 16 bytes (the kernels' stride alignment)."""
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, hidden_size: int, ffn_size: int) -> bool:
+    """Whether `torch._grouped_mm` takes the experts' GEMMs in `dtype` on `device`: bf16 on CUDA (SM >= 80),
+    fp32/bf16 on CPU (eager), with hidden and ffn sizes multiples of 16 bytes (the kernels' stride alignment)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    if x.device.type == "cuda":
-        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
+    if device.type == "cuda":
+        if dtype != torch.bfloat16 or torch.cuda.get_device_capability(device) < (8, 0):
             return False
-    elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+    elif device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return False
-    align = 16 // x.element_size()
-    return all(size % align == 0 for w in weights for size in w.shape[1:])
+    align = 16 // dtype.itemsize
+    return hidden_size % align == 0 and ffn_size % align == 0
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -85,11 +85,12 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
 
-def pick_backend(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertBackend:
-    """`auto`'s choice for these operands (see `ExpertBackend`)."""
+def pick_backend(rows: torch.Tensor, down: torch.Tensor) -> ExpertBackend:
+    """`auto`'s choice for these operands (see `ExpertBackend`). Off the grouped path a CUDA training step
+    takes the loop (it reads the counts: one host sync per MoE layer); gather would hold N x 2F x H."""
     if rows.device.type != "cuda":
         return "loop"
-    if grouped_mm_supported(rows.to(_compute_dtype(rows)), gate_up, down):
+    if grouped_mm_supported(rows.device, _compute_dtype(rows), down.shape[1], down.shape[2]):
         return "grouped"
     return "gather" if torch.cuda.is_current_stream_capturing() else "loop"
 
@@ -105,9 +106,12 @@ def expert_mlp(
     """SwiGLU of each row through its expert: rows (N, H) sorted by expert (`row_experts` (N,), `counts`
     (E,)), gate_up (E, 2F, H) gate then up, down (E, H, F) -> (N, H)."""
     if backend == "auto":
-        backend = pick_backend(rows, gate_up, down)
+        backend = pick_backend(rows, down)
     dtype = _compute_dtype(rows)
     if backend == "grouped":
+        if not grouped_mm_supported(rows.device, dtype, down.shape[1], down.shape[2]):
+            raise ValueError(f"moe.backend grouped: torch._grouped_mm does not take {dtype} on {rows.device.type} with "
+                             f"hidden {down.shape[1]} and expert width {down.shape[2]}; use backend auto")
         rows, gate_up, down = rows.to(dtype), gate_up.to(dtype), down.to(dtype)
         offsets = counts.cumsum(0).to(torch.int32)
         gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)

@@ -25,7 +25,7 @@ class MoESettings(ConfigModel):
         "auto", description="Experts' GEMMs: grouped (torch._grouped_mm), gather, loop (reference); auto picks.")
 
     @model_validator(mode="after")
-    def _check_top_k(self) -> "MoESettings":
+    def _check_top_k(self) -> MoESettings:
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k {self.top_k} is more than num_experts {self.num_experts}; pick top_k <= num_experts")
         return self

@@ -7,15 +7,18 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
 
-from dist_helpers import final_weights, max_rel_err, run_config, spawn, train_run  # noqa: E402
+from dist_helpers import final_weights, max_rel_err, run_config, spawn, train_run
 
 MODEL = {"type": "mixtral", "num_kv_heads": 1,
          "moe": {"num_experts": 4, "top_k": 2, "ffn_size": 16, "aux_loss_coef": 0.0, "z_loss_coef": 0.01}}
 SECTIONS = {"model": MODEL, "trainer": {"grad_accumulation": 2}}
 
 
+@pytest.mark.slow
 def test_fsdp_moe_matches_single_process(tmp_path: Path) -> None:
     single_config = run_config(tmp_path, "single", data={"micro_batch_size": 4}, **SECTIONS)
     parallel_config = run_config(tmp_path, "parallel", distributed={"data_parallel": "fsdp"}, **SECTIONS)

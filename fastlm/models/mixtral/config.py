@@ -21,7 +21,7 @@ class MixtralConfig(LlamaConfig):
     moe: MoESettings = Field(default_factory=MoESettings)
 
     @model_validator(mode="after")
-    def _check_moe(self) -> "MixtralConfig":
+    def _check_moe(self) -> MixtralConfig:
         if self.intermediate_size is not None:
             raise ValueError("a mixtral model has no dense MLP: set the experts' width in moe.ffn_size, "
                              "not intermediate_size")

@@ -7,7 +7,13 @@ from typing import Any, ClassVar
 
 from fastlm.config.errors import ConfigIssue
 from fastlm.models.hf_adapter import HFAdapter, Reader, WeightRule
-from fastlm.models.llama.hf import SILU_ACTIVATIONS, llama_like_fields, llama_like_to_hf, split_rules, window_fields
+from fastlm.models.llama.hf import (
+    SILU_ACTIVATIONS,
+    llama_like_fields,
+    llama_like_to_hf,
+    split_rules,
+    window_fields,
+)
 from fastlm.models.mixtral.config import MixtralConfig
 from fastlm.models.moe_family import expert_rules, moe_settings
 

@@ -22,7 +22,7 @@ class OlmoeConfig(LlamaConfig):
     moe: MoESettings = Field(default_factory=lambda: MoESettings(normalize_top_k=False))
 
     @model_validator(mode="after")
-    def _check_moe(self) -> "OlmoeConfig":
+    def _check_moe(self) -> OlmoeConfig:
         if self.intermediate_size is not None:
             raise ValueError("an olmoe model has no dense MLP: set the experts' width in moe.ffn_size, "
                              "not intermediate_size")

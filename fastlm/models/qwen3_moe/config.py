@@ -21,7 +21,7 @@ class Qwen3MoeConfig(Qwen3Config):
     dense_layers: list[int] = Field(default_factory=list, description="Layers with a dense MLP instead of experts.")
 
     @model_validator(mode="after")
-    def _check_dense_layers(self) -> "Qwen3MoeConfig":
+    def _check_dense_layers(self) -> Qwen3MoeConfig:
         bad = [layer for layer in self.dense_layers if not 0 <= layer < self.num_layers]
         if bad or len(set(self.dense_layers)) != len(self.dense_layers):
             raise ValueError(f"dense_layers {self.dense_layers} must list distinct layers in [0, {self.num_layers})")
