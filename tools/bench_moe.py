@@ -4,8 +4,10 @@ forward + backward, bf16; and whole models: an MoE preset against a dense model 
 tokens/s and MFU counted on active parameters (tools/bench_train.py's loop).
 
     python tools/bench_moe.py                        # CUDA: layer shapes (16-64 experts, top-2..8, hidden 1024-2048)
-    python tools/bench_moe.py --models qwen3-moe-tiny # + whole-model rows (MoE preset and its dense twin)
-    python tools/bench_moe.py --cpu-smoke             # CPU: tiny shapes, float32, a few repeats (CI smoke test)
+    python tools/bench_moe.py --models olmoe-1b-7b --batch 4 --seq-len 2048
+                                                      # + whole models: the preset on grouped GEMMs, on the
+                                                      #   loop, and its dense twin (equal active size)
+    python tools/bench_moe.py --cpu-smoke --models mixtral-tiny   # CPU: tiny shapes, float32 (CI smoke test)
 
 Each layer row also prints the grouped path's largest error against the loop (relative to the output's
 largest value, and the same for the input gradient), the GPU check of the two paths within bf16 tolerance.
@@ -18,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -107,7 +110,7 @@ def bench_layer(shape: LayerShape, device: torch.device, dtype: torch.dtype, rep
         layer.backend = backend
         results[backend] = fwd_bwd(layer)()
         times[f"fastlm {backend}"] = time_ms(fwd_bwd(layer), device, repeats, warmup)
-    for implementation in (None, "grouped_mm"):
+    for implementation in (None, "grouped_mm") if device.type == "cuda" else (None,):
         name = f"transformers {implementation or 'eager'}"
         try:
             block = transformers_block(shape, implementation, layer)
@@ -124,20 +127,94 @@ def bench_layer(shape: LayerShape, device: torch.device, dtype: torch.dtype, rep
     return rows
 
 
-def bench_models(presets: list[str], batch: int, seq_len: int, steps: int, device: torch.device) -> list[str]:
-    """Each MoE preset and its dense twin (same attention, one SwiGLU MLP of the active experts' width):
-    tools/bench_train.py's step, MFU on active parameters."""
-    from bench_train import bench, measured_peak_flops, table
+def dense_twin(config: Any) -> Any:
+    """A Llama of the MoE model's attention shape whose SwiGLU MLP is top_k experts wide: the same active
+    parameters per token but the router's (and OLMoE's q/k norms)."""
+    from fastlm.models.llama.config import LlamaConfig
 
-    from fastlm.models.moe_family import dense_twin_config
+    fields = {"vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_seq_len",
+              "tie_embeddings", "rope_theta", "norm_eps", "head"}
+    return LlamaConfig.model_validate({**config.model_dump(include=fields),
+                                       "intermediate_size": config.moe.top_k * config.moe.ffn_size})
+
+
+@dataclass
+class ModelRow:
+    name: str
+    parameters: int
+    active: int
+    tokens_per_second: float
+    mfu: float
+    peak_memory_gib: float
+
+
+def time_model(name: str, config: Any, batch: int, seq_len: int, steps: int, device: torch.device, peak: float) -> ModelRow:
+    """tools/bench_train.py's step (bf16 autocast on CUDA, the chunked head's CE + z-loss, fused AdamW) on
+    synthetic rows; MFU on the active parameters' FLOPs (`model_flops_per_token`)."""
+    from bench_train import synthetic_batches
+
+    from fastlm.engine.optim import build_optimizer
+    from fastlm.engine.runtime import autocast
+    from fastlm.losses.spec import LossNormalizers, LossTargets
+    from fastlm.models import (
+        active_parameters,
+        build_model,
+        model_flops_per_token,
+        num_parameters,
+    )
+    from fastlm.run_config.schema import RunConfig
+
+    run = RunConfig.model_validate({"model": config.model_dump()})
+    torch.manual_seed(0)
+    model = build_model(run.model, device=device).train()
+    optimizer = build_optimizer(model, run.optimizer)
+    amp = torch.bfloat16 if device.type == "cuda" else None
+    batches = synthetic_batches(config.vocab_size, batch, seq_len, False, device)
+
+    def step(index: int) -> None:
+        rows = batches[index % len(batches)]
+        with autocast(device, amp):
+            result = model(rows.input_ids, LossTargets(labels=rows.labels),
+                           LossNormalizers(tokens=rows.tokens, positions=float(rows.input_ids.numel())))
+        result.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    ms = time_ms(lambda: step(0), device, steps, 2)
+    tokens_per_second = batch * seq_len / (ms / 1e3)
+    mfu = model_flops_per_token(run.model, seq_len) * tokens_per_second / peak
+    memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    return ModelRow(name, num_parameters(run.model), active_parameters(run.model), tokens_per_second, mfu, memory)
+
+
+def bench_models(presets: list[str], batch: int, seq_len: int, steps: int, device: torch.device) -> list[str]:
+    """Each MoE preset on grouped GEMMs and on the loop, and its dense twin, in one run."""
+    import yaml
+    from bench_train import measured_peak_flops
+
+    from fastlm.run_config.schema import RunConfig
 
     peak = measured_peak_flops(device)
-    rows = []
+    lines = [f"matmul peak {peak / 1e12:.1f} TFLOP/s; batch {batch} x seq {seq_len}",
+             "| model | params | active | tokens/s | MFU (active) | peak mem GiB | MFU / dense twin's |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for preset in presets:
-        rows.append(bench(preset, "compiled", "plain", batch, seq_len, steps, 2, device, peak))
-        rows.append(bench(preset, "compiled", "plain", batch, seq_len, steps, 2, device, peak,
-                          model_override=dense_twin_config(preset)))
-    return table(rows, peak, torch.cuda.get_device_name() if device.type == "cuda" else "cpu").splitlines()
+        document = yaml.safe_load((ROOT / "configs" / "presets" / f"{preset}.yaml").read_text())
+        config = RunConfig.model_validate(document).model
+        grouped, loop = (config.model_copy(update={"moe": config.moe.model_copy(update={"backend": backend})})
+                         for backend in ("grouped", "loop"))
+        rows = [time_model(f"{preset} dense twin", dense_twin(config), batch, seq_len, steps, device, peak),
+                time_model(f"{preset} grouped", grouped, batch, seq_len, steps, device, peak),
+                time_model(f"{preset} loop", loop, batch, seq_len, steps, device, peak)]
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        for row in rows:
+            lines.append(f"| {row.name} | {row.parameters / 1e6:.1f}M | {row.active / 1e6:.1f}M | "
+                         f"{row.tokens_per_second:,.0f} | {row.mfu:.1%} | {row.peak_memory_gib:.1f} | "
+                         f"{row.mfu / rows[0].mfu:.2f} |")
+    return lines
 
 
 def main() -> int:
@@ -160,7 +237,8 @@ def main() -> int:
         for row in bench_layer(shape, device, dtype, repeats, warmup):
             print(row)
     if args.models:
-        for line in bench_models(args.models, args.batch, args.seq_len, args.steps, device):
+        batch, seq_len, steps = (2, 32, 1) if args.cpu_smoke else (args.batch, args.seq_len, args.steps)
+        for line in bench_models(args.models, batch, seq_len, steps, device):
             print(line)
     return 0
 
