@@ -15,8 +15,12 @@ from fastlm.models.family import Family
 FAMILY_PACKAGES = (
     "gpt2",
     "llama",
+    "qwen3",
+    "gemma3",
+    "phi3",
     "mixtral",
     "olmoe",
+    "qwen3_moe",
 )
 DEFAULT_FAMILY = "llama"  # the model section's `type:` when a config leaves it out
 

@@ -17,7 +17,8 @@ PRESETS = sorted(path.stem for path in PRESET_DIR.glob("*.yaml"))
 
 
 def test_every_expected_preset_exists() -> None:
-    expected = {"tiny-llama", "tiny-gpt2", "gpt2-125m", "llama-350m", "llama-1b", "qwen2-tiny", "mistral-tiny"}
+    expected = {"tiny-llama", "tiny-gpt2", "gpt2-125m", "llama-350m", "llama-1b", "qwen2-tiny", "mistral-tiny",
+                *PUBLISHED}
     assert expected <= set(PRESETS)
     for name in PRESETS:
         first_line = (PRESET_DIR / f"{name}.yaml").read_text().splitlines()[0]
@@ -42,6 +43,24 @@ def test_preset_shapes_match_their_names() -> None:
     assert isinstance(qwen, LlamaConfig) and qwen.qkv_bias
     assert isinstance(mistral, LlamaConfig) and mistral.sliding_window
     assert isinstance(load_preset("tiny-gpt2"), GPT2Config)
+
+
+# Parameter counts of the published checkpoints, from their config.json shapes (tied embeddings counted once):
+# Qwen3-0.6B "0.6B" (0.44B non-embedding), Qwen3-1.7B "1.7B" (1.4B non-embedding), Llama-3.2-1B "1.24B",
+# Gemma-3-1B "1B", Phi-3-mini "3.8B".
+PUBLISHED = {"qwen3-0.6b": (596_049_920, 151936), "qwen3-1.7b": (1_720_574_976, 151936),
+             "llama3.2-1b": (1_235_814_400, 128256), "gemma3-1b": (999_885_952, 262144),
+             "phi3-mini": (3_821_079_552, 32064)}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_real_presets_print_the_published_parameter_count(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from fastlm.cli import main
+
+    count, vocab = PUBLISHED[name]
+    assert load_preset(name).vocab_size == vocab
+    assert main(["validate", str(PRESET_DIR / f"{name}.yaml"), "data.source.num_documents=20"]) == 0
+    assert f"{count:,} parameters ({count / 1e6:.2f} M)" in capsys.readouterr().out
 
 
 def test_meta_model_materialises_with_the_documented_init() -> None:

@@ -22,7 +22,7 @@ from fastlm.models.hf_adapter import (
 from fastlm.models.llama.config import LlamaConfig
 
 SILU_ACTIVATIONS = ("silu", "swish")
-_COMMON_DEFAULTS = {"hidden_act": "silu", "initializer_range": 0.02, "rms_norm_eps": 1e-6,
+COMMON_DEFAULTS = {"hidden_act": "silu", "initializer_range": 0.02, "rms_norm_eps": 1e-6,
                     "tie_word_embeddings": False, "attention_dropout": 0.0, "head_dim": None}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
@@ -88,11 +88,11 @@ def split_rules(config: LlamaConfig, layer: int, base: str, hf: str) -> list[Wei
 class LlamaAdapter(HFAdapter):
     model_types: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "mistral")
     defaults: ClassVar[dict[str, dict[str, Any]]] = {
-        "llama": {**_COMMON_DEFAULTS, "num_key_value_heads": None, "max_position_embeddings": 2048,
+        "llama": {**COMMON_DEFAULTS, "num_key_value_heads": None, "max_position_embeddings": 2048,
                   "attention_bias": False, "mlp_bias": False},
-        "qwen2": {**_COMMON_DEFAULTS, "num_key_value_heads": 32, "max_position_embeddings": 32768,
+        "qwen2": {**COMMON_DEFAULTS, "num_key_value_heads": 32, "max_position_embeddings": 32768,
                   "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "layer_types": None},
-        "mistral": {**_COMMON_DEFAULTS, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
+        "mistral": {**COMMON_DEFAULTS, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
                     "sliding_window": 4096, "layer_types": None},
     }
     embedding_key: ClassVar[str] = "model.embed_tokens.weight"
@@ -144,8 +144,11 @@ class LlamaAdapter(HFAdapter):
     def weight_rules(self, config: LlamaConfig) -> list[WeightRule]:  # type: ignore[override]
         rules = [WeightRule("embeddings.tokens.weight", (self.embedding_key,))]
         for layer in range(config.num_layers):
-            base, hf = f"blocks.{layer}", f"model.layers.{layer}"
-            rules += [WeightRule(f"{base}.attn_norm.weight", (f"{hf}.input_layernorm.weight",)),
-                      WeightRule(f"{base}.mlp_norm.weight", (f"{hf}.post_attention_layernorm.weight",)),
-                      *split_rules(config, layer, base, hf)]
+            rules += self.layer_rules(config, layer, f"blocks.{layer}", f"model.layers.{layer}")
         return rules + [WeightRule("final_norm.weight", ("model.norm.weight",))] + self.head_rule(config)
+
+    def layer_rules(self, config: LlamaConfig, layer: int, base: str, hf: str) -> list[WeightRule]:
+        """One block's tensors (families built on Llama extend or replace this)."""
+        return [WeightRule(f"{base}.attn_norm.weight", (f"{hf}.input_layernorm.weight",)),
+                WeightRule(f"{base}.mlp_norm.weight", (f"{hf}.post_attention_layernorm.weight",)),
+                *split_rules(config, layer, base, hf)]

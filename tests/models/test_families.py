@@ -1,0 +1,242 @@
+"""Every model family and option against transformers, on tiny random models transformers builds here
+(no downloads): logits (fp32, max abs err <= 1e-5), loss + one optimizer step, export then reload in
+transformers, greedy generation with the KV cache token for token, and the CLI path convert -> train
+(run.init_path) -> generate -> convert --to-hf for one folder per family."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers  # the `test` and `hf` extras
+
+from fastlm.cli import main
+from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.generation.generator import Generator
+from fastlm.generation.sampling import SamplingOptions
+from fastlm.losses.spec import LossNormalizers, LossTargets
+from fastlm.models.decoder import DecoderLM
+from fastlm.models.hf import config_from_hf, export_hf, import_hf
+
+VOCAB, SEQ, WINDOW = 260, 12, 4  # the byte tokenizer's vocab: `fastlm generate` decodes what it samples
+BASE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-5,
+        "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258}
+SLIDING, FULL = "sliding_attention", "full_attention"
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama2": ("LlamaConfig", BASE),
+    "llama3-rope-llama3-tied": ("LlamaConfig", {**BASE, "tie_word_embeddings": True, "rope_parameters": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8, "rope_theta": 500000.0}}),
+    "llama-rope-linear": ("LlamaConfig", {**BASE, "rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                                      "rope_theta": 10000.0}}),
+    "llama-rope-yarn": ("LlamaConfig", {**BASE, "rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}}),
+    "llama-head-dim": ("LlamaConfig", {**BASE, "head_dim": 12}),
+    "qwen2-mixed-windows": ("Qwen2Config", {**BASE, "use_sliding_window": True, "sliding_window": WINDOW,
+                                            "max_window_layers": 1}),
+    "mistral": ("MistralConfig", {**BASE, "sliding_window": WINDOW}),
+    "qwen3": ("Qwen3Config", {**BASE, "head_dim": 16, "tie_word_embeddings": True}),
+    "qwen3-mixed-windows": ("Qwen3Config", {**BASE, "head_dim": 8, "use_sliding_window": True,
+                                            "sliding_window": WINDOW, "layer_types": [FULL, SLIDING]}),
+    "gemma3": ("Gemma3TextConfig", {**BASE, "num_hidden_layers": 3, "head_dim": 16, "query_pre_attn_scalar": 12,
+                                    "sliding_window": WINDOW, "layer_types": [SLIDING, FULL, SLIDING],
+                                    "rope_parameters": {FULL: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                                        SLIDING: {"rope_type": "default", "rope_theta": 1e4}}}),
+    "phi3": ("Phi3Config", {**BASE, "sliding_window": WINDOW, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}),
+    "gpt2": ("GPT2Config", {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
+                            "bos_token_id": 256, "eos_token_id": 257}),
+}
+ONE_PER_FAMILY = ["llama3-rope-llama3-tied", "qwen2-mixed-windows", "mistral", "qwen3", "gemma3", "phi3", "gpt2"]
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Every tensor random (norm weights near their identity, biases non-zero) so a misplaced one shows."""
+    generator = torch.Generator().manual_seed(seed)
+    offset_norms = isinstance(model.config, transformers.Gemma3TextConfig)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+            is_norm = parameter.ndim == 1 and ("norm" in name or ".ln_" in name) and name.endswith("weight")
+            parameter.copy_(1.0 + 0.1 * noise if is_norm and not offset_norms else 0.1 * noise)
+
+
+def hf_model(case: str) -> torch.nn.Module:
+    config_name, fields = CASES[case]
+    config = getattr(transformers, config_name)(**fields)
+    config._attn_implementation = "eager"  # the masks (and windows) are explicit in eager attention
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    _randomize(model, seed=sum(map(ord, case)))
+    return model
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path]]:
+    """Each case's transformers model and its save_pretrained folder (built once for the module)."""
+    built = {}
+    for case in CASES:
+        model = hf_model(case)
+        directory = tmp_path_factory.mktemp(case)
+        model.save_pretrained(directory)
+        built[case] = (model, directory)
+    return built
+
+
+def _ids(seed: int, batch: int = 2) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _reload(directory: Path) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match_transformers(case: str, folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
+    reference, directory = folders[case]
+    model = import_hf(directory).eval()
+    ids = _ids(seed=1)
+    with torch.no_grad():
+        ours, theirs = model.logits(ids), reference(ids).logits
+    error = float((ours - theirs).abs().max())
+    print(f"{case}: fp32 logits max abs err {error:.2e} (|logits| max {float(theirs.abs().max()):.2f})")
+    assert error <= 1e-5
+
+
+def test_windows_and_rope_options_change_the_logits(folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
+    """The options above are exercised: without them fastlm's logits move (SEQ > window, positions > 8)."""
+    ids = _ids(seed=1)
+    for case, field, plain in (("qwen2-mixed-windows", "layer_types", None), ("gemma3", "layer_types", [FULL] * 3),
+                               ("llama3-rope-llama3-tied", "rope_scaling", None), ("llama-rope-yarn", "rope_scaling", None)):
+        model = import_hf(folders[case][1]).eval()
+        changed = DecoderLM(model.config.model_copy(update={field: plain}))
+        changed.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            assert float((model.logits(ids) - changed.eval().logits(ids)).abs().max()) > 1e-3, case
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_loss_and_one_optimizer_step(case: str, folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
+    model = import_hf(folders[case][1]).train()
+    ids = _ids(seed=2)
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1).reshape(-1)
+    labels[::5] = -100
+    normalizers = LossNormalizers(tokens=float((labels != -100).sum()))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss = model(ids, LossTargets(labels=labels), normalizers).loss
+    loss.backward()
+    before = loss.detach()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    optimizer.step()
+    with torch.no_grad():
+        after = model(ids, LossTargets(labels=labels), normalizers).loss
+    print(f"{case}: loss {float(before):.4f} -> {float(after):.4f} after one AdamW step")
+    assert torch.isfinite(before) and float(after) < float(before)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_export_loads_in_transformers_with_equal_logits(case: str, folders: dict[str, tuple[torch.nn.Module, Path]],
+                                                        tmp_path: Path) -> None:
+    reference, directory = folders[case]
+    exported = export_hf(import_hf(directory), tmp_path / "exported", ByteTokenizer())
+    reloaded = _reload(exported)
+    assert type(reloaded) is type(reference)
+    ids = _ids(seed=3)
+    with torch.no_grad():
+        error = float((reloaded(ids).logits - reference(ids).logits).abs().max())
+    print(f"{case}: exported -> transformers logits max abs err {error:.2e}")
+    assert error <= 1e-5
+    again = config_from_hf(json.loads((exported / "config.json").read_text()))
+    assert again.architecture() == import_hf(directory).config.architecture()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_generation_equals_transformers(case: str, folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
+    """Left-padded prompts of different lengths, past the window; float64 on both sides (no argmax ties).
+    Gemma 3 (local + global layers) also decodes through the FlexAttention decode masks (the CUDA-graph
+    path's; eager FlexAttention on CPU is slow, so only there)."""
+    reference, directory = folders[case]
+    reference = reference.double()
+    reference.generation_config.eos_token_id = None  # sample the whole budget, as ours does without stop tokens
+    model = import_hf(directory).double().eval()
+    prompts = [[5, 17, 250, 3, 9, 44, 7], [101, 2, 33]]
+    options = SamplingOptions(max_new_tokens=7, temperature=0.0)
+    for decode_attention in ("sdpa", "flex") if case == "gemma3" else ("sdpa",):
+        completions = Generator(model, ByteTokenizer(), cuda_graph=False, decode_attention=decode_attention).generate(
+            prompts, options)
+        for prompt, completion in zip(prompts, completions):
+            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=7, do_sample=False, pad_token_id=0)
+            assert completion.tokens == expected[0, len(prompt):].tolist(), (case, decode_attention)
+
+
+@pytest.mark.parametrize("case", ONE_PER_FAMILY)
+def test_cli_convert_train_generate_export(case: str, folders: dict[str, tuple[torch.nn.Module, Path]],
+                                          tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, directory = folders[case]
+    assert main(["convert", "--from-hf", str(directory), "--to", str(tmp_path / "fastlm")]) == 0
+    run = tmp_path / "run"
+    assert main(["train", str(tmp_path / "fastlm" / "model.yaml"), f"run.output_dir={run}", "run.name=families",
+                 "data.seq_len=16", "data.micro_batch_size=2", "trainer.steps=2", "trainer.log_every=1",
+                 "trainer.eval_every=0", "trainer.checkpoint_every=0", "logging.wandb.enabled=false",
+                 "logging.progress=false"]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "ab", "--max-new-tokens", "4", "--temperature", "0",
+                 "--device", "cpu", "--jsonl"]) == 0
+    generated = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(generated) == 1
+    assert main(["convert", "--from", str(run), "--to-hf", str(tmp_path / "back")]) == 0
+    assert type(_reload(tmp_path / "back")) is type(folders[case][0])
+
+
+@pytest.mark.parametrize(("case", "overrides", "field"), [
+    ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
+                                  "long_factor": [2.0] * 4, "original_max_position_embeddings": 32}},
+     "rope_parameters.rope_type"),
+    ("phi3", {"resid_pdrop": 0.1}, "resid_pdrop"),
+    ("qwen3", {"attention_bias": True}, "attention_bias"),
+    ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ("gemma3", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ("gemma3", {"rope_parameters": {FULL: {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
+                                    SLIDING: {"rope_type": "default", "rope_theta": 1e4}}},
+     f"rope_parameters.{FULL}.rope_type"),
+])
+def test_unsupported_options_name_the_field(case: str, overrides: dict[str, Any], field: str) -> None:
+    from fastlm.config.errors import ConfigError
+
+    config_name, fields = CASES[case]
+    with pytest.raises(ConfigError) as caught:
+        config_from_hf(getattr(transformers, config_name)(**fields).to_dict() | overrides)
+    print(caught.value.render())
+    assert any(issue.path == field for issue in caught.value.issues), caught.value.render()
+
+
+@pytest.mark.parametrize("kind", ["dense", "flex"])
+def test_packed_documents_with_per_layer_windows(kind: str, folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
+    """Training layouts (dense mask on CPU, FlexAttention block masks on GPU; eager FlexAttention here) with
+    local and global layers: a packed row equals its documents run one by one, in float64."""
+    model = import_hf(folders["gemma3"][1]).double().eval()
+    model.attention_kind = kind
+    lengths = (5, 9, 4)
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(6))
+    documents = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    with torch.no_grad():
+        packed = model.logits(ids, documents)
+        model.attention_kind = None
+        alone = torch.cat([model.logits(piece) for piece in ids.split(lengths, dim=1)], dim=1)
+    error = float((packed - alone).abs().max())
+    print(f"gemma3 {kind} packed vs one-by-one float64 max abs err {error:.2e}")
+    assert error < 1e-10
+
+
+def test_rope_scaling_spellings_agree() -> None:
+    """transformers 5's rope_parameters and the older rope_theta + rope_scaling give the same model."""
+    new = CASES["llama3-rope-llama3-tied"][1]
+    parameters = dict(new["rope_parameters"])
+    theta = parameters.pop("rope_theta")
+    old = {**transformers.LlamaConfig(**new).to_dict(), "rope_theta": theta, "rope_scaling": parameters}
+    old.pop("rope_parameters")
+    assert config_from_hf(old) == config_from_hf(transformers.LlamaConfig(**new).to_dict())
+    assert config_from_hf(old).rope_scaling.type == "llama3"
