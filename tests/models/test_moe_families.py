@@ -25,6 +25,11 @@ ATTENTION = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "nu
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {**ATTENTION, "intermediate_size": 24, "num_local_experts": 6,
                                                         "router_aux_loss_coef": 0.02}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**ATTENTION, "head_dim": 16, "intermediate_size": 40,
+                                                            "moe_intermediate_size": 24, "num_experts": 6,
+                                                            "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "qwen3_moe-unnormalised": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**ATTENTION, "moe_intermediate_size": 24,
+                                                                         "num_experts": 6, "norm_topk_prob": False}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {**ATTENTION, "intermediate_size": 24, "num_experts": 6,
                                                   "norm_topk_prob": False}),
     "olmoe-renormalised": ("OlmoeConfig", "OlmoeForCausalLM", {**ATTENTION, "intermediate_size": 24, "num_experts": 6,
@@ -109,7 +114,7 @@ def test_export_reloads_in_transformers(kind: str, saved: dict[str, tuple[torch.
         assert torch.equal(reloaded(ids).logits, reference(ids).logits)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "olmoe"])
+@pytest.mark.parametrize("kind", ["mixtral", "olmoe", "qwen3_moe"])
 def test_greedy_generation_equals_transformers(kind: str, saved: dict[str, tuple[torch.nn.Module, Path]]) -> None:
     """fastlm's KV-cache generator and transformers' greedy `generate`, token for token, two prompt lengths."""
     reference, directory = saved[kind]
@@ -124,7 +129,7 @@ def test_greedy_generation_equals_transformers(kind: str, saved: dict[str, tuple
         assert completion.tokens == expected and len(set(expected)) > 1
 
 
-@pytest.mark.parametrize("preset", ["mixtral-tiny", "olmoe-1b-7b"])
+@pytest.mark.parametrize("preset", ["mixtral-tiny", "olmoe-1b-7b", "qwen3-moe-tiny"])
 def test_sizing_and_rules(preset: str) -> None:
     """Analytic counts equal the built model's; the rules name every tensor; OLMoE-1B-7B has its published
     6.92B parameters, 1.28B active per token."""
