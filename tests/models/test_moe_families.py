@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 
+from fastlm.cli import main
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.generation import SamplingOptions, generate
 from fastlm.layers.moe import MoEMLP, load_balancing_loss
@@ -130,9 +131,9 @@ def test_greedy_generation_equals_transformers(kind: str, saved: dict[str, tuple
 
 
 @pytest.mark.parametrize("preset", ["mixtral-tiny", "olmoe-1b-7b", "qwen3-moe-tiny"])
-def test_sizing_and_rules(preset: str) -> None:
-    """Analytic counts equal the built model's; the rules name every tensor; OLMoE-1B-7B has its published
-    6.92B parameters, 1.28B active per token."""
+def test_sizing_and_rules(preset: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Analytic counts equal the built model's; the rules name every tensor; `fastlm validate` prints the
+    total and active counts; OLMoE-1B-7B has its published 6.92B parameters, 1.28B active per token."""
     import yaml
 
     from fastlm.run_config.schema import RunConfig
@@ -143,5 +144,9 @@ def test_sizing_and_rules(preset: str) -> None:
     assert count_parameters(model) == num_parameters(config)
     assert {rule.ours for rule in weight_rules(config)} == set(model.state_dict())
     assert active_parameters(config) < num_parameters(config)
+    assert main(["validate", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert f"{num_parameters(config):,} parameters" in printed
+    assert f"{active_parameters(config):,} active per token" in printed
     if preset == "olmoe-1b-7b":
         assert round(num_parameters(config) / 1e9, 2) == 6.92 and round(active_parameters(config) / 1e9, 2) == 1.28
