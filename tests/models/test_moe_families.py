@@ -150,3 +150,43 @@ def test_sizing_and_rules(preset: str, capsys: pytest.CaptureFixture[str]) -> No
     assert f"{active_parameters(config):,} active per token" in printed
     if preset == "olmoe-1b-7b":
         assert round(num_parameters(config) / 1e9, 2) == 6.92 and round(active_parameters(config) / 1e9, 2) == 1.28
+
+
+def test_cli_convert_train_generate_export(saved: dict[str, tuple[torch.nn.Module, Path]], tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A tiny HF Qwen3-MoE folder through `fastlm convert --from-hf`, `train` (the router losses logged),
+    `generate` and `convert --to-hf`, which transformers loads as the same architecture."""
+    import json
+
+    from fastlm.logging.jsonl import read_metrics
+
+    reference, directory = saved["qwen3_moe"]
+    assert main(["convert", "--from-hf", str(directory), "--to", str(tmp_path / "fastlm")]) == 0
+    run = tmp_path / "run"
+    assert main(["train", str(tmp_path / "fastlm" / "model.yaml"), f"run.output_dir={run}", "run.name=moe",
+                 "data.seq_len=16", "data.micro_batch_size=2", "trainer.steps=2", "trainer.log_every=1",
+                 "trainer.eval_every=0", "trainer.checkpoint_every=0", "logging.wandb.enabled=false",
+                 "logging.progress=false", "model.moe.z_loss_coef=0.001"]) == 0
+    records = read_metrics(run / "metrics.jsonl")
+    assert all({"train/loss/moe_aux", "train/loss/moe_router_z", "train/moe/layer0/idle_experts"} <= set(r)
+               for r in records) and len(records) == 2
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "ab", "--max-new-tokens", "4", "--temperature", "0",
+                 "--device", "cpu", "--jsonl"]) == 0
+    assert len([json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]) == 1
+    assert main(["convert", "--from", str(run), "--to-hf", str(tmp_path / "back")]) == 0
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    assert type(reloaded) is type(reference)
+
+
+@pytest.mark.parametrize(("config_name", "fields", "field"), [
+    ("MixtralConfig", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+    ("OlmoeConfig", {"clip_qkv": 8.0}, "clip_qkv"),
+    ("Qwen3MoeConfig", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
+])
+def test_unsupported_options_name_the_field(config_name: str, fields: dict[str, Any], field: str) -> None:
+    from fastlm.config.errors import ConfigError
+
+    hf = getattr(transformers, config_name)(**ATTENTION).to_dict() | fields
+    with pytest.raises(ConfigError, match=field):
+        config_from_hf(hf)
