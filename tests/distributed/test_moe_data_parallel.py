@@ -15,7 +15,9 @@ from dist_helpers import final_weights, max_rel_err, run_config, spawn, train_ru
 
 MODEL = {"type": "mixtral", "num_kv_heads": 1,
          "moe": {"num_experts": 4, "top_k": 2, "ffn_size": 16, "aux_loss_coef": 0.0, "z_loss_coef": 0.01}}
-SECTIONS = {"model": MODEL, "trainer": {"grad_accumulation": 2}}
+# AdamW's eps above the gradients' scale keeps its update linear in them: at 1e-8 an element whose gradient is
+# near zero (its fp32 rounding differs with the reduction order) gets a +-lr-sized update either way.
+SECTIONS = {"model": MODEL, "trainer": {"grad_accumulation": 2}, "optimizer": {"lr": 1e-2, "eps": 1e-3}}
 
 
 @pytest.mark.slow
@@ -28,4 +30,4 @@ def test_fsdp_moe_matches_single_process(tmp_path: Path) -> None:
     weight_gap = max_rel_err(final_weights(parallel_config), final_weights(single_config))
     print(f"fsdp world 2 vs single (MoE): losses {single['losses']}, max rel loss gap {max(gaps):.2e}, "
           f"max rel weight gap {weight_gap:.2e}")
-    assert len(ranks) == 2 and max(gaps) < 1e-5 and weight_gap < 1e-5
+    assert len(ranks) == 2 and max(gaps) < 1e-6 and weight_gap < 1e-5
