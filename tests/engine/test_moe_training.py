@@ -209,3 +209,32 @@ def test_sft_dpo_grpo_train_an_moe_model(name: str, sections: dict[str, Any], tm
 
 def test_moe_layers_are_found_by_the_loss_hook() -> None:
     assert len([m for m in _model().modules() if isinstance(m, MoEMLP)]) == 2
+
+
+def test_moe_steps_read_nothing_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Router losses and expert-load metrics stay on the device: between read points an MoE step on the
+    grouped (or gather) path reads nothing back; the loop, the CPU reference, reads each layer's counts."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from host_reads import host_reads
+
+    from fastlm.engine.trainer import Trainer
+
+    def trainer(backend: str) -> Trainer:
+        return Trainer(RunConfig.model_validate({
+            "run": {"name": backend, "output_dir": f"{tmp_path}/{{name}}", "seed": 0},
+            "model": {"type": "mixtral", "hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
+                      "max_seq_len": 16, "moe": {**MOE, "backend": backend}},
+            "data": {"source": {"type": "generated", "num_documents": 60}, "seq_len": 16, "micro_batch_size": 2},
+            "trainer": {"steps": 8, "log_every": 4, "grad_accumulation": 2, "eval_every": 0, "checkpoint_every": 0,
+                        "device": "cpu"},
+            "logging": {"wandb": {"enabled": False}, "progress": False}}))
+
+    for backend, expected in (("grouped", 0), ("gather", 0), ("loop", 2)):
+        run = trainer(backend)
+        run.train_step()
+        with host_reads(monkeypatch) as reads:
+            run.train_step()
+        print(f"{backend}: {reads}")
+        assert sum(reads.sites.values()) == expected and reads.at("layers/moe.py", "expert_mlp") == expected, str(reads)
