@@ -8,6 +8,9 @@
     python tools/bench_train.py --compare-cli --cpu-smoke                     # the same at a tiny CPU shape
     python tools/bench_train.py --presets llama-1b --batch 4 --losses triton --logits-memory-mib 0 1024
                                                      # the full-logits head against the chunked head
+    python tools/bench_train.py --presets qwen3-0.6b llama3.2-1b --batch 1 1 --seq-len 8192 --packed \
+        --compile-model --hf                         # + transformers' own model class on the same weights
+    python tools/bench_train.py --cpu-smoke --hf     # the same side by side at the tiny CPU shape
 
 A step is what the trainer does: bf16 autocast forward with the fused loss, backward, fused AdamW; the
 variants add packed documents (the trainer's real rows: FlexAttention on CUDA), compiled blocks
@@ -15,6 +18,16 @@ variants add packed documents (the trainer's real rows: FlexAttention on CUDA), 
 
 MFU = model_flops_per_token(config, seq_len) * tokens/s / peak, with the peak measured in the same
 run as an 8192^3 bf16 matmul (so the ratio does not depend on a datasheet number).
+
+`--hf` times, after each fastlm row and on the same weights (copied through the HF export's weight
+rules), transformers' own model class for the family (`AutoModelForCausalLM` from the exported
+config.json, SDPA attention): the same bf16 autocast over fp32 weights and fused AdamW, the same rows
+(packed rows get per-document position_ids; SDPA then attends over the whole row, which is no more work
+than fastlm's document masks), decoder layers compiled one by one for +compile and non-reentrant
+gradient checkpointing for +ac. Its loss is Liger's fused linear cross-entropy on the final hidden states
+when `liger_kernel` imports, else transformers' own (full logits); the row's loss column says which. The
+fastlm rows then train cross-entropy only (no z-loss), as the transformers rows do. A transformers row
+that runs out of memory is reported as such.
 
 `--compare-cli` (tools/compare_cli.py) times the real `Trainer` (what `fastlm train` runs: data loader,
 grad clipping, checks, logging) against this loop at the same shape in one process, and takes the gap
@@ -48,6 +61,7 @@ from fastlm.layers.embedding import document_positions  # noqa: E402
 from fastlm.layers.packed_attention import attention_layout  # noqa: E402
 from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets  # noqa: E402
 from fastlm.models import build_model, count_parameters, model_flops_per_token  # noqa: E402
+from fastlm.models.decoder import DecoderLM  # noqa: E402
 
 DOC_MIN, DOC_MAX = 150, 450  # packed documents: lengths uniform in [150, 450], ~300 tokens on average
 
@@ -94,11 +108,12 @@ def packed_document_ids(batch: int, seq_len: int, low: int, high: int, generator
     return ids
 
 
-def model_config(preset: str, loss: str, vocab_override: int | None, logits_memory_mib: float | None = None) -> RunConfig:
+def model_config(preset: str, loss: str, vocab_override: int | None, logits_memory_mib: float | None = None,
+                 z_loss: bool = True) -> RunConfig:
     data = yaml.safe_load((ROOT / "configs" / "presets" / f"{preset}.yaml").read_text())
     model = data["model"]
-    model["head"] = {"use_triton": loss == "triton", "losses": {"cross_entropy": {}, "z_loss": {"weight": 1e-4}},
-                     "logits_memory_mib": logits_memory_mib}
+    losses = {"cross_entropy": {}, **({"z_loss": {"weight": 1e-4}} if z_loss else {})}
+    model["head"] = {"use_triton": loss == "triton", "losses": losses, "logits_memory_mib": logits_memory_mib}
     if vocab_override:
         model["vocab_size"] = vocab_override
     return RunConfig.model_validate({"model": model})
@@ -161,9 +176,9 @@ class Loop:
     (the LM head's value-check and grad_output reads only)."""
 
     def __init__(self, preset: str, loss: str, variant: str, device: torch.device, vocab_override: int | None = None,
-                 logits_memory_mib: float | None = None) -> None:
+                 logits_memory_mib: float | None = None, z_loss: bool = True) -> None:
         parts = parse_variant(variant)
-        self.config = model_config(preset, loss, vocab_override, logits_memory_mib)
+        self.config = model_config(preset, loss, vocab_override, logits_memory_mib, z_loss)
         self.device = device
         self.packed = "packed" in parts
         torch.manual_seed(0)
@@ -190,22 +205,78 @@ class Loop:
         self.optimizer.zero_grad(set_to_none=True)
 
     def attention(self, batch: StepBatch) -> str:
-        """The layout the model's forward builds for `batch`: causal, flex or dense."""
+        """The layouts the model's forward builds for `batch` (one per distinct window): causal, flex or dense."""
         positions = None if batch.documents is None else document_positions(batch.documents)
         rows, seq_len = batch.input_ids.shape
-        window = getattr(self.config.model, "sliding_window", None)
-        return self.model.attention_kind or attention_layout(rows, seq_len, positions, window, self.device).kind
+        windows = {attention.window for attention in self.model.layer_attention}
+        kinds = {self.model.attention_kind or attention_layout(rows, seq_len, positions, window, self.device).kind
+                 for window in windows}
+        return "+".join(sorted(kinds))
 
     def head(self) -> str:
         return f"chunked {self.model.head.logits_memory_mib:g} MiB" if self.model.head.chunked else "full logits"
 
 
-def bench(preset: str, loss: str, variant: str, batch: int, seq_len: int, steps: int, warmup: int,
-          device: torch.device, peak: float, vocab_override: int | None = None,
-          logits_memory_mib: float | None = None) -> Row:
-    loop = Loop(preset, loss, variant, device, vocab_override, logits_memory_mib)
-    config = loop.config
-    batches = synthetic_batches(config.model.vocab_size, batch, seq_len, loop.packed, device)
+class HFLoop:
+    """The same step on transformers' own model class for the family, holding `model`'s weights: bf16
+    autocast, fused AdamW, SDPA; Liger's fused linear cross-entropy when it imports (see the docstring)."""
+
+    def __init__(self, model: DecoderLM, variant: str, device: torch.device) -> None:
+        import transformers
+
+        from fastlm.data.tokenizer import ByteTokenizer
+        from fastlm.models.hf import config_to_hf, to_hf_state
+
+        parts = parse_variant(variant)
+        self.packed = "packed" in parts
+        hf = config_to_hf(model.config, ByteTokenizer())
+        config = transformers.AutoConfig.for_model(**{k: v for k, v in hf.items() if k not in ("architectures", "dtype")})
+        with torch.device(device):
+            self.model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        missing, unexpected = self.model.load_state_dict(to_hf_state(model.state_dict(), model.config), strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise RuntimeError(f"weights do not map onto {type(self.model).__name__}: {missing} {unexpected}")
+        self.model.tie_weights()
+        self.model.train()
+        if "ac" in parts:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if "compile" in parts:
+            for layer in self.model.model.layers:
+                layer.compile()
+        self.liger = liger_loss()
+        self.loss_name = "transformers+liger" if self.liger is not None else "transformers (HF loss)"
+        fused = {"fused": True} if device.type == "cuda" else {}
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, **fused)
+        self.device = device
+        self.amp = torch.bfloat16 if device.type == "cuda" else None
+
+    def step(self, batch: StepBatch) -> None:
+        rows, seq_len = batch.input_ids.shape
+        positions = None if batch.documents is None else document_positions(batch.documents)
+        labels = batch.labels.view(rows, seq_len)
+        with autocast(self.device, self.amp):
+            if self.liger is None:
+                loss = self.model(batch.input_ids, position_ids=positions, labels=labels, shift_labels=labels).loss
+            else:
+                hidden = self.model.model(batch.input_ids, position_ids=positions).last_hidden_state
+                loss = self.liger(self.model.lm_head.weight, hidden.reshape(-1, hidden.shape[-1]), batch.labels)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def liger_loss() -> torch.nn.Module | None:
+    """Liger's fused linear cross-entropy (mean over unmasked tokens), or None when liger_kernel is absent."""
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    return LigerFusedLinearCrossEntropyLoss()
+
+
+def time_steps(loop: Loop | HFLoop, batches: list[StepBatch], steps: int, warmup: int,
+               device: torch.device) -> tuple[float, float]:
+    """Seconds per step after `warmup` steps, and the peak GiB allocated from the loop's first step on."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for index in range(warmup):
@@ -216,15 +287,49 @@ def bench(preset: str, loss: str, variant: str, batch: int, seq_len: int, steps:
         loop.step(batches[index % len(batches)])
     _synchronize(device)
     seconds = (time.perf_counter() - start) / steps
-    tokens_per_second = batch * seq_len / seconds
-    mfu = model_flops_per_token(config.model, seq_len) * tokens_per_second / peak
-    memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
-    row = Row(preset, loss, variant, loop.attention(batches[0]), count_parameters(loop.model), batch, seq_len,
-              seconds * 1e3, tokens_per_second, mfu, memory, loop.fallback.note or "", loop.head())
+    return seconds, torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+
+
+def bench(preset: str, loss: str, variant: str, batch: int, seq_len: int, steps: int, warmup: int,
+          device: torch.device, peak: float, vocab_override: int | None = None,
+          logits_memory_mib: float | None = None, hf: bool = False) -> list[Row]:
+    """fastlm's row, then (with `hf`) transformers' row on the same weights, each alone on the device."""
+    loop = Loop(preset, loss, variant, device, vocab_override, logits_memory_mib, z_loss=not hf)
+    config = loop.config
+    batches = synthetic_batches(config.model.vocab_size, batch, seq_len, loop.packed, device)
+    flops = model_flops_per_token(config.model, seq_len)
+    parameters = count_parameters(loop.model)
+
+    def row(name: str, attention: str, seconds: float, memory: float, note: str, head: str) -> Row:
+        tokens_per_second = batch * seq_len / seconds
+        return Row(preset, name, variant, attention, parameters, batch, seq_len, seconds * 1e3,
+                   tokens_per_second, flops * tokens_per_second / peak, memory, note, head)
+
+    seconds, memory = time_steps(loop, batches, steps, warmup, device)
+    rows = [row(loss, loop.attention(batches[0]), seconds, memory, loop.fallback.note or "", loop.head())]
+    if hf:
+        weights = build_model(config.model, device="meta").to_empty(device="cpu")
+        weights.load_state_dict({name: value.detach().cpu() for name, value in loop.model.state_dict().items()})
+        loop.model = weights  # frees the device copy before transformers' model is built
+        del loop.optimizer, loop.fallback
+        _free(device)
+        try:
+            reference = HFLoop(weights, variant, device)
+            seconds, memory = time_steps(reference, batches, steps, warmup, device)
+            rows.append(row(reference.loss_name, "sdpa causal", seconds, memory, "", "full logits" if reference.liger
+                            is None else "liger fused linear CE"))
+            del reference
+        except torch.OutOfMemoryError:
+            rows.append(Row(preset, "transformers", variant, "sdpa causal", parameters, batch, seq_len,
+                            float("nan"), 0.0, 0.0, float("nan"), "out of memory"))
     del loop, batches
+    _free(device)
+    return rows
+
+
+def _free(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return row
 
 
 def table(rows: list[Row], peak: float, device_name: str) -> str:
@@ -240,6 +345,22 @@ def table(rows: list[Row], peak: float, device_name: str) -> str:
         )
         if r.note:
             lines.append(f"note ({r.preset} {r.loss} {r.variant}): {r.note}")
+    return "\n".join(lines)
+
+
+def side_by_side(rows: list[Row]) -> str:
+    """fastlm / transformers per preset and variant: the tokens/s ratio and the peak memory of each."""
+    import transformers
+
+    liger = "present" if liger_loss() is not None else "absent (transformers rows use their own loss)"
+    lines = [f"transformers {transformers.__version__}; liger_kernel {liger}",
+             ("| preset | variant | fastlm loss | fastlm tokens/s | transformers tokens/s | speedup | "
+              "fastlm peak GiB | transformers peak GiB |"), "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for ours, theirs in zip(rows[::2], rows[1::2]):
+        speedup = ours.tokens_per_second / theirs.tokens_per_second if theirs.tokens_per_second else float("nan")
+        lines.append(f"| {ours.preset} | {ours.variant} | {ours.loss} | {ours.tokens_per_second:,.0f} | "
+                     f"{theirs.tokens_per_second:,.0f} {theirs.note} | {speedup:.2f}x | {ours.peak_memory_gib:.1f} | "
+                     f"{theirs.peak_memory_gib:.1f} |")
     return "\n".join(lines)
 
 
@@ -279,6 +400,8 @@ def main() -> int:
     parser.add_argument("--logits-memory-mib", type=float, nargs="+", default=[None],
                         help="model.head.logits_memory_mib per row (0: the full-logits head); default: the config's")
     parser.add_argument("--vocab", type=int, default=None, help="override the presets' vocab_size (e.g. 128256)")
+    parser.add_argument("--hf", action="store_true",
+                        help="also time transformers' own model class on the same weights (see the module docstring)")
     args = parser.parse_args()
     if args.compare_cli:
         from compare_cli import compare_main  # tools/compare_cli.py: the trainer beside this loop, the gap taken apart
@@ -301,10 +424,14 @@ def main() -> int:
         for loss in losses:
             for variant in chosen:
                 for budget in args.logits_memory_mib:
-                    rows.append(bench(preset, loss, variant, batch, seq_len, steps, warmup, device, peak, args.vocab, budget))
-                    print(f"{rows[-1]}", flush=True)
+                    new = bench(preset, loss, variant, batch, seq_len, steps, warmup, device, peak, args.vocab, budget,
+                                args.hf)
+                    rows += new
+                    print("\n".join(map(str, new)), flush=True)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(table(rows, peak, device_name))
+    if args.hf:
+        print(side_by_side(rows))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_train.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     return 0

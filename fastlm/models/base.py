@@ -109,16 +109,13 @@ class DecoderConfig(ConfigModel):
         claim 10^15 layers, so the default multiplies instead of summing layer by layer)."""
         return self.num_layers * self.block_parameters(0)
 
+    def active_blocks_parameters(self) -> int:
+        """Block parameters one token's forward multiplies by (FLOPs); a mixture-of-experts family counts
+        only the experts a token is routed to."""
+        return self.blocks_parameters()
+
     def final_norm_parameters(self) -> int:
         raise NotImplementedError
-
-    def active_block_parameters(self, layer: int) -> int:
-        """Parameters of block `layer` that one token multiplies by (a mixture of experts: its top-k only)."""
-        return self.block_parameters(layer)
-
-    def active_blocks_parameters(self) -> int:
-        """All blocks' active parameters; multiplied out like `blocks_parameters` (a family whose layers differ overrides)."""
-        return self.num_layers * self.active_block_parameters(0)
 
     def embedding_parameters(self) -> int:
         """Token (+ learned position) embeddings and the untied output matrix, if any."""

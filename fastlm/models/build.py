@@ -43,10 +43,11 @@ def model_flops_per_token(config: ModelConfig, seq_len: int) -> float:
 
         6 * N_matmul + attention (12 * (heads * head_dim) * span per layer)
 
-    N_matmul counts the weights a token multiplies by (a mixture of experts: its top-k experts): all except the input embeddings (a
+    N_matmul counts the weights a token's forward multiplies by: the blocks' (a mixture of experts counts
+    the routed experts only: `active_blocks_parameters`) and the final norm, not the input embeddings (a
     lookup costs no FLOPs), plus the output projection V*H (counted even when tied, since the head
     matmul runs either way). The attention term is the QK^T and AV products with span = seq_len, or the
     layer's sliding window when shorter (`DecoderConfig.attention_flops_per_token`).
     """
-    n_matmul = active_parameters(config) - config.embedding_parameters() + config.vocab_size * config.hidden_size
+    n_matmul = config.active_blocks_parameters() + config.final_norm_parameters() + config.vocab_size * config.hidden_size
     return 6.0 * n_matmul + config.attention_flops_per_token(seq_len)

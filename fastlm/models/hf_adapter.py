@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from fastlm.models.base import DecoderConfig
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types values
+MAX_DERIVED_LAYERS = 1 << 20  # per-layer kinds are only derived up to this many layers (a hostile file may claim 10^15)
 
 
 class Reader:
@@ -179,6 +180,17 @@ def layer_types(reader: Reader, window: int | None, num_layers: Any,
             reader.fail("layer_types", f"must have one entry per layer ({num_layers})", given)
             return None
         return given
-    if window is None or max_window_layers is None or not isinstance(num_layers, int):
+    if window is None or max_window_layers is None or not plausible_layers(reader, num_layers):
         return None
     return [SLIDING if i >= max_window_layers else FULL for i in range(num_layers)]
+
+
+def plausible_layers(reader: Reader, num_layers: Any) -> bool:
+    """Whether per-layer lists may be built for `num_layers` (an int, at most MAX_DERIVED_LAYERS)."""
+    if not isinstance(num_layers, int):
+        return False
+    if num_layers > MAX_DERIVED_LAYERS:
+        reader.fail("num_hidden_layers", f"more than {MAX_DERIVED_LAYERS:,} layers", num_layers,
+                    "check num_hidden_layers in config.json")
+        return False
+    return True

@@ -13,7 +13,7 @@ from fastlm.models.config import GPT2Config, LlamaConfig
 from fastlm.models.decoder import DecoderLM, build_model
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "presets"
-TINY_PRESETS = ("tiny-llama", "tiny-gpt2", "qwen2-tiny", "mistral-tiny")
+TINY_PRESETS = ("tiny-llama", "tiny-gpt2", "qwen2-tiny", "mistral-tiny", "gemma3-tiny")
 
 
 def load_preset(name: str) -> GPT2Config | LlamaConfig:

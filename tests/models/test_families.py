@@ -163,12 +163,12 @@ def test_greedy_generation_equals_transformers(case: str, folders: dict[str, tup
     reference.generation_config.eos_token_id = None  # sample the whole budget, as ours does without stop tokens
     model = import_hf(directory).double().eval()
     prompts = [[5, 17, 250, 3, 9, 44, 7], [101, 2, 33]]
-    options = SamplingOptions(max_new_tokens=7, temperature=0.0)
+    options = SamplingOptions(max_new_tokens=5, temperature=0.0)
     for decode_attention in ("sdpa", "flex") if case == "gemma3" else ("sdpa",):
         completions = Generator(model, ByteTokenizer(), cuda_graph=False, decode_attention=decode_attention).generate(
             prompts, options)
         for prompt, completion in zip(prompts, completions):
-            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=7, do_sample=False, pad_token_id=0)
+            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False, pad_token_id=0)
             assert completion.tokens == expected[0, len(prompt):].tolist(), (case, decode_attention)
 
 
@@ -202,6 +202,8 @@ def test_cli_convert_train_generate_export(case: str, folders: dict[str, tuple[t
     ("gemma3", {"rope_parameters": {FULL: {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
                                     SLIDING: {"rope_type": "default", "rope_theta": 1e4}}},
      f"rope_parameters.{FULL}.rope_type"),
+    ("gemma3", {"num_hidden_layers": 10**15, "layer_types": None}, "num_hidden_layers"),  # no 10^15-entry list
+    ("qwen2-mixed-windows", {"num_hidden_layers": 10**15, "layer_types": None}, "num_hidden_layers"),
 ])
 def test_unsupported_options_name_the_field(case: str, overrides: dict[str, Any], field: str) -> None:
     from fastlm.config.errors import ConfigError
@@ -240,3 +242,28 @@ def test_rope_scaling_spellings_agree() -> None:
     old.pop("rope_parameters")
     assert config_from_hf(old) == config_from_hf(transformers.LlamaConfig(**new).to_dict())
     assert config_from_hf(old).rope_scaling.type == "llama3"
+
+
+def test_multimodal_gemma3_imports_its_text_tower(tmp_path: Path) -> None:
+    """A Gemma3ForConditionalGeneration folder: its text_config and language-model tensors come in (the
+    vision tower is left out), and the logits equal the multimodal model's on text."""
+    _, fields = CASES["gemma3"]
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=transformers.Gemma3TextConfig(**fields).to_dict(),
+                                       vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    config.text_config._attn_implementation = "eager"
+    reference = transformers.Gemma3ForConditionalGeneration(config).eval()
+    _randomize(reference, seed=11)
+    with torch.no_grad():  # _randomize draws the offset norms' weights around 0 only for the text config class
+        for name, parameter in reference.named_parameters():
+            if "vision" not in name and parameter.ndim == 1 and "norm" in name:
+                parameter.copy_(0.1 * torch.randn_like(parameter))
+    reference.save_pretrained(tmp_path)
+    model = import_hf(tmp_path).eval()
+    assert model.config.type == "gemma3"
+    ids = _ids(seed=7)
+    with torch.no_grad():
+        error = float((model.logits(ids) - reference(input_ids=ids).logits).abs().max())
+    print(f"multimodal gemma3 text tower: fp32 logits max abs err {error:.2e}")
+    assert error <= 1e-5

@@ -9,14 +9,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_train_cpu_smoke_prints_plain_and_packed_rows() -> None:
+def test_bench_train_cpu_smoke_prints_plain_and_packed_rows_beside_transformers() -> None:
+    """`--cpu-smoke --hf`: fastlm's plain and packed rows, a transformers row after each, the side-by-side table."""
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench_train.py"), "--cpu-smoke"],
+        [sys.executable, str(ROOT / "tools" / "bench_train.py"), "--cpu-smoke", "--hf"],
         capture_output=True, text=True, timeout=300, check=True,
     )
     rows = [line.split("|") for line in result.stdout.splitlines() if line.startswith("| tiny-llama | compiled |")]
     assert [(row[3].strip(), row[4].strip()) for row in rows] == [("plain", "causal"), ("packed", "dense")], result.stdout
     assert all(float(row[8].replace(",", "")) > 0 for row in rows)
+    theirs = [line.split("|") for line in result.stdout.splitlines() if line.startswith("| tiny-llama | transformers")]
+    assert [row[3].strip() for row in theirs] == ["plain", "packed"], result.stdout
+    assert all(float(row[8].replace(",", "")) > 0 for row in theirs)
+    assert "liger_kernel" in result.stdout and "| speedup |" in result.stdout
 
 
 def test_bench_train_compare_cli_decomposes_the_gap() -> None:
@@ -43,3 +48,20 @@ def test_bench_train_compare_cli_decomposes_the_gap() -> None:
     differences = out[out.index("setup differences"):]
     assert "gradient clipping: none (no gradient norm) | 1.0" in differences, differences
     assert "FAILED" not in out
+
+
+def test_bench_train_hf_loop_holds_the_same_weights() -> None:
+    """The transformers model the side-by-side times computes fastlm's logits (same weights, same family)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bench_train import HFLoop, model_config
+
+    from fastlm.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(model_config("tiny-llama", "compiled", None).model, device="cpu").eval()
+    reference = HFLoop(model, "plain", torch.device("cpu")).model.eval()
+    ids = torch.randint(0, 260, (2, 16))
+    with torch.no_grad():
+        assert float((model.logits(ids) - reference(ids).logits).abs().max()) < 1e-5

@@ -1,28 +1,63 @@
 """Gemma 3 (text) <-> Hugging Face `gemma3_text`: Llama-like q/k/v/o and gate/up/down projections,
 four norms per layer (input, post_attention, pre_feedforward, post_feedforward), q_norm / k_norm, and
 RoPE parameters per layer type (transformers 5 `rope_parameters` nested under full_attention /
-sliding_attention, or the older rope_theta + rope_local_base_freq + rope_scaling)."""
+sliding_attention, or the older rope_theta + rope_local_base_freq + rope_scaling).
+
+A multimodal `gemma3` checkpoint (Gemma3ForConditionalGeneration) imports as its text tower: the
+fields come from its `text_config`, the language model's tensors are renamed to the text layout and
+the vision tower and projector are left out. Export always writes `gemma3_text`."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from fastlm.config.errors import ConfigIssue
 from fastlm.models.gemma3.config import GLOBAL_EVERY, Gemma3Config
-from fastlm.models.hf_adapter import FULL, SLIDING, Reader, WeightRule, rope_fields, rope_parameters, rope_to_hf
-from fastlm.models.llama.hf import COMMON_DEFAULTS, LlamaAdapter, llama_like_to_hf, split_rules, window_fields
+from fastlm.models.hf_adapter import (
+    FULL,
+    SLIDING,
+    Reader,
+    WeightRule,
+    plausible_layers,
+    rope_fields,
+    rope_parameters,
+    rope_to_hf,
+)
+from fastlm.models.llama.hf import (
+    COMMON_DEFAULTS,
+    LlamaAdapter,
+    llama_like_to_hf,
+    split_rules,
+    window_fields,
+)
+
+_TEXT_DEFAULTS = {
+    **COMMON_DEFAULTS, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "tie_word_embeddings": True, "attention_bias": False,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "layer_types": None, "final_logit_softcapping": None,
+    "attn_logit_softcapping": None, "use_bidirectional_attention": False, "rope_theta": 1_000_000.0}
+# multimodal checkpoint names of the text tower -> the text model's (both transformers layouts)
+_TEXT_TOWER = (("language_model.model.", "model."), ("model.language_model.", "model."),
+               ("language_model.lm_head.", "lm_head."))
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 class Gemma3Adapter(LlamaAdapter):
-    model_types: ClassVar[tuple[str, ...]] = ("gemma3_text",)
-    defaults: ClassVar[dict[str, dict[str, Any]]] = {"gemma3_text": {
-        **COMMON_DEFAULTS, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
-        "max_position_embeddings": 131_072, "tie_word_embeddings": True, "attention_bias": False,
-        "query_pre_attn_scalar": 256, "sliding_window": 4096, "layer_types": None, "final_logit_softcapping": None,
-        "attn_logit_softcapping": None, "use_bidirectional_attention": False, "rope_theta": 1_000_000.0}}
+    model_types: ClassVar[tuple[str, ...]] = ("gemma3_text", "gemma3")
+    defaults: ClassVar[dict[str, dict[str, Any]]] = {"gemma3_text": _TEXT_DEFAULTS, "gemma3": {}}
 
     def fields(self, reader: Reader, model_type: str) -> dict[str, Any]:
+        if model_type == "gemma3":  # the multimodal wrapper: its text tower
+            text = reader.hf.get("text_config")
+            if not isinstance(text, Mapping):
+                reader.fail("text_config", "a multimodal gemma3 config.json needs its text_config", text)
+                return {}
+            tower = Reader(text, _TEXT_DEFAULTS, reader.source)
+            fields = self.fields(tower, "gemma3_text")
+            reader.issues += [replace(issue, path=f"text_config.{issue.path}") for issue in tower.issues]
+            return fields
         hf = reader.hf
         fields = reader.fields({
             "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
@@ -51,14 +86,27 @@ class Gemma3Adapter(LlamaAdapter):
         if local_scaling is not None:
             reader.fail(f"{local_key}.rope_type", "the sliding layers' RoPE is unscaled here", local.get("rope_type"))
         num_layers = fields["num_layers"]
-        if hf.get("layer_types") is None and isinstance(num_layers, int):  # HF derives them from the pattern
+        if hf.get("layer_types") is None and plausible_layers(reader, num_layers):  # HF derives them from the pattern
             every = hf.get("sliding_window_pattern", GLOBAL_EVERY)
             reader = Reader({**hf, "layer_types": [SLIDING if (i + 1) % every else FULL for i in range(num_layers)]},
                             reader.defaults, reader.source) if isinstance(every, int) and every > 0 else reader
         windows = window_fields(reader, reader.get("sliding_window"), num_layers)
-        if windows["layer_types"] is None and windows["sliding_window"] is not None:  # all local: say so
+        if windows["layer_types"] is None and windows["sliding_window"] is not None and not reader.issues:  # all local
             windows["layer_types"] = [SLIDING] * num_layers
         return {"type": "gemma3", **fields, **windows, "dropout": 0.0}
+
+    def normalise_keys(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """A multimodal checkpoint's text tower under the text model's names; its vision tensors dropped."""
+        renamed = {}
+        for key, value in tensors.items():
+            if key.startswith(_VISION):
+                continue
+            for prefix, text in _TEXT_TOWER:
+                if key.startswith(prefix):
+                    key = text + key.removeprefix(prefix)
+                    break
+            renamed[key] = value
+        return renamed
 
     def export_issues(self, config: Gemma3Config) -> list[ConfigIssue]:  # type: ignore[override]
         issues = [ConfigIssue("model.dropout", "HF Gemma 3 has attention dropout only", config.dropout,

@@ -41,8 +41,9 @@ class MixtralConfig(LlamaConfig):
     def block_parameters(self, layer: int) -> int:
         return 2 * self.hidden_size + self.attention_parameters() + self.moe.layer_parameters(self.hidden_size)
 
-    def active_block_parameters(self, layer: int) -> int:
-        return 2 * self.hidden_size + self.attention_parameters() + self.moe.active_layer_parameters(self.hidden_size)
+    def active_blocks_parameters(self) -> int:
+        per_layer = 2 * self.hidden_size + self.attention_parameters() + self.moe.active_layer_parameters(self.hidden_size)
+        return self.num_layers * per_layer
 
     def architecture(self) -> dict[str, Any]:
         values = super().architecture()

@@ -46,12 +46,6 @@ class Qwen3MoeConfig(Qwen3Config):
         dense = super().block_parameters(layer)
         return dense + self._sparse_instead_of_dense(self.moe.layer_parameters(self.hidden_size)) if self.is_sparse(layer) else dense
 
-    def active_block_parameters(self, layer: int) -> int:
-        dense = super().block_parameters(layer)
-        if not self.is_sparse(layer):
-            return dense
-        return dense + self._sparse_instead_of_dense(self.moe.active_layer_parameters(self.hidden_size))
-
     def blocks_parameters(self) -> int:
         sparse = self.moe.layer_parameters(self.hidden_size)
         return self.num_layers * super().block_parameters(0) + (self.num_layers - len(self.dense_layers)) * (
