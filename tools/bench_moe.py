@@ -4,7 +4,7 @@ forward + backward, bf16; and whole models: an MoE preset against a dense model 
 tokens/s and MFU counted on active parameters (tools/bench_train.py's loop).
 
     python tools/bench_moe.py                        # CUDA: layer shapes (16-64 experts, top-2..8, hidden 1024-2048)
-    python tools/bench_moe.py --models olmoe-1b-7b --batch 4 --seq-len 2048
+    python tools/bench_moe.py --models olmoe-1b-7b --num-layers 4 --batch 4 --seq-len 2048
                                                       # + whole models: the preset on grouped GEMMs, on the
                                                       #   loop, and its dense twin (equal active size)
     python tools/bench_moe.py --cpu-smoke --models mixtral-tiny   # CPU: tiny shapes, float32 (CI smoke test)
@@ -189,8 +189,10 @@ def time_model(name: str, config: Any, batch: int, seq_len: int, steps: int, dev
     return ModelRow(name, num_parameters(run.model), active_parameters(run.model), tokens_per_second, mfu, memory)
 
 
-def bench_models(presets: list[str], batch: int, seq_len: int, steps: int, device: torch.device) -> list[str]:
-    """Each MoE preset on grouped GEMMs and on the loop, and its dense twin, in one run."""
+def bench_models(presets: list[str], batch: int, seq_len: int, steps: int, device: torch.device,
+                 num_layers: int | None = None) -> list[str]:
+    """Each MoE preset on grouped GEMMs and on the loop, and its dense twin, in one run; `num_layers`
+    shortens the presets (OLMoE-1B-7B whole needs ~110 GB for fp32 weights, gradients and AdamW)."""
     import yaml
     from bench_train import measured_peak_flops
 
@@ -202,6 +204,8 @@ def bench_models(presets: list[str], batch: int, seq_len: int, steps: int, devic
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for preset in presets:
         document = yaml.safe_load((ROOT / "configs" / "presets" / f"{preset}.yaml").read_text())
+        if num_layers:
+            document["model"]["num_layers"] = num_layers
         config = RunConfig.model_validate(document).model
         grouped, loop = (config.model_copy(update={"moe": config.moe.model_copy(update={"backend": backend})})
                          for backend in ("grouped", "loop"))
@@ -225,6 +229,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--num-layers", type=int, default=None, help="--models: override the presets' layer count")
     args = parser.parse_args()
     device = torch.device("cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda")
     if args.cpu_smoke:
@@ -240,7 +245,7 @@ def main() -> int:
             print(row)
     if args.models:
         batch, seq_len, steps = (2, 32, 1) if args.cpu_smoke else (args.batch, args.seq_len, args.steps)
-        for line in bench_models(args.models, batch, seq_len, steps, device):
+        for line in bench_models(args.models, batch, seq_len, steps, device, args.num_layers):
             print(line)
     return 0
 
