@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from fastlm.layers.embedding import Embeddings, document_positions
+from fastlm.layers.kv_cache import KVCache
 from fastlm.layers.moe import add_router_losses
-from fastlm.layers.kv_cache import CacheMask, KVCache
 from fastlm.layers.packed_attention import LayoutKind, attention_layout
 from fastlm.layers.rotary import rotary_angles
 from fastlm.layers.vocab_parallel import gather_vocab, vocab_parallel_loss
@@ -40,6 +40,12 @@ class DecoderLM(nn.Module):
         self.blocks = nn.ModuleList(config.build_block(layer) for layer in range(config.num_layers))
         self.final_norm = config.build_final_norm()
         self.layer_attention: list[LayerAttention] = [config.layer_attention(i) for i in range(config.num_layers)]
+        # The distinct windows and rotary embeddings, and each layer's index into them (plain lists: a compiled
+        # decode step traces these loops without hashing config objects).
+        self.windows: list[int | None] = list(dict.fromkeys(a.window for a in self.layer_attention))
+        self.ropes: list[Rope | None] = list(dict.fromkeys(a.rope for a in self.layer_attention))
+        self.layer_kinds: list[tuple[int, int]] = [
+            (self.windows.index(a.window), self.ropes.index(a.rope)) for a in self.layer_attention]
         self.lm_head_weight = (
             None if config.tie_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         )
@@ -99,36 +105,32 @@ class DecoderLM(nn.Module):
             torch.arange(seq_len, device=input_ids.device)[None] if doc_positions is None else doc_positions
         )
         dropout_active = self.training and self.config.dropout > 0
-        layouts = {window: attention_layout(batch, seq_len, doc_positions, window, input_ids.device, dropout_active,
-                                            self.attention_kind)
-                   for window in {attention.window for attention in self.layer_attention}}
+        layouts = [attention_layout(batch, seq_len, doc_positions, window, input_ids.device, dropout_active,
+                                    self.attention_kind) for window in self.windows]
         rotaries = self._rotaries(positions)
         hidden = self.embeddings(input_ids, positions)
         # Compiled blocks serve the training forward only: evaluation and sampling (no grad, other shapes) stay eager.
         training_forward = self._compiled_blocks is not None and torch.is_grad_enabled()
-        for block, attention in zip(self._compiled_blocks if training_forward else self.blocks, self.layer_attention):
-            hidden = block(hidden, rotaries[attention.rope], layouts[attention.window])
+        for block, (window, rope) in zip(self._compiled_blocks if training_forward else self.blocks, self.layer_kinds):
+            hidden = block(hidden, rotaries[rope], layouts[window])
         return self.final_norm(hidden)
 
-    def _rotaries(self, positions: torch.Tensor) -> dict[Rope | None, Rotary | None]:
+    def _rotaries(self, positions: torch.Tensor) -> list[Rotary | None]:
         """cos/sin per distinct rotary embedding of the layers (None: a layer without RoPE)."""
         head_dim = self.config.head_dim
         assert head_dim is not None
-        return {rope: None if rope is None else rotary_angles(positions, head_dim, rope.theta, rope.scaling)
-                for rope in {attention.rope for attention in self.layer_attention}}
+        return [None if rope is None else rotary_angles(positions, head_dim, rope.theta, rope.scaling)
+                for rope in self.ropes]
 
     def cached_hidden_states(self, input_ids: torch.Tensor, cache: KVCache, columns: torch.Tensor, span: int) -> torch.Tensor:
         """Generation: (B, S) tokens at cache `columns` (B, S) -> (B, S, H) after the final norm, their keys and
         values written into `cache`, attention over its first `span` columns (fastlm/layers/kv_cache.py)."""
         positions = cache.positions(columns)
-        masks: dict[int | None, CacheMask] = {
-            window: cache.attention_mask(columns, span, window)
-            for window in {attention.window for attention in self.layer_attention}}
+        masks = [cache.attention_mask(columns, span, window) for window in self.windows]
         rotaries = self._rotaries(positions)
         hidden = self.embeddings(input_ids, positions)
-        for index, (block, attention) in enumerate(zip(self.blocks, self.layer_attention)):
-            layer_cache = cache.layer(index, columns, span, masks[attention.window])
-            hidden = block(hidden, rotaries[attention.rope], None, layer_cache)
+        for index, (block, (window, rope)) in enumerate(zip(self.blocks, self.layer_kinds)):
+            hidden = block(hidden, rotaries[rope], None, cache.layer(index, columns, span, masks[window]))
         return self.final_norm(hidden)
 
     def head_logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
