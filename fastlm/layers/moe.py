@@ -87,12 +87,13 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def pick_backend(rows: torch.Tensor, down: torch.Tensor) -> ExpertBackend:
     """`auto`'s choice for these operands (see `ExpertBackend`). Off the grouped path a CUDA training step
-    takes the loop (it reads the counts: one host sync per MoE layer); gather would hold N x 2F x H."""
-    if rows.device.type != "cuda":
-        return "loop"
-    if grouped_mm_supported(rows.device, _compute_dtype(rows), down.shape[1], down.shape[2]):
+    takes the loop (it reads the counts: one host sync per MoE layer); gather would hold N x 2F x H. Traced
+    by torch.compile (the generator's decode step) or captured in a CUDA graph, shapes must stay fixed:
+    gather where grouped GEMMs cannot."""
+    fixed_shapes = torch.compiler.is_compiling() or (rows.is_cuda and torch.cuda.is_current_stream_capturing())
+    if rows.is_cuda and grouped_mm_supported(rows.device, _compute_dtype(rows), down.shape[1], down.shape[2]):
         return "grouped"
-    return "gather" if torch.cuda.is_current_stream_capturing() else "loop"
+    return "gather" if fixed_shapes else "loop"
 
 
 def expert_mlp(
@@ -156,8 +157,7 @@ class MoEMLP(nn.Module):
     Parameters: `router.weight` (E, H); the experts' weights stacked along rows as a checkpoint lists
     them, `gate_up_proj` (E * 2F, H) (per expert its gate rows, then its up rows) and `down_proj`
     (E * H, F), viewed as (E, 2F, H) and (E, H, F) in the forward; 2-D, so checkpoint conversion is
-    row concatenation and FSDP shards them like any linear weight. The forward stays eager under
-    torch.compile (data-dependent routing; `torch._grouped_mm` has no fp32 meta kernel)."""
+    row concatenation and FSDP shards them like any linear weight."""
 
     def __init__(
         self,
@@ -184,8 +184,17 @@ class MoEMLP(nn.Module):
         self.shared_expert_gate = None if shared_ffn_size is None else nn.Linear(hidden_size, 1, bias=False)
         self.router_sums: RouterSums | None = None  # the last forward's, for `router_losses`
 
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Training runs eagerly under torch.compile (`_eager`: data-dependent routing, and grouped GEMMs
+        have no fp32 meta kernel); without grad (the generator's compiled decode step) the forward traces
+        into one graph on fixed shapes."""
+        return self._eager(x) if torch.is_grad_enabled() else self._forward(x)
+
+    @torch.compiler.disable
+    def _eager(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         routing = route(flat, self.router.weight, self.top_k, self.normalize_top_k)
         counts = expert_counts(routing.experts, self.num_experts)

@@ -148,6 +148,19 @@ def test_dispatch_reads_nothing_to_the_host_off_the_loop() -> None:
         dispatch(x, routing, *layer.expert_weights(), "loop", counts)
 
 
+def test_inference_forward_traces_into_one_graph() -> None:
+    """Without grad (the generator's compiled decode step, `fullgraph=True`) the layer traces whole: `auto`
+    takes the fixed-shape gather path under the compiler instead of the loop's host read."""
+    torch.manual_seed(4)
+    layer = _random_layer(torch.float32)
+    x = torch.randn(3, 1, HIDDEN)
+    with torch.no_grad():
+        want = layer(x)
+        got = torch.compile(layer, fullgraph=True, backend="eager")(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_router_losses_equal_transformers() -> None:
     """Three layers' routing: the balance loss equals `load_balancing_loss_func` on their logits, the z-loss
     its definition; `share` scales every reported value and the weighted total."""
