@@ -60,14 +60,15 @@ def describe_run(config: RunConfig) -> str:
 
     from fastlm.engine.compile import describe_training_path
     from fastlm.engine.runtime import describe_head
-    from fastlm.models import build_model, count_parameters, estimate_memory
+    from fastlm.models import active_parameters, build_model, count_parameters, estimate_memory
 
     model = build_model(config.model, device="meta")
     parameters = count_parameters(model)
     memory = estimate_memory(config.model)
     device = torch.device("cuda" if config.trainer.device != "cpu" and torch.cuda.is_available() else "cpu")
     lines = [
-        f"model: {config.model.type}, {parameters:,} parameters ({parameters / 1e6:.2f} M)",
+        f"model: {config.model.type}, {parameters:,} parameters ({parameters / 1e6:.2f} M), "
+        f"{active_parameters(config.model):,} active per token",
         f"estimated training memory (params + grads + AdamW, fp32): {memory / 2**30:.3f} GiB",
         describe_head(config, device),
         describe_training_path(config.trainer.compile, config.trainer.activation_checkpointing, device,

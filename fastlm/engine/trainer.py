@@ -109,6 +109,7 @@ def step_normalizers(batches: Iterable[Batch]) -> LossNormalizers:
         tokens=float(sum(b.num_tokens for b in batches)),
         documents=float(sum(b.num_documents for b in batches)),
         micro_batches=float(len(batches)),
+        positions=float(sum(b.input_ids.numel() for b in batches)),
     )
 
 
@@ -215,7 +216,7 @@ class Trainer:
         local = step_normalizers(batches)
         if self.parallel.dp_group is None:
             return local
-        counts = {name: torch.tensor(getattr(local, name)) for name in ("tokens", "documents", "micro_batches")}
+        counts = {name: torch.tensor(getattr(local, name)) for name in ("tokens", "documents", "micro_batches", "positions")}
         summed = sum_over({k: v.to(self.device) for k, v in counts.items()}, self.parallel.dp_group)
         return LossNormalizers(**{name: float(value) for name, value in summed.items()})
 

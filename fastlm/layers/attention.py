@@ -87,6 +87,7 @@ class Attention(nn.Module):
         qk_norm: NormKind | None = None,
         norm_eps: float = 1e-6,
         scale: float | None = None,
+        qk_norm_per_head: bool = True,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -99,8 +100,10 @@ class Attention(nn.Module):
         q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
         self.split_sizes = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
-        self.q_norm = None if qk_norm is None else build_norm(qk_norm, self.head_dim, norm_eps)
-        self.k_norm = None if qk_norm is None else build_norm(qk_norm, self.head_dim, norm_eps)
+        self.qk_norm_per_head = qk_norm_per_head  # False: one norm over all q (k) heads together (OLMoE)
+        q_width, k_width = (self.head_dim, self.head_dim) if qk_norm_per_head else (q_size, kv_size)
+        self.q_norm = None if qk_norm is None else build_norm(qk_norm, q_width, norm_eps)
+        self.k_norm = None if qk_norm is None else build_norm(qk_norm, k_width, norm_eps)
         self.out_proj = nn.Linear(q_size, hidden_size, bias=out_bias)
 
     def forward(
@@ -111,9 +114,11 @@ class Attention(nn.Module):
         instead of a layout: keys/values go into it and attention reads it (fastlm/layers/kv_cache.py)."""
         batch, seq_len, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        if not self.qk_norm_per_head and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(batch, seq_len, self.num_heads, self.head_dim)
         k = k.view(batch, seq_len, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.qk_norm_per_head and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)

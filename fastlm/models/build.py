@@ -19,6 +19,11 @@ def num_parameters(config: ModelConfig) -> int:
     return config.blocks_parameters() + config.embedding_parameters() + config.final_norm_parameters()
 
 
+def active_parameters(config: ModelConfig) -> int:
+    """Parameters one token uses (all of them in a dense model; a mixture of experts counts its top-k)."""
+    return config.active_blocks_parameters() + config.embedding_parameters() + config.final_norm_parameters()
+
+
 def describe_count(count: int) -> str:
     """A count for a message: digits with separators, or a power of ten when it is astronomically large
     (a float conversion overflows past 1e308 and a decimal string is refused past 4300 digits)."""

@@ -16,6 +16,7 @@ from torch import nn
 
 from fastlm.layers.embedding import Embeddings, document_positions
 from fastlm.layers.kv_cache import KVCache
+from fastlm.layers.moe import add_router_losses
 from fastlm.layers.packed_attention import LayoutKind, attention_layout
 from fastlm.layers.rotary import rotary_angles
 from fastlm.layers.vocab_parallel import gather_vocab, vocab_parallel_loss
@@ -153,8 +154,10 @@ class DecoderLM(nn.Module):
         """Hidden states flattened to (B*S, H), then the LM head computes every configured loss."""
         hidden = self.hidden_states(input_ids, document_ids).reshape(-1, self.config.hidden_size)
         if self.tp_group is not None:
-            return vocab_parallel_loss(self.head, hidden, self.output_weight, targets, normalizers, self.tp_group)
-        return self.head(hidden, self.output_weight, targets, normalizers)
+            result = vocab_parallel_loss(self.head, hidden, self.output_weight, targets, normalizers, self.tp_group)
+        else:
+            result = self.head(hidden, self.output_weight, targets, normalizers)
+        return add_router_losses(result, self, input_ids.numel(), normalizers.positions)  # MoE blocks' routers
 
 
 def _check_inputs(input_ids: torch.Tensor, document_ids: torch.Tensor | None, vocab_size: int) -> None:

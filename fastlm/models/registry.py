@@ -18,6 +18,9 @@ FAMILY_PACKAGES = (
     "qwen3",
     "gemma3",
     "phi3",
+    "mixtral",
+    "olmoe",
+    "qwen3_moe",
 )
 DEFAULT_FAMILY = "llama"  # the model section's `type:` when a config leaves it out
 

@@ -1,0 +1,284 @@
+"""Mixture-of-experts MLP: an fp32 softmax top-k router and dropless SwiGLU experts.
+
+Every token goes to its top-k experts (no capacity, nothing dropped). The assignments are sorted by
+expert and the experts run as grouped GEMMs over the sorted rows (`torch._grouped_mm`, offsets kept on
+the device) where torch supports the dtype and shapes; a per-expert loop is the reference. `dispatch`
+(sort, permute, expert MLP, unpermute) is one function so that an all-to-all can later wrap it.
+
+The router's losses (Switch/Mixtral load balancing, ST-MoE z-loss) need sums over every MoE layer of a
+forward, so each layer keeps its `RouterSums` of the last forward and `router_losses` combines them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastlm.layers.init import init_linear
+from fastlm.layers.mlp import GatedMLP
+
+ExpertBackend = Literal["auto", "grouped", "gather", "loop"]
+"""How the experts' GEMMs run: `grouped` (`torch._grouped_mm`), `gather` (each assignment's weights
+gathered into one batched matmul: fixed shapes for CUDA graphs where grouped GEMMs are unsupported, memory
+grows with tokens, so decode only), `loop` (one GEMM per expert, the reference; reads the counts on the
+host). `auto`: grouped where supported on CUDA, gather inside a CUDA graph capture, else the loop."""
+
+
+@dataclass
+class Routing:
+    """One forward's routing of T tokens over E experts, top k."""
+
+    logits: torch.Tensor  # (T, E), fp32 (fp64 for fp64 inputs)
+    probs: torch.Tensor  # (T, E) softmax of the logits
+    weights: torch.Tensor  # (T, k) the chosen experts' probabilities (renormalised if the family says so)
+    experts: torch.Tensor  # (T, k) int64 expert ids, by descending probability
+
+
+@dataclass
+class RouterSums:
+    """A layer's sufficient statistics for the router losses: sums over its T routed tokens."""
+
+    counts: torch.Tensor  # (E,) fp32 assignments per expert (no gradient)
+    probs: torch.Tensor  # (E,) sum over tokens of the router probabilities (differentiable)
+    z: torch.Tensor  # () sum over tokens of logsumexp(logits)^2 (differentiable)
+    tokens: int
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool) -> Routing:
+    """(T, H) tokens, (E, H) router weight -> softmax top-k routing, in fp32 even under autocast."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    with torch.autocast(x.device.type, enabled=False):
+        logits = F.linear(x.to(dtype), weight.to(dtype))
+    probs = logits.softmax(dim=-1)
+    weights, experts = probs.topk(top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(logits, probs, weights, experts)
+
+
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(N,) expert ids -> (E,) int64 counts, without bincount's device->host read of the maximum."""
+    flat = experts.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, hidden_size: int, ffn_size: int) -> bool:
+    """Whether `torch._grouped_mm` takes the experts' GEMMs in `dtype` on `device`: bf16 on CUDA (SM >= 80),
+    fp32/bf16 on CPU (eager), with hidden and ffn sizes multiples of 16 bytes (the kernels' stride alignment)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cuda":
+        if dtype != torch.bfloat16 or torch.cuda.get_device_capability(device) < (8, 0):
+            return False
+    elif device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    align = 16 // dtype.itemsize
+    return hidden_size % align == 0 and ffn_size % align == 0
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the experts' GEMMs run in: autocast's when it is on (grouped GEMMs are not autocast ops)."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
+def pick_backend(rows: torch.Tensor, down: torch.Tensor) -> ExpertBackend:
+    """`auto`'s choice for these operands (see `ExpertBackend`). Off the grouped path a CUDA training step
+    takes the loop (it reads the counts: one host sync per MoE layer); gather would hold N x 2F x H. Traced
+    by torch.compile (the generator's decode step) or captured in a CUDA graph, shapes must stay fixed:
+    gather where grouped GEMMs cannot."""
+    fixed_shapes = torch.compiler.is_compiling() or (rows.is_cuda and torch.cuda.is_current_stream_capturing())
+    if rows.is_cuda and grouped_mm_supported(rows.device, _compute_dtype(rows), down.shape[1], down.shape[2]):
+        return "grouped"
+    return "gather" if fixed_shapes else "loop"
+
+
+def expert_mlp(
+    rows: torch.Tensor,
+    row_experts: torch.Tensor,
+    counts: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    backend: ExpertBackend = "auto",
+) -> torch.Tensor:
+    """SwiGLU of each row through its expert: rows (N, H) sorted by expert (`row_experts` (N,), `counts`
+    (E,)), gate_up (E, 2F, H) gate then up, down (E, H, F) -> (N, H)."""
+    if backend == "auto":
+        backend = pick_backend(rows, down)
+    dtype = _compute_dtype(rows)
+    if backend == "grouped":
+        if not grouped_mm_supported(rows.device, dtype, down.shape[1], down.shape[2]):
+            raise ValueError(f"moe.backend grouped: torch._grouped_mm does not take {dtype} on {rows.device.type} with "
+                             f"hidden {down.shape[1]} and expert width {down.shape[2]}; use backend auto")
+        rows, gate_up, down = rows.to(dtype), gate_up.to(dtype), down.to(dtype)
+        offsets = counts.cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
+    if backend == "gather":
+        gate, up = torch.bmm(gate_up[row_experts].to(dtype), rows.to(dtype).unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+        return torch.bmm(down[row_experts].to(dtype), (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+    outputs = []
+    for expert, chunk in enumerate(rows.split(counts.tolist())):
+        if chunk.shape[0]:
+            gate, up = F.linear(chunk, gate_up[expert]).chunk(2, dim=-1)
+            outputs.append(F.linear(F.silu(gate) * up, down[expert]))
+    return torch.cat(outputs) if outputs else rows.new_zeros(0, down.shape[1], dtype=dtype)
+
+
+def dispatch(
+    x: torch.Tensor,
+    routing: Routing,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    backend: ExpertBackend = "auto",
+    counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(T, H) tokens -> (T, H) sum over each token's k experts of weight * expert(x): sort the T*k
+    assignments by expert, gather their rows, run the experts, put the rows back in (token, slot) order
+    and add the slots. Fixed shapes and device-side offsets: nothing is read to the host (the loop
+    backend aside), so a CUDA graph can hold it. This is the piece an expert-parallel all-to-all wraps."""
+    tokens, top_k = routing.experts.shape
+    flat = routing.experts.reshape(-1)
+    order = flat.argsort(stable=True)  # assignments grouped by expert, token order inside a group
+    if counts is None:
+        counts = expert_counts(flat, gate_up.shape[0])
+    expert_out = expert_mlp(x[order // top_k], flat[order], counts, gate_up, down, backend)
+    unsorted = torch.empty_like(expert_out).index_copy_(0, order, expert_out)  # a permutation: no atomics
+    weights = routing.weights.to(unsorted.dtype).unsqueeze(-1)
+    return (unsorted.view(tokens, top_k, -1) * weights).sum(dim=1)
+
+
+class MoEMLP(nn.Module):
+    """Router + E SwiGLU experts (+ an optional shared expert behind a sigmoid gate, Qwen2-MoE style).
+
+    Parameters: `router.weight` (E, H); the experts' weights stacked along rows as a checkpoint lists
+    them, `gate_up_proj` (E * 2F, H) (per expert its gate rows, then its up rows) and `down_proj`
+    (E * H, F), viewed as (E, 2F, H) and (E, H, F) in the forward; 2-D, so checkpoint conversion is
+    row concatenation and FSDP shards them like any linear weight."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_size: int,
+        num_experts: int,
+        top_k: int,
+        normalize_top_k: bool,
+        shared_ffn_size: int | None = None,
+        backend: ExpertBackend = "auto",
+        aux_loss_coef: float = 0.0,
+        z_loss_coef: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
+        self.num_experts, self.top_k, self.normalize_top_k, self.backend = num_experts, top_k, normalize_top_k, backend
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef  # read by `add_router_losses`
+        self.router = nn.Linear(hidden_size, num_experts, bias=False)
+        self.hidden_size, self.ffn_size = hidden_size, ffn_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts * 2 * ffn_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts * hidden_size, ffn_size))
+        self.shared_expert = None if shared_ffn_size is None else GatedMLP(hidden_size, shared_ffn_size, "silu")
+        self.shared_expert_gate = None if shared_ffn_size is None else nn.Linear(hidden_size, 1, bias=False)
+        self.router_sums: RouterSums | None = None  # the last forward's, for `router_losses`
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Training runs eagerly under torch.compile (`_eager`: data-dependent routing, and grouped GEMMs
+        have no fp32 meta kernel); without grad (the generator's compiled decode step) the forward traces
+        into one graph on fixed shapes."""
+        return self._eager(x) if torch.is_grad_enabled() else self._forward(x)
+
+    @torch.compiler.disable
+    def _eager(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        routing = route(flat, self.router.weight, self.top_k, self.normalize_top_k)
+        counts = expert_counts(routing.experts, self.num_experts)
+        self.router_sums = RouterSums(
+            counts=counts.float(),
+            probs=routing.probs.float().sum(dim=0),
+            z=torch.logsumexp(routing.logits, dim=-1).float().square().sum(),
+            tokens=flat.shape[0],
+        )
+        out = dispatch(flat, routing, *self.expert_weights(), self.backend, counts)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.reshape(x.shape)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave the last forward's sums behind (they hold autograd graph tensors)."""
+        return {**self.__dict__, "router_sums": None}
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate_up (E, 2F, H) and down (E, H, F) views of the stacked parameters."""
+        experts = self.num_experts
+        return (self.gate_up_proj.view(experts, 2 * self.ffn_size, self.hidden_size),
+                self.down_proj.view(experts, self.hidden_size, self.ffn_size))
+
+    def reset_parameters(self, std: float, residual_std: float) -> None:
+        init_linear(self.router, std)
+        nn.init.normal_(self.gate_up_proj, mean=0.0, std=std)
+        nn.init.normal_(self.down_proj, mean=0.0, std=residual_std)
+        if self.shared_expert is not None:
+            self.shared_expert.reset_parameters(std, residual_std)
+            init_linear(self.shared_expert_gate, std)
+
+
+def load_balancing_loss(sums: list[RouterSums]) -> torch.Tensor:
+    """Switch/Mixtral balance loss over the layers, as transformers' `load_balancing_loss_func`:
+    E * sum_e f_e P_e, with f_e the share of top-k assignments and P_e the mean router probability of
+    expert e, both averaged over every layer's tokens (so a perfectly even router gives k)."""
+    rows = sum(s.tokens for s in sums)
+    counts = torch.stack([s.counts for s in sums]).sum(0)
+    probs = torch.stack([s.probs for s in sums]).sum(0)
+    return counts.numel() * ((counts / rows) * (probs / rows)).sum()
+
+
+def router_z_loss(sums: list[RouterSums]) -> torch.Tensor:
+    """ST-MoE router z-loss: the mean over every layer's tokens of logsumexp(router logits)^2."""
+    return torch.stack([s.z for s in sums]).sum() / sum(s.tokens for s in sums)
+
+
+def expert_load_metrics(sums: list[RouterSums], top_k: int) -> dict[str, torch.Tensor]:
+    """Per layer (device scalars, no host read): the busiest expert's tokens over the mean (1 is even)
+    and the fraction of experts that got no token."""
+    metrics = {}
+    for index, layer in enumerate(sums):
+        mean = layer.tokens * top_k / layer.counts.numel()
+        metrics[f"moe/layer{index}/max_over_mean_load"] = layer.counts.max() / mean
+        metrics[f"moe/layer{index}/idle_experts"] = (layer.counts == 0).float().mean()
+    return metrics
+
+
+def router_losses(
+    sums: list[RouterSums], top_k: int, aux_coef: float, z_coef: float, share: float = 1.0
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The weighted router loss to add to the step's loss, the unweighted losses (`moe_aux`,
+    `moe_router_z`) and the load metrics, each times `share`, this forward's fraction of the step's
+    routed tokens, so that summing over micro-batches and ranks gives the step's token-weighted mean
+    (the z-loss is then exactly the big batch's; the balance loss, a product of two batch means, is
+    each micro-batch's own, weighted: Megatron's micro-batch balancing, as transformers on one batch)."""
+    aux, z = load_balancing_loss(sums), router_z_loss(sums)
+    losses = {"moe_aux": aux.detach() * share, "moe_router_z": z.detach() * share}
+    metrics = {name: value * share for name, value in expert_load_metrics(sums, top_k).items()}
+    return (aux_coef * aux + z_coef * z) * share, losses, metrics
+
+
+def add_router_losses(result: Any, model: nn.Module, positions: int, step_positions: float) -> Any:
+    """A training forward's `LossResult` with its MoE layers' router losses and load metrics added
+    (unchanged without MoE layers, or in eval mode): `positions` routed here of the step's
+    `step_positions` (`LossNormalizers.positions`; 0: this call is the whole step)."""
+    layers = [module for module in model.modules() if isinstance(module, MoEMLP) and module.router_sums is not None]
+    if not layers or not model.training:
+        return result
+    first = layers[0]
+    share = positions / step_positions if step_positions else 1.0
+    total, losses, metrics = router_losses(
+        [layer.router_sums for layer in layers], first.top_k, first.aux_loss_coef, first.z_loss_coef, share
+    )
+    return replace(result, loss=result.loss + total, losses={**result.losses, **losses},
+                   metrics={**result.metrics, **metrics})

@@ -1,0 +1,62 @@
+"""Qwen3-MoE: Qwen3's attention (RMSNorm on each q and k head before RoPE, decoupled head_dim) and a sparse
+MLP (`moe:`, softmax top-k, renormalised per `moe.normalize_top_k`) in every layer but `dense_layers`,
+which keep Qwen3's SwiGLU MLP of `intermediate_size` (HF mlp_only_layers / decoder_sparse_step)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field, model_validator
+
+from fastlm.models.moe_family import MoESettings
+from fastlm.models.qwen3.config import Qwen3Config
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+class Qwen3MoeConfig(Qwen3Config):
+    type: Literal["qwen3_moe"] = "qwen3_moe"  # type: ignore[assignment]
+    moe: MoESettings = Field(default_factory=MoESettings)
+    dense_layers: list[int] = Field(default_factory=list, description="Layers with a dense MLP instead of experts.")
+
+    @model_validator(mode="after")
+    def _check_dense_layers(self) -> Qwen3MoeConfig:
+        bad = [layer for layer in self.dense_layers if not 0 <= layer < self.num_layers]
+        if bad or len(set(self.dense_layers)) != len(self.dense_layers):
+            raise ValueError(f"dense_layers {self.dense_layers} must list distinct layers in [0, {self.num_layers})")
+        return self
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    def build_block(self, layer: int) -> nn.Module:
+        if not self.is_sparse(layer):
+            return super().build_block(layer)
+        from fastlm.models.llama.blocks import llama_attention
+        from fastlm.models.moe_blocks import moe_mlp, pre_norm_block
+
+        return pre_norm_block(self.hidden_size, self.norm_eps, llama_attention(self, qk_norm="rmsnorm"),
+                              moe_mlp(self.hidden_size, self.moe), self.dropout)
+
+    def _sparse_instead_of_dense(self, moe_parameters: int) -> int:
+        return moe_parameters - 3 * self.hidden_size * self.ffn_size
+
+    def block_parameters(self, layer: int) -> int:
+        dense = super().block_parameters(layer)
+        return dense + self._sparse_instead_of_dense(self.moe.layer_parameters(self.hidden_size)) if self.is_sparse(layer) else dense
+
+    def blocks_parameters(self) -> int:
+        sparse = self.moe.layer_parameters(self.hidden_size)
+        return self.num_layers * super().block_parameters(0) + (self.num_layers - len(self.dense_layers)) * (
+            self._sparse_instead_of_dense(sparse))
+
+    def active_blocks_parameters(self) -> int:
+        active = self.moe.active_layer_parameters(self.hidden_size)
+        return self.num_layers * super().block_parameters(0) + (self.num_layers - len(self.dense_layers)) * (
+            self._sparse_instead_of_dense(active))
+
+    def architecture(self) -> dict[str, Any]:
+        values = super().architecture()
+        values["moe"] = self.moe.model_dump(include={"num_experts", "top_k", "ffn_size", "normalize_top_k"})
+        return values

@@ -1,0 +1,207 @@
+"""The MoE layer against transformers' own sparse MoE blocks (float64, same weights), its expert backends
+against the per-expert loop, and the router losses against transformers' `load_balancing_loss_func`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+    Qwen3MoeSparseMoeBlock,
+    load_balancing_loss_func,
+)
+
+from fastlm.layers.moe import (
+    MoEMLP,
+    dispatch,
+    expert_counts,
+    grouped_mm_supported,
+    load_balancing_loss,
+    route,
+    router_losses,
+    router_z_loss,
+)
+
+HIDDEN, FFN, EXPERTS, TOP_K = 16, 12, 8, 2
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _hf_block(kind: str, normalize: bool):
+    common = {"hidden_size": HIDDEN, "num_experts_per_tok": TOP_K, "hidden_act": "silu"}
+    if kind == "qwen3_moe":
+        cfg = Qwen3MoeConfig(moe_intermediate_size=FFN, num_experts=EXPERTS, norm_topk_prob=normalize, **common)
+        return Qwen3MoeSparseMoeBlock(cfg), None
+    if kind == "mixtral":
+        cfg = MixtralConfig(intermediate_size=FFN, num_local_experts=EXPERTS, **common)
+        return MixtralSparseMoeBlock(cfg), None
+    if kind == "olmoe":
+        cfg = OlmoeConfig(intermediate_size=FFN, num_experts=EXPERTS, norm_topk_prob=normalize, **common)
+        return OlmoeSparseMoeBlock(cfg), None
+    cfg = Qwen2MoeConfig(moe_intermediate_size=FFN, num_experts=EXPERTS, norm_topk_prob=normalize,
+                         shared_expert_intermediate_size=20, **common)
+    return Qwen2MoeSparseMoeBlock(cfg), 20
+
+
+def _copy_into(ours: MoEMLP, hf: torch.nn.Module) -> None:
+    with torch.no_grad():
+        ours.router.weight.copy_(hf.gate.weight)
+        ours.gate_up_proj.copy_(hf.experts.gate_up_proj.reshape(-1, HIDDEN))
+        ours.down_proj.copy_(hf.experts.down_proj.reshape(-1, FFN))
+        if ours.shared_expert is not None:
+            shared = hf.shared_expert
+            ours.shared_expert.gate_up_proj.weight.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
+            ours.shared_expert.down_proj.weight.copy_(shared.down_proj.weight)
+            ours.shared_expert_gate.weight.copy_(hf.shared_expert_gate.weight)
+
+
+@pytest.mark.parametrize(
+    ("kind", "normalize"),
+    [("qwen3_moe", True), ("qwen3_moe", False), ("mixtral", True), ("olmoe", False), ("qwen2_moe", True)],
+)
+def test_layer_equals_transformers_block(kind: str, normalize: bool) -> None:
+    """Output, input and weight gradients, router probabilities and chosen experts, in float64. transformers
+    takes the router softmax in fp32 even for float64 weights (ours follows the input up to float64), so
+    the outputs agree to fp32's rounding of the routing weights, not to float64's."""
+    torch.manual_seed(0)
+    hf, shared = _hf_block(kind, normalize)
+    hf = hf.double()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.3)
+    ours = MoEMLP(HIDDEN, FFN, EXPERTS, TOP_K, normalize, shared_ffn_size=shared, backend="loop").double()
+    _copy_into(ours, hf)
+    x = torch.randn(3, 7, HIDDEN, dtype=torch.float64)
+    x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_hf, out = hf(x_hf), ours(x_ours)
+    grad = torch.randn_like(out)
+    out_hf.backward(grad)
+    out.backward(grad)
+    print(f"{kind}: out rel err {_rel(out, out_hf):.2e}, dx {_rel(x_ours.grad, x_hf.grad):.2e}")
+    assert _rel(out, out_hf) < 1e-6
+    assert _rel(x_ours.grad, x_hf.grad) < 1e-6
+    assert _rel(ours.router.weight.grad, hf.gate.weight.grad) < 1e-6
+    assert _rel(ours.gate_up_proj.grad, hf.experts.gate_up_proj.grad.reshape(-1, HIDDEN)) < 1e-6
+    assert _rel(ours.down_proj.grad, hf.experts.down_proj.grad.reshape(-1, FFN)) < 1e-6
+    hf_logits, _, hf_experts = hf.gate(x.reshape(-1, HIDDEN))
+    routing = route(x.reshape(-1, HIDDEN), ours.router.weight, TOP_K, normalize)
+    assert torch.equal(routing.experts, hf_experts)
+    torch.testing.assert_close(routing.probs, hf_logits.double().softmax(-1), rtol=0, atol=1e-7)  # HF's softmax is fp32
+
+
+def _random_layer(dtype: torch.dtype, experts: int = EXPERTS, hidden: int = HIDDEN, ffn: int = FFN) -> MoEMLP:
+    layer = MoEMLP(hidden, ffn, experts, TOP_K, True).to(dtype)
+    layer.reset_parameters(0.3, 0.3)
+    return layer
+
+
+def _outputs_and_grads(layer: MoEMLP, x: torch.Tensor, grad: torch.Tensor, backend: str) -> list[torch.Tensor]:
+    layer.zero_grad()
+    x = x.clone().requires_grad_()
+    layer.backend = backend
+    layer(x).backward(grad)
+    return [layer(x.detach()).detach(), x.grad, layer.router.weight.grad, layer.gate_up_proj.grad, layer.down_proj.grad]
+
+
+@pytest.mark.parametrize(("backend", "dtype", "tol"), [("gather", torch.float64, 1e-12), ("grouped", torch.float32, 1e-5)])
+def test_backends_equal_the_loop(backend: str, dtype: torch.dtype, tol: float) -> None:
+    """64 experts for 10 tokens, so most get none: empty groups included. `torch._grouped_mm` takes no
+    float64 on CPU (fp32/bf16 only), so the grouped path is checked in float32; the gather path in float64."""
+    torch.manual_seed(1)
+    layer = _random_layer(dtype, experts=64)
+    x = torch.randn(2, 5, HIDDEN, dtype=dtype)
+    if backend == "grouped":
+        assert grouped_mm_supported(x.device, dtype, HIDDEN, FFN)
+        assert not grouped_mm_supported(x.device, torch.float64, HIDDEN, FFN)
+        assert not grouped_mm_supported(x.device, dtype, HIDDEN, FFN + 2)  # 56-byte rows: misaligned
+    grad = torch.randn_like(x)
+    reference = _outputs_and_grads(layer, x, grad, "loop")
+    assert int((expert_counts(route(x.reshape(-1, HIDDEN), layer.router.weight, TOP_K, True).experts, 64) == 0).sum()) > 40
+    for name, got, want in zip(["out", "dx", "d_router", "d_gate_up", "d_down"], _outputs_and_grads(layer, x, grad, backend), reference):
+        print(f"{backend} {name}: rel err {_rel(got, want):.2e}")
+        assert _rel(got, want) < tol, name
+
+
+def test_dispatch_reads_nothing_to_the_host_off_the_loop() -> None:
+    """The grouped and gather dispatch run on device offsets: a counts tensor that refuses host reads is fine."""
+
+    class NoHostRead(torch.Tensor):
+        def tolist(self):
+            raise AssertionError("dispatch read expert counts to the host")
+
+    torch.manual_seed(2)
+    layer = _random_layer(torch.float32)
+    x = torch.randn(6, HIDDEN)
+    routing = route(x, layer.router.weight, TOP_K, True)
+    counts = expert_counts(routing.experts, EXPERTS).as_subclass(NoHostRead)
+    expected = dispatch(x, routing, *layer.expert_weights(), "loop")
+    for backend in ("grouped", "gather"):
+        got = dispatch(x, routing, *layer.expert_weights(), backend, counts)
+        torch.testing.assert_close(got.as_subclass(torch.Tensor), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(AssertionError, match="host"):
+        dispatch(x, routing, *layer.expert_weights(), "loop", counts)
+
+
+def test_inference_forward_traces_into_one_graph() -> None:
+    """Without grad (the generator's compiled decode step, `fullgraph=True`) the layer traces whole: `auto`
+    takes the fixed-shape gather path under the compiler instead of the loop's host read."""
+    torch.manual_seed(4)
+    layer = _random_layer(torch.float32)
+    x = torch.randn(3, 1, HIDDEN)
+    with torch.no_grad():
+        want = layer(x)
+        got = torch.compile(layer, fullgraph=True, backend="eager")(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_router_losses_equal_transformers() -> None:
+    """Three layers' routing: the balance loss equals `load_balancing_loss_func` on their logits, the z-loss
+    its definition; `share` scales every reported value and the weighted total."""
+    torch.manual_seed(3)
+    layers = [_random_layer(torch.float64) for _ in range(3)]
+    logits = []
+    for layer in layers:
+        x = torch.randn(4, 5, HIDDEN, dtype=torch.float64)
+        layer(x)
+        logits.append(layer.router(x.reshape(-1, HIDDEN)))
+    sums = [layer.router_sums for layer in layers]
+    expected = load_balancing_loss_func(tuple(logits), EXPERTS, TOP_K)
+    print(f"aux {float(load_balancing_loss(sums).detach()):.6f} vs transformers {float(expected):.6f}")
+    torch.testing.assert_close(load_balancing_loss(sums).float(), expected.float(), rtol=1e-6, atol=0)
+    z = torch.logsumexp(torch.cat(logits), dim=-1).square().mean()
+    torch.testing.assert_close(router_z_loss(sums).double(), z, rtol=1e-6, atol=0)
+    total, losses, metrics = router_losses(sums, TOP_K, aux_coef=0.01, z_coef=0.001, share=0.25)
+    torch.testing.assert_close(total.double(), 0.25 * (0.01 * expected.double() + 0.001 * z), rtol=1e-6, atol=0)
+    torch.testing.assert_close(losses["moe_aux"].float(), 0.25 * expected.float(), rtol=1e-6, atol=0)
+    counts = sums[1].counts
+    torch.testing.assert_close(metrics["moe/layer1/max_over_mean_load"], 0.25 * counts.max() / (20 * TOP_K / EXPERTS))
+    torch.testing.assert_close(metrics["moe/layer1/idle_experts"], 0.25 * (counts == 0).float().mean())
+    total.backward()
+    assert layers[0].router.weight.grad.abs().sum() > 0  # the router learns from its losses
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (grouped GEMMs in bf16)")
+def test_grouped_equals_the_loop_in_bf16_on_cuda() -> None:
+    """The grouped GEMMs against the per-expert loop under bf16 autocast, forward and gradients, uneven groups
+    and idle experts included, against a float64 loop as the reference for both."""
+    torch.manual_seed(5)
+    layer = MoEMLP(256, 128, 32, 4, True).cuda()
+    layer.reset_parameters(0.05, 0.05)
+    x = torch.randn(300, 256, device="cuda")
+    grad = torch.randn_like(x)
+    reference = _outputs_and_grads(layer.double(), x.double(), grad.double(), "loop")
+    layer.float()
+    for backend in ("grouped", "loop"):
+        with torch.autocast("cuda", torch.bfloat16):
+            got = _outputs_and_grads(layer, x, grad, backend)
+        errors = [_rel(g.double(), r) for g, r in zip(got, reference)]
+        print(f"{backend} bf16 vs float64 loop: " + ", ".join(f"{e:.1e}" for e in errors))
+        assert max(errors) < 3e-2
