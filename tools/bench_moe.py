@@ -154,7 +154,7 @@ def time_model(name: str, config: Any, batch: int, seq_len: int, steps: int, dev
     from bench_train import synthetic_batches
 
     from fastlm.engine.optim import build_optimizer
-    from fastlm.engine.runtime import autocast
+    from fastlm.system.device import autocast
     from fastlm.losses.spec import LossNormalizers, LossTargets
     from fastlm.models import (
         active_parameters,
