@@ -267,3 +267,45 @@ def test_multimodal_gemma3_imports_its_text_tower(tmp_path: Path) -> None:
         error = float((model.logits(ids) - reference(input_ids=ids).logits).abs().max())
     print(f"multimodal gemma3 text tower: fp32 logits max abs err {error:.2e}")
     assert error <= 1e-5
+
+
+@pytest.mark.parametrize("case", ["qwen3", "gemma3", "llama-rope-yarn", "phi3"])
+def test_loss_and_gradients_match_transformers_in_float64(case: str,
+                                                          folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
+    """Our CE vs cross_entropy on transformers' float64 logits, every gradient mapped back to HF names.
+    transformers' norms and RoPE tables run in float32 even for float64 models, so 1e-5 is its accuracy."""
+    import torch.nn.functional as F
+
+    from fastlm.models.hf import to_hf_state
+
+    directory = folders[case][1]
+    reference = hf_model(case).double()  # the saved weights again (same seed): the fixture's model stays float32
+    model = import_hf(directory).double().eval()
+    ids = _ids(seed=8)
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1).reshape(-1)
+    labels[::4] = -100
+    result = model(ids, LossTargets(labels=labels), LossNormalizers(tokens=float((labels != -100).sum())))
+    result.loss.backward()
+    expected = F.cross_entropy(reference(ids).logits.reshape(-1, VOCAB), labels, ignore_index=-100)
+    expected.backward()
+    grads = to_hf_state({name: p.grad for name, p in model.named_parameters()}, model.config)
+    theirs = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    assert set(grads) == set(theirs)
+    worst = max(float((grads[n] - theirs[n]).norm() / theirs[n].norm().clamp_min(1e-30)) for n in grads)
+    loss_error = abs(float(result.loss) - float(expected)) / abs(float(expected))
+    print(f"{case}: float64 loss rel err {loss_error:.2e}, worst gradient rel err over {len(grads)} tensors {worst:.2e}")
+    assert loss_error < 1e-6 and worst < 1e-5
+
+
+@pytest.mark.parametrize("case", ["llama3-rope-llama3-tied", "llama-rope-linear", "llama-rope-yarn"])
+def test_scaled_inverse_frequencies_equal_transformers(case: str) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from fastlm.layers.rotary import inverse_frequencies
+
+    config_name, fields = CASES[case]
+    hf_config = getattr(transformers, config_name)(**fields)
+    theirs, factor = ROPE_INIT_FUNCTIONS[hf_config.rope_parameters["rope_type"]](hf_config, "cpu")
+    ours = config_from_hf(hf_config.to_dict())
+    assert torch.equal(inverse_frequencies(ours.head_dim, ours.rope_theta, ours.rope_scaling), theirs)
+    assert ours.rope_scaling.cos_sin_scale == pytest.approx(factor, rel=1e-12)
