@@ -78,9 +78,12 @@ def _holder(fd: int) -> str:
 class RunDirLock:
     """Exclusive, non-blocking `flock` on `<run dir>/.lock`; a context manager."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, path: Path | None = None, label: str = "run directory",
+                 instead: str = "choose another run.name"):
+        """`path`: the lock file (default `<run_dir>/.lock`); `label` and `instead` word the refusal."""
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LOCK_FILE
+        self.path = Path(path) if path is not None else self.run_dir / LOCK_FILE
+        self.label, self.instead = label, instead
         self._fd: int | None = None
         self.created = False  # this process made the lock file (a failed start removes it again)
 
@@ -95,7 +98,7 @@ class RunDirLock:
     def acquire(self) -> None:
         """Take the lock now or raise `RunDirError` (a holder is named; never a wait on a live run). A lock
         file that keeps vanishing between open and lock (holders leaving) is retried for `LOCK_WAIT_S`."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + LOCK_WAIT_S
         while True:
             if time.monotonic() > deadline:
@@ -111,8 +114,8 @@ class RunDirLock:
             except BlockingIOError:
                 holder = _holder(fd)
                 os.close(fd)
-                raise RunDirError(f"run directory {self.run_dir} is in use by {holder}; wait for that "
-                                  "run to end (or stop it), or choose another run.name") from None
+                raise RunDirError(f"{self.label} {self.run_dir} is in use by {holder}; wait for that "
+                                  f"process to end (or stop it), or {self.instead}") from None
             # The holder before us may have removed the file between our open and our lock: lock the live one.
             try:
                 same = os.lstat(self.path).st_ino == os.fstat(fd).st_ino
