@@ -20,6 +20,7 @@ import codecs
 import ctypes
 import errno
 import glob
+import hashlib
 import json
 import math
 import os
@@ -48,7 +49,9 @@ from fastlm.data.prepared import (
     TOKENS_FILE,
     VERSION,
     token_dtype,
+    token_sample,
     tokenizer_metadata,
+    verify_prepared,
 )
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
 from fastlm.engine.disk_space import DiskFullError, raise_if_disk_full
@@ -168,6 +171,8 @@ class _Writer:
         self.count = 0
         self.all_targets = True
         self.max_id = -1
+        self.longest_prompted = 0  # tokens of the longest document with a non-target (prompt) token
+        self.digest = hashlib.sha256()
 
     def append(self, mapped: Any) -> None:
         table = mapped.data.table
@@ -178,9 +183,15 @@ class _Writer:
                 flags = table.column("targets").chunks[index].flatten().to_numpy(zero_copy_only=False).astype(np.uint8)
             else:
                 flags = np.ones(len(ids), dtype=np.uint8)
-            self.tokens.write(ids.astype(self.dtype).tobytes())
+            data = ids.astype(self.dtype).tobytes()
+            self.tokens.write(data)
+            self.digest.update(data)
             self.targets.write(flags.tobytes())
             self.all_targets &= bool(flags.all())
+            if not flags.all() and len(lengths):  # per document: does it hold a prompt (a 0 flag)?
+                starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+                prompted = np.minimum.reduceat(flags, starts) == 0
+                self.longest_prompted = max(self.longest_prompted, int(lengths[prompted].max(initial=0)))
             self.max_id = max(self.max_id, int(ids.max()) if len(ids) else -1)
             self.lengths.append(lengths)
             self.count += len(ids)
@@ -196,8 +207,11 @@ class _Writer:
         np.save(self.directory / OFFSETS_FILE, offsets)
         if self.all_targets:
             (self.directory / TARGETS_FILE).unlink()
+        sample, _ = token_sample(self.directory / TOKENS_FILE, self.dtype)
         metadata = {**metadata, "documents": len(lengths), "tokens": self.count, "max_token_id": self.max_id,
-                    "has_targets": not self.all_targets, "dtype": self.dtype.name}
+                    "has_targets": not self.all_targets, "dtype": self.dtype.name,
+                    "longest_prompted": self.longest_prompted, "tokens_sha256": self.digest.hexdigest(),
+                    "tokens_sample_sha256": sample}
         (self.directory / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n", encoding="utf-8")
         return metadata
 
@@ -429,14 +443,22 @@ def load_prepare_config(path: str, overrides: list[str]) -> PrepareConfig:
         raise ConfigError([_to_issue(item, layered, PrepareConfig) for item in error.errors()]) from None
 
 
-def prepare_command(path: str, overrides: list[str]) -> int:
-    """`fastlm prepare CONFIG [key=value ...]`: exit 0 with a summary, 2 with the error for bad input, 1 for
-    run-time trouble (a full disk, another prepare into the same output, a stop signal)."""
+def prepare_command(path: str, overrides: list[str], verify: bool = False) -> int:
+    """`fastlm prepare CONFIG [key=value ...] [--verify]`: exit 0 with a summary, 2 with the error for bad input,
+    1 for run-time trouble (a full disk, another prepare into the same output, a stop signal, a damaged set)."""
     from fastlm.config.errors import ConfigError
     from fastlm.data.tokenizer import TokenizerError
 
     try:
-        summary = prepare(load_prepare_config(path, overrides))
+        config = load_prepare_config(path, overrides)
+        if verify:  # check the set at output_path in full, write nothing; a damaged set is a run-time error: 1
+            try:
+                print(verify_prepared(config.output_path))
+            except DataError as error:
+                print(f"fastlm prepare --verify: {error}", file=sys.stderr)
+                return 1
+            return 0
+        summary = prepare(config)
     except ConfigError as error:
         print(error.render(), file=sys.stderr)
         return 2
