@@ -6,12 +6,14 @@ checkpoint. Each case is a red-team reproduction: the file outside the run must 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -187,3 +189,58 @@ def test_overwrite_killed_before_its_first_checkpoint_gets_the_earlier_run_back(
     assert not (directory / REPLACED_DIR).exists()
     kept = {k: v for k, v in before.items() if k.startswith("checkpoints/step-00000002")}
     assert {k: v for k, v in _snapshot(directory).items() if k in kept} == kept
+
+
+GENERATE = ["--prompt", "a", "--max-new-tokens", "2", "--device", "cpu"]
+
+
+def _manifest_list(step: Path) -> None:
+    (step / "manifest.json").write_text("[1, 2]")
+
+
+def _manifest_deep(step: Path) -> None:
+    (step / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+
+
+def _manifest_other_model(step: Path) -> None:
+    manifest = json.loads((step / "manifest.json").read_text())
+    manifest["config"]["model"]["hidden_size"] = 64
+    (step / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("damage", [_manifest_list, _manifest_deep, _manifest_other_model])
+def test_generate_refuses_a_hostile_manifest_in_one_line(trained: Path, tmp_path: Path, damage: Callable[[Path], None],
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    _, directory = _copy(trained, tmp_path)
+    step = directory / "checkpoints" / "step-00000002"
+    damage(step)
+    assert main(["generate", str(step), *GENERATE]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "manifest.json" in err or "do not fit the model" in err, err
+
+
+@pytest.mark.parametrize(("flags", "message"), [(["--temperature", "nan"], "got nan, 1.0, 0"),
+                                                (["--temperature", "inf"], "got inf, 1.0, 0"),
+                                                (["--temperature", "-1"], "got -1.0, 1.0, 0"),
+                                                (["--top-p", "0"], "got 1.0, 0.0, 0"),
+                                                (["--top-p", "1.5"], "got 1.0, 1.5, 0")])
+def test_generate_checks_sampling_options(trained: Path, flags: list[str], message: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", str(run_dir(trained)), *GENERATE, *flags]) == 2
+    err = capsys.readouterr().err
+    assert "need a finite temperature >= 0, top_p in (0, 1]" in err and message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_generate_into_a_closed_stdout_ends_quietly(trained: Path) -> None:
+    """`fastlm generate ... | head -c1`, with the reader gone before the first write: no BrokenPipe traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        process = subprocess.run([sys.executable, "-m", "fastlm", "generate", str(run_dir(trained)), *GENERATE],
+                                 cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=write_end,
+                                 stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+    finally:
+        os.close(write_end)
+    assert process.returncode == 0 and "Traceback" not in process.stderr and "BrokenPipe" not in process.stderr, \
+        process.stderr
