@@ -126,3 +126,69 @@ def test_sigterm_during_a_sleeping_reward_checkpoints_and_exits_in_one_line(user
     assert "'sleeps' (hostile_rewards:sleeps) was still running when SIGTERM arrived" in last, stderr
     step = load_latest_checkpoint(checkpoints).step
     assert f"checkpoint of step {step} saved" in last
+
+
+@pytest.fixture(scope="module")
+def template_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real BPE tokenizer folder; each case writes its own chat_template.jinja into a copy."""
+    from fastlm.data.bpe import train_bpe_tokenizer
+    from fastlm.data.corpus import generate_documents
+
+    return train_bpe_tokenizer(generate_documents(200, seed=0), tmp_path_factory.mktemp("bpe"), 300, "llama")
+
+
+HOSTILE_TEMPLATES = {
+    "nested range loop": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                          "rendering took longer than 1 s"),
+    "10 GB string": ("{{ 'x' * 10**10 }}", "'*' would build a value of 10,000,000,000 items"),
+    "huge power": ("{{ 2 ** 100000000 }}", "'**' would build an integer of about"),
+    "output past the limit": ("{% for i in range(100000) %}{{ 'y' * 100 }}{% endfor %}", "the rendering passed"),
+    "raise_exception": ("{{ raise_exception('no system messages, please') }}", "no system messages, please"),
+    "syntax error": ("{% for m in messages %}", "TemplateSyntaxError"),
+    "undefined call": ("{{ nothing() }}", "UndefinedError"),
+    "deep recursion": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursion too deep"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_TEMPLATES))
+def test_a_hostile_chat_template_is_one_line_naming_its_file(template_dir: Path, tmp_path: Path, name: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    import fastlm.data.chat_template as chat_template
+    from fastlm.data.config import HuggingFaceTokenizerConfig
+    from fastlm.data.tokenizer import TokenizerError, build_tokenizer
+
+    monkeypatch.setattr(chat_template, "TIME_LIMIT_S", 1.0)
+    folder = shutil.copytree(template_dir, tmp_path / "tok")
+    source, message = HOSTILE_TEMPLATES[name]
+    (folder / "chat_template.jinja").write_text(source)
+    tokenizer = build_tokenizer(HuggingFaceTokenizerConfig(path=str(folder)))
+    started = time.monotonic()
+    with pytest.raises(TokenizerError) as caught:
+        tokenizer.render_chat([{"role": "user", "content": "hi"}])
+    text = str(caught.value)
+    assert text.startswith(f"{folder / 'chat_template.jinja'}: chat template: ") and message in text, text
+    assert "\n" not in text and time.monotonic() - started < 10
+
+
+def test_prepare_with_a_raising_template_is_one_line(template_dir: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    import yaml
+
+    from fastlm.cli import main
+
+    folder = shutil.copytree(template_dir, tmp_path / "tok")
+    (folder / "chat_template.jinja").write_text("{{ raise_exception('x') }}")
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "a"},
+                                                                  {"role": "assistant", "content": "b"}]}) + "\n")
+    config = tmp_path / "prepare.yaml"
+    config.write_text(yaml.safe_dump({"input_path": str(tmp_path / "chat.jsonl"), "output_path": str(tmp_path / "out"),
+                                      "messages_field": "messages",
+                                      "tokenizer": {"type": "huggingface", "path": str(folder)}}))
+    assert main(["prepare", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "chat_template.jinja: chat template: TemplateError: x" in err, err
+    assert not (tmp_path / "out").exists()
