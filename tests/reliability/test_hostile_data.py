@@ -72,7 +72,7 @@ def test_out_of_range_token_ids_name_the_tensor(tmp_path: Path, tensor: str) -> 
     values = getattr(batch, tensor).clone()
     values[0, 3] = trainer.config.model.vocab_size + 40  # labels[0, 3] is unmasked: generated text has no prompts
     hostile = Batch(**{**batch.__dict__, tensor: values})
-    with pytest.raises(ValueError, match=rf"Batch.{tensor} holds token id 300 outside 0..259"):
+    with pytest.raises(DataError, match=rf"Batch.{tensor} holds token id 300 outside 0..259"):  # one line, exit 1
         trainer.forward_backward([hostile])
     labels = batch.labels.clone()
     labels[1, 0] = -7  # -100 is the only legal negative label
