@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from crash_harness import ROOT, write_config
 
 from fastlm.run_config.loader import load_config
@@ -18,7 +17,7 @@ from fastlm.data.config import DataConfig, JsonlSource
 from fastlm.data.datasets import DataError
 from fastlm.data.loader import build_loaders
 from fastlm.data.tokenizer import ByteTokenizer
-from fastlm.engine.checkpoint import CheckpointError, load_latest_checkpoint
+from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.trainer import Trainer
 
 GOOD = '{"text": "a fine document"}\n'
