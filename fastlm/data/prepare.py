@@ -134,6 +134,7 @@ class _Tokenize:
 
     def __init__(self, fields: RecordFields, tokenizer: Tokenizer, path: Path, plain_text: bool) -> None:
         self.fields, self.tokenizer, self.path, self.plain_text = fields, tokenizer, path, plain_text
+        self.dtype = token_dtype(tokenizer.vocab_size)
 
     def __call__(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
         _die_with_parent()
@@ -142,10 +143,17 @@ class _Tokenize:
         if self.plain_text:  # one tokenizer call for the batch: the fast path for pretraining text
             texts = [string_field(record, self.fields.text_field, f"{self.path} row {index + 1}")
                      for record, index in zip(records, indices)]
-            return {"input_ids": self.tokenizer.encode_batch(texts, bos=True, eos=True)}
+            return {"input_ids": [_compact(ids, self.dtype) for ids in self.tokenizer.encode_batch(texts, bos=True, eos=True)]}
         documents = [record_document(record, self.fields, self.tokenizer, f"{self.path} row {index + 1}")
                      for record, index in zip(records, indices)]
-        return {"input_ids": [d.tokens for d in documents], "targets": [d.target_mask for d in documents]}
+        return {"input_ids": [_compact(d.tokens, self.dtype) for d in documents],
+                "targets": [np.asarray(d.target_mask, dtype=np.bool_) for d in documents]}
+
+
+def _compact(ids: list[int], dtype: np.dtype) -> np.ndarray:
+    """A document's ids as an array of the set's dtype: Arrow takes it as it is (a list of Python ints became an
+    int64 array first, 8 more bytes a token for a long document)."""
+    return np.asarray(ids, dtype=dtype)
 
 
 def _load(path: Path, fmt: FileFormat, cache: Path) -> Any:
