@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "data set (data.source: {type: memmap, path})")
     prepare.add_argument("config", help="YAML prepare config: tokenizer, input_path, output_path, record fields, num_proc")
     prepare.add_argument("overrides", nargs="*", default=[], help="dotted.key=value overrides, values parsed as YAML")
+    prepare.add_argument("--verify", action="store_true", help="check the set at output_path in full (files, offsets, "
+                         "the tokens' sha256, every id) instead of writing it")
     generate = commands.add_parser("generate", help="print a trained model's completions of prompts")
     from fastlm.engine.generate import add_arguments
 
@@ -156,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "prepare":
         from fastlm.data.prepare import prepare_command
 
-        return prepare_command(args.config, [*args.overrides, *extra])
+        return prepare_command(args.config, [*args.overrides, *extra], args.verify)
     overrides = [*args.overrides, *extra, *args.set_overrides]
     try:
         config = load_config(args.config, overrides)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from fastlm.data.datasets import DataError
 from fastlm.losses.spec import IGNORE_INDEX, LossTargets, TeacherHead
 
 
@@ -35,8 +36,8 @@ class Batch:
         """Ids outside the vocab crash the embedding (a CUDA device assert on GPU); name the tensor instead."""
         for name, values in (("input_ids", self.input_ids), ("labels", self.labels[self.labels != IGNORE_INDEX])):
             bad = values[(values < 0) | (values >= vocab_size)]
-            if bad.numel():
-                raise ValueError(
+            if bad.numel():  # a DataError: `train` reports it in one line and exits 1
+                raise DataError(
                     f"Batch.{name} holds token id {int(bad[0])} outside 0..{vocab_size - 1} (model.vocab_size "
                     f"{vocab_size}; {bad.numel()} such ids in this batch): the data does not match the model's vocab"
                 )

@@ -93,7 +93,7 @@ class MemmapSource(ConfigModel):
 
 class BlendEntry(ConfigModel):
     path: str = Field(description="A directory written by `fastlm prepare`.")
-    weight: float = Field(gt=0.0, description="Share of rows drawn from it (weights are normalised).")
+    weight: float = Field(gt=0.0, allow_inf_nan=False, description="Share of rows drawn from it (weights are normalised).")
 
 
 class BlendSource(ConfigModel):

@@ -24,7 +24,7 @@ import torch
 from fastlm.data.chat import ChatError, check_messages, encode_chat
 from fastlm.data.config import DataSource, GeneratedSource, JsonlSource, RecordFields, TextSource
 from fastlm.data.corpus import generate_documents
-from fastlm.data.tokenizer import Tokenizer
+from fastlm.data.tokenizer import Tokenizer, TokenizerError
 
 
 class DataError(ValueError):
@@ -149,7 +149,7 @@ def _jsonl_field(record: dict, name: str, path: Path, line: int, allow_empty: bo
 def _chat_document(tokenizer: Tokenizer, messages: Any, where: str, trainable_from: int = 0) -> Document:
     try:
         tokens, targets = encode_chat(tokenizer, check_messages(messages), trainable_from)
-    except ChatError as error:
+    except (ChatError, TokenizerError) as error:  # a template failure names its file; `where` names the record
         raise DataError(f"{where}: {error}") from None
     return Document(tokens, targets, where)
 

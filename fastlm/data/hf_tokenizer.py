@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from fastlm.data.chat_template import TemplateError, render_template
 from fastlm.data.config import HuggingFaceTokenizerConfig
 from fastlm.data.tokenizer import HF_TOKENIZER_FILES, Message, TokenizerError
 
@@ -108,13 +109,27 @@ class HuggingFaceTokenizer:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
     def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
-        """The conversation as the tokenizer's chat template writes it (its BOS included, if the template adds one)."""
+        """The conversation as the tokenizer's chat template writes it (its BOS included, if the template adds one),
+        rendered under time and size limits (fastlm/data/chat_template.py); a failure is one line naming the file."""
         if self.chat_template is None:
             raise TokenizerError(
                 f"{self.source}: the tokenizer has no chat template, so messages cannot be rendered; add "
                 "chat_template to its tokenizer_config.json (or use prompt/completion text fields)"
             )
-        return self.backend.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+        try:
+            return render_template(self.chat_template, messages, add_generation_prompt,
+                                   dict(self.backend.special_tokens_map))
+        except TemplateError as error:
+            raise TokenizerError(f"{self.template_file}: chat template: {error}") from None
+
+    @property
+    def template_file(self) -> Path:
+        """Where the chat template was read from, for messages: its own file, else the tokenizer config."""
+        folder = Path(self.source)
+        if folder.is_file():
+            return folder
+        own = folder / "chat_template.jinja"
+        return own if own.is_file() else folder / "tokenizer_config.json"
 
     def save_pretrained(self, directory: str | Path) -> None:
         self.backend.save_pretrained(str(directory))

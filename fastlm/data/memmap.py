@@ -20,7 +20,7 @@ from fastlm.data.batch import Batch, batch_from_rows
 from fastlm.data.config import BlendSource, DataConfig, MemmapSource
 from fastlm.data.datasets import DataError
 from fastlm.data.loader import BatchLoader
-from fastlm.data.prepared import PreparedDataset, open_prepared
+from fastlm.data.prepared import PreparedDataset, check_rows_fit, open_prepared
 from fastlm.data.summary import check_batch_fits
 from fastlm.data.tokenizer import Tokenizer
 
@@ -57,6 +57,7 @@ def stream_rows(dataset: PreparedDataset, seq_len: int) -> int:
 def memmap_rows(path: str, config: DataConfig, seed: int, tokenizer: Tokenizer) -> tuple[MemmapRows, MemmapRows | None]:
     """Train and eval rows of one prepared data set; eval holds ceil(rows * eval_fraction) rows (train keeps one)."""
     dataset = open_prepared(path, tokenizer)
+    check_rows_fit(dataset, config.seq_len)
     total = stream_rows(dataset, config.seq_len)
     held_out = min(math.ceil(total * config.eval_fraction), total - 1) if config.eval_fraction > 0 else 0
     order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).numpy()

@@ -2,20 +2,36 @@
 
 Files are read by the Hugging Face `datasets` library (local files only) and tokenized by `Dataset.map`
 with `num_proc` workers and its progress bar; every record becomes the same document the trainer would
-build from a JSONL source (`record_document`: text, prompt/completion or chat messages). The result goes
-to a temporary directory next to `output_path` and is renamed into place only when complete, so a killed
-run leaves nothing the trainer would accept. Layout: fastlm/data/prepared.py.
+build from a JSONL source (`record_document`: text, prompt/completion or chat messages). Layout:
+fastlm/data/prepared.py.
+
+The output is never lost or half-written: prepare holds a lock (`.<name>.lock` beside the output; a second
+prepare into it is refused), writes into a staging directory `.<name>.tmp-<pid>` beside it, and swaps it
+into place in one atomic exchange (`renameat2(RENAME_EXCHANGE)`; where the file system lacks it, the old set
+is renamed aside first and put back by the next prepare if a kill lands between the two renames). An
+existing set is replaced only with `overwrite: true`. SIGTERM/SIGINT remove the staging directory (the
+tokenizer workers go with the pool; a worker whose parent dies is killed by the kernel), and every start
+removes staging directories whose process is gone, so a `kill -9` leaves nothing behind for long.
 """
 
 from __future__ import annotations
 
 import codecs
+import ctypes
+import errno
 import glob
+import hashlib
 import json
+import math
 import os
+import re
 import shutil
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -33,12 +49,17 @@ from fastlm.data.prepared import (
     TOKENS_FILE,
     VERSION,
     token_dtype,
+    token_sample,
     tokenizer_metadata,
+    verify_prepared,
 )
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
+from fastlm.engine.run_dir import RunDirError, RunDirLock
+from fastlm.engine.signals import fault_point
 from fastlm.system.disk_space import DiskFullError, raise_if_disk_full
 
 FileFormat = Literal["text", "json", "parquet", "csv"]
+MAX_NUM_PROC = 256
 _SUFFIXES: dict[str, FileFormat] = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
                                     ".parquet": "parquet", ".csv": "csv"}
 
@@ -51,7 +72,8 @@ class PrepareConfig(RecordFields):
     input_path: str = Field(description="A file, a directory (every file in it) or a glob pattern.")
     format: Literal["auto", "text", "json", "parquet", "csv"] = Field("auto", description="auto: by file suffix.")
     output_path: str = Field(description="The prepared data set's directory (written whole at the end).")
-    num_proc: int = Field(1, ge=1, description="Tokenizer worker processes.")
+    num_proc: int = Field(1, ge=1, le=MAX_NUM_PROC, description="Tokenizer worker processes (at most the CPUs and "
+                          "the record batches there are).")
     batch_size: int = Field(1000, ge=1, description="Records per tokenizer call.")
     overwrite: bool = Field(False, description="Replace an existing output_path.")
 
@@ -112,17 +134,26 @@ class _Tokenize:
 
     def __init__(self, fields: RecordFields, tokenizer: Tokenizer, path: Path, plain_text: bool) -> None:
         self.fields, self.tokenizer, self.path, self.plain_text = fields, tokenizer, path, plain_text
+        self.dtype = token_dtype(tokenizer.vocab_size)
 
     def __call__(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
+        _die_with_parent()
         names = list(batch)
         records = [{name: batch[name][row] for name in names} for row in range(len(indices))]
         if self.plain_text:  # one tokenizer call for the batch: the fast path for pretraining text
             texts = [string_field(record, self.fields.text_field, f"{self.path} row {index + 1}")
                      for record, index in zip(records, indices)]
-            return {"input_ids": self.tokenizer.encode_batch(texts, bos=True, eos=True)}
+            return {"input_ids": [_compact(ids, self.dtype) for ids in self.tokenizer.encode_batch(texts, bos=True, eos=True)]}
         documents = [record_document(record, self.fields, self.tokenizer, f"{self.path} row {index + 1}")
                      for record, index in zip(records, indices)]
-        return {"input_ids": [d.tokens for d in documents], "targets": [d.target_mask for d in documents]}
+        return {"input_ids": [_compact(d.tokens, self.dtype) for d in documents],
+                "targets": [np.asarray(d.target_mask, dtype=np.bool_) for d in documents]}
+
+
+def _compact(ids: list[int], dtype: np.dtype) -> np.ndarray:
+    """A document's ids as an array of the set's dtype: Arrow takes it as it is (a list of Python ints became an
+    int64 array first, 8 more bytes a token for a long document)."""
+    return np.asarray(ids, dtype=dtype)
 
 
 def _load(path: Path, fmt: FileFormat, cache: Path) -> Any:
@@ -148,6 +179,8 @@ class _Writer:
         self.count = 0
         self.all_targets = True
         self.max_id = -1
+        self.longest_prompted = 0  # tokens of the longest document with a non-target (prompt) token
+        self.digest = hashlib.sha256()
 
     def append(self, mapped: Any) -> None:
         table = mapped.data.table
@@ -158,9 +191,15 @@ class _Writer:
                 flags = table.column("targets").chunks[index].flatten().to_numpy(zero_copy_only=False).astype(np.uint8)
             else:
                 flags = np.ones(len(ids), dtype=np.uint8)
-            self.tokens.write(ids.astype(self.dtype).tobytes())
+            data = ids.astype(self.dtype).tobytes()
+            self.tokens.write(data)
+            self.digest.update(data)
             self.targets.write(flags.tobytes())
             self.all_targets &= bool(flags.all())
+            if not flags.all() and len(lengths):  # per document: does it hold a prompt (a 0 flag)?
+                starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+                prompted = np.minimum.reduceat(flags, starts) == 0
+                self.longest_prompted = max(self.longest_prompted, int(lengths[prompted].max(initial=0)))
             self.max_id = max(self.max_id, int(ids.max()) if len(ids) else -1)
             self.lengths.append(lengths)
             self.count += len(ids)
@@ -176,8 +215,11 @@ class _Writer:
         np.save(self.directory / OFFSETS_FILE, offsets)
         if self.all_targets:
             (self.directory / TARGETS_FILE).unlink()
+        sample, _ = token_sample(self.directory / TOKENS_FILE, self.dtype)
         metadata = {**metadata, "documents": len(lengths), "tokens": self.count, "max_token_id": self.max_id,
-                    "has_targets": not self.all_targets, "dtype": self.dtype.name}
+                    "has_targets": not self.all_targets, "dtype": self.dtype.name,
+                    "longest_prompted": self.longest_prompted, "tokens_sha256": self.digest.hexdigest(),
+                    "tokens_sample_sha256": sample}
         (self.directory / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n", encoding="utf-8")
         return metadata
 
@@ -189,33 +231,28 @@ def prepare(config: PrepareConfig) -> PrepareSummary:
     files = input_files(config)
     formats = [file_format(config, path) for path in files]
     output = Path(config.output_path)
-    if output.exists() and not config.overwrite:
+    lock = RunDirLock(output, output.with_name(f".{output.name}.lock"), label="prepared data set",
+                      instead="choose another output_path")
+    lock.acquire()
+    try:
+        with _stopped_by_signals():
+            return _prepare_locked(config, tokenizer, files, formats, output, started)
+    finally:
+        lock.release(remove=True)  # a contender that opened it meanwhile sees another inode and retries
+
+
+def _prepare_locked(config: PrepareConfig, tokenizer: Tokenizer, files: list[Path], formats: list[FileFormat],
+                    output: Path, started: float) -> PrepareSummary:
+    """What `prepare` does holding the output's lock: stage, then swap into place (module docstring)."""
+    _recover(output)
+    if os.path.lexists(output) and not config.overwrite:
         raise DataError(f"{output} already exists; choose another output_path or set overwrite: true")
-    staging = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = _staging(output, os.getpid())
     staging.mkdir(parents=True)
     try:
-        writer = _Writer(staging, token_dtype(tokenizer.vocab_size))
-        for path, fmt in zip(files, formats):
-            if path.stat().st_size == 0:  # nothing to read (datasets cannot even infer its columns)
-                continue
-            if fmt != "parquet":
-                check_utf8(path)
-            dataset = _load(path, fmt, staging / "cache")
-            _check_columns(config, dataset.column_names, path, fmt)
-            mapped = dataset.map(_Tokenize(config, tokenizer, path, plain_text=_plain_text(config)), batched=True,
-                                 with_indices=True, batch_size=config.batch_size, num_proc=min(config.num_proc, max(len(dataset), 1)),
-                                 remove_columns=dataset.column_names, desc=f"tokenizing {path.name}")
-            writer.append(mapped)
-        if not writer.count:
-            raise DataError(f"{config.input_path}: no documents (the input files are empty)")
-        shutil.rmtree(staging / "cache", ignore_errors=True)
-        sources = [{"path": str(path.resolve()), "format": fmt, "bytes": path.stat().st_size} for path, fmt in zip(files, formats)]
-        metadata = writer.finish({"format": FORMAT, "version": VERSION, "tokenizer": tokenizer_metadata(tokenizer),
-                                  "fields": config.model_dump(include=set(RecordFields.model_fields)), "sources": sources})
-        if output.exists():
-            shutil.rmtree(output)
-        os.replace(staging, output)
+        metadata = _write_set(config, tokenizer, files, formats, staging)
+        fault_point("prepare_before_swap")
+        _swap_into_place(staging, output)
     except BaseException as error:
         try:  # a full disk is one line: what, how much (about 3 bytes a byte: 2-byte ids + 1 flag), what is safe
             if isinstance(error, Exception):
@@ -224,7 +261,159 @@ def prepare(config: PrepareConfig) -> PrepareSummary:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         raise
+    shutil.rmtree(staging, ignore_errors=True)  # the old set, exchanged out of place (or nothing)
     return PrepareSummary(output, metadata["documents"], metadata["tokens"], time.perf_counter() - started)
+
+
+def _write_set(config: PrepareConfig, tokenizer: Tokenizer, files: list[Path], formats: list[FileFormat],
+               staging: Path) -> dict[str, Any]:
+    """Every file tokenized into `staging`; the metadata written last."""
+    writer = _Writer(staging, token_dtype(tokenizer.vocab_size))
+    for path, fmt in zip(files, formats):
+        if path.stat().st_size == 0:  # nothing to read (datasets cannot even infer its columns)
+            continue
+        if fmt != "parquet":
+            check_utf8(path)
+        dataset = _load(path, fmt, staging / "cache")
+        _check_columns(config, dataset.column_names, path, fmt)
+        mapped = dataset.map(_Tokenize(config, tokenizer, path, plain_text=_plain_text(config)), batched=True,
+                             with_indices=True, batch_size=config.batch_size,
+                             num_proc=worker_count(config.num_proc, len(dataset), config.batch_size),
+                             remove_columns=dataset.column_names, desc=f"tokenizing {path.name}")
+        writer.append(mapped)
+    if not writer.count:
+        raise DataError(f"{config.input_path}: no documents (the input files are empty)")
+    shutil.rmtree(staging / "cache", ignore_errors=True)
+    sources = [{"path": str(path.resolve()), "format": fmt, "bytes": path.stat().st_size} for path, fmt in zip(files, formats)]
+    return writer.finish({"format": FORMAT, "version": VERSION, "tokenizer": tokenizer_metadata(tokenizer),
+                          "fields": config.model_dump(include=set(RecordFields.model_fields)), "sources": sources})
+
+
+def worker_count(num_proc: int, records: int, batch_size: int) -> int | None:
+    """Tokenizer processes: at most `num_proc`, the CPUs, and the record batches (None: tokenize in-process)."""
+    count = min(num_proc, os.cpu_count() or 1, math.ceil(records / batch_size))
+    return count if count > 1 else None
+
+
+def _staging(output: Path, pid: int) -> Path:
+    return output.with_name(f".{output.name}.tmp-{pid}")
+
+
+def _aside(output: Path, pid: int) -> Path:
+    return output.with_name(f".{output.name}.old-{pid}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _recover(output: Path) -> None:
+    """Under the lock: put back an old set that a kill left aside (fallback swap), and remove the staging
+    directories of prepares that are gone (killed with SIGKILL: nothing could clean up)."""
+    pattern = re.compile(rf"\.{re.escape(output.name)}\.(tmp|old)-([0-9]+)")
+    for path in sorted(output.parent.iterdir()) if output.parent.is_dir() else []:
+        match = pattern.fullmatch(path.name)
+        if match is None or _alive(int(match.group(2))) and int(match.group(2)) != os.getpid():
+            continue
+        if match.group(1) == "old" and not os.path.lexists(output):
+            os.rename(path, output)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2); False where the system or file system lacks it."""
+    function = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if function is None:
+        return False
+    if function(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(second))
+
+
+def _swap_into_place(staging: Path, output: Path) -> None:
+    """Make `staging` the output; an old set ends up in `staging` (removed by the caller). At no point is
+    there no set at `output` (but for the fallback's window, which `_recover` repairs)."""
+    if not os.path.lexists(output):
+        os.rename(staging, output)
+    elif not _exchange(staging, output):
+        aside = _aside(output, os.getpid())
+        os.rename(output, aside)
+        fault_point("prepare_between_renames")
+        os.rename(staging, output)
+        os.rename(aside, staging)
+    _fsync_dir(output.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class PrepareStopped(Exception):
+    """SIGTERM/SIGINT during prepare: the staging directory is removed and the output left as it was."""
+
+
+@contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    """SIGTERM and SIGINT raise `PrepareStopped` in this process (its cleanup runs); a forked worker that
+    inherits the handler dies of the signal as it would have."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    owner = os.getpid()
+
+    def stop(number: int, _frame: Any) -> None:
+        if os.getpid() != owner:
+            signal.signal(number, signal.SIG_DFL)
+            os.kill(os.getpid(), number)
+            return
+        raise PrepareStopped(f"stopped by {signal.Signals(number).name}; the staging directory was removed and "
+                             "the output left as it was")
+
+    previous = {number: signal.signal(number, stop) for number in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+_PR_SET_PDEATHSIG = 1
+_parent_bound = False
+
+
+def _die_with_parent() -> None:
+    """In a tokenizer worker: have the kernel SIGKILL it when its parent dies (a `kill -9` of prepare would
+    otherwise leave workers tokenizing for nobody). Once per process; Linux only."""
+    global _parent_bound
+    if _parent_bound or os.getpid() == _OWNER_PID:
+        return
+    _parent_bound = True
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:  # the parent died before the call
+            os._exit(1)
+
+
+_OWNER_PID = os.getpid()
 
 
 def _plain_text(fields: RecordFields) -> bool:
@@ -259,23 +448,32 @@ def load_prepare_config(path: str, overrides: list[str]) -> PrepareConfig:
     try:
         return PrepareConfig.model_validate(layered.data)
     except ValidationError as error:
-        raise ConfigError([to_issue(item, layered) for item in error.errors()]) from None
+        raise ConfigError([to_issue(item, layered, PrepareConfig) for item in error.errors()]) from None
 
 
-def prepare_command(path: str, overrides: list[str]) -> int:
-    """`fastlm prepare CONFIG [key=value ...]`: exit 0 with a summary, 2 with the error for bad input."""
+def prepare_command(path: str, overrides: list[str], verify: bool = False) -> int:
+    """`fastlm prepare CONFIG [key=value ...] [--verify]`: exit 0 with a summary, 2 with the error for bad input,
+    1 for run-time trouble (a full disk, another prepare into the same output, a stop signal, a damaged set)."""
     from fastlm.config.errors import ConfigError
     from fastlm.data.tokenizer import TokenizerError
 
     try:
-        summary = prepare(load_prepare_config(path, overrides))
+        config = load_prepare_config(path, overrides)
+        if verify:  # check the set at output_path in full, write nothing; a damaged set is a run-time error: 1
+            try:
+                print(verify_prepared(config.output_path))
+            except DataError as error:
+                print(f"fastlm prepare --verify: {error}", file=sys.stderr)
+                return 1
+            return 0
+        summary = prepare(config)
     except ConfigError as error:
         print(error.render(), file=sys.stderr)
         return 2
     except (DataError, TokenizerError) as error:
         print(f"fastlm prepare: {error}", file=sys.stderr)
         return 2
-    except DiskFullError as error:
+    except (DiskFullError, RunDirError, PrepareStopped) as error:  # run-time trouble, not bad input: 1
         print(f"fastlm prepare: {error}", file=sys.stderr)
         return 1
     print(summary.describe())

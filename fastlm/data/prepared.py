@@ -3,15 +3,25 @@
     DIR/tokens.bin      every document's token ids end to end (numpy uint16 when the vocab fits, else uint32)
     DIR/documents.npy   int64 offsets: document d is tokens[offsets[d]:offsets[d + 1]]
     DIR/targets.bin     uint8 per token, 1 = a training target (only when some tokens are not: SFT, chat)
-    DIR/metadata.json   format version, tokenizer name/fingerprint/vocab, counts, dtype, source files
+    DIR/metadata.json   format version, tokenizer name/fingerprint/vocab, counts, dtype, the largest id, the
+                        longest SFT document, the tokens' sha256 and a sampled sha256, source files
 
-Opening checks every file against the metadata (a truncated or swapped file is an error naming it) and
-the tokenizer against the run's, and reads nothing but headers: tokens stay on disk until a row asks.
+Nothing in the directory is trusted: opening checks the metadata against a schema (types, an allow-listed
+dtype, counts, the largest id inside the tokenizer's vocab), every file against the metadata (sizes, offsets
+int64, starting at 0, never decreasing, ending at the token count), the tokenizer against the run's, and a
+sampled checksum of the tokens (64 blocks of 4 KiB, ids inside the vocab): a truncated, swapped or edited
+file is an error naming it. `fastlm prepare CONFIG --verify` checks the whole tokens file (sha256, every id).
+Tokens otherwise stay on disk until a row asks.
+
+SFT records (a set with targets) follow the JSONL rule: a document with a prompt that does not fit one row
+of seq_len + 1 tokens is refused (splitting it would train a completion without its prompt).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +38,11 @@ if TYPE_CHECKING:
 FORMAT = "fastlm-prepared"
 VERSION = 1
 TOKENS_FILE, OFFSETS_FILE, TARGETS_FILE, METADATA_FILE = "tokens.bin", "documents.npy", "targets.bin", "metadata.json"
+TOKEN_DTYPES = ("uint16", "uint32")
+SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 4096
+MAX_METADATA_BYTES = 16 << 20
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_CHUNK = 1 << 22  # elements per chunk when scanning offsets or ids (bounded memory)
 
 
 def prepared_files(path: str | Path) -> list[str]:
@@ -39,6 +54,28 @@ def prepared_files(path: str | Path) -> list[str]:
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def _sample_spans(size: int, itemsize: int) -> list[tuple[int, int]]:
+    """(offset, length) of the blocks the sampled checksum reads: the whole file when small, else
+    SAMPLE_BLOCKS evenly spaced blocks (offsets aligned to whole ids)."""
+    if size <= SAMPLE_BLOCKS * SAMPLE_BYTES:
+        return [(0, size)]
+    step = (size - SAMPLE_BYTES) // (SAMPLE_BLOCKS - 1)
+    return [(index * step // itemsize * itemsize, SAMPLE_BYTES) for index in range(SAMPLE_BLOCKS)]
+
+
+def token_sample(path: Path, dtype: np.dtype) -> tuple[str, int]:
+    """(sha256 of the sampled blocks of a tokens file, the largest id in them): cheap, a few hundred KiB."""
+    digest, top = hashlib.sha256(), -1
+    with path.open("rb") as handle:
+        for offset, length in _sample_spans(path.stat().st_size, dtype.itemsize):
+            handle.seek(offset)
+            block = handle.read(length)
+            digest.update(block)
+            ids = np.frombuffer(block[: len(block) // dtype.itemsize * dtype.itemsize], dtype=dtype)
+            top = max(top, int(ids.max()) if len(ids) else -1)
+    return digest.hexdigest(), top
 
 
 def tokenizer_metadata(tokenizer: Tokenizer) -> dict[str, Any]:
@@ -55,6 +92,7 @@ class PreparedDataset:
     tokens: np.ndarray  # memmap (tokens,)
     offsets: np.ndarray  # memmap (documents + 1,)
     targets: np.ndarray | None  # memmap (tokens,) or None: every token is a target
+    sampled_max_id: int = -1  # the largest id in the checksum's sampled blocks
 
     @property
     def num_tokens(self) -> int:
@@ -74,13 +112,48 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     if not meta_path.is_file():
         raise DataError(f"{meta_path}: missing, so {directory} is not a finished prepared data set (a killed "
                         "`fastlm prepare` leaves none); run `fastlm prepare` again")
+    with meta_path.open("rb") as handle:
+        raw = handle.read(MAX_METADATA_BYTES + 1)
+    if len(raw) > MAX_METADATA_BYTES:
+        raise DataError(f"{meta_path}: larger than {MAX_METADATA_BYTES >> 20} MiB, not a metadata file; run "
+                        "`fastlm prepare` again")
     try:
-        metadata = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as error:
-        raise DataError(f"{meta_path}: not valid JSON ({error}); run `fastlm prepare` again") from None
+        metadata = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
+        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+        raise DataError(f"{meta_path}: not valid JSON ({reason}); run `fastlm prepare` again") from None
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT or metadata.get("version") != VERSION:
         raise DataError(f"{meta_path}: not a {FORMAT} v{VERSION} metadata file; run `fastlm prepare` again")
+    _check_schema(metadata, meta_path)
     return metadata
+
+
+def _check_schema(metadata: dict[str, Any], meta_path: Path) -> None:
+    """Every field the reader uses has its type and range (a damaged or edited file is one line naming the key)."""
+    def count(value: Any, low: int) -> bool:
+        return type(value) is int and value >= low
+
+    tokenizer = metadata.get("tokenizer")
+    vocab = tokenizer.get("vocab_size") if isinstance(tokenizer, dict) else None
+    checks: list[tuple[str, bool, str]] = [
+        ("dtype", metadata.get("dtype") in TOKEN_DTYPES, f"one of {list(TOKEN_DTYPES)}"),
+        ("tokens", count(metadata.get("tokens"), 1), "an integer >= 1"),
+        ("documents", count(metadata.get("documents"), 1) and count(metadata.get("tokens"), metadata["documents"]),
+         "an integer from 1 to 'tokens'"),
+        ("has_targets", type(metadata.get("has_targets")) is bool, "true or false"),
+        ("tokenizer", isinstance(tokenizer, dict) and isinstance(tokenizer.get("name"), str)
+         and isinstance(tokenizer.get("fingerprint"), str) and count(vocab, 1),
+         "an object with a name, a fingerprint and a vocab_size"),
+        ("max_token_id", count(metadata.get("max_token_id"), 0) and count(vocab, 1) and metadata["max_token_id"] < vocab,
+         "an integer below the tokenizer's vocab_size"),
+        ("longest_prompted", count(metadata.get("longest_prompted", 0), 0), "an integer >= 0"),
+    ]
+    checks += [(key, key not in metadata or isinstance(metadata[key], str) and bool(_SHA256.fullmatch(metadata[key])),
+                "a sha256 hex digest") for key in ("tokens_sha256", "tokens_sample_sha256")]
+    for key, ok, expected in checks:
+        if not ok:
+            raise DataError(f"{meta_path}: '{key}' must be {expected}, got {metadata.get(key)!r:.80}; the file is "
+                            "damaged or was edited: run `fastlm prepare` again")
 
 
 def check_tokenizer(metadata: dict[str, Any], tokenizer: Tokenizer, where: str) -> None:
@@ -113,11 +186,25 @@ def prepared_source_issues(config: "RunConfig") -> list[ConfigIssue]:
         except DataError as error:
             issues.append(ConfigIssue(field, str(error), path))
             continue
-        top = int(dataset.metadata["max_token_id"])
+        top = max(int(dataset.metadata["max_token_id"]), dataset.sampled_max_id)
         if top >= config.model.vocab_size:
             issues.append(ConfigIssue(field, f"holds token id {top}, beyond model.vocab_size {config.model.vocab_size}",
                                       path, hint="raise model.vocab_size to cover the tokenizer"))
+        try:
+            check_rows_fit(dataset, config.data.seq_len)
+        except DataError as error:
+            issues.append(ConfigIssue(field, str(error), path))
     return issues
+
+
+def check_rows_fit(dataset: "PreparedDataset", seq_len: int) -> None:
+    """The JSONL source's rule for SFT records (fastlm/data/datasets.py `pack_documents`): a document with a
+    prompt longer than one row is refused, not split."""
+    longest, width = int(dataset.metadata.get("longest_prompted", 0)), seq_len + 1
+    if longest > width:
+        raise DataError(f"{dataset.path}: holds a prompt + completion document of {longest} tokens (with BOS/EOS), "
+                        f"more than one row of data.seq_len + 1 = {width}; splitting it would train the completion "
+                        "without its prompt. Raise data.seq_len (and model.max_seq_len) or shorten the record")
 
 
 def _expect_size(path: Path, expected_bytes: int, what: str) -> None:
@@ -129,24 +216,74 @@ def _expect_size(path: Path, expected_bytes: int, what: str) -> None:
                         "the file is truncated or from another data set: run `fastlm prepare` again")
 
 
-def open_prepared(path: str | Path, tokenizer: Tokenizer) -> PreparedDataset:
-    """Open a prepared directory for the run's tokenizer, checking every file against its metadata."""
-    directory = Path(path)
-    metadata = read_metadata(directory)
-    check_tokenizer(metadata, tokenizer, str(directory))
+def _check_offsets(offsets: np.ndarray, path: Path, documents: int, count: int) -> None:
+    """int64, one more than the documents, from 0 to the token count, never decreasing (read in chunks)."""
+    if offsets.dtype != np.int64 or offsets.shape != (documents + 1,) or int(offsets[0]) != 0 \
+            or int(offsets[-1]) != count:
+        raise DataError(f"{path}: holds {offsets.size} offsets ({offsets.dtype}, shape {offsets.shape}), but the metadata "
+                        f"says {documents} documents and {count} tokens (int64 offsets from 0 to {count}); run "
+                        "`fastlm prepare` again")
+    for start in range(0, documents, _CHUNK):
+        piece = np.asarray(offsets[start : start + _CHUNK + 1])
+        if (np.diff(piece) < 0).any():
+            where = start + int(np.argmax(np.diff(piece) < 0))
+            raise DataError(f"{path}: offset {where + 1} is smaller than offset {where} (offsets must never "
+                            "decrease); run `fastlm prepare` again")
+
+
+def _open_files(directory: Path, metadata: dict[str, Any]) -> PreparedDataset:
+    """Memory maps of the files, each checked against the (schema-checked) metadata."""
     dtype = np.dtype(metadata["dtype"])
-    count, documents = int(metadata["tokens"]), int(metadata["documents"])
+    count, documents = metadata["tokens"], metadata["documents"]
     _expect_size(directory / TOKENS_FILE, count * dtype.itemsize, f"{count} tokens of {dtype}")
     tokens = np.memmap(directory / TOKENS_FILE, dtype=dtype, mode="r", shape=(count,))
     try:
-        offsets = np.load(directory / OFFSETS_FILE, mmap_mode="r")
-    except (OSError, ValueError) as error:
+        offsets = np.load(directory / OFFSETS_FILE, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError) as error:
         raise DataError(f"{directory / OFFSETS_FILE}: unreadable ({error}); run `fastlm prepare` again") from None
-    if offsets.shape != (documents + 1,) or int(offsets[0]) != 0 or int(offsets[-1]) != count:
-        raise DataError(f"{directory / OFFSETS_FILE}: holds {offsets.shape[0]} offsets ending at {int(offsets[-1])}, "
-                        f"but the metadata says {documents} documents and {count} tokens; run `fastlm prepare` again")
+    _check_offsets(offsets, directory / OFFSETS_FILE, documents, count)
     targets = None
     if metadata["has_targets"]:
         _expect_size(directory / TARGETS_FILE, count, f"{count} target flags")
         targets = np.memmap(directory / TARGETS_FILE, dtype=np.uint8, mode="r", shape=(count,))
     return PreparedDataset(directory, metadata, tokens, offsets, targets)
+
+
+def open_prepared(path: str | Path, tokenizer: Tokenizer) -> PreparedDataset:
+    """Open a prepared directory for the run's tokenizer, checking every file against its metadata and the
+    sampled checksum of the tokens (see the module docstring)."""
+    directory = Path(path)
+    metadata = read_metadata(directory)
+    check_tokenizer(metadata, tokenizer, str(directory))
+    dataset = _open_files(directory, metadata)
+    digest, top = token_sample(directory / TOKENS_FILE, dataset.tokens.dtype)
+    expected = metadata.get("tokens_sample_sha256")
+    if expected is not None and digest != expected:
+        raise DataError(f"{directory / TOKENS_FILE}: its sampled checksum does not match {METADATA_FILE} (the tokens "
+                        "were changed or damaged); run `fastlm prepare` again (`fastlm prepare CONFIG --verify` "
+                        "checks a set in full)")
+    if top >= metadata["tokenizer"]["vocab_size"]:
+        raise DataError(f"{directory / TOKENS_FILE}: holds token id {top}, past the tokenizer's vocab "
+                        f"({metadata['tokenizer']['vocab_size']}); the file is damaged: run `fastlm prepare` again")
+    return PreparedDataset(directory, metadata, dataset.tokens, dataset.offsets, dataset.targets, top)
+
+
+def verify_prepared(path: str | Path) -> str:
+    """The full check of `fastlm prepare --verify`: every file, the tokens' sha256 and every id; a line."""
+    directory = Path(path)
+    metadata = read_metadata(directory)
+    dataset = _open_files(directory, metadata)
+    digest, top = hashlib.sha256(), -1
+    for start in range(0, dataset.num_tokens, _CHUNK):
+        ids = np.asarray(dataset.tokens[start : start + _CHUNK])
+        digest.update(ids.tobytes())
+        top = max(top, int(ids.max()))
+    if metadata.get("tokens_sha256") not in (None, digest.hexdigest()):
+        raise DataError(f"{directory / TOKENS_FILE}: sha256 does not match {METADATA_FILE} (the tokens were changed "
+                        "or damaged); run `fastlm prepare` again")
+    if top != metadata["max_token_id"]:
+        raise DataError(f"{directory / TOKENS_FILE}: its largest id is {top}, but {METADATA_FILE} says "
+                        f"{metadata['max_token_id']}; run `fastlm prepare` again")
+    checked = "sha256 and every id" if "tokens_sha256" in metadata else "every id (no sha256 recorded)"
+    return (f"verified {directory}: {dataset.num_documents:,} documents, {dataset.num_tokens:,} tokens; files, "
+            f"offsets, {checked} match")

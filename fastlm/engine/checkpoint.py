@@ -9,6 +9,9 @@ A writer killed mid-save leaves at most a `.tmp-*` directory (never picked, remo
 and, if killed after the rename, a `latest` pointing one checkpoint back. Checkpoints newer than the
 one being written belong to an abandoned timeline (a resume from an older checkpoint) and are removed.
 The `fault_point` calls let crash tests kill the writer at each of these places.
+
+`latest` and manifests are read without following symbolic links, and `latest` must name a `step-N`
+directory inside its own folder: a pointer is never followed out of the run.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from fastlm.engine.run_dir import RunDirError, open_run_file
 from fastlm.system.disk_space import raise_if_disk_full
 from fastlm.engine.signals import fault_point
 
@@ -69,8 +73,12 @@ def _fsync_path(path: Path) -> None:
 
 def _write_text_atomic(path: Path, text: str) -> None:
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(text, encoding="utf-8")
-    _fsync_path(temporary)
+    temporary.unlink(missing_ok=True)
+    fd = open_run_file(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(temporary, path)
     _fsync_path(path.parent)
 
@@ -85,7 +93,7 @@ def checkpoint_step(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _step_dirs(directory: Path) -> list[Path]:
+def complete_checkpoints(directory: Path) -> list[Path]:
     """Complete (renamed-into-place) checkpoint directories, oldest first."""
     if not directory.is_dir():
         return []
@@ -107,10 +115,11 @@ def save_checkpoint(
     `model` / `optimizer` may be given as their full state dicts (what a distributed run gathers on rank 0).
     """
     directory.mkdir(parents=True, exist_ok=True)
+    _check_pointer_kind(directory / LATEST_FILE)
     _remove_leftovers(directory, step)
     final = directory / step_dir_name(step)
     temporary = directory / f".tmp-{step_dir_name(step)}-{os.getpid()}"
-    previous = _step_dirs(directory)
+    previous = complete_checkpoints(directory)
     try:
         _write(temporary, final, step, model, optimizer, trainer_state, config)
     except Exception as error:
@@ -119,7 +128,7 @@ def save_checkpoint(
         raise_if_disk_full(error, f"checkpoint {final.name}", directory, checkpoint_bytes(model, optimizer), intact,
                            then="continue with --resume")
         raise
-    for old in _step_dirs(directory)[:-keep]:
+    for old in complete_checkpoints(directory)[:-keep]:
         _discard(old)
     return final
 
@@ -175,6 +184,14 @@ def _write(
     _write_text_atomic(final.parent / LATEST_FILE, final.name + "\n")
 
 
+def _check_pointer_kind(pointer: Path) -> None:
+    """`latest` is replaced by a rename: a directory (or other non-file) in its place would make every save
+    fail after its files are written, so it is refused first, with the fix."""
+    if os.path.lexists(pointer) and not pointer.is_symlink() and not pointer.is_file():
+        raise CheckpointError(f"{pointer}: is a directory or special file, not the checkpoint pointer fastlm "
+                              "writes; move it away and continue with --resume")
+
+
 def _discard(path: Path) -> None:
     """Delete a checkpoint directory without ever leaving a half-deleted `step-*` behind: rename it to a
     temp name first (atomic), so a kill during the delete leaves only a `.tmp-*` that the next save removes."""
@@ -190,7 +207,7 @@ def _remove_leftovers(directory: Path, step: int) -> None:
             shutil.rmtree(path)
         elif path.name.startswith(_TEMP_PREFIXES):
             path.unlink()
-    for path in _step_dirs(directory):
+    for path in complete_checkpoints(directory):
         if (checkpoint_step(path) or 0) > step:
             _discard(path)
 
@@ -247,8 +264,10 @@ class LoadedCheckpoint:
 def _read_json(path: Path) -> Any:
     """A JSON file that may be hostile: bounded size, UTF-8, any nesting depth refused cleanly."""
     try:
-        with path.open("rb") as handle:
+        with os.fdopen(open_run_file(path, os.O_RDONLY), "rb") as handle:
             raw = handle.read(MAX_JSON_BYTES + 1)
+    except RunDirError as error:
+        raise CheckpointError(str(error)) from None
     except OSError as error:
         raise CheckpointError(f"{path}: unreadable ({error.strerror or error})") from None
     if len(raw) > MAX_JSON_BYTES:
@@ -260,10 +279,10 @@ def _read_json(path: Path) -> Any:
         raise CheckpointError(f"{path}: unreadable manifest ({reason})") from None
 
 
-def _read_manifest(path: Path) -> tuple[int, dict[str, str], dict[str, Any]]:
+def read_manifest(path: Path) -> tuple[int, dict[str, str], dict[str, Any]]:
     """(step, file -> sha256, config) of a manifest whose every piece has the expected type."""
     manifest_path = path / MANIFEST_FILE
-    if not manifest_path.is_file():
+    if not os.path.lexists(manifest_path):
         raise CheckpointError(f"{manifest_path}: missing (incomplete checkpoint)")
     manifest = _read_json(manifest_path)
     if not isinstance(manifest, dict):
@@ -284,7 +303,7 @@ def _read_manifest(path: Path) -> tuple[int, dict[str, str], dict[str, Any]]:
 
 
 def _verify(path: Path) -> LoadedCheckpoint:
-    step, expected, config = _read_manifest(path)
+    step, expected, config = read_manifest(path)
     for name, digest in expected.items():
         file = path / name
         if not file.is_file():
@@ -313,20 +332,21 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
     return _verify(path)
 
 
-def _latest_pointer(directory: Path) -> Path | None:
-    """The checkpoint `latest` names, if it is a small UTF-8 file naming a `step-N` here; else None
-    (with a warning: the newest complete checkpoint is used instead)."""
+def latest_pointer(directory: Path) -> Path | None:
+    """The checkpoint `latest` names, if it is a small UTF-8 regular file (not a link) naming a complete
+    `step-N` directory of this folder; else None (with a warning: the newest complete checkpoint is used
+    instead). A pointer is never followed out of its folder."""
     pointer = directory / LATEST_FILE
-    if not pointer.exists():
+    if not os.path.lexists(pointer):
         return None
     try:
-        if not pointer.is_file():
-            raise ValueError("not a regular file")
-        with pointer.open("rb") as handle:
+        with os.fdopen(open_run_file(pointer, os.O_RDONLY), "rb") as handle:
             name = handle.read(256).decode("utf-8").strip()
-        if checkpoint_step(Path(name)) is None or "/" in name:
-            raise ValueError(f"does not name a step-N directory ({name[:40]!r})")
-    except (OSError, ValueError) as error:
+        if checkpoint_step(Path(name)) is None:
+            raise ValueError(f"does not name a step-N directory of {directory} ({name[:40]!r})")
+        if directory / name not in complete_checkpoints(directory):
+            raise ValueError(f"names {name}, which is not a complete checkpoint directory there")
+    except (OSError, ValueError, RunDirError) as error:
         warnings.warn(f"ignoring {pointer}: {error}; using the newest complete checkpoint", RuntimeWarning,
                       stacklevel=3)
         return None
@@ -335,8 +355,8 @@ def _latest_pointer(directory: Path) -> Path | None:
 
 def _candidates(directory: Path) -> list[Path]:
     """The `latest` target first, then every other complete checkpoint, newest first."""
-    ordered = list(reversed(_step_dirs(directory)))
-    target = _latest_pointer(directory)
+    ordered = list(reversed(complete_checkpoints(directory)))
+    target = latest_pointer(directory)
     if target in ordered:
         ordered.remove(target)
         ordered.insert(0, target)

@@ -4,6 +4,10 @@ The model, its head's logit transform and the sampling defaults come from the ch
 (the `rl:` section's temperature, top_p and max_new_tokens where the run has one); flags override them.
 Sampling is the KV-cache generator rollouts use (fastlm/generation), so a completion here is one a rollout
 could draw; the sampling generator lives on the model's device (a seed repeats on that device).
+
+The checkpoint is read as hostile as a resume reads it: the manifest is validated (fastlm/engine/checkpoint.py),
+weights that do not fit the model its config describes are one line, sampling options are checked (finite
+temperature >= 0, top_p in (0, 1]), and a reader that closes stdout early (`| head`) ends the command quietly.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +27,7 @@ from fastlm.config.errors import ConfigError
 from fastlm.run_config.schema import RunConfig
 from fastlm.data.datasets import DataError, jsonl_records
 from fastlm.data.tokenizer import Message, Tokenizer
-from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, CheckpointError
+from fastlm.engine.checkpoint import LATEST_FILE, CheckpointError, read_manifest
 from fastlm.data.chat import ChatError, check_messages, encode_chat_prompt
 from fastlm.engine.preflight import resolve_step_dir
 from fastlm.engine.runtime import autocast_dtype, select_device
@@ -67,14 +72,19 @@ def load_model(source: Path, device: torch.device) -> LoadedModel:
     step_dir = resolve_step_dir(source)
     run = None
     if step_dir is not None:
-        stored = json.loads((step_dir / MANIFEST_FILE).read_text(encoding="utf-8")).get("config", {})
+        _, _, stored = read_manifest(step_dir)
         try:
             run = RunConfig.model_validate(stored)
         except ValidationError:  # an older config layout: the model section alone still loads
             run = None
     model_config, state, tokenizer = load_fastlm(step_dir or source)
     model = build_model(model_config, device="cpu")
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as error:  # a manifest describing another model than its weights
+        first = str(error).strip().splitlines()[0][:200]
+        raise CheckpointError(f"{step_dir or source}: the weights do not fit the model its config describes ({first}); "
+                              "the checkpoint was changed or damaged") from None
     return LoadedModel(model.to(device).eval(), tokenizer, run, step_dir or source)
 
 
@@ -113,7 +123,7 @@ def sampling_options(args: argparse.Namespace, loaded: LoadedModel, tokenizer: T
     def pick(flag: float | int | None, field: str, default: float | int) -> float | int:
         return flag if flag is not None else getattr(rl, field) if rl is not None else default
 
-    return SamplingOptions(
+    return SamplingOptions(  # it checks its values (finite temperature >= 0, top_p in (0, 1]): one line
         max_new_tokens=int(pick(args.max_new_tokens, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS)),
         temperature=float(pick(args.temperature, "temperature", 1.0)),
         top_p=float(pick(args.top_p, "top_p", 1.0)),
@@ -149,6 +159,16 @@ def generate_command(args: argparse.Namespace) -> int:
         return 2
     print(f"# {loaded.origin}: temperature {options.temperature:g}, top_p {options.top_p:g}, "
           f"max_new_tokens {options.max_new_tokens}, seed {seed}", file=sys.stderr)
+    try:
+        _print_completions(args, tokenizer, prompts, completions)
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader closed stdout (`| head`): nothing more to say, and no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit-time flush goes nowhere
+    return 0
+
+
+def _print_completions(args: argparse.Namespace, tokenizer: Tokenizer, prompts: list[str | list[Message]],
+                       completions: list) -> None:
     for index, (prompt, completion) in enumerate(zip(prompts, completions), start=1):
         body = completion.tokens[:-1] if completion.stopped else completion.tokens
         text = tokenizer.decode(body)
@@ -158,7 +178,6 @@ def generate_command(args: argparse.Namespace) -> int:
             ending = "stopped at EOS" if completion.stopped else "no EOS: max_new_tokens reached"
             shown = prompt if isinstance(prompt, str) else tokenizer.render_chat(prompt, add_generation_prompt=True)
             print(f"--- {index}: {shown!r} -> {len(completion.tokens)} new tokens, {ending}\n{shown}{text}")
-    return 0
 
 
 def select_device_for(name: str) -> torch.device:

@@ -23,7 +23,7 @@ from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.run_config.schema import RunConfig
 from fastlm.data.config import PREPARED_SOURCE_TYPES
 from fastlm.data.prepared import prepared_source_issues
-from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, MODEL_FILE
+from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, latest_pointer
 from fastlm.engine.run_dir import LOCK_FILE
 from fastlm.logging.logger import METRICS_FILE
 from fastlm.models.config import ModelConfig
@@ -123,11 +123,9 @@ def resolve_step_dir(path: Path) -> Path | None:
         return path
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
-    pointer = path / LATEST_FILE
-    if pointer.is_file():
-        target = path / pointer.read_text(encoding="utf-8").strip()
-        if (target / MANIFEST_FILE).is_file():
-            return target
+    target = latest_pointer(path) if path.is_dir() else None  # confined to `path`, never a link
+    if target is not None and (target / MANIFEST_FILE).is_file():
+        return target
     steps = sorted(p for p in path.glob("step-*") if (p / MANIFEST_FILE).is_file()) if path.is_dir() else []
     return steps[-1] if steps else None
 

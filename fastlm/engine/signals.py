@@ -77,9 +77,20 @@ class StopRequest:
         if threading.current_thread() is threading.main_thread():
             for stop_signal in STOP_SIGNALS:
                 self._previous[stop_signal] = signal.signal(stop_signal, self._handle)
+        _entered.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self in _entered:
+            _entered.remove(self)
         for stop_signal, handler in self._previous.items():
             signal.signal(stop_signal, handler)
         self._previous.clear()
+
+
+_entered: list[StopRequest] = []
+
+
+def stop_signal() -> str | None:
+    """The stop signal an entered StopRequest has recorded, by name, or None (for code that waits on user code)."""
+    return next((request.signal.name for request in _entered if request.signal is not None), None)

@@ -16,7 +16,6 @@ the gathered checkpoint.
 
 from __future__ import annotations
 
-import shutil
 import sys
 import time
 import warnings
@@ -61,7 +60,7 @@ from fastlm.engine.distributed import (
 )
 from fastlm.engine.optim import build_optimizer, build_scheduler, clip_divisor, fused_update, step_unless
 from fastlm.engine.preflight import CHECKPOINT_DIR, EARLIER_RUN_FIX, earlier_run, preflight_issues
-from fastlm.engine.run_dir import FreshStart, RunDirError, RunDirLock
+from fastlm.engine.run_dir import FreshStart, ReplacedRun, RunDirError, RunDirLock, recover_replaced
 from fastlm.engine.schedule_resume import DecayAnchor, anchor_for_resume, continue_decay
 from fastlm.engine.runtime import (
     autocast_dtype,
@@ -169,6 +168,7 @@ class Trainer:
         self.read_values: list[StepValues] = []  # read by the last read point, for the loop to log
         self.halted = torch.zeros((), dtype=torch.bool, device=self.device)  # a failure holds every update back
         self.checkpoints_written = 0  # by this process: a start that wrote one is not undone on failure
+        self.replaced: ReplacedRun | None = None  # run.overwrite's earlier run, until the first checkpoint
         self.wandb_run_id: str | None = None  # kept in checkpoints: a resume logs to the same wandb run
         self.decay_anchor: DecayAnchor | None = None  # set by a resume that changed trainer.steps (schedule_resume.py)
 
@@ -410,12 +410,20 @@ class Trainer:
         args = (self.state(), self.config.model_dump(mode="json"), self.config.trainer.keep_checkpoints)
         self.checkpoints_written += 1
         if not self.parallel.distributed:
-            return save_checkpoint(self.checkpoint_dir, self.step, self.model, self.optimizer, *args)
+            path = save_checkpoint(self.checkpoint_dir, self.step, self.model, self.optimizer, *args)
+            self._discard_replaced()
+            return path
         model_state, optimizer_state = full_state(self.model, self.optimizer, self.parallel)
         if self.parallel.rank == 0:
             save_checkpoint(self.checkpoint_dir, self.step, model_state, optimizer_state, *args)
         dist.barrier()
+        self._discard_replaced()
         return self.checkpoint_dir / step_dir_name(self.step)
+
+    def _discard_replaced(self) -> None:
+        if self.replaced is not None:  # the new run has a checkpoint: the earlier one is not needed back
+            self.replaced.discard()
+            self.replaced = None
 
     def resume(self) -> None:
         """Restore model, optimizer, schedule, data position and RNG from the newest checkpoint that
@@ -519,9 +527,8 @@ class Trainer:
         if self._any_rank(bool(earlier) and not self.config.run.overwrite):
             raise RunDirError(f"run directory {self.run_dir} already holds an earlier run "
                               f"({', '.join(earlier) or 'see rank 0'}); {EARLIER_RUN_FIX}")
-        if earlier:
-            shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
-            (self.run_dir / METRICS_FILE).unlink(missing_ok=True)
+        if earlier:  # set aside, not deleted, until this run's first checkpoint (fastlm/engine/run_dir.py)
+            self.replaced = ReplacedRun.set_aside(self.run_dir, [CHECKPOINT_DIR, METRICS_FILE])
 
     def train(self, resume: bool = False) -> TrainSummary:
         """Run to `trainer.steps` holding the run directory's lock (rank 0; see fastlm/engine/run_dir.py).
@@ -538,6 +545,9 @@ class Trainer:
             raise refused or RunDirError(f"rank 0 could not lock the run directory {self.run_dir}")
         fresh: FreshStart | None = None
         try:
+            restored = recover_replaced(self.run_dir, self.checkpoint_dir) if lock is not None else None
+            if restored:
+                print(f"fastlm: {restored}", file=sys.stderr)
             if resume:
                 self.resume()
                 if self.step >= self.config.trainer.steps:  # nothing to run: no logger, no wandb run, no writes
@@ -557,6 +567,9 @@ class Trainer:
                 fresh.undo()
             else:
                 fresh = None
+            if self.replaced is not None:  # failed before its first checkpoint: the earlier run goes back
+                self.replaced.restore()
+                self.replaced = None
             raise
         finally:
             if lock is not None:

@@ -10,6 +10,8 @@ runs unless top_p < 1 (top-k is one `topk`).
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +35,10 @@ class SamplingOptions:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+        if not 0 <= self.temperature < math.inf or not 0 < self.top_p <= 1 or self.top_k < 0:  # NaN fails both
             raise ValueError(
-                f"need temperature >= 0, top_p in (0, 1] and top_k >= 0; got {self.temperature}, {self.top_p}, {self.top_k}"
+                f"need a finite temperature >= 0, top_p in (0, 1] and top_k >= 0; got {self.temperature}, {self.top_p}, "
+                f"{self.top_k}"
             )
 
     @property

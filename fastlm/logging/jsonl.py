@@ -1,4 +1,7 @@
-"""The local record of a run: `metrics.jsonl`, one JSON object per log call, flushed per line."""
+"""The local record of a run: `metrics.jsonl`, one JSON object per log call, flushed per line.
+
+The file is opened with `open_run_file` (never through a symbolic link, only a regular file), so a link
+planted in the run directory cannot make the run append its records elsewhere."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import time
 import warnings
 from pathlib import Path
 
+from fastlm.engine.run_dir import open_run_file
 from fastlm.system.disk_space import raise_if_disk_full
 
 
@@ -23,7 +27,8 @@ class JsonlSink:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._file = path.open("a", encoding="utf-8")
+        fd = open_run_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        self._file = os.fdopen(fd, "a", encoding="utf-8")
 
     def log(self, step: int, metrics: dict[str, float | list[dict]]) -> None:
         """A list value (a table's rows) is written as it is; scalar readers skip it."""
@@ -62,9 +67,10 @@ def drop_records_after(path: Path, step: int) -> int:
     corrupted) is dropped with a warning naming it. Streams line by line and rewrites atomically (temp
     file + rename), so memory stays bounded and a kill here loses nothing.
     """
-    if not path.is_file():
+    if not os.path.lexists(path):
         return 0
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.unlink(missing_ok=True)
     try:
         dropped, damaged = _copy_records(path, temporary, step)
         if dropped:
@@ -85,7 +91,8 @@ def drop_records_after(path: Path, step: int) -> int:
 def _copy_records(path: Path, target_path: Path, step: int) -> tuple[int, list[int]]:
     """Copy the whole records up to `step` into `target_path`, fsynced; (lines dropped, damaged line numbers)."""
     dropped, damaged = 0, []
-    with path.open("rb") as source, target_path.open("wb") as target:
+    with os.fdopen(open_run_file(path, os.O_RDONLY), "rb") as source, \
+            os.fdopen(open_run_file(target_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as target:
         for number, line in enumerate(source, start=1):
             if not line.strip():
                 continue

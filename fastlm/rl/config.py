@@ -78,6 +78,8 @@ class RLConfig(ConfigModel):
     rewards: list[RewardConfig] = Field(
         default_factory=list, description="User reward functions; empty = the built-in task's reward."
     )
+    reward_timeout_s: float = Field(60.0, gt=0.0, allow_inf_nan=False, description="Longest a reward function may "
+                                    "run for one rollout; past it the run stops with a checkpoint, as for one that raises.")
     nan_rewards: Literal["error", "skip"] = Field(
         "error", description="A NaN reward stops the run (error) or counts as no reward (skip, counted in the log)."
     )

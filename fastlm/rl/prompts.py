@@ -20,6 +20,7 @@ from fastlm.data.chat import ChatError, check_messages
 from fastlm.data.datasets import DataError, jsonl_records
 from fastlm.data.tasks import AdditionTask, ArithmeticChainTask, Problem, ReverseTask, Task, score
 from fastlm.data.tokenizer import SPECIAL_TOKENS, Tokenizer, TokenizerError
+from fastlm.rl.rewards import RESERVED_ARGUMENTS
 from fastlm.rl.config import AdditionTaskConfig, ArithmeticChainTaskConfig, JsonlPromptsConfig, RLConfig, TaskConfig
 
 
@@ -90,6 +91,11 @@ class JsonlPrompts:
             self.records.append(PromptRecord(text, columns, prompt))
         if not self.records:
             raise DataError(f"{path}: no prompts (the file has no JSON records)")
+        reserved = sorted(set(self.records[0].columns) & set(RESERVED_ARGUMENTS))
+        if reserved:
+            raise DataError(f"{path}: column '{reserved[0]}' has the name of a reward function argument (reserved: "
+                            f"{', '.join(RESERVED_ARGUMENTS)}), so the reward would get it instead of the model's "
+                            f"{reserved[0]}; rename the column")
         keys = set(self.records[0].columns)
         for index, record in enumerate(self.records):
             if set(record.columns) != keys:

@@ -7,14 +7,24 @@ keyword arguments, one list entry per completion (prompt-major, G per prompt):
     plus every extra column of the prompt records (e.g. `answer`), repeated for the G completions,
 
 and returns one float (or None: "no reward from this function") per completion; accept `**kwargs` for
-columns you do not use. The total reward is the weighted sum over the functions that gave one (0 when none
-did). A function that raises, returns the wrong count or a non-number stops the run with a `RewardError`
-naming the function and the prompt index; a NaN does too, or counts as None with `rl.nan_rewards: skip`.
+columns you do not use. The argument names above are reserved: a prompt column with one of them is refused
+when the prompts are loaded (fastlm/rl/prompts.py). Each function gets its own deep copies of the lists, so
+one that edits them changes nothing for the next. The total reward is the weighted sum over the functions
+that gave one (0 when none did).
+
+A function that raises, returns the wrong count or a non-number stops the run with a `RewardError` naming
+the function and the prompt index; a NaN does too, or counts as None with `rl.nan_rewards: skip`; so does a
+value that is not finite once weighted. A function runs in a worker thread that the run waits for at most
+`rl.reward_timeout_s` seconds, and only until a SIGTERM/SIGINT arrives: either way it is abandoned with a
+`RewardError` (the RL trainer then writes the checkpoint of the last finished step, as for a raising function).
 """
 
 from __future__ import annotations
 
+import copy
 import math
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,9 +32,12 @@ from typing import Any
 import torch
 
 from fastlm.config.errors import ConfigError, ConfigIssue
+from fastlm.engine.signals import stop_signal
 from fastlm.rl.config import RewardConfig
 
 RewardCallable = Callable[..., Sequence[float | None]]
+RESERVED_ARGUMENTS = ("prompts", "completions", "completion_ids", "stopped")
+DEFAULT_TIMEOUT_S = 60.0
 
 
 class RewardError(RuntimeError):
@@ -37,9 +50,10 @@ class RewardFunction:
     path: str  # "package.module:name", for messages
     function: RewardCallable
     weight: float
+    timeout_s: float = DEFAULT_TIMEOUT_S  # rl.reward_timeout_s
 
 
-def load_reward_functions(configs: list[RewardConfig]) -> list[RewardFunction]:
+def load_reward_functions(configs: list[RewardConfig], timeout_s: float = DEFAULT_TIMEOUT_S) -> list[RewardFunction]:
     """Import every configured function; a bad path is a `ConfigError` at `rl.rewards[i].function`."""
     functions, issues = [], []
     for index, config in enumerate(configs):
@@ -56,7 +70,7 @@ def load_reward_functions(configs: list[RewardConfig]) -> list[RewardFunction]:
         if not callable(function):
             issues.append(ConfigIssue(where, f"module '{module_name}' has no function '{attribute}'", config.function))
             continue
-        functions.append(RewardFunction(config.metric_name, config.function, function, config.weight))
+        functions.append(RewardFunction(config.metric_name, config.function, function, config.weight, timeout_s))
     names = [f.name for f in functions]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -67,15 +81,47 @@ def load_reward_functions(configs: list[RewardConfig]) -> list[RewardFunction]:
     return functions
 
 
+def _bounded(reward: RewardFunction, arguments: dict[str, list[Any]]) -> list[Any]:
+    """The function called on deep copies of `arguments` in a daemon thread, waited for at most its timeout
+    and only until a stop signal; a `RewardError` when abandoned, the function's own exception re-raised."""
+    outcome: dict[str, Any] = {}
+    copies = copy.deepcopy(arguments)
+
+    def run() -> None:
+        try:
+            outcome["values"] = list(reward.function(**copies))
+        except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+            outcome["error"] = error
+
+    worker = threading.Thread(target=run, name=f"reward {reward.name}", daemon=True)
+    deadline = time.monotonic() + reward.timeout_s
+    worker.start()
+    while worker.is_alive():
+        worker.join(min(0.05, max(deadline - time.monotonic(), 0.0)))
+        stopped = stop_signal()
+        if worker.is_alive() and (stopped is not None or time.monotonic() >= deadline):
+            why = f"was still running when {stopped} arrived" if stopped is not None else \
+                f"did not return within rl.reward_timeout_s = {reward.timeout_s:g} s"
+            raise RewardError(f"reward function '{reward.name}' ({reward.path}) {why}; it was abandoned (make it "
+                              "return sooner, or raise rl.reward_timeout_s)")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["values"]
+
+
 def _call(reward: RewardFunction, arguments: dict[str, list[Any]], group_size: int) -> list[Any]:
     """The function's values; on an exception, locate the first completion that raises (one at a time)."""
     try:
-        return list(reward.function(**arguments))
+        return _bounded(reward, arguments)
+    except RewardError:
+        raise
     except Exception as error:  # noqa: BLE001 - user code: report which prompt, with the original error
         failing = "?"
         for index in range(len(arguments["completions"])):
             try:
-                reward.function(**{key: values[index : index + 1] for key, values in arguments.items()})
+                _bounded(reward, {key: values[index : index + 1] for key, values in arguments.items()})
+            except RewardError:
+                break
             except Exception:  # noqa: BLE001
                 failing = str(index // group_size)
                 break
@@ -118,9 +164,23 @@ def score_completions(
 
 
 def total_reward(per_function: torch.Tensor, functions: list[RewardFunction]) -> torch.Tensor:
-    """(N,) weighted sum over the functions that gave a reward (NaN counts as none; all none -> 0)."""
+    """(N,) weighted sum over the functions that gave a reward (NaN counts as none; all none -> 0); a weighted
+    value or a sum that overflows to infinity is a `RewardError` naming the function."""
     weights = torch.tensor([f.weight for f in functions], dtype=torch.float64)
-    return torch.nansum(per_function * weights, dim=1)
+    weighted = per_function * weights
+    overflow = torch.isinf(weighted)
+    if overflow.any():
+        row, column = (int(i) for i in overflow.nonzero()[0])
+        reward = functions[column]
+        raise RewardError(f"reward function '{reward.name}' ({reward.path}), completion {row}: its value "
+                          f"{float(per_function[row, column]):g} x weight {reward.weight:g} is not a finite number; "
+                          "return smaller rewards or lower its weight")
+    total = torch.nansum(weighted, dim=1)
+    if torch.isinf(total).any():
+        row = int(torch.isinf(total).nonzero()[0])
+        raise RewardError(f"the weighted rewards of completion {row} sum to {float(total[row]):g} (functions "
+                          f"{[f.name for f in functions]}); return smaller rewards or lower the weights")
+    return total
 
 
 def reward_metrics(per_function: torch.Tensor, functions: list[RewardFunction]) -> dict[str, float]:

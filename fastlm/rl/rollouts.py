@@ -217,7 +217,7 @@ class RolloutLoader:
         if config.prompts is not None:
             limit = model.config.max_seq_len - config.max_new_tokens
             self.source = JsonlPrompts(config.prompts, tokenizer, limit)
-        self.reward_functions = load_reward_functions(config.rewards) if config.rewards else [
+        self.reward_functions = load_reward_functions(config.rewards, config.reward_timeout_s) if config.rewards else [
             RewardFunction("task", "built-in task reward", task_reward(self.task, config.format_reward), 1.0)]
         device = model.output_weight.device
         graphs = config.cuda_graph and device.type == "cuda" and model.tp_group is None

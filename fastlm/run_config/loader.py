@@ -326,9 +326,10 @@ def _size_issues(config: RunConfig) -> list[ConfigIssue]:
                         hint="lower model.hidden_size, model.vocab_size, model.intermediate_size or model.num_layers")]
 
 
-def to_issue(item: dict[str, Any], layered: LayeredDict) -> ConfigIssue:
-    """One pydantic error as a `ConfigIssue`: its dotted path, the layer that set the value, and a hint."""
-    path, parent_model = _dotted_path(item["loc"], layered.data)
+def to_issue(item: dict[str, Any], layered: LayeredDict, root: type[BaseModel] | None = None) -> ConfigIssue:
+    """One pydantic error as a `ConfigIssue`: its dotted path (under `root`, the config class being loaded,
+    RunConfig by default), the layer that set the value, and a hint."""
+    path, parent_model = _dotted_path(item["loc"], layered.data, root or RunConfig)
     source = layered.source_of(path)
     kind = item["type"]
     if kind == "extra_forbidden":
@@ -407,12 +408,12 @@ def _whole_number_hint(value: Any) -> str:
     return f"this key counts things: give a whole number, e.g. {round(number)}"
 
 
-def _dotted_path(loc: tuple[Any, ...], data: Any) -> tuple[str, type[BaseModel] | None]:
+def _dotted_path(loc: tuple[Any, ...], data: Any, root: type[BaseModel]) -> tuple[str, type[BaseModel] | None]:
     """Turn a pydantic error location into the user's dotted path (dropping union tags) and find the
-    model class whose fields were expected at the parent of the last element."""
+    model class (under `root`, the config being loaded) whose fields were expected at the parent of the last element."""
     parts: list[str] = []
-    model: Any = RunConfig
-    parent: type[BaseModel] | None = RunConfig
+    model: Any = root
+    parent: type[BaseModel] | None = root
     node = data
     for element in loc:
         if isinstance(node, dict) and element not in node and node.get("type") == element:

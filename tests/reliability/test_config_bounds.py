@@ -172,3 +172,22 @@ def test_validate_refuses_an_output_dir_that_cannot_be_made(tmp_path: Path, caps
     blocker.write_text("")
     assert main(["validate", "configs/tiny.yaml", f"run.output_dir={blocker}/runs/x"]) == 2
     assert f"run.output_dir: {blocker} is not a directory (so {blocker}/runs/x cannot be made)" in capsys.readouterr().err
+
+
+BLEND = "data.source={type: blend, sources: [{path: a, weight: %s}, {path: b, weight: 1.0}]}"
+
+
+@pytest.mark.parametrize(("weight", "message"), [(".inf", "Input should be a finite number"),
+                                                 (".nan", "Input should be a finite number"),
+                                                 ("0", "Input should be greater than 0"),
+                                                 ("-1", "Input should be greater than 0")])
+def test_blend_weights_are_finite_and_positive(weight: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A weight of .inf drew only source 0 (its share swamps every other); now refused, as 0 and negatives are."""
+    assert main(["validate", "configs/tiny.yaml", BLEND % weight]) == 2
+    assert f"data.source.sources.0.weight: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", [".inf", "0", "-5"])
+def test_reward_timeout_is_finite_and_positive(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "configs/grpo.yaml", f"rl.reward_timeout_s={value}"]) == 2
+    assert "rl.reward_timeout_s:" in capsys.readouterr().err

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from crash_harness import ROOT, write_config
 
 from fastlm.run_config.loader import load_config
@@ -18,7 +17,7 @@ from fastlm.data.config import DataConfig, JsonlSource
 from fastlm.data.datasets import DataError
 from fastlm.data.loader import build_loaders
 from fastlm.data.tokenizer import ByteTokenizer
-from fastlm.engine.checkpoint import CheckpointError, load_latest_checkpoint
+from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.trainer import Trainer
 
 GOOD = '{"text": "a fine document"}\n'
@@ -72,7 +71,7 @@ def test_out_of_range_token_ids_name_the_tensor(tmp_path: Path, tensor: str) -> 
     values = getattr(batch, tensor).clone()
     values[0, 3] = trainer.config.model.vocab_size + 40  # labels[0, 3] is unmasked: generated text has no prompts
     hostile = Batch(**{**batch.__dict__, tensor: values})
-    with pytest.raises(ValueError, match=rf"Batch.{tensor} holds token id 300 outside 0..259"):
+    with pytest.raises(DataError, match=rf"Batch.{tensor} holds token id 300 outside 0..259"):  # one line, exit 1
         trainer.forward_backward([hostile])
     labels = batch.labels.clone()
     labels[1, 0] = -7  # -100 is the only legal negative label
