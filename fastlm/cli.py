@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from fastlm.config.errors import ConfigError
-from fastlm.data.tokenizer import Tokenizer
 from fastlm.run_config.loader import dump_config, load_config
 from fastlm.run_config.schema import RunConfig
+
+if TYPE_CHECKING:
+    from fastlm.data.tokenizer import Tokenizer
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -132,7 +134,8 @@ def describe_rl_data(config: RunConfig, tokenizer: Tokenizer, dp: int) -> str:
     if rl.prompts is not None:
         prompts = JsonlPrompts(rl.prompts, tokenizer, config.model.max_seq_len - rl.max_new_tokens)
         count = len(prompts.records)
-        source = f"{count} prompt{'s' if count != 1 else ''} from {rl.prompts.path} (rl.prompts; the {rl.task.type} task is not used)"
+        source = (f"{count} prompt{'s' if count != 1 else ''} from {rl.prompts.path} (rl.prompts; the {rl.task.type} "
+                  "task is not used)")
     else:
         source = f"the built-in {rl.task.type} task (rl.task; set rl.prompts for a prompt file)"
     rewards = ", ".join(reward.function for reward in rl.rewards) or f"the {rl.task.type} task's own reward"

@@ -428,7 +428,8 @@ class Trainer:
     def resume(self) -> None:
         """Restore model, optimizer, schedule, data position and RNG from the newest checkpoint that
         verifies and fits this run; each one that does not is skipped with the reason."""
-        load_latest_checkpoint(self.checkpoint_dir, use=self._restore)
+        loaded = load_latest_checkpoint(self.checkpoint_dir, use=self._restore)
+        self._continue_schedule(loaded)  # once, for the checkpoint restored
 
     def _check_data(self, loaded: LoadedCheckpoint) -> bool:
         """False when the data changed and `run.accept_changed_data` lets the run go on anyway."""
@@ -456,7 +457,6 @@ class Trainer:
                 self.optimizer.load_state_dict(loaded.optimizer_state)
             state = loaded.trainer_state
             self.scheduler.load_state_dict(state["scheduler"])
-            self._continue_schedule(state, loaded.config)
             try:
                 self.train_loader.load_state_dict(state["data"])
             except ValueError:
@@ -472,14 +472,18 @@ class Trainer:
         except Exception as error:  # noqa: BLE001 - a malformed piece of a hostile checkpoint: skip it
             raise CheckpointError(f"{loaded.path}: cannot restore it ({type(error).__name__}: {str(error)[:200]})") from None
 
-    def _continue_schedule(self, state: dict[str, Any], stored_config: dict[str, Any]) -> None:
+    def _continue_schedule(self, loaded: LoadedCheckpoint) -> None:
         """A resume with another trainer.steps continues the lr decay from where the checkpoint left it (instead
         of restarting it for the new total), and says so once."""
-        trainer = stored_config.get("trainer") if isinstance(stored_config.get("trainer"), dict) else {}
-        old_total = int(state.get("total_steps") or trainer.get("steps") or self.config.trainer.steps)
-        step, total, schedule = int(state["step"]), self.config.trainer.steps, self.config.schedule
-        self.decay_anchor = anchor_for_resume(step, old_total, total, schedule,
-                                              DecayAnchor.from_state(state.get("decay_anchor")))
+        state = loaded.trainer_state
+        stored = loaded.config.get("trainer") if isinstance(loaded.config.get("trainer"), dict) else {}
+        step, total, schedule = self.step, self.config.trainer.steps, self.config.schedule
+        try:  # checkpoints from before these keys hold the total in their config
+            old_total = int(state.get("total_steps") or stored.get("steps") or total)
+            anchor = DecayAnchor.from_state(state.get("decay_anchor"))
+        except (TypeError, ValueError, IndexError) as error:
+            raise CheckpointError(f"{loaded.path}: its schedule state is malformed ({error})") from None
+        self.decay_anchor = anchor_for_resume(step, old_total, total, schedule, anchor)
         if self.decay_anchor is None:
             return
         continue_decay(self.scheduler, total, schedule, self.decay_anchor)

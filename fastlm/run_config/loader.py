@@ -197,7 +197,8 @@ def _load_file(path: Path, target: LayeredDict, chain: tuple[Path, ...], loaded:
     except ConfigError as error:
         if not chain or path.exists():
             raise
-        raise ConfigError([replace(issue, path=BASE_KEY, hint=_nearest_file_hint(path, chain[-1])) for issue in error.issues]) from None
+        hint = _nearest_file_hint(path, chain[-1])
+        raise ConfigError([replace(issue, path=BASE_KEY, hint=hint) for issue in error.issues]) from None
     bases = layer.pop(BASE_KEY, None)
     if bases is not None:
         base_list = [bases] if isinstance(bases, str) else bases
