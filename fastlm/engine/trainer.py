@@ -73,6 +73,7 @@ from fastlm.engine.signals import StopRequest
 from fastlm.engine.step_scalars import InFlightRead, PendingSteps, StepResult, StepValues
 from fastlm.logging.jsonl import drop_records_after
 from fastlm.logging.logger import METRICS_FILE, MetricLogger
+from fastlm.lora.training import check_base, checkpointed, checkpointed_shapes, restore_model, setup_lora
 from fastlm.losses.spec import LossNormalizers, LossResult
 from fastlm.losses.validation import ValueCheck, collected_value_checks, deferred_value_checks
 from fastlm.models.decoder import build_model
@@ -141,6 +142,7 @@ class Trainer:
             from fastlm.models.hf import load_hf_weights_into
 
             load_hf_weights_into(self.model, config.run.init_path)
+        self.lora_base = setup_lora(self.model, config, self.amp_dtype)  # None without model.lora
         self.model.set_activation_checkpointing(config.trainer.activation_checkpointing)
         data_parallel = self.parallel.data_parallel if self.parallel.dp_size > 1 else None
         if compile_wanted(config.trainer.compile, self.device, data_parallel):
@@ -372,6 +374,7 @@ class Trainer:
             "data_fingerprint": self.data_fingerprint,
             "rng": rng_state(),
             "wandb_run_id": self.wandb_run_id,
+            "lora_base": self.lora_base,
         }
 
     def save(self) -> Path:
@@ -381,8 +384,9 @@ class Trainer:
         args = (self.state(), self.config.model_dump(mode="json"), self.config.trainer.keep_checkpoints)
         self.checkpoints_written += 1
         if not self.parallel.distributed:
-            return save_checkpoint(self.checkpoint_dir, self.step, self.model, self.optimizer, *args)
+            return save_checkpoint(self.checkpoint_dir, self.step, checkpointed(self.model), self.optimizer, *args)
         model_state, optimizer_state = full_state(self.model, self.optimizer, self.parallel)
+        model_state = checkpointed(self.model, model_state)
         if self.parallel.rank == 0:
             save_checkpoint(self.checkpoint_dir, self.step, model_state, optimizer_state, *args)
         dist.barrier()
@@ -408,14 +412,16 @@ class Trainer:
     def _restore(self, loaded: LoadedCheckpoint) -> None:
         """Apply one verified checkpoint; anything in it that does not fit is a `CheckpointError` (the
         caller falls back to an older one). Changed data is a `DataError`: no older checkpoint helps."""
-        expected = {name: tuple(value.shape) for name, value in build_model(self.config.model, "meta").state_dict().items()}
-        loaded.check_fits(expected, self.config.model.model_dump(mode="json"))
+        loaded.check_fits(checkpointed_shapes(self.config), self.config.model.model_dump(mode="json"))
         same_data = self._check_data(loaded)
         try:
             if self.parallel.distributed:
-                load_full_state(self.model, self.optimizer, loaded.model_state(), loaded.optimizer_state, self.parallel)
+                if self.lora_base is not None:
+                    check_base(loaded, self.lora_base)
+                load_full_state(self.model, self.optimizer, loaded.model_state(), loaded.optimizer_state, self.parallel,
+                                strict=self.lora_base is None)
             else:
-                loaded.load_model(self.model, self.device)
+                restore_model(loaded, self.model, self.device, self.lora_base)
                 self.optimizer.load_state_dict(loaded.optimizer_state)
             state = loaded.trainer_state
             self.scheduler.load_state_dict(state["scheduler"])

@@ -7,6 +7,7 @@ from typing import Annotated, Literal, Union
 from pydantic import Field, model_validator
 
 from fastlm.config.base import ConfigModel
+from fastlm.lora.config import LoraConfig
 from fastlm.losses.config import LMHeadConfig
 
 
@@ -23,6 +24,7 @@ class DecoderConfig(ConfigModel):
     norm_eps: float = Field(1e-5, gt=0.0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     head: LMHeadConfig = Field(default_factory=LMHeadConfig)
+    lora: LoraConfig | None = Field(None, description="Train low-rank adapters on a frozen base (fastlm/lora).")
 
     @property
     def head_dim(self) -> int:

@@ -1,0 +1,83 @@
+"""LoRA in the trainer: adapters on the built (and base-loaded) model, and adapter-only checkpoints that name
+their base (`run.init_path` and the base weights' fingerprint), checked on resume."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastlm.engine.checkpoint import CheckpointError, LoadedCheckpoint
+from fastlm.lora.attach import attach_lora, base_fingerprint, lora_layers, trainable_names
+from fastlm.lora.peft import read_adapter_folder
+from fastlm.models.decoder import build_model
+from fastlm.run_config.schema import RunConfig
+
+
+def setup_lora(model: nn.Module, config: RunConfig, amp_dtype: torch.dtype | None) -> dict[str, Any] | None:
+    """With `model.lora`: adapters on `model` (from `adapter_path` if set), the base frozen in the run's autocast
+    dtype (fp32 under FSDP, which needs one dtype per block); returns the base's identity for checkpoints."""
+    lora = config.model.lora
+    if lora is None:
+        return None
+    identity = {"init_path": config.run.init_path, "fingerprint": base_fingerprint(model)}
+    base_dtype = None if config.distributed.data_parallel == "fsdp" else amp_dtype
+    targets = attach_lora(model, lora, config.run.seed, base_dtype)
+    if lora.adapter_path is not None:
+        load_adapters(model, read_adapter_folder(lora.adapter_path, model, targets, lora), lora.adapter_path)
+    return identity
+
+
+def load_adapters(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Adapter tensors into the model; one that has no place there, or a wrong shape, is an error naming `source`."""
+    trainable = dict(model.named_parameters())
+    wrong = [f"{name} {tuple(value.shape)}" for name, value in state.items()
+             if name not in trainable or not trainable[name].requires_grad or trainable[name].shape != value.shape]
+    if wrong:
+        raise CheckpointError(f"{source}: adapter tensors that do not fit this model.lora: {', '.join(wrong[:4])}")
+    with torch.no_grad():
+        for name, value in state.items():
+            trainable[name].copy_(value)
+
+
+def checkpointed(model: nn.Module, full_state: dict[str, torch.Tensor] | None = None) -> Any:
+    """What a checkpoint holds of the model: all of it (the module, or the gathered `full_state`), or with
+    adapters only the trained tensors (adapters, and the head with `train_head`)."""
+    if not lora_layers(model):
+        return model if full_state is None else full_state
+    state = model.state_dict() if full_state is None else full_state
+    return {name: state[name].detach().cpu().contiguous() for name in trainable_names(model)}
+
+
+def checkpointed_shapes(config: RunConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> full shape of each tensor `checkpointed` writes for this run's model."""
+    model = build_model(config.model, "meta")
+    if config.model.lora is not None:
+        attach_lora(model, config.model.lora)
+    kept = set(trainable_names(model)) if lora_layers(model) else None
+    return {name: tuple(value.shape) for name, value in model.state_dict().items() if kept is None or name in kept}
+
+
+def restore_model(loaded: LoadedCheckpoint, model: nn.Module, device: torch.device, base: dict[str, Any] | None) -> None:
+    """Load a single-process checkpoint into `model`: all of it, or with adapters the adapters, after checking
+    that they were trained on this run's base (`base`: what `setup_lora` returned)."""
+    if base is None:
+        loaded.load_model(model, device)
+        return
+    check_base(loaded, base)
+    state = loaded.model_state()
+    missing = sorted(set(trainable_names(model)) - set(state))
+    if missing:
+        raise CheckpointError(f"{loaded.path}: adapter tensors missing ({', '.join(missing[:3])}); was model.lora changed?")
+    load_adapters(model, state, str(loaded.path))
+
+
+def check_base(loaded: LoadedCheckpoint, base: dict[str, Any]) -> None:
+    stored = loaded.trainer_state.get("lora_base")
+    if stored != base:
+        described = stored if isinstance(stored, dict) else {}
+        raise CheckpointError(
+            f"{loaded.path}: its adapters belong to another base (run.init_path {described.get('init_path')!r}, "
+            f"weights {str(described.get('fingerprint'))[:12]}); this run's base is run.init_path "
+            f"{base['init_path']!r}, weights {base['fingerprint'][:12]}. Point run.init_path at that base, or start over")
