@@ -31,9 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     show = commands.add_parser("print-config", help="print the fully resolved config as YAML")
     _add_config_arguments(show)
     convert = commands.add_parser("convert", help="import / export Hugging Face checkpoints (config.json + safetensors)")
-    direction = convert.add_mutually_exclusive_group(required=True)
+    direction = convert.add_mutually_exclusive_group(required=False)  # --merge-lora --to DIR takes none of them
     direction.add_argument("--from-hf", metavar="DIR", help="HF checkpoint to import: prints the matching model YAML")
     direction.add_argument("--to-hf", metavar="DIR", help="write the fastlm model given by --from as a HF checkpoint")
+    direction.add_argument("--to-peft", metavar="DIR", help="write a LoRA run's adapters (--from) as a HF PEFT adapter")
+    direction.add_argument("--from-peft", metavar="DIR", help="a HF PEFT adapter -> a fastlm adapter folder (--to)")
+    convert.add_argument("--merge-lora", action="store_true", help="merge a LoRA run (--from) into --to or --to-hf")
     convert.add_argument("--to", metavar="DIR", help="with --from-hf: also write model.yaml + model.safetensors here")
     convert.add_argument("--from", dest="from_fastlm", metavar="DIR",
                          help="with --to-hf: a checkpoint (step, checkpoints or run folder) or a --to folder")
@@ -117,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fastlm.engine.generate import generate_command
 
         return generate_command(args)
+    if args.command == "convert" and (args.to_peft or args.from_peft or args.merge_lora):
+        from fastlm.lora.convert import lora_convert_command
+
+        return lora_convert_command(args.from_fastlm, args.to, args.to_hf, args.to_peft, args.from_peft, args.merge_lora)
     if args.command == "convert":
         from fastlm.models.hf import convert_command
 

@@ -624,6 +624,8 @@ def convert_command(from_hf: str | None, to: str | None, from_fastlm: str | None
         if from_fastlm is None or to is not None:
             raise ConfigError("--to-hf DIR needs --from SRC (a checkpoint or a `convert --to` folder) and no --to")
         config, state, tokenizer = load_fastlm(from_fastlm)
+        if config.lora is not None:
+            raise ConfigError(f"--from {from_fastlm} is a LoRA run: add --merge-lora (or use --to-peft DIR)")
         print(f"wrote {save_hf(config, state, to_hf, tokenizer)} ({hf_model_type(config)}, {tokenizer.name} tokenizer)")
         return 0
     except ConfigError as error:
