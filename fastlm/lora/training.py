@@ -42,12 +42,13 @@ def load_adapters(model: nn.Module, state: dict[str, torch.Tensor], source: str)
 
 
 def checkpointed(model: nn.Module, full_state: dict[str, torch.Tensor] | None = None) -> Any:
-    """What a checkpoint holds of the model: all of it (the module, or the gathered `full_state`), or with
-    adapters only the trained tensors (adapters, and the head with `train_head`)."""
+    """What a checkpoint holds of the model: all of it (the module, or the gathered `full_state`: empty on
+    ranks other than 0 under FSDP), or with adapters only the trained tensors (adapters, and the head with
+    `train_head`)."""
     if not lora_layers(model):
         return model if full_state is None else full_state
     state = model.state_dict() if full_state is None else full_state
-    return {name: state[name].detach().cpu().contiguous() for name in trainable_names(model)}
+    return {name: state[name].detach().cpu().contiguous() for name in trainable_names(model) if name in state}
 
 
 def checkpointed_shapes(config: RunConfig) -> dict[str, tuple[int, ...]]:
