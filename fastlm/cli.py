@@ -57,6 +57,8 @@ def describe_run(config: RunConfig) -> str:
 
     from fastlm.engine.compile import describe_training_path
     from fastlm.engine.runtime import describe_head
+    from fastlm.lora.checks import describe_lora
+    from fastlm.lora.training import lora_base_dtype
     from fastlm.models import build_model, count_parameters, estimate_memory
 
     model = build_model(config.model, device="meta")
@@ -66,6 +68,7 @@ def describe_run(config: RunConfig) -> str:
     lines = [
         f"model: {config.model.type}, {parameters:,} parameters ({parameters / 1e6:.2f} M)",
         f"estimated training memory (params + grads + AdamW, fp32): {memory / 2**30:.3f} GiB",
+        *([] if config.model.lora is None else [describe_lora(config, lora_base_dtype(config, device))]),
         describe_head(config, device),
         describe_training_path(config.trainer.compile, config.trainer.activation_checkpointing, device,
                                config.distributed.data_parallel),

@@ -8,6 +8,8 @@
     python tools/bench_train.py --compare-cli --cpu-smoke                     # the same at a tiny CPU shape
     python tools/bench_train.py --presets llama-1b --batch 4 --losses triton --logits-memory-mib 0 1024
                                                      # the full-logits head against the chunked head
+    python tools/bench_train.py --lora --presets llama-1b --batch 4 --lora-seq-len 2048 8192
+                                                     # full fine-tune vs LoRA (+ac) vs HF PEFT (tools/bench_lora.py)
 
 A step is what the trainer does: bf16 autocast forward with the fused loss, backward, fused AdamW; the
 variants add packed documents (the trainer's real rows: FlexAttention on CUDA), compiled blocks
@@ -279,7 +281,14 @@ def main() -> int:
     parser.add_argument("--logits-memory-mib", type=float, nargs="+", default=[None],
                         help="model.head.logits_memory_mib per row (0: the full-logits head); default: the config's")
     parser.add_argument("--vocab", type=int, default=None, help="override the presets' vocab_size (e.g. 128256)")
+    parser.add_argument("--lora", action="store_true", help="full fine-tune vs LoRA vs LoRA+ac vs HF PEFT (tools/bench_lora.py)")
+    parser.add_argument("--lora-rank", type=int, default=16, help="--lora: the adapters' rank (alpha = 2 * rank)")
+    parser.add_argument("--lora-seq-len", type=int, nargs="+", default=[2048, 8192], help="--lora: sequence lengths")
     args = parser.parse_args()
+    if args.lora:
+        from bench_lora import lora_main  # tools/bench_lora.py: LoRA's memory and speed against full and HF PEFT
+
+        return lora_main(args)
     if args.compare_cli:
         from compare_cli import compare_main  # tools/compare_cli.py: the trainer beside this loop, the gap taken apart
 

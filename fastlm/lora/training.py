@@ -15,18 +15,24 @@ from fastlm.models.decoder import build_model
 from fastlm.run_config.schema import RunConfig
 
 
-def setup_lora(model: nn.Module, config: RunConfig, amp_dtype: torch.dtype | None) -> dict[str, Any] | None:
-    """With `model.lora`: adapters on `model` (from `adapter_path` if set), the base frozen in the run's autocast
-    dtype (fp32 under FSDP, which needs one dtype per block); returns the base's identity for checkpoints."""
+def setup_lora(model: nn.Module, config: RunConfig, device: torch.device) -> dict[str, Any] | None:
+    """With `model.lora`: adapters on `model` (from `adapter_path` if set), the base frozen in
+    `lora_base_dtype`; returns the base's identity (`run.init_path`, fingerprint) for checkpoints."""
     lora = config.model.lora
     if lora is None:
         return None
     identity = {"init_path": config.run.init_path, "fingerprint": base_fingerprint(model)}
-    base_dtype = None if config.distributed.data_parallel == "fsdp" else amp_dtype
-    targets = attach_lora(model, lora, config.run.seed, base_dtype)
+    targets = attach_lora(model, lora, config.run.seed, lora_base_dtype(config, device))
     if lora.adapter_path is not None:
         load_adapters(model, read_adapter_folder(lora.adapter_path, model, targets, lora), lora.adapter_path)
     return identity
+
+
+def lora_base_dtype(config: RunConfig, device: torch.device) -> torch.dtype | None:
+    """The frozen base's linear weights: the run's autocast dtype, fp32 under FSDP (one dtype per block)."""
+    from fastlm.engine.runtime import autocast_dtype
+
+    return None if config.distributed.data_parallel == "fsdp" else autocast_dtype(config.trainer, device)
 
 
 def load_adapters(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
