@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_lora_cpu_smoke() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_train.py"), "--lora", "--cpu-smoke"],
                             capture_output=True, text=True, timeout=600, check=True)
-    rows = {cells[4].strip(): cells for cells in (line.split("|") for line in result.stdout.splitlines())
-            if line.startswith("| tiny-llama | 32 | 2 |")}
+    lines = [line for line in result.stdout.splitlines() if line.startswith("| tiny-llama | 32 | 2 |")]
+    rows = {cells[4].strip(): cells for cells in (line.split("|") for line in lines)}
     assert sorted(rows) == ["full", "lora", "lora+ac", "peft"], result.stdout
     assert all(float(row[7].replace(",", "")) > 0 for row in rows.values())
     assert rows["lora"][5] == rows["peft"][5] != rows["full"][5]  # trainable values: adapters only, as PEFT's

@@ -122,11 +122,12 @@ def test_grpo_with_kl_reference_trains_adapters(tmp_path: Path) -> None:
         "rl.group_size=4", "rl.eval_prompts=0", "data.micro_batch_size=8", "trainer.grad_accumulation=1",
         "model.head.losses.grpo.beta=0.05"])
     trainer = trainer_class_for(config)(config)
-    assert isinstance(trainer.reference, BaseView)
+    assert isinstance(trainer.reference, BaseView)  # with the untied head trained too (train_head: its base copy)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
-    assert moved == {n for n in before if ".lora_" in n}
+    assert moved == {n for n in before if ".lora_" in n} | {"lm_head_weight"}
+    assert torch.equal(trainer.reference.output_weight, before["lm_head_weight"])
     records = [r for r in read_metrics(trainer.run_dir / "metrics.jsonl") if r["train/rl/warmup"] == 0.0]
     assert records and all(r["train/sampling/logp_diff/max"] < 1e-4 for r in records)
     assert all("train/grpo/kl" in r for r in records)
