@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-
 from bench_train import Loop, StepBatch, _synchronize, synthetic_batches
+
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.optim import build_optimizer
 from fastlm.lora.attach import attach_lora
@@ -108,7 +108,7 @@ def _loss(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "compiled"
 
 
-def build(setup: str, preset: str, device: torch.device, lora: LoraConfig):  # noqa: ANN201 - one of the loops
+def build(setup: str, preset: str, device: torch.device, lora: LoraConfig):
     if setup == "full":
         return Loop(preset, _loss(device), "compile" if device.type == "cuda" else "plain", device)
     if setup == "peft":

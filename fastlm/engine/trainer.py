@@ -142,7 +142,7 @@ class Trainer:
             from fastlm.models.hf import load_hf_weights_into
 
             load_hf_weights_into(self.model, config.run.init_path)
-        self.lora_base = setup_lora(self.model, config, self.amp_dtype)  # None without model.lora
+        self.lora_base = setup_lora(self.model, config, self.device)  # None without model.lora
         self.model.set_activation_checkpointing(config.trainer.activation_checkpointing)
         data_parallel = self.parallel.data_parallel if self.parallel.dp_size > 1 else None
         if compile_wanted(config.trainer.compile, self.device, data_parallel):

@@ -13,6 +13,7 @@ import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from typing import Any
 
 import torch
 from torch import nn
@@ -180,7 +181,7 @@ class BaseView:
         self.model = model
 
     @property
-    def config(self):  # noqa: ANN201 - the model's config, whatever its family's type
+    def config(self) -> Any:  # the model's config, whatever its family's type
         return self.model.config
 
     @property

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
 import yaml
 from pydantic import TypeAdapter, ValidationError
 from safetensors.torch import save_file
@@ -21,7 +22,13 @@ from fastlm.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from fastlm.engine.checkpoint import CheckpointError
 from fastlm.engine.frozen import find_checkpoint
 from fastlm.engine.runtime import seed_everything
-from fastlm.lora.attach import Target, attach_lora, base_fingerprint, merged_weights, select_targets
+from fastlm.lora.attach import (
+    Target,
+    attach_lora,
+    base_fingerprint,
+    merged_weights,
+    select_targets,
+)
 from fastlm.lora.peft import (
     FASTLM_ADAPTER_FILE,
     PEFT_CONFIG_FILE,

@@ -9,7 +9,12 @@ import torch
 from torch import nn
 
 from fastlm.engine.checkpoint import CheckpointError, LoadedCheckpoint
-from fastlm.lora.attach import attach_lora, base_fingerprint, lora_layers, trainable_names
+from fastlm.lora.attach import (
+    attach_lora,
+    base_fingerprint,
+    lora_layers,
+    trainable_names,
+)
 from fastlm.lora.peft import read_adapter_folder
 from fastlm.models.decoder import build_model
 from fastlm.run_config.schema import RunConfig

@@ -15,17 +15,23 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 
-from model_helpers import make_model, relative_error, small_gpt2, small_llama  # noqa: E402
+from model_helpers import make_model, relative_error, small_gpt2, small_llama
 
-from fastlm.engine.config import OptimizerConfig  # noqa: E402
-from fastlm.engine.frozen import copy_frozen, frozen_logits, reference_model  # noqa: E402
-from fastlm.engine.optim import build_optimizer  # noqa: E402
-from fastlm.generation import Generator, SamplingOptions  # noqa: E402
-from fastlm.lora.attach import LoraTargetError, attach_lora, lora_layers, merged_weights, select_targets  # noqa: E402
-from fastlm.lora.config import LoraConfig  # noqa: E402
-from fastlm.lora.layer import LoraLinear, Slice  # noqa: E402
-from fastlm.losses.spec import label_logp  # noqa: E402
-from fastlm.models.decoder import build_model  # noqa: E402
+from fastlm.engine.config import OptimizerConfig
+from fastlm.engine.frozen import copy_frozen, frozen_logits, reference_model
+from fastlm.engine.optim import build_optimizer
+from fastlm.generation import Generator, SamplingOptions
+from fastlm.lora.attach import (
+    LoraTargetError,
+    attach_lora,
+    lora_layers,
+    merged_weights,
+    select_targets,
+)
+from fastlm.lora.config import LoraConfig
+from fastlm.lora.layer import LoraLinear, Slice
+from fastlm.losses.spec import label_logp
+from fastlm.models.decoder import build_model
 
 
 def _perturb_adapters(model: torch.nn.Module, seed: int = 7) -> None:
@@ -158,7 +164,7 @@ def test_frozen_base_has_no_gradient_and_no_optimizer_state() -> None:
 
 def test_targets_by_fastlm_or_peft_names() -> None:
     llama, gpt2 = build_model(small_llama(), "meta"), build_model(small_gpt2(), "meta")
-    paths = lambda model, patterns: [t.path for t in select_targets(model, patterns)]  # noqa: E731
+    paths = lambda model, patterns: [t.path for t in select_targets(model, patterns)]
     assert paths(llama, ["attn.q", "attn.v"]) == paths(llama, ["q_proj", "v_proj"])
     assert paths(llama, ["mlp.*"]) == paths(llama, ["gate_proj", "up_proj", "down_proj"])
     assert paths(llama, ["blocks.1.attn.o"]) == paths(llama, ["layers.1.self_attn.o_proj"]) == ["blocks.1.attn.o"]

@@ -23,11 +23,11 @@ from fastlm.run_config.schema import RunConfig
 SEQ = 16
 BASES = {  # a Qwen2 (separate q/k/v/gate/up in HF, qkv biases, untied head) and a GPT-2 (fused Conv1D c_attn)
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
-              dict(vocab_size=272, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=64),
+              {"vocab_size": 272, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "max_position_embeddings": 64},
               {"rank": 4, "alpha": 8.0, "targets": ["all-linear"], "train_head": True}),
     "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel,
-             dict(vocab_size=272, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+             {"vocab_size": 272, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64},
              {"rank": 3, "alpha": 4.0, "rslora": True, "targets": ["attn.q", "attn.v", "c_fc", "mlp.down"]}),
 }
 

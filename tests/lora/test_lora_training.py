@@ -14,18 +14,18 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "distributed"))
 
-from dist_helpers import final_weights, run_config, spawn, train_run  # noqa: E402
+from dist_helpers import final_weights, run_config, spawn, train_run
 
-from fastlm.engine.checkpoint import CheckpointError  # noqa: E402
-from fastlm.engine.frozen import frozen_logits  # noqa: E402
-from fastlm.engine.select import trainer_class_for  # noqa: E402
-from fastlm.engine.trainer import Trainer  # noqa: E402
-from fastlm.logging.jsonl import read_metrics  # noqa: E402
-from fastlm.lora.attach import BaseView, lora_layers  # noqa: E402
-from fastlm.losses.dpo import label_sequence_logps  # noqa: E402
-from fastlm.models.decoder import build_model  # noqa: E402
-from fastlm.run_config.loader import load_config  # noqa: E402
-from fastlm.run_config.schema import RunConfig  # noqa: E402
+from fastlm.engine.checkpoint import CheckpointError
+from fastlm.engine.frozen import frozen_logits
+from fastlm.engine.select import trainer_class_for
+from fastlm.engine.trainer import Trainer
+from fastlm.logging.jsonl import read_metrics
+from fastlm.lora.attach import BaseView, lora_layers
+from fastlm.losses.dpo import label_sequence_logps
+from fastlm.models.decoder import build_model
+from fastlm.run_config.loader import load_config
+from fastlm.run_config.schema import RunConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 LORA = {"lora": {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]}}
