@@ -13,19 +13,13 @@ import sys
 from pathlib import Path
 
 import yaml
-from pydantic import TypeAdapter, ValidationError
 from safetensors.torch import save_file
 
 from fastlm.config.errors import ConfigError
-from fastlm.data.config import TokenizerConfig
-from fastlm.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
+from fastlm.data.tokenizer import TokenizerError
 from fastlm.engine.checkpoint import CheckpointError
-from fastlm.engine.frozen import find_checkpoint
-from fastlm.engine.runtime import seed_everything
 from fastlm.lora.attach import (
     Target,
-    attach_lora,
-    base_fingerprint,
     merged_weights,
     select_targets,
 )
@@ -40,38 +34,11 @@ from fastlm.lora.peft import (
     read_peft,
     to_peft,
 )
-from fastlm.lora.training import check_base, checkpointed, load_adapters
-from fastlm.models.config import ModelConfig
+from fastlm.lora.training import checkpointed, load_lora_run
 from fastlm.models.decoder import DecoderLM, build_model
 from fastlm.models.hf import config_from_hf, read_hf_config, save_fastlm, save_hf
 
 LORA_YAML = "lora.yaml"
-
-
-def load_lora_run(source: str) -> tuple[DecoderLM, list[Target], str | None, Tokenizer]:
-    """The run's model on CPU in fp32 (base rebuilt and checked, adapters loaded), its targets, its
-    `run.init_path` and its tokenizer."""
-    loaded = find_checkpoint(source, "--from")
-    stored = loaded.config
-    try:
-        model_config = TypeAdapter(ModelConfig).validate_python(stored.get("model"))
-        run = stored.get("run") or {}
-        init_path, seed = run.get("init_path"), int(run.get("seed", 0))
-        tokenizer_config = TypeAdapter(TokenizerConfig | None).validate_python((stored.get("data") or {}).get("tokenizer"))
-    except (ValidationError, ValueError, TypeError, AttributeError) as error:
-        raise ConfigError(f"{loaded.path}: stored config is invalid: {str(error)[:300]}") from None
-    if model_config.lora is None:
-        raise ConfigError(f"--from: {loaded.path} is not a LoRA run (no model.lora); use --to-hf alone")
-    seed_everything(seed)  # the trainer's base: seeded init, then run.init_path's weights
-    model = build_model(model_config, "cpu")
-    if init_path is not None:
-        from fastlm.models.hf import load_hf_weights_into
-
-        load_hf_weights_into(model, init_path)
-    check_base(loaded, {"init_path": init_path, "fingerprint": base_fingerprint(model)})
-    targets = attach_lora(model, model_config.lora)
-    load_adapters(model, loaded.model_state(), str(loaded.path))
-    return model, targets, init_path, build_tokenizer(tokenizer_config, init_path)
 
 
 def merged_model(model: DecoderLM) -> DecoderLM:

@@ -6,17 +6,25 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from pydantic import TypeAdapter, ValidationError
 from torch import nn
 
+from fastlm.config.errors import ConfigError
+from fastlm.data.config import TokenizerConfig
+from fastlm.data.tokenizer import Tokenizer, build_tokenizer
 from fastlm.engine.checkpoint import CheckpointError, LoadedCheckpoint
+from fastlm.engine.frozen import find_checkpoint
+from fastlm.engine.runtime import seed_everything
 from fastlm.lora.attach import (
+    Target,
     attach_lora,
     base_fingerprint,
     lora_layers,
     trainable_names,
 )
 from fastlm.lora.peft import read_adapter_folder
-from fastlm.models.decoder import build_model
+from fastlm.models.config import ModelConfig
+from fastlm.models.decoder import DecoderLM, build_model
 from fastlm.run_config.schema import RunConfig
 
 
@@ -93,3 +101,30 @@ def check_base(loaded: LoadedCheckpoint, base: dict[str, Any]) -> None:
             f"{loaded.path}: its adapters belong to another base (run.init_path {described.get('init_path')!r}, "
             f"weights {str(described.get('fingerprint'))[:12]}); this run's base is run.init_path "
             f"{base['init_path']!r}, weights {base['fingerprint'][:12]}. Point run.init_path at that base, or start over")
+
+
+def load_lora_run(source: str, field: str = "--from") -> tuple[DecoderLM, list[Target], str | None, Tokenizer]:
+    """A LoRA run's model (`fastlm convert`, `fastlm generate`) on CPU in fp32: the base rebuilt as the trainer
+    built it (`run.seed`, then `run.init_path`'s weights) and checked against the checkpoint's fingerprint,
+    the adapters loaded; with its targets, its `run.init_path` and its tokenizer."""
+    loaded = find_checkpoint(source, field)
+    stored = loaded.config
+    try:
+        model_config = TypeAdapter(ModelConfig).validate_python(stored.get("model"))
+        run = stored.get("run") or {}
+        init_path, seed = run.get("init_path"), int(run.get("seed", 0))
+        tokenizer_config = TypeAdapter(TokenizerConfig | None).validate_python((stored.get("data") or {}).get("tokenizer"))
+    except (ValidationError, ValueError, TypeError, AttributeError) as error:
+        raise ConfigError(f"{loaded.path}: stored config is invalid: {str(error)[:300]}") from None
+    if model_config.lora is None:
+        raise ConfigError(f"{field}: {loaded.path} is not a LoRA run (no model.lora); use --to-hf alone")
+    seed_everything(seed)  # the trainer's base: seeded init, then run.init_path's weights
+    model = build_model(model_config, "cpu")
+    if init_path is not None:
+        from fastlm.models.hf import load_hf_weights_into
+
+        load_hf_weights_into(model, init_path)
+    check_base(loaded, {"init_path": init_path, "fingerprint": base_fingerprint(model)})
+    targets = attach_lora(model, model_config.lora)
+    load_adapters(model, loaded.model_state(), str(loaded.path))
+    return model, targets, init_path, build_tokenizer(tokenizer_config, init_path)

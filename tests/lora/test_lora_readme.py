@@ -42,7 +42,7 @@ def test_readme_lora_commands_run(tmp_path: Path, capsys: pytest.CaptureFixture[
     (tmp_path / "hf_model.yaml").write_text(capsys.readouterr().out)
     assert main(["prepare", "configs/prepare/chat.yaml"]) == 0
     commands = readme_lora_commands()
-    assert [c[0] for c in commands] == ["validate", "train", "convert", "convert", "convert", "train"]
+    assert [c[0] for c in commands] == ["validate", "train", "generate", "convert", "convert", "convert", "train"]
     for command in commands:
         name = Path(command[1]).stem if command[0] == "train" else None
         assert main(command + SHORT.get(name, [])) == 0, command
