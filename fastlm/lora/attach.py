@@ -159,6 +159,13 @@ def trainable_names(model: nn.Module) -> list[str]:
     return [name for name, parameter in model.named_parameters() if parameter.requires_grad]
 
 
+def adapter_mismatches(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
+    """Tensors of an adapter state that are no trained tensor of `model`, or have another shape."""
+    parameters = dict(model.named_parameters())
+    return [f"{name} {tuple(value.shape)}" for name, value in state.items()
+            if name not in parameters or not parameters[name].requires_grad or parameters[name].shape != value.shape]
+
+
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """The base model's forward: every adapter off for the block (torch.compile'd blocks are not used under no_grad)."""

@@ -9,8 +9,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from fastlm.config.errors import ConfigIssue
-from fastlm.lora.attach import LoraTargetError, attach_lora, select_targets
-from fastlm.lora.peft import FASTLM_ADAPTER_FILE, PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE
+from fastlm.lora.attach import (
+    LoraTargetError,
+    adapter_mismatches,
+    attach_lora,
+    select_targets,
+)
+from fastlm.lora.peft import (
+    FASTLM_ADAPTER_FILE,
+    PEFT_CONFIG_FILE,
+    PEFT_WEIGHTS_FILE,
+    PeftFormatError,
+    read_adapter_folder,
+)
 from fastlm.models.decoder import build_model
 
 if TYPE_CHECKING:
@@ -33,13 +44,29 @@ def lora_issues(config: RunConfig) -> list[ConfigIssue]:
     if lora.train_head and config.model.tie_embeddings:
         issues.append(ConfigIssue("model.lora.train_head", "the output matrix is the token embedding here "
                                   "(model.tie_embeddings: true)", True, hint="set train_head: false, or untie the embeddings"))
-    path = lora.adapter_path
-    if path is not None and not ((Path(path) / PEFT_CONFIG_FILE).is_file() and (Path(path) / PEFT_WEIGHTS_FILE).is_file()
-                                 or (Path(path) / FASTLM_ADAPTER_FILE).is_file()):
-        issues.append(ConfigIssue("model.lora.adapter_path", f"holds neither a PEFT adapter ({PEFT_CONFIG_FILE} + "
-                                  f"{PEFT_WEIGHTS_FILE}) nor {FASTLM_ADAPTER_FILE}", path,
-                                  hint="point it at a PEFT adapter folder or a `fastlm convert --from-peft` output"))
+    if lora.adapter_path is not None and not issues:
+        issues += _adapter_path_issues(config)
     return issues
+
+
+def _adapter_path_issues(config: RunConfig) -> list[ConfigIssue]:
+    """The adapter folder is one, and its tensors fit this model.lora (read now: adapters are small)."""
+    lora = config.model.lora
+    path = Path(lora.adapter_path)
+    hint = "point it at a PEFT adapter folder or a `fastlm convert --from-peft` output"
+    if not ((path / PEFT_CONFIG_FILE).is_file() and (path / PEFT_WEIGHTS_FILE).is_file() or (path / FASTLM_ADAPTER_FILE).is_file()):
+        return [ConfigIssue("model.lora.adapter_path", f"holds neither a PEFT adapter ({PEFT_CONFIG_FILE} + "
+                            f"{PEFT_WEIGHTS_FILE}) nor {FASTLM_ADAPTER_FILE}", str(path), hint=hint)]
+    model = build_model(config.model, "meta")
+    targets = attach_lora(model, lora)
+    try:
+        wrong = adapter_mismatches(model, read_adapter_folder(path, model, targets, lora))
+    except (PeftFormatError, OSError, ValueError) as error:
+        return [ConfigIssue("model.lora.adapter_path", f"unreadable adapter: {str(error)[:300]}", str(path), hint=hint)]
+    if wrong:
+        return [ConfigIssue("model.lora.adapter_path", f"adapter tensors that do not fit model.lora: {', '.join(wrong[:4])}",
+                            str(path), hint="match model.lora.rank and targets to the adapter (see its lora.yaml)")]
+    return []
 
 
 def describe_lora(config: RunConfig, base_dtype: torch.dtype | None) -> str:

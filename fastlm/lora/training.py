@@ -17,6 +17,7 @@ from fastlm.engine.frozen import find_checkpoint
 from fastlm.engine.runtime import seed_everything
 from fastlm.lora.attach import (
     Target,
+    adapter_mismatches,
     attach_lora,
     base_fingerprint,
     lora_layers,
@@ -50,11 +51,10 @@ def lora_base_dtype(config: RunConfig, device: torch.device) -> torch.dtype | No
 
 def load_adapters(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Adapter tensors into the model; one that has no place there, or a wrong shape, is an error naming `source`."""
-    trainable = dict(model.named_parameters())
-    wrong = [f"{name} {tuple(value.shape)}" for name, value in state.items()
-             if name not in trainable or not trainable[name].requires_grad or trainable[name].shape != value.shape]
+    wrong = adapter_mismatches(model, state)
     if wrong:
         raise CheckpointError(f"{source}: adapter tensors that do not fit this model.lora: {', '.join(wrong[:4])}")
+    trainable = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in state.items():
             trainable[name].copy_(value)
