@@ -146,6 +146,8 @@ def attach_lora(model: nn.Module, config: LoraConfig, seed: int = 0, base_dtype:
         layer.reset_adapters(config.init, torch.Generator().manual_seed(int(digest[:15], 16)))
         setattr(parent, leaf, layer)
     if config.train_head:
+        if getattr(model, "lm_head_weight", None) is None:
+            raise ValueError("model.lora.train_head needs an untied output matrix (model.tie_embeddings: false)")
         model.lm_head_weight.requires_grad_(True)
         model.lora_base_head = model.lm_head_weight.detach().clone()  # the base's head, for `BaseView`
     if base_dtype is not None:
