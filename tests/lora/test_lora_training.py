@@ -72,14 +72,21 @@ def test_accumulation_gives_one_big_batch_adapter_gradients(tmp_path: Path) -> N
 
 
 def _train_ddp_then_fsdp(configs: list[dict]) -> list[dict]:
-    return [train_run(config) for config in configs]
+    """Each config for 3 steps, then resumed from its adapter-only checkpoint for a 4th."""
+    results = []
+    for config in configs:
+        first = train_run(config)
+        second = train_run({**config, "trainer": {**config["trainer"], "steps": 4}}, resume=True)
+        results.append({"losses": first["losses"] + second["losses"]})
+    return results
 
 
 def test_ddp_and_fsdp_world_2_match_one_process(tmp_path: Path) -> None:
-    """2 gloo ranks with 2 rows each (DDP, then FSDP2) vs one process with 4 rows, accumulation 2: the same
-    losses and the same adapters after 3 steps (the checkpoint gathers adapters only)."""
+    """2 gloo ranks with 2 rows each (DDP, then FSDP2; 3 steps, then a resume for a 4th) vs one process with
+    4 rows, accumulation 2: the same losses and the same adapters (checkpoints gather adapters only)."""
     sections = {"model": LORA, "trainer": {"grad_accumulation": 2}}
-    single = run_config(tmp_path, "single", data={"micro_batch_size": 4}, **sections)
+    single = run_config(tmp_path, "single", data={"micro_batch_size": 4}, model=LORA,
+                        trainer={"grad_accumulation": 2, "steps": 4})
     parallel = [run_config(tmp_path, kind, distributed={"data_parallel": kind}, **sections) for kind in ("ddp", "fsdp")]
     expected = train_run(single)
     ranks = spawn(_train_ddp_then_fsdp, parallel)
