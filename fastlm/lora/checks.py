@@ -76,9 +76,10 @@ def describe_lora(config: RunConfig, base_dtype: torch.dtype | None) -> str:
     attach_lora(model, config.model.lora, base_dtype=base_dtype)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
+    base = sum(p.numel() for name, p in model.named_parameters() if ".lora_" not in name)
     frozen_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     memory = frozen_bytes + 16 * trainable
     dtype = str(base_dtype or torch.float32).removeprefix("torch.")
     return (f"LoRA: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.2f}%); estimated "
             f"training memory (frozen base linears in {dtype}, trained tensors + grads + AdamW fp32): "
-            f"{memory / GIB:.3f} GiB (full fine-tune: {16 * (total - trainable) / GIB:.3f} GiB)")
+            f"{memory / GIB:.3f} GiB (full fine-tune: {16 * base / GIB:.3f} GiB)")

@@ -149,3 +149,21 @@ def test_distillation_student_with_adapters(tmp_path: Path) -> None:
     summary = trainer.train()
     assert summary.steps == 2 and lora_layers(trainer.model)
     assert not any(p.requires_grad for n, p in trainer.model.named_parameters() if ".lora_" not in n)
+
+
+def test_validate_names_bad_lora_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One line per problem, before anything runs: a target that matches no linear, a tied head to train, an
+    adapter folder that is none; a good config's dry run prints the trainable / total split."""
+    from fastlm.cli import main
+
+    config = str(CONFIGS / "grpo_lora.yaml")
+    assert main(["validate", config, "model.lora.targets=[attn.qkv]", "model.tie_embeddings=true",
+                 f"model.lora.adapter_path={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "model.lora.targets: 'attn.qkv' matches no linear of this model; it has attn.k, attn.o, attn.q" in err
+    assert "model.lora.train_head: the output matrix is the token embedding" in err
+    assert main(["validate", config, f"model.lora.adapter_path={tmp_path}"]) == 2
+    assert "model.lora.adapter_path: holds neither a PEFT adapter" in capsys.readouterr().err
+    assert main(["train", config, "--dry-run", f"run.output_dir={tmp_path}/run"]) == 0
+    out = capsys.readouterr().out  # 2 layers x 7 slices of rank 16 (38,912 values) + the untied head 260 x 64
+    assert "LoRA: 55,552 trainable of 170,816 parameters (32.52%)" in out and "(full fine-tune: 0.002 GiB)" in out
