@@ -208,10 +208,6 @@ class BaseView:
         finally:
             self.model.train(training)
 
-    def hidden_states(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        with self._base():
-            return self.model.hidden_states(input_ids, document_ids)
-
     def logits(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         with self._base():
             return self.model.head_logits(self.model.hidden_states(input_ids, document_ids), self.output_weight)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -110,8 +111,6 @@ def read_peft(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
 
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     """PEFT's rank_pattern / alpha_pattern lookup: a key matches the end of the module's dotted name."""
-    import re
-
     for key, value in patterns.items():
         if re.match(rf"(.*\.)?({key})$", module):
             return value
