@@ -16,7 +16,7 @@ import yaml
 from safetensors.torch import save_file
 
 from fastlm.config.errors import ConfigError
-from fastlm.data.tokenizer import TokenizerError
+from fastlm.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerError
 from fastlm.engine.checkpoint import CheckpointError
 from fastlm.lora.attach import (
     Target,
@@ -36,7 +36,13 @@ from fastlm.lora.peft import (
 )
 from fastlm.lora.training import checkpointed, load_lora_run
 from fastlm.models.decoder import DecoderLM, build_model
-from fastlm.models.hf import config_from_hf, read_hf_config, save_fastlm, save_hf
+from fastlm.models.hf import (
+    FASTLM_CONFIG_FILE,
+    config_from_hf,
+    read_hf_config,
+    save_fastlm,
+    save_hf,
+)
 
 LORA_YAML = "lora.yaml"
 
@@ -46,6 +52,18 @@ def merged_model(model: DecoderLM) -> DecoderLM:
     plain = build_model(model.config.model_copy(update={"lora": None}), "cpu")
     plain.load_state_dict(dict(merged_weights(model)), strict=True)
     return plain
+
+
+def save_merged_fastlm(model: DecoderLM, tokenizer: Tokenizer, directory: str) -> Path:
+    """A `convert --to` folder of the merged model, with the run's tokenizer saved in it and named in model.yaml
+    (`data.tokenizer`): not `run.init_path`, whose weights are the base's, not these."""
+    out = save_fastlm(model, directory)
+    if not isinstance(tokenizer, ByteTokenizer):  # bytes are the default without a tokenizer
+        tokenizer.save_pretrained(out)
+        section = yaml.safe_dump({"data": {"tokenizer": {"type": "huggingface", "path": str(out.resolve())}}})
+        with (out / FASTLM_CONFIG_FILE).open("a", encoding="utf-8") as handle:
+            handle.write(section)
+    return out
 
 
 def write_peft(model: DecoderLM, targets: list[Target], init_path: str | None, directory: str) -> Path:
@@ -99,7 +117,7 @@ def lora_convert_command(source: str | None, to: str | None, to_hf: str | None, 
             plain = merged_model(model)
             print(f"wrote {save_hf(plain.config, plain.state_dict(), to_hf, tokenizer)} (merged, HF)")
         else:
-            print(f"wrote {save_fastlm(merged_model(model), to)} (merged, fastlm)")
+            print(f"wrote {save_merged_fastlm(merged_model(model), tokenizer, to)} (merged, fastlm)")
         return 0
     except (ConfigError, CheckpointError, PeftFormatError, TokenizerError) as error:
         print(error.render() if isinstance(error, ConfigError) else f"fastlm convert: {error}", file=sys.stderr)

@@ -261,7 +261,7 @@ def config_to_hf(config: DecoderConfigType, tokenizer: Tokenizer, dtype: torch.d
 
 def model_yaml(config: DecoderConfigType, init_path: str | None = None) -> str:
     """The `model:` section (head left to the run config) plus `run.init_path`, ready to paste or `base:`."""
-    document: dict[str, Any] = {"model": {"type": config.type, **config.model_dump(mode="json", exclude={"head", "type"})}}
+    document: dict[str, Any] = {"model": {"type": config.type, **config.model_dump(mode="json", exclude={"head", "type", "lora"})}}
     if init_path is not None:
         document["run"] = {"init_path": init_path}
     return yaml.safe_dump(document, sort_keys=False)

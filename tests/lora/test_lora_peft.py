@@ -17,7 +17,8 @@ from fastlm.cli import main
 from fastlm.engine.trainer import Trainer
 from fastlm.lora.convert import load_lora_run
 from fastlm.lora.training import checkpointed
-from fastlm.models.hf import config_from_hf
+from fastlm.models.decoder import build_model
+from fastlm.models.hf import config_from_hf, load_fastlm
 from fastlm.run_config.schema import RunConfig
 
 SEQ = 16
@@ -62,6 +63,7 @@ def test_peft_round_trip(kind: str, tmp_path: Path) -> None:
     assert main(["convert", "--from", str(run_dir), "--to-peft", str(adapter)]) == 0
     assert main(["convert", "--from", str(run_dir), "--merge-lora", "--to-hf", str(merged)]) == 0
     assert main(["convert", "--from", str(run_dir), "--to-hf", str(tmp_path / "refused")]) == 2  # needs --merge-lora
+    assert main(["convert", "--from", str(run_dir), "--merge-lora", "--to", str(tmp_path / "merged_fastlm")]) == 0
 
     ours, _, _, _ = load_lora_run(str(run_dir))
     ids = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(3))
@@ -71,11 +73,15 @@ def test_peft_round_trip(kind: str, tmp_path: Path) -> None:
         plain = hf_base.eval()(ids).logits
         with_peft = PeftModel.from_pretrained(hf_base, str(adapter)).eval()(ids).logits
         merged_logits = transformers.AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager").eval()(ids).logits
+        merged_config, merged_state, _ = load_fastlm(tmp_path / "merged_fastlm")
+        merged_ours = build_model(merged_config, "cpu")
+        merged_ours.load_state_dict(merged_state)
+        fastlm_gap = float((merged_ours.eval().logits(ids) - ours.logits(ids)).abs().max())
     moved = float((expected - plain).abs().max())
     peft_gap, merged_gap = float((with_peft - expected).abs().max()), float((merged_logits - expected).abs().max())
     print(f"{kind}: adapters move the logits by {moved:.2e}; PEFT vs fastlm {peft_gap:.2e}, merged HF vs fastlm "
           f"{merged_gap:.2e} (fp32, |logits| max {float(expected.abs().max()):.2f})")
-    assert moved > 1e-3 and peft_gap <= 1e-5 and merged_gap <= 1e-5
+    assert moved > 1e-3 and peft_gap <= 1e-5 and merged_gap <= 1e-5 and fastlm_gap <= 1e-5
 
     trained = checkpointed(ours)
     direct = Trainer(_run_config(base, tmp_path / "direct", {**BASES[kind][3], "adapter_path": str(adapter)}))
