@@ -4,7 +4,6 @@ adapters off as the reference model, and the rollout replica's merged weights ag
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 from types import SimpleNamespace
@@ -232,9 +231,8 @@ def test_rollout_replica_holds_merged_weights() -> None:
     assert max(gaps) < 1e-4
 
 
-def test_deepcopy_and_meta_attach() -> None:
+def test_attach_on_meta_allocates_nothing() -> None:
     """Attaching on the meta device (what validate and the checkpoint shape check do) allocates nothing."""
     model = build_model(small_llama(), "meta")
     attach_lora(model, LoraConfig(rank=2))
-    assert all(p.is_meta for p in model.parameters())
-    assert copy.deepcopy(model) is not None
+    assert lora_layers(model) and all(p.is_meta for p in model.parameters())
