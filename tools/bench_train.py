@@ -286,7 +286,7 @@ def main() -> int:
     parser.add_argument("--lora-seq-len", type=int, nargs="+", default=[2048, 8192], help="--lora: sequence lengths")
     args = parser.parse_args()
     if args.lora:
-        from bench_lora import lora_main  # tools/bench_lora.py: LoRA's memory and speed against full and HF PEFT
+        from bench_lora import lora_main  # tools/bench_lora.py
 
         return lora_main(args)
     if args.compare_cli:
