@@ -39,9 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(show)
     show.add_argument("--describe", action="store_true", help="add each field's description as a # comment")
     convert = commands.add_parser("convert", help="import / export Hugging Face checkpoints (config.json + safetensors)")
-    direction = convert.add_mutually_exclusive_group(required=True)
+    direction = convert.add_mutually_exclusive_group(required=False)  # --merge-lora --to DIR takes none of them
     direction.add_argument("--from-hf", metavar="DIR", help="HF checkpoint to import: prints the matching model YAML")
     direction.add_argument("--to-hf", metavar="DIR", help="write the fastlm model given by --from as a HF checkpoint")
+    direction.add_argument("--to-peft", metavar="DIR", help="write a LoRA run's adapters (--from) as a HF PEFT adapter")
+    direction.add_argument("--from-peft", metavar="DIR", help="a HF PEFT adapter -> a fastlm adapter folder (--to)")
+    convert.add_argument("--merge-lora", action="store_true", help="merge a LoRA run (--from) into --to or --to-hf")
     convert.add_argument("--to", metavar="DIR", help="with --from-hf: also write model.yaml + model.safetensors here")
     convert.add_argument("--from", dest="from_fastlm", metavar="DIR",
                          help="with --to-hf: a checkpoint (step, checkpoints or run folder) or a --to folder")
@@ -64,6 +67,8 @@ def describe_run(config: RunConfig) -> str:
 
     from fastlm.engine.compile import describe_training_path
     from fastlm.engine.runtime import describe_head
+    from fastlm.lora.checks import describe_lora
+    from fastlm.lora.training import lora_base_dtype
     from fastlm.models import active_parameters, build_model, count_parameters, estimate_memory
 
     model = build_model(config.model, device="meta")
@@ -74,6 +79,7 @@ def describe_run(config: RunConfig) -> str:
         f"model: {config.model.type}, {parameters:,} parameters ({parameters / 1e6:.2f} M), "
         f"{active_parameters(config.model):,} active per token",
         f"estimated training memory (params + grads + AdamW, fp32): {memory / 2**30:.3f} GiB",
+        *([] if config.model.lora is None else [describe_lora(config, lora_base_dtype(config, device))]),
         describe_head(config, device),
         describe_training_path(config.trainer.compile, config.trainer.activation_checkpointing, device,
                                config.distributed.data_parallel),
@@ -154,6 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fastlm.engine.generate import generate_command
 
         return generate_command(args)
+    if args.command == "convert" and (args.to_peft or args.from_peft or args.merge_lora):
+        from fastlm.lora.convert import lora_convert_command
+
+        return lora_convert_command(args.from_fastlm, args.to, args.to_hf, args.to_peft, args.from_peft, args.merge_lora)
     if args.command == "convert":
         from fastlm.models.hf import convert_command
 

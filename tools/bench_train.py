@@ -11,6 +11,8 @@
     python tools/bench_train.py --presets qwen3-0.6b llama3.2-1b --batch 1 1 --seq-len 8192 --packed \
         --compile-model --hf                         # + transformers' own model class on the same weights
     python tools/bench_train.py --cpu-smoke --hf     # the same side by side at the tiny CPU shape
+    python tools/bench_train.py --lora --presets llama-1b --batch 4 --lora-seq-len 2048 8192
+                                                     # full fine-tune vs LoRA (+ac) vs HF PEFT (tools/bench_lora.py)
 
 A step is what the trainer does: bf16 autocast forward with the fused loss, backward, fused AdamW; the
 variants add packed documents (the trainer's real rows: FlexAttention on CUDA), compiled blocks
@@ -402,7 +404,14 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=None, help="override the presets' vocab_size (e.g. 128256)")
     parser.add_argument("--hf", action="store_true",
                         help="also time transformers' own model class on the same weights (see the module docstring)")
+    parser.add_argument("--lora", action="store_true", help="full fine-tune vs LoRA vs LoRA+ac vs HF PEFT (tools/bench_lora.py)")
+    parser.add_argument("--lora-rank", type=int, default=16, help="--lora: the adapters' rank (alpha = 2 * rank)")
+    parser.add_argument("--lora-seq-len", type=int, nargs="+", default=[2048, 8192], help="--lora: sequence lengths")
     args = parser.parse_args()
+    if args.lora:
+        from bench_lora import lora_main  # tools/bench_lora.py
+
+        return lora_main(args)
     if args.compare_cli:
         from compare_cli import compare_main  # tools/compare_cli.py: the trainer beside this loop, the gap taken apart
 

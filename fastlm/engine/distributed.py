@@ -292,10 +292,12 @@ def load_full_state(
     model_state: dict[str, torch.Tensor],
     optimizer_state: dict[str, Any],
     parallel: Parallel,
+    strict: bool = True,
 ) -> None:
-    """Load a full checkpoint state (any world size wrote it) into this rank's shards."""
+    """Load a full checkpoint state (any world size wrote it) into this rank's shards (`strict=False`: an
+    adapter-only state, the frozen base as built)."""
     if isinstance(model, FSDPModule):
-        options = StateDictOptions(full_state_dict=True)
+        options = StateDictOptions(full_state_dict=True, strict=strict)
         set_model_state_dict(model, model_state, options=options)
         set_optimizer_state_dict(model, optimizer, _name_keyed(optimizer_state, _optimizer_names(model, optimizer)), options=options)
         return
@@ -305,7 +307,7 @@ def load_full_state(
         name: value[_vocab_rows(parallel, parameters[name].shape[0])] if name in sharded else value
         for name, value in model_state.items()
     }
-    model.load_state_dict(model_state, strict=True)
+    model.load_state_dict(model_state, strict=strict)
     states = dict(optimizer_state["state"])
     for index, parameter in _sharded_indices(model, optimizer).items():
         if index in states:

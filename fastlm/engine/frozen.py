@@ -19,6 +19,7 @@ from fastlm.engine.checkpoint import (
     load_checkpoint,
     load_latest_checkpoint,
 )
+from fastlm.lora.attach import BaseView, lora_layers
 from fastlm.losses.spec import TeacherHead, transform_logits
 from fastlm.models.config import ModelConfig
 from fastlm.models.decoder import DecoderLM, build_model
@@ -80,9 +81,11 @@ def reference_model(
 ) -> DecoderLM:
     """The frozen reference of a DPO or policy loss with a KL penalty: a copy of `model` as it is now
     (the initial policy: built before any step, and a resume rebuilds that same policy from the seed),
-    or the checkpoint at `path` (named by the config key `field`), checked against `model`."""
+    or the checkpoint at `path` (named by the config key `field`), checked against `model`. A LoRA model's
+    initial policy is its base: the same weights with the adapters switched off, no copy."""
     if path is None:
-        return copy_frozen(model, device)
+        source = getattr(model, "module", model)
+        return BaseView(source) if lora_layers(source) else copy_frozen(model, device)
     reference = load_frozen_model(path, field, device)
     check_compatible(reference, getattr(model, "module", model), field, seq_len)
     return reference

@@ -75,6 +75,7 @@ from fastlm.engine.step_scalars import InFlightRead, PendingSteps, StepResult, S
 from fastlm.system.device import autocast
 from fastlm.logging.jsonl import drop_records_after
 from fastlm.logging.logger import METRICS_FILE, MetricLogger
+from fastlm.lora.training import check_base, checkpointed, checkpointed_shapes, restore_model, setup_lora
 from fastlm.losses.spec import LossNormalizers, LossResult
 from fastlm.losses.validation import ValueCheck, collected_value_checks, deferred_value_checks
 from fastlm.models.decoder import build_model
@@ -143,6 +144,7 @@ class Trainer:
         self.model = build_model(config.model, device=self.device)
         if config.run.init_path is not None:  # a resume overwrites these weights with the checkpoint's
             self._load_init_weights(config.run.init_path)
+        self.lora_base = setup_lora(self.model, config, self.device)  # None without model.lora
         self.model.set_activation_checkpointing(config.trainer.activation_checkpointing)
         data_parallel = self.parallel.data_parallel if self.parallel.dp_size > 1 else None
         if compile_wanted(config.trainer.compile, self.device, data_parallel):
@@ -401,6 +403,7 @@ class Trainer:
             "wandb_run_id": self.wandb_run_id,
             "total_steps": self.config.trainer.steps,
             "decay_anchor": None if self.decay_anchor is None else self.decay_anchor.to_state(),
+            "lora_base": self.lora_base,
         }
 
     def save(self) -> Path:
@@ -410,10 +413,11 @@ class Trainer:
         args = (self.state(), self.config.model_dump(mode="json"), self.config.trainer.keep_checkpoints)
         self.checkpoints_written += 1
         if not self.parallel.distributed:
-            path = save_checkpoint(self.checkpoint_dir, self.step, self.model, self.optimizer, *args)
+            path = save_checkpoint(self.checkpoint_dir, self.step, checkpointed(self.model), self.optimizer, *args)
             self._discard_replaced()
             return path
         model_state, optimizer_state = full_state(self.model, self.optimizer, self.parallel)
+        model_state = checkpointed(self.model, model_state)
         if self.parallel.rank == 0:
             save_checkpoint(self.checkpoint_dir, self.step, model_state, optimizer_state, *args)
         dist.barrier()
@@ -446,14 +450,16 @@ class Trainer:
     def _restore(self, loaded: LoadedCheckpoint) -> None:
         """Apply one verified checkpoint; anything in it that does not fit is a `CheckpointError` (the
         caller falls back to an older one). Changed data is a `DataError`: no older checkpoint helps."""
-        expected = {name: tuple(value.shape) for name, value in build_model(self.config.model, "meta").state_dict().items()}
-        loaded.check_fits(expected, self.config.model.model_dump(mode="json"))
+        loaded.check_fits(checkpointed_shapes(self.config), self.config.model.model_dump(mode="json"))
         same_data = self._check_data(loaded)
         try:
             if self.parallel.distributed:
-                load_full_state(self.model, self.optimizer, loaded.model_state(), loaded.optimizer_state, self.parallel)
+                if self.lora_base is not None:
+                    check_base(loaded, self.lora_base)
+                load_full_state(self.model, self.optimizer, loaded.model_state(), loaded.optimizer_state, self.parallel,
+                                strict=self.lora_base is None)
             else:
-                loaded.load_model(self.model, self.device)
+                restore_model(loaded, self.model, self.device, self.lora_base)
                 self.optimizer.load_state_dict(loaded.optimizer_state)
             state = loaded.trainer_state
             self.scheduler.load_state_dict(state["scheduler"])

@@ -30,6 +30,7 @@ import torch
 
 from fastlm.generation.sampling import SamplingOptions, draw_race, pick_tokens
 from fastlm.layers.kv_cache import DecodeAttention, KVCache
+from fastlm.lora.attach import merged_weights
 from fastlm.models.decoder import DecoderLM, build_model
 from fastlm.system.device import autocast
 from fastlm.system.errors import first_line
@@ -225,7 +226,8 @@ class Generator:
     # --- weights -----------------------------------------------------------------------------------------
     def sync_weights(self) -> None:
         """Copy the live weights into the replica (graph path; built on first use). Matrices other than the
-        embeddings take the autocast dtype, as autocast would cast them; the tied head gets its own copy."""
+        embeddings take the autocast dtype, as autocast would cast them; the tied head gets its own copy.
+        LoRA adapters are merged in (W + scale B A): decoding runs at the full model's speed."""
         live = self.model
         if self.replica is None:
             self.replica = build_model(live.config, device="meta")
@@ -236,11 +238,10 @@ class Generator:
                 if parameter.dim() >= 2 and not name.startswith("embeddings."):
                     parameter.data = parameter.data.to(dtype)
             self.head_weight = torch.empty_like(live.output_weight, dtype=dtype, device=self.device)
-        source = dict(live.named_parameters())
+        replica = dict(self.replica.named_parameters())
         with torch.no_grad():
-            for name, parameter in self.replica.named_parameters():
-                value = source[name]
-                parameter.copy_(value.full_tensor() if hasattr(value, "full_tensor") else value)
+            for name, value in merged_weights(live):
+                replica[name].copy_(value)
             assert self.head_weight is not None
             self.head_weight.copy_(self.replica.output_weight)
 

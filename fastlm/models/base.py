@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 
 from fastlm.config.base import ConfigModel
 from fastlm.layers.rope_scaling import RopeScaling
+from fastlm.lora.config import LoraConfig
 from fastlm.losses.config import LMHeadConfig
 
 if TYPE_CHECKING:
@@ -50,9 +51,10 @@ class DecoderConfig(ConfigModel):
     norm_eps: float = Field(1e-5, gt=0.0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     head: LMHeadConfig = Field(default_factory=LMHeadConfig)
+    lora: LoraConfig | None = Field(None, description="Train low-rank adapters on a frozen base (fastlm/lora).")
 
     # Fields that do not change the weights' shapes or the forward's math (a checkpoint need not match them).
-    NOT_ARCHITECTURE: ClassVar[frozenset[str]] = frozenset({"head", "init_std", "dropout", "max_seq_len"})
+    NOT_ARCHITECTURE: ClassVar[frozenset[str]] = frozenset({"head", "init_std", "dropout", "max_seq_len", "lora"})
 
     @model_validator(mode="before")
     @classmethod

@@ -94,7 +94,7 @@ def config_to_hf(config: DecoderConfig, tokenizer: Tokenizer, dtype: torch.dtype
 def model_yaml(config: DecoderConfig, init_path: str | None = None) -> str:
     """The `model:` section (head left to the run config) plus `run.init_path`, ready to paste or `base:`."""
     document: dict[str, Any] = {"model": {"type": config.type,  # type: ignore[attr-defined]
-                                          **config.model_dump(mode="json", exclude={"head", "type"})}}
+                                          **config.model_dump(mode="json", exclude={"head", "type", "lora"})}}
     if init_path is not None:
         document["run"] = {"init_path": init_path}
     return yaml.safe_dump(document, sort_keys=False)
@@ -382,6 +382,8 @@ def convert_command(from_hf: str | None, to: str | None, from_fastlm: str | None
         if from_fastlm is None or to is not None:
             raise ConfigError("--to-hf DIR needs --from SRC (a checkpoint or a `convert --to` folder) and no --to")
         config, state, tokenizer = load_fastlm(from_fastlm)
+        if config.lora is not None:
+            raise ConfigError(f"--from {from_fastlm} is a LoRA run: add --merge-lora (or use --to-peft DIR)")
         print(f"wrote {save_hf(config, state, to_hf, tokenizer)} ({hf_model_type(config)}, {tokenizer.name} tokenizer)")
         return 0
     except ConfigError as error:

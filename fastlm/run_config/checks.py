@@ -10,6 +10,7 @@ from fastlm.run_config.schema import RunConfig
 from fastlm.data.config import PREFERENCE_SOURCE_TYPES
 from fastlm.data.tokenizer import TokenizerError, build_tokenizer
 from fastlm.losses.children.policy import PolicyConfig
+from fastlm.lora.checks import lora_issues
 
 
 def cross_check(config: RunConfig) -> list[ConfigIssue]:
@@ -30,6 +31,7 @@ def cross_check(config: RunConfig) -> list[ConfigIssue]:
     issues += _rollout_checks(config)
     issues += _output_dir_checks(config)
     issues += _eval_source_checks(config)
+    issues += lora_issues(config)
     return issues
 
 

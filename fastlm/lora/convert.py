@@ -1,0 +1,124 @@
+"""`fastlm convert` for LoRA runs: `--merge-lora` (base + adapters as one fastlm or HF checkpoint), `--to-peft`
+(HF PEFT's adapter folder, on the base the run started from) and `--from-peft` (a PEFT adapter as a fastlm
+adapter folder that `model.lora.adapter_path` starts a run from).
+
+The base is rebuilt as the trainer built it (`run.seed`, then `run.init_path`'s weights) and must have the
+fingerprint the checkpoint recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import yaml
+from safetensors.torch import save_file
+
+from fastlm.config.errors import ConfigError
+from fastlm.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerError
+from fastlm.engine.checkpoint import CheckpointError
+from fastlm.lora.attach import (
+    Target,
+    merged_weights,
+    select_targets,
+)
+from fastlm.lora.peft import (
+    FASTLM_ADAPTER_FILE,
+    PEFT_CONFIG_FILE,
+    PEFT_WEIGHTS_FILE,
+    PeftFormatError,
+    from_peft,
+    hf_layout,
+    lora_config_from_peft,
+    read_peft,
+    to_peft,
+)
+from fastlm.lora.training import checkpointed, load_lora_run
+from fastlm.models.decoder import DecoderLM, build_model
+from fastlm.models.hf import (
+    FASTLM_CONFIG_FILE,
+    config_from_hf,
+    read_hf_config,
+    save_fastlm,
+    save_hf,
+)
+
+LORA_YAML = "lora.yaml"
+
+
+def merged_model(model: DecoderLM) -> DecoderLM:
+    """A plain model (no model.lora) holding W + scale B A."""
+    plain = build_model(model.config.model_copy(update={"lora": None}), "cpu")
+    plain.load_state_dict(dict(merged_weights(model)), strict=True)
+    return plain
+
+
+def save_merged_fastlm(model: DecoderLM, tokenizer: Tokenizer, directory: str) -> Path:
+    """A `convert --to` folder of the merged model, with the run's tokenizer saved in it and named in model.yaml
+    (`data.tokenizer`): not `run.init_path`, whose weights are the base's, not these."""
+    out = save_fastlm(model, directory)
+    if not isinstance(tokenizer, ByteTokenizer):  # bytes are the default without a tokenizer
+        tokenizer.save_pretrained(out)
+        section = yaml.safe_dump({"data": {"tokenizer": {"type": "huggingface", "path": str(out.resolve())}}})
+        with (out / FASTLM_CONFIG_FILE).open("a", encoding="utf-8") as handle:
+            handle.write(section)
+    return out
+
+
+def write_peft(model: DecoderLM, targets: list[Target], init_path: str | None, directory: str) -> Path:
+    lora = model.config.lora
+    head_module, fan_in_fan_out = hf_layout(model.config, targets)
+    tensors, adapter_config = to_peft(targets, checkpointed(model), lora, init_path, head_module, fan_in_fan_out)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
+    (out / PEFT_CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return out
+
+
+def import_peft(adapter: str, base: str | None, directory: str) -> str:
+    """A PEFT adapter as `adapter.safetensors` (fastlm names) + `lora.yaml` (the run's model.lora and
+    run.init_path lines); returns that YAML."""
+    adapter_config, tensors = read_peft(adapter)
+    base = base or adapter_config.get("base_model_name_or_path")
+    if not base or not (Path(base) / "config.json").is_file():
+        raise ConfigError(f"--from-peft: the base model {base!r} is not a local HF folder; name it with --from DIR")
+    model_config = config_from_hf(read_hf_config(base), str(Path(base) / "config.json"))
+    lora = lora_config_from_peft(adapter_config)
+    model = build_model(model_config, "meta")
+    targets = select_targets(model, lora.targets)
+    head_module, _ = hf_layout(model_config, targets)
+    state = from_peft(targets, adapter_config, tensors, lora, head_module, adapter)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({name: value.contiguous() for name, value in state.items()}, str(out / FASTLM_ADAPTER_FILE))
+    section = lora.model_copy(update={"adapter_path": str(out.resolve())}).model_dump(mode="json", exclude_defaults=True)
+    text = yaml.safe_dump({"run": {"init_path": str(Path(base).resolve())}, "model": {"lora": section}}, sort_keys=False)
+    (out / LORA_YAML).write_text(text, encoding="utf-8")
+    return text
+
+
+def lora_convert_command(source: str | None, to: str | None, to_hf: str | None, to_peft_dir: str | None,
+                         from_peft_dir: str | None, merge: bool) -> int:
+    """The LoRA branches of `fastlm convert` (see the module docstring); errors are one message, exit 2."""
+    try:
+        if from_peft_dir is not None:
+            if to is None or to_hf is not None or merge:
+                raise ConfigError("--from-peft ADAPTER needs --to DIR (and optionally --from BASE_HF_DIR)")
+            print(import_peft(from_peft_dir, source, to), end="")
+            return 0
+        if source is None or (to_peft_dir is None) == (not merge) or (merge and (to is None) == (to_hf is None)):
+            raise ConfigError("use --from RUN --to-peft DIR, or --from RUN --merge-lora with one of --to DIR / --to-hf DIR")
+        model, targets, init_path, tokenizer = load_lora_run(source)
+        if to_peft_dir is not None:
+            print(f"wrote {write_peft(model, targets, init_path, to_peft_dir)} (PEFT LoRA on {init_path})")
+        elif to_hf is not None:
+            plain = merged_model(model)
+            print(f"wrote {save_hf(plain.config, plain.state_dict(), to_hf, tokenizer)} (merged, HF)")
+        else:
+            print(f"wrote {save_merged_fastlm(merged_model(model), tokenizer, to)} (merged, fastlm)")
+        return 0
+    except (ConfigError, CheckpointError, PeftFormatError, TokenizerError) as error:
+        print(error.render() if isinstance(error, ConfigError) else f"fastlm convert: {error}", file=sys.stderr)
+        return 2
