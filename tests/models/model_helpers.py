@@ -32,6 +32,18 @@ def make_model(config: GPT2Config | LlamaConfig, dtype: torch.dtype = torch.floa
     return model
 
 
+def randomize_weights(model: torch.nn.Module, seed: int, scale: float = 0.1, norms_at_one: bool = True) -> None:
+    """Every tensor of a (transformers) model random, so a misplaced one changes the logits: norm weights
+    1 + normal(0, 0.1) (around 0 with `norms_at_one` false: Gemma's (1 + w) norms), the rest, biases and
+    routers included (transformers zero-initialises some), normal(0, scale)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+            is_norm = parameter.ndim == 1 and ("norm" in name or ".ln_" in name) and name.endswith("weight")
+            parameter.copy_(1.0 + 0.1 * noise if is_norm and norms_at_one else scale * noise)
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected|| / ||expected|| (detached)."""
     actual, expected = actual.detach(), expected.detach()

@@ -19,6 +19,7 @@ from fastlm.layers.moe import MoEMLP, load_balancing_loss
 from fastlm.models import active_parameters, count_parameters, num_parameters
 from fastlm.models.decoder import build_model
 from fastlm.models.hf import config_from_hf, export_hf, import_hf, weight_rules
+from tests.models.model_helpers import randomize_weights
 
 VOCAB, SEQ = 300, 12
 ATTENTION = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -38,22 +39,12 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Every tensor random (norm weights near 1), routers included (transformers zero-initialises some)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
-            is_norm = parameter.ndim == 1 and "norm" in name
-            parameter.copy_(1.0 + 0.1 * noise if is_norm else 0.2 * noise)
-
-
 def _hf_model(kind: str) -> torch.nn.Module:
     config_name, model_name, fields = FAMILIES[kind]
     config = getattr(transformers, config_name)(**fields)
     config._attn_implementation = "eager"
     model = getattr(transformers, model_name)(config).eval()
-    _randomize(model, seed=sum(map(ord, kind)))
+    randomize_weights(model, seed=sum(map(ord, kind)), scale=0.2)
     return model
 
 
