@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return generate_command(args)
     if args.command == "convert":
-        from fastlm.models.hf import convert_command
+        from fastlm.engine.convert import convert_command
 
         return convert_command(args.from_hf, args.to, args.from_fastlm, args.to_hf)
     if args.command == "prepare":
