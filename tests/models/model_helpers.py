@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,17 @@ def randomize_weights(model: torch.nn.Module, seed: int, scale: float = 0.1, nor
             noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
             is_norm = parameter.ndim == 1 and ("norm" in name or ".ln_" in name) and name.endswith("weight")
             parameter.copy_(1.0 + 0.1 * noise if is_norm and norms_at_one else scale * noise)
+
+
+def saved_pretrained(directory_for: Callable[[str], Path], names: Iterable[str],
+                     build: Callable[[str], torch.nn.Module]) -> dict[str, tuple[torch.nn.Module, Path]]:
+    """Each name's (transformers) model from `build` and the folder `save_pretrained` wrote it to."""
+    built = {}
+    for name in names:
+        model, directory = build(name), directory_for(name)
+        model.save_pretrained(directory)
+        built[name] = (model, directory)
+    return built
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -20,7 +20,7 @@ from fastlm.generation.sampling import SamplingOptions
 from fastlm.losses.spec import LossNormalizers, LossTargets
 from fastlm.models.decoder import DecoderLM
 from fastlm.models.hf import config_from_hf, export_hf, import_hf
-from tests.models.model_helpers import randomize_weights
+from tests.models.model_helpers import randomize_weights, saved_pretrained
 
 VOCAB, SEQ, WINDOW = 260, 12, 4  # the byte tokenizer's vocab: `fastlm generate` decodes what it samples
 BASE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
@@ -68,13 +68,7 @@ def hf_model(case: str) -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path]]:
     """Each case's transformers model and its save_pretrained folder (built once for the module)."""
-    built = {}
-    for case in CASES:
-        model = hf_model(case)
-        directory = tmp_path_factory.mktemp(case)
-        model.save_pretrained(directory)
-        built[case] = (model, directory)
-    return built
+    return saved_pretrained(tmp_path_factory.mktemp, CASES, hf_model)
 
 
 def _ids(seed: int, batch: int = 2) -> torch.Tensor:

@@ -19,7 +19,7 @@ from fastlm.layers.moe import MoEMLP, load_balancing_loss
 from fastlm.models import active_parameters, count_parameters, num_parameters
 from fastlm.models.decoder import build_model
 from fastlm.models.hf import config_from_hf, export_hf, import_hf, weight_rules
-from tests.models.model_helpers import randomize_weights
+from tests.models.model_helpers import randomize_weights, saved_pretrained
 
 VOCAB, SEQ = 300, 12
 ATTENTION = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -50,13 +50,7 @@ def _hf_model(kind: str) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path]]:
-    out = {}
-    for kind in FAMILIES:
-        model = _hf_model(kind)
-        directory = tmp_path_factory.mktemp(kind)
-        model.save_pretrained(directory)
-        out[kind] = (model, directory)
-    return out
+    return saved_pretrained(tmp_path_factory.mktemp, FAMILIES, _hf_model)
 
 
 def _ids(seed: int) -> torch.Tensor:
