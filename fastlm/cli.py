@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return lora_convert_command(args.from_fastlm, args.to, args.to_hf, args.to_peft, args.from_peft, args.merge_lora)
     if args.command == "convert":
-        from fastlm.models.hf import convert_command
+        from fastlm.engine.convert import convert_command
 
         return convert_command(args.from_hf, args.to, args.from_fastlm, args.to_hf)
     if args.command == "prepare":

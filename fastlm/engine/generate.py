@@ -63,7 +63,7 @@ class LoadedModel:
 
 def load_model(source: Path, device: torch.device) -> LoadedModel:
     """The newest checkpoint's (or a `convert --to` folder's) model with its weights, in eval mode."""
-    from fastlm.models.hf import load_fastlm
+    from fastlm.engine.convert import load_fastlm
 
     if source.is_file() and source.name == LATEST_FILE:
         source = source.parent

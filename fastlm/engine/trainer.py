@@ -652,7 +652,8 @@ class Trainer:
     def export_hf(self) -> Path:
         """The final checkpoint as a Hugging Face folder (RUN_DIR/hf), through `fastlm convert --to-hf`'s code: read
         from the checkpoint just written, so a sharded or data-parallel run exports the full model as well."""
-        from fastlm.models.hf import load_fastlm, save_hf
+        from fastlm.engine.convert import load_fastlm
+        from fastlm.models.hf import save_hf
 
         config, state, tokenizer = load_fastlm(self.run_dir)
         return save_hf(config, state, self.run_dir / HF_EXPORT_DIR, tokenizer)

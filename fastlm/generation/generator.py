@@ -43,11 +43,15 @@ class TokenizerLike(Protocol):
     pad_id: int | None
     eos_id: int | None
 
+    @property
+    def vocab_size(self) -> int: ...
+
 
 @dataclass(frozen=True)
 class Completion:
     """Sampled tokens (the stop token included when one was drawn) and their log-probs under the sampling
-    distribution (after the head's transform, temperature, top-k and top-p; greedy: the untempered softmax)."""
+    distribution (after the head's transform, temperature, top-k and top-p; greedy: the untempered softmax),
+    which spans the ids the tokenizer can decode (`DecodeState`)."""
 
     tokens: list[int]
     logprobs: list[float]
@@ -82,7 +86,9 @@ class DecodeState:
     `tokens`/`columns` (B, 1): the last drawn token, the next step's input, and its cache column;
     `drawn`/`logprobs` (B, N): what was picked (pad / 0 after a row's stop token); `done` (B,): the row
     has drawn a stop token; `index` (): the next slot of `drawn`; `race` (B, V): the Exp(1) noise of the
-    next draw (None when greedy); `stops` (n,): the stop tokens.
+    next draw (None when greedy); `stops` (n,): the stop tokens. V is the drawable vocab: the tokenizer's,
+    when the model's is padded past it (checkpoints pad vocab to a multiple of 64 or 128), so the sampler
+    never draws an id the tokenizer cannot decode (vLLM trims a padded vocab's logits the same way).
     """
 
     tokens: torch.Tensor
@@ -93,6 +99,7 @@ class DecodeState:
     index: torch.Tensor
     race: torch.Tensor | None
     stops: torch.Tensor
+    vocab: int
 
     @classmethod
     def empty(cls, batch: int, vocab: int, options: SamplingOptions, device: torch.device) -> DecodeState:
@@ -103,7 +110,7 @@ class DecodeState:
         stops = torch.tensor(options.stop_tokens, dtype=torch.int64, device=device)
         return cls(zeros(batch, 1), zeros(batch, 1), zeros(batch, options.max_new_tokens),
                    zeros(batch, options.max_new_tokens, dtype=torch.float32), zeros(batch, dtype=torch.bool),
-                   zeros(dtype=torch.int64), race, stops)
+                   zeros(dtype=torch.int64), race, stops, vocab)
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -120,7 +127,7 @@ class DecodeState:
 
     def record(self, logits: torch.Tensor, options: SamplingOptions, pad_id: int) -> None:
         """Pick the next tokens from (B, V) raw logits and write them into slot `index` (on the device)."""
-        choice, logprob = pick_tokens(logits, options, self.race)
+        choice, logprob = pick_tokens(logits[:, : self.vocab], options, self.race)
         slot = self.index[None]
         self.drawn.index_copy_(1, slot, choice.masked_fill(self.done, pad_id)[:, None])
         self.logprobs.index_copy_(1, slot, logprob.masked_fill(self.done, 0.0)[:, None])
@@ -211,6 +218,7 @@ class Generator:
         self.model = model
         self.device = model.output_weight.device
         self.pad_id = next((t for t in (tokenizer.pad_id, tokenizer.eos_id) if t is not None), 0)
+        self.vocab = min(model.config.vocab_size, tokenizer.vocab_size)  # the ids the sampler may draw
         self.amp_dtype = amp_dtype
         self.cuda_graph = (self.device.type == "cuda") if cuda_graph is None else cuda_graph
         if self.cuda_graph and (self.device.type != "cuda" or model.tp_group is not None):
@@ -298,7 +306,7 @@ class Generator:
         dtype = self.amp_dtype or model.output_weight.dtype
         cache = KVCache(config.num_layers, batch, config.num_heads, config.kv_heads, length, config.head_dim, dtype,
                         self.device, uniform_columns=self.padding == "left", decode_attention=self.decode_attention)
-        state = DecodeState.empty(batch, config.vocab_size, options, self.device)
+        state = DecodeState.empty(batch, self.vocab, options, self.device)
         return _DecodeStep(model, cache, state, options, self.pad_id, head_weight, self.amp_dtype, self.cuda_graph,
                            self.compile)
 

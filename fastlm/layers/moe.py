@@ -268,17 +268,15 @@ def router_losses(
     return (aux_coef * aux + z_coef * z) * share, losses, metrics
 
 
-def add_router_losses(result: Any, model: nn.Module, positions: int, step_positions: float) -> Any:
-    """A training forward's `LossResult` with its MoE layers' router losses and load metrics added
-    (unchanged without MoE layers, or in eval mode): `positions` routed here of the step's
-    `step_positions` (`LossNormalizers.positions`; 0: this call is the whole step)."""
-    layers = [module for module in model.modules() if isinstance(module, MoEMLP) and module.router_sums is not None]
-    if not layers or not model.training:
+def add_router_losses(result: Any, layers: list[MoEMLP], positions: int, step_positions: float) -> Any:
+    """A training forward's `LossResult` with the router losses and load metrics of its MoE `layers` added
+    (unchanged when none has run a forward): `positions` routed here of the step's `step_positions`
+    (`LossNormalizers.positions`; 0: this call is the whole step)."""
+    sums = [layer.router_sums for layer in layers if layer.router_sums is not None]
+    if not sums:
         return result
     first = layers[0]
     share = positions / step_positions if step_positions else 1.0
-    total, losses, metrics = router_losses(
-        [layer.router_sums for layer in layers], first.top_k, first.aux_loss_coef, first.z_loss_coef, share
-    )
+    total, losses, metrics = router_losses(sums, first.top_k, first.aux_loss_coef, first.z_loss_coef, share)
     return replace(result, loss=result.loss + total, losses={**result.losses, **losses},
                    metrics={**result.metrics, **metrics})

@@ -36,13 +36,8 @@ from fastlm.lora.peft import (
 )
 from fastlm.lora.training import checkpointed, load_lora_run
 from fastlm.models.decoder import DecoderLM, build_model
-from fastlm.models.hf import (
-    FASTLM_CONFIG_FILE,
-    config_from_hf,
-    read_hf_config,
-    save_fastlm,
-    save_hf,
-)
+from fastlm.engine.convert import save_fastlm
+from fastlm.models.hf import FASTLM_CONFIG_FILE, config_from_hf, read_hf_config, save_hf
 
 LORA_YAML = "lora.yaml"
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from fastlm.layers.embedding import Embeddings, document_positions
 from fastlm.layers.kv_cache import KVCache
-from fastlm.layers.moe import add_router_losses
+from fastlm.layers.moe import MoEMLP, add_router_losses
 from fastlm.layers.packed_attention import LayoutKind, attention_layout
 from fastlm.layers.rotary import rotary_angles
 from fastlm.layers.vocab_parallel import gather_vocab, vocab_parallel_loss
@@ -38,6 +38,8 @@ class DecoderLM(nn.Module):
         self.embeddings = Embeddings(config.vocab_size, config.hidden_size, config.learned_positions, config.dropout,
                                      config.embedding_scale)
         self.blocks = nn.ModuleList(config.build_block(layer) for layer in range(config.num_layers))
+        # The blocks' MoE layers, found once (a plain list: the state dict keeps its keys); empty in a dense model.
+        self.moe_layers: list[MoEMLP] = [module for module in self.blocks.modules() if isinstance(module, MoEMLP)]
         self.final_norm = config.build_final_norm()
         self.layer_attention: list[LayerAttention] = [config.layer_attention(i) for i in range(config.num_layers)]
         # The distinct windows and rotary embeddings, and each layer's index into them (plain lists: a compiled
@@ -157,7 +159,9 @@ class DecoderLM(nn.Module):
             result = vocab_parallel_loss(self.head, hidden, self.output_weight, targets, normalizers, self.tp_group)
         else:
             result = self.head(hidden, self.output_weight, targets, normalizers)
-        return add_router_losses(result, self, input_ids.numel(), normalizers.positions)  # MoE blocks' routers
+        if self.training and self.moe_layers:  # the MoE layers' router losses join a training forward's loss
+            result = add_router_losses(result, self.moe_layers, input_ids.numel(), normalizers.positions)
+        return result
 
 
 def _check_inputs(input_ids: torch.Tensor, document_ids: torch.Tensor | None, vocab_size: int) -> None:

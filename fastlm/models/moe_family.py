@@ -1,15 +1,22 @@
 """What the mixture-of-experts families (qwen3_moe, mixtral, olmoe) share, torch-free: the `moe:` section
-of their configs, the sizing of a sparse block (total and active parameters) and the HF weight rules of
-the experts (one tensor per expert and projection in a checkpoint, our row-stacked blocks here)."""
+of their configs (and the `MoEMLP` it builds), the sizing of a sparse block (total and active parameters),
+the Llama-attention-plus-experts config Mixtral and OLMoE both are, and the HF weight rules of the experts
+(one tensor per expert and projection in a checkpoint, our row-stacked blocks here)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
 
 from fastlm.config.base import ConfigModel
 from fastlm.models.hf_adapter import Reader, WeightRule
+from fastlm.models.llama.config import LlamaConfig
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from fastlm.layers.moe import MoEMLP
 
 
 class MoESettings(ConfigModel):
@@ -30,6 +37,17 @@ class MoESettings(ConfigModel):
             raise ValueError(f"top_k {self.top_k} is more than num_experts {self.num_experts}; pick top_k <= num_experts")
         return self
 
+    def build(self, hidden_size: int) -> MoEMLP:
+        """The sparse MLP of one block (imports torch lazily)."""
+        from fastlm.layers.moe import MoEMLP
+
+        return MoEMLP(hidden_size, self.ffn_size, self.num_experts, self.top_k, self.normalize_top_k,
+                      backend=self.backend, aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef)
+
+    def architecture(self) -> dict[str, Any]:
+        """The fields that decide the weights' shapes and the forward's math (not loss weights, not the backend)."""
+        return self.model_dump(include={"num_experts", "top_k", "ffn_size", "normalize_top_k"})
+
     def layer_parameters(self, hidden_size: int) -> int:
         """Router and experts of one sparse MLP."""
         return self.num_experts * hidden_size + self.num_experts * 3 * hidden_size * self.ffn_size
@@ -43,6 +61,39 @@ class MoESettings(ConfigModel):
                 "router_aux_loss_coef": self.aux_loss_coef, "output_router_logits": False}
 
 
+class SparseLlamaConfig(LlamaConfig):
+    """Llama attention and a sparse MLP in every layer (Mixtral, OLMoE): no dense MLP, the experts' width is
+    `moe.ffn_size`. A base for families, not one itself (its `type` is its subclass's)."""
+
+    moe: MoESettings = Field(default_factory=MoESettings)
+
+    @model_validator(mode="after")
+    def _check_moe(self) -> SparseLlamaConfig:
+        if self.intermediate_size is not None:
+            raise ValueError(f"a {self.type} model has no dense MLP: set the experts' width in moe.ffn_size, "
+                             "not intermediate_size")
+        return self
+
+    @property
+    def ffn_size(self) -> int:
+        return self.moe.ffn_size
+
+    def build_block(self, layer: int) -> nn.Module:
+        from fastlm.models.llama.blocks import llama_attention, pre_norm_block
+
+        return pre_norm_block(self, llama_attention(self), self.moe.build(self.hidden_size))
+
+    def block_parameters(self, layer: int) -> int:
+        return 2 * self.hidden_size + self.attention_parameters() + self.moe.layer_parameters(self.hidden_size)
+
+    def active_blocks_parameters(self) -> int:
+        active = self.moe.active_layer_parameters(self.hidden_size)
+        return self.num_layers * (2 * self.hidden_size + self.attention_parameters() + active)
+
+    def architecture(self) -> dict[str, Any]:
+        return {**super().architecture(), "moe": self.moe.architecture()}
+
+
 def moe_settings(reader: Reader, experts_keys: tuple[str, ...], ffn_key: str, normalize: Any) -> dict[str, Any]:
     """Our `moe:` section from a config.json; the expert count is the first of `experts_keys` present
     (transformers 5 writes Qwen3-MoE's as num_local_experts, the published configs say num_experts)."""
@@ -52,14 +103,16 @@ def moe_settings(reader: Reader, experts_keys: tuple[str, ...], ffn_key: str, no
             "aux_loss_coef": reader.get("router_aux_loss_coef")}
 
 
-def expert_rules(settings: MoESettings, base: str, hf: str, names: tuple[str, str, str],
-                 hidden_size: int) -> list[WeightRule]:
-    """Router and experts of one sparse MLP: `base` ours (`blocks.i.mlp`), `hf` theirs (`model.layers.i.mlp`),
+def sparse_layer_rules(dense: list[WeightRule], settings: MoESettings, base: str, hf: str,
+                       names: tuple[str, str, str], hidden_size: int) -> list[WeightRule]:
+    """A layer's rules with its dense MLP's (`dense`, from the Llama-like adapter) replaced by the router and
+    experts of a sparse MLP: `base` our block (`blocks.i`), `hf` the HF sparse MLP (`model.layers.i.mlp`),
     `names` the HF (gate, up, down) projection names of an expert (Mixtral: w1, w3, w2)."""
     gate, up, down = names
-    experts, ffn = range(settings.num_experts), settings.ffn_size
+    experts, ffn, ours = range(settings.num_experts), settings.ffn_size, f"{base}.mlp"
     gate_up = tuple(f"{hf}.experts.{e}.{name}.weight" for e in experts for name in (gate, up))
-    return [WeightRule(f"{base}.router.weight", (f"{hf}.gate.weight",)),
-            WeightRule(f"{base}.gate_up_proj", gate_up, (ffn,) * len(gate_up)),
-            WeightRule(f"{base}.down_proj", tuple(f"{hf}.experts.{e}.{down}.weight" for e in experts),
-                       (hidden_size,) * settings.num_experts)]
+    return [rule for rule in dense if not rule.ours.startswith(f"{ours}.")] + [
+        WeightRule(f"{ours}.router.weight", (f"{hf}.gate.weight",)),
+        WeightRule(f"{ours}.gate_up_proj", gate_up, (ffn,) * len(gate_up)),
+        WeightRule(f"{ours}.down_proj", tuple(f"{hf}.experts.{e}.{down}.weight" for e in experts),
+                   (hidden_size,) * settings.num_experts)]

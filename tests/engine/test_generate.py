@@ -48,6 +48,19 @@ def test_generate_prints_the_samplers_completions(tiny_config: Callable[..., Run
         assert record["completion"] == tokenizer.decode(body) and record["stopped"] == completion.stopped
 
 
+def test_generate_decodes_with_a_vocab_padded_past_the_tokenizers(tiny_config: Callable[..., RunConfig],
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A model vocab padded to 320 past the byte tokenizer's 260 (as checkpoints pad to a multiple of 64): the
+    sampler draws only ids the tokenizer decodes, so a hot sample prints instead of failing on an id >= 260."""
+    config = tiny_config("padded", model={"vocab_size": 320, "init_std": 0.5}, trainer={"steps": 1})
+    Trainer(config).train()
+    argv = ["generate", config.run.directory, "--prompt", "The cat", "--max-new-tokens", "24", "--temperature", "2.0",
+            "--seed", "0", "--jsonl"]
+    assert main(argv) == 0, capsys.readouterr().err
+    [record] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert record["prompt"] == "The cat" and record["completion"]
+
+
 def test_generate_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     assert "no such run directory or checkpoint" in capsys.readouterr().err

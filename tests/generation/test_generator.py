@@ -3,12 +3,16 @@ bad requests. The CUDA paths (graph, compile, FlexAttention decode) are in test_
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from fastlm.data.tokenizer import BOS, EOS, ByteTokenizer
 from fastlm.generation import Generator, SamplingOptions, generate
 from fastlm.generation.sampling import next_token_distribution
+from fastlm.models.config import LlamaConfig
+from fastlm.models.decoder import build_model
 from tests.rl.rl_helpers import reference_logprobs, rel_err, tiny_model
 
 TOKENIZER = ByteTokenizer()
@@ -71,6 +75,32 @@ def test_sampled_logprobs_match_float64_forward(scale: float, softcap: float | N
                                   None if softcap is None else softcap / temperature)
         worst = max(worst, rel_err(torch.tensor(completion.logprobs), want))
     print(f"sampler log-probs (scale {scale}, softcap {softcap}, T {temperature}) vs float64 forward: max rel err {worst:.2e}")
+    assert worst < 1e-4
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_padded_vocab_draws_only_what_the_tokenizer_decodes(temperature: float) -> None:
+    """A model vocab padded past the tokenizer's (300 vs the byte tokenizer's 260), its head biased towards the
+    padding ids: the sampler draws only decodable ids, with log-probs of the softmax over those ids alone."""
+    torch.manual_seed(0)
+    model = build_model(LlamaConfig(vocab_size=300, hidden_size=32, num_layers=1, num_heads=2, max_seq_len=48,
+                                    init_std=0.2, tie_embeddings=False))
+    with torch.no_grad():
+        model.lm_head_weight[TOKENIZER.vocab_size:] *= 20  # padding ids would win most draws
+    prompts = [TOKENIZER.encode(text, bos=True) for text in ("1+2=", "ab>")]
+    with torch.no_grad():
+        assert int(model.logits(torch.tensor([prompts[0]]))[0, -1].argmax()) >= TOKENIZER.vocab_size
+    completions = generate(model, prompts, SamplingOptions(6, temperature), TOKENIZER, torch.Generator().manual_seed(0))
+    model64, worst = copy.deepcopy(model).double(), 0.0
+    for prompt, completion in zip(prompts, completions):
+        assert max(completion.tokens) < TOKENIZER.vocab_size
+        TOKENIZER.decode(completion.tokens)  # decodes (an id past the vocab raises)
+        sequence = torch.tensor([prompt + completion.tokens])
+        with torch.no_grad():
+            logits = model64.logits(sequence)[0, len(prompt) - 1:-1, : TOKENIZER.vocab_size]
+        want = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(completion.tokens)[:, None]).squeeze(-1)
+        worst = max(worst, rel_err(torch.tensor(completion.logprobs), want))
+    print(f"padded vocab, T {temperature}: log-probs vs float64 softmax over decodable ids: max rel err {worst:.2e}")
     assert worst < 1e-4
 
 

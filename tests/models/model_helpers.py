@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,29 @@ def make_model(config: GPT2Config | LlamaConfig, dtype: torch.dtype = torch.floa
             if parameter.dim() == 1:
                 parameter.add_(0.1 * torch.randn_like(parameter))
     return model
+
+
+def randomize_weights(model: torch.nn.Module, seed: int, scale: float = 0.1, norms_at_one: bool = True) -> None:
+    """Every tensor of a (transformers) model random, so a misplaced one changes the logits: norm weights
+    1 + normal(0, 0.1) (around 0 with `norms_at_one` false: Gemma's (1 + w) norms), the rest, biases and
+    routers included (transformers zero-initialises some), normal(0, scale)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+            is_norm = parameter.ndim == 1 and ("norm" in name or ".ln_" in name) and name.endswith("weight")
+            parameter.copy_(1.0 + 0.1 * noise if is_norm and norms_at_one else scale * noise)
+
+
+def saved_pretrained(directory_for: Callable[[str], Path], names: Iterable[str],
+                     build: Callable[[str], torch.nn.Module]) -> dict[str, tuple[torch.nn.Module, Path]]:
+    """Each name's (transformers) model from `build` and the folder `save_pretrained` wrote it to."""
+    built = {}
+    for name in names:
+        model, directory = build(name), directory_for(name)
+        model.save_pretrained(directory)
+        built[name] = (model, directory)
+    return built
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

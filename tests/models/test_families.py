@@ -20,6 +20,7 @@ from fastlm.generation.sampling import SamplingOptions
 from fastlm.losses.spec import LossNormalizers, LossTargets
 from fastlm.models.decoder import DecoderLM
 from fastlm.models.hf import config_from_hf, export_hf, import_hf
+from tests.models.model_helpers import randomize_weights, saved_pretrained
 
 VOCAB, SEQ, WINDOW = 260, 12, 4  # the byte tokenizer's vocab: `fastlm generate` decodes what it samples
 BASE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
@@ -54,36 +55,20 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 ONE_PER_FAMILY = ["llama3-rope-llama3-tied", "qwen2-mixed-windows", "mistral", "qwen3", "gemma3", "phi3", "gpt2"]
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Every tensor random (norm weights near their identity, biases non-zero) so a misplaced one shows."""
-    generator = torch.Generator().manual_seed(seed)
-    offset_norms = isinstance(model.config, transformers.Gemma3TextConfig)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
-            is_norm = parameter.ndim == 1 and ("norm" in name or ".ln_" in name) and name.endswith("weight")
-            parameter.copy_(1.0 + 0.1 * noise if is_norm and not offset_norms else 0.1 * noise)
-
-
 def hf_model(case: str) -> torch.nn.Module:
     config_name, fields = CASES[case]
     config = getattr(transformers, config_name)(**fields)
     config._attn_implementation = "eager"  # the masks (and windows) are explicit in eager attention
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    _randomize(model, seed=sum(map(ord, case)))
+    randomize_weights(model, seed=sum(map(ord, case)),
+                      norms_at_one=not isinstance(model.config, transformers.Gemma3TextConfig))
     return model
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path]]:
     """Each case's transformers model and its save_pretrained folder (built once for the module)."""
-    built = {}
-    for case in CASES:
-        model = hf_model(case)
-        directory = tmp_path_factory.mktemp(case)
-        model.save_pretrained(directory)
-        built[case] = (model, directory)
-    return built
+    return saved_pretrained(tmp_path_factory.mktemp, CASES, hf_model)
 
 
 def _ids(seed: int, batch: int = 2) -> torch.Tensor:
@@ -254,8 +239,8 @@ def test_multimodal_gemma3_imports_its_text_tower(tmp_path: Path) -> None:
                                        vision_config=vision.to_dict(), mm_tokens_per_image=4)
     config.text_config._attn_implementation = "eager"
     reference = transformers.Gemma3ForConditionalGeneration(config).eval()
-    _randomize(reference, seed=11)
-    with torch.no_grad():  # _randomize draws the offset norms' weights around 0 only for the text config class
+    randomize_weights(reference, seed=11)
+    with torch.no_grad():  # the text tower's (1 + w) norms around 0 (randomize_weights drew every norm around 1)
         for name, parameter in reference.named_parameters():
             if "vision" not in name and parameter.ndim == 1 and "norm" in name:
                 parameter.copy_(0.1 * torch.randn_like(parameter))

@@ -32,6 +32,7 @@ from fastlm.models.hf import (
     to_hf_state,
     weight_rules,
 )
+from tests.models.model_helpers import randomize_weights
 
 VOCAB, SEQ = 300, 16
 SMALL = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -51,22 +52,12 @@ MODEL_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "Qwen2Config": "Qwen2ForCaus
                  "MistralConfig": "MistralForCausalLM", "GPT2Config": "GPT2LMHeadModel"}
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Every tensor random (norm weights near 1, biases non-zero) so a misplaced one changes the logits."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
-            is_norm = parameter.ndim == 1 and ("norm" in name or ".ln_" in name) and name.endswith("weight")
-            parameter.copy_(1.0 + 0.1 * noise if is_norm else 0.1 * noise)
-
-
 def hf_model(kind: str, **overrides: Any) -> torch.nn.Module:
     config_name, fields = ARCHITECTURES[kind]
     config = getattr(transformers, config_name)(**{**fields, **overrides})
     config._attn_implementation = "eager"  # the mask (and window) are explicit in eager attention
     model = getattr(transformers, MODEL_CLASSES[config_name])(config).eval()
-    _randomize(model, seed=sum(map(ord, kind)))
+    randomize_weights(model, seed=sum(map(ord, kind)))
     return model
 
 
@@ -190,7 +181,7 @@ def test_mistral_window_is_exercised(saved: Callable[..., tuple[torch.nn.Module,
 def test_fastlm_model_exports_to_transformers(config: LlamaConfig | GPT2Config, tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = build_model(config).eval()
-    _randomize(model, seed=7)
+    randomize_weights(model, seed=7)
     reloaded = _reload(export_hf(model, tmp_path / "out", ByteTokenizer()))
     check_matches(config, config_from_hf(json.loads((tmp_path / "out" / "config.json").read_text())), "export")
     ids, _ = _inputs(seed=4)

@@ -19,6 +19,7 @@ from fastlm.layers.moe import MoEMLP, load_balancing_loss
 from fastlm.models import active_parameters, count_parameters, num_parameters
 from fastlm.models.decoder import build_model
 from fastlm.models.hf import config_from_hf, export_hf, import_hf, weight_rules
+from tests.models.model_helpers import randomize_weights, saved_pretrained
 
 VOCAB, SEQ = 300, 12
 ATTENTION = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -38,34 +39,18 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Every tensor random (norm weights near 1), routers included (transformers zero-initialises some)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
-            is_norm = parameter.ndim == 1 and "norm" in name
-            parameter.copy_(1.0 + 0.1 * noise if is_norm else 0.2 * noise)
-
-
 def _hf_model(kind: str) -> torch.nn.Module:
     config_name, model_name, fields = FAMILIES[kind]
     config = getattr(transformers, config_name)(**fields)
     config._attn_implementation = "eager"
     model = getattr(transformers, model_name)(config).eval()
-    _randomize(model, seed=sum(map(ord, kind)))
+    randomize_weights(model, seed=sum(map(ord, kind)), scale=0.2)
     return model
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path]]:
-    out = {}
-    for kind in FAMILIES:
-        model = _hf_model(kind)
-        directory = tmp_path_factory.mktemp(kind)
-        model.save_pretrained(directory)
-        out[kind] = (model, directory)
-    return out
+    return saved_pretrained(tmp_path_factory.mktemp, FAMILIES, _hf_model)
 
 
 def _ids(seed: int) -> torch.Tensor:
@@ -117,14 +102,17 @@ def test_export_reloads_in_transformers(kind: str, saved: dict[str, tuple[torch.
 
 @pytest.mark.parametrize("kind", ["mixtral", "olmoe", "qwen3_moe"])
 def test_greedy_generation_equals_transformers(kind: str, saved: dict[str, tuple[torch.nn.Module, Path]]) -> None:
-    """fastlm's KV-cache generator and transformers' greedy `generate`, token for token, two prompt lengths."""
+    """fastlm's KV-cache generator and transformers' greedy `generate`, token for token, two prompt lengths. The
+    model's vocab (300) is padded past the byte tokenizer's (260): fastlm draws only ids the tokenizer decodes,
+    which is transformers' `generate` with the padding ids suppressed."""
     reference, directory = saved[kind]
     model = import_hf(directory).eval()
     options = SamplingOptions(8, temperature=0.0, stop_tokens=())
+    padding = list(range(ByteTokenizer().vocab_size, VOCAB))
     for prompt in ([5, 17, 250, 3], [9, 1, 2, 3, 4, 5, 6, 7, 8]):
         with torch.no_grad():
             expected = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                          max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+                                          max_new_tokens=8, do_sample=False, suppress_tokens=padding)[0, len(prompt):].tolist()
         [completion] = generate(model, [prompt], options, ByteTokenizer(), torch.Generator())
         print(f"{kind} {prompt}: transformers {expected} fastlm {completion.tokens}")
         assert completion.tokens == expected and len(set(expected)) > 1

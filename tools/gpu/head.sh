@@ -14,18 +14,9 @@
 #   bash tools/gpu/head.sh [BUDGET_S]     # bench_head alone takes ~3-4 min: give 400+ for every section in full
 #   SMOKE=1 bash tools/gpu/head.sh        # CPU try-out: a few tests, the benches' --cpu-smoke modes
 # HEAD_K: another -k selection of the tests; HEAD_PROBE=0: skip the fp32-dW probe (~30 s); HEAD_TRAIN=0: benches only.
-set -u
-cd "$(dirname "$0")/../.."
-export OUT=${OUT:-/tmp/head-out}
-mkdir -p "$OUT"
-LOG="$OUT/head.log"
+BUDGET=${1:-230}; OUT=${OUT:-/tmp/head-out}; LOG="$OUT/head.log"
+source "$(dirname "$0")/common.sh"
 SMOKE=${SMOKE:-0}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export WANDB_MODE=disabled PYTHONUNBUFFERED=1
-START=$(date +%s)
-BUDGET=${1:-230}
-left() { echo $(( BUDGET - ($(date +%s) - START) )); }  # seconds of the budget left
-section() { echo; echo "== $1 ($(date +%T), $(left) s left)"; }
 
 if [ "$SMOKE" = 1 ]; then
   TESTS=(-k "ce+kd and compiled or bf16 or never_exist")

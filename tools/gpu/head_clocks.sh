@@ -4,12 +4,8 @@
 # phase -> stdout; samples in $OUT/clocks.csv. Why the kernel is slower in the head (docs/tuning-log.md,
 # entry 20).
 #   bash tools/gpu/head_clocks.sh [BUDGET_S]     # default 240 s: half for the kernel alone, half in the head
-set -u
-cd "$(dirname "$0")/../.."
-BUDGET=${1:-240}
-export OUT=${OUT:-/tmp/head-clocks-out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} WANDB_MODE=disabled
+BUDGET=${1:-240}; OUT=${OUT:-/tmp/head-clocks-out}
+source "$(dirname "$0")/common.sh"
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader,nounits -lms 50 > "$OUT/clocks.csv" &
 SMI=$!
 sleep 1

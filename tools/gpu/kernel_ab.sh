@@ -9,13 +9,8 @@
 #       profile of both, in what is left.
 #   KERNEL_FILE=.ab/kernel_before.py bash tools/gpu/kernel_ab.sh [BUDGET_S]    # default 580 s
 #   KERNEL_SPECS, KERNEL_ROUNDS: head_chunks' specs and rounds.
-set -u
-cd "$(dirname "$0")/../.."
-BUDGET=${1:-580}
-START=$(date +%s)
-left() { echo $(( BUDGET - ($(date +%s) - START) )); }
-export OUT=${OUT:-/tmp/kernel-ab-out} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} WANDB_MODE=disabled PYTHONUNBUFFERED=1
-mkdir -p "$OUT"
+BUDGET=${1:-580}; OUT=${OUT:-/tmp/kernel-ab-out}
+source "$(dirname "$0")/common.sh"
 {
   bash tools/gpu/kernel_ncu.sh $(( BUDGET / 4 )) | grep -e "^==" -e "R1 bytes" -e duration -e dram__ -e issue_active -e warps_ -e stalled -e registers
   echo "== tests compiled"

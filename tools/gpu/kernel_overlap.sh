@@ -6,13 +6,8 @@
 #   (b) bench_losses.py --tune (the rest): CE+kd's kernel alone at the long-row schedule (16384/8), prefetch 0/1,
 #       split 2/4, V = 131072 and 262144.
 #   bash tools/gpu/kernel_overlap.sh [BUDGET_S]
-set -u
-cd "$(dirname "$0")/../.."
-BUDGET=${1:-360}
-export OUT=${OUT:-/tmp/kernel-overlap-out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export WANDB_MODE=disabled PYTHONUNBUFFERED=1
+BUDGET=${1:-360}; OUT=${OUT:-/tmp/kernel-overlap-out}
+source "$(dirname "$0")/common.sh"
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null
   echo "== (a) overlap probe ($(date +%T))"

@@ -10,12 +10,8 @@
 # LOSSES_SPECS: the bench's specs (default "grpo+z grpo(seq)+z gspo+z", ~1 min with compiles; "all": every spec,
 #   ~3-4 min); LOSSES_SHAPES: TOKENSxVOCAB shapes (default "16384x32000 16384x131072 4096x32000").
 # SMOKE=1: a CPU try-out (Triton interpreted, a few tests, tiny bench shapes) to catch script errors.
-set -u
-cd "$(dirname "$0")/../.."
-BUDGET=${1:-570}
-export OUT=${OUT:-/tmp/losses-out}
-mkdir -p "$OUT"
-LOG="$OUT/losses.log"
+BUDGET=${1:-570}; OUT=${OUT:-/tmp/losses-out}; LOG="$OUT/losses.log"
+source "$(dirname "$0")/common.sh"
 MODE=${LOSSES_MODE:-all}
 SMOKE=${SMOKE:-0}
 case $MODE in
@@ -30,10 +26,6 @@ SELECT=(); BENCH_MODE=(--ab-shapes "${SHAPES[@]}" "${SPEC_ARGS[@]}")
 if [ "$SMOKE" = 1 ]; then
   SELECT=(-k "kd_both or document or seq-mean or seam"); BENCH_MODE=(--cpu-smoke --specs grpo+z "grpo(seq)+z" gspo+z ce+kd "ce+kd(both)")
 fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export WANDB_MODE=disabled
-
-section() { echo; echo "== $1 ($(date +%T))"; }
 {
   section "environment"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true

@@ -14,18 +14,9 @@
 #   bash tools/gpu/split_rows.sh [BUDGET_S]
 # SPLIT_SECTIONS="a c": only those; SPLIT_VARIANTS / SPLIT_PROFILE_TOKENS: head_chunks.py's variants and
 # profile size in (c). A failing or overrunning section prints its traceback; the next runs.
-set -u
-cd "$(dirname "$0")/../.."
-export OUT=${OUT:-/tmp/split-rows-out}
-mkdir -p "$OUT"
-LOG="$OUT/split_rows.log"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export WANDB_MODE=disabled PYTHONUNBUFFERED=1
-START=$(date +%s)
-BUDGET=${1:-540}
+BUDGET=${1:-540}; OUT=${OUT:-/tmp/split-rows-out}; LOG="$OUT/split_rows.log"
+source "$(dirname "$0")/common.sh"
 SECTIONS=${SPLIT_SECTIONS:-a b c d}
-left() { echo $(( BUDGET - ($(date +%s) - START) )); }
-section() { echo; echo "== $1 ($(date +%T), $(left) s left)"; }
 capped() { local cap=$1 reserve=$2; local t=$(( $(left) - reserve )); echo $(( t < cap ? (t > 20 ? t : 20) : cap )); }
 wanted() { [[ " $SECTIONS " == *" $1 "* ]]; }
 

@@ -12,27 +12,9 @@
 #   bash tools/gpu/train.sh [BUDGET_S]     # from the repository root; each section gets a share of what is left
 # TRAIN_CLI_STEPS: the CLI run's steps (default 40); TRAIN_1B_S: seconds the llama-1b compare needs (default 120).
 # Without CUDA (a smoke run of this script) the GPU tests skip and the compare runs at its --cpu-smoke shape.
-set -u
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/train-out}
-mkdir -p "$OUT"
-LOG="$OUT/train.log"
+BUDGET=${1:-180}; OUT=${OUT:-/tmp/train-out}; LOG="$OUT/train.log"
+source "$(dirname "$0")/common.sh"
 : >"$LOG"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OUT
-BUDGET=${1:-180}
-START=$(date +%s)
-left() { echo $(( BUDGET - ($(date +%s) - START) )); }
-say() { echo "=== $* [t=$(( $(date +%s) - START ))s, $(left)s left]" | tee -a "$LOG"; }
-run() {  # run SECONDS COMMAND...: time-boxed, output to the log, status reported
-  local limit=$1; shift
-  if (( limit < 10 )); then say "skipped (no time left): $*"; return; fi
-  timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$LOG" >/dev/null
-  local status=${PIPESTATUS[0]}
-  say "exit $status$( ((status == 124)) && echo ' (timed out)'): $*"
-  SUMMARY+=("exit $status: $*")
-}
-min() { echo $(( $1 < $2 ? $1 : $2 )); }
-SUMMARY=()
 SMOKE=(); python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || SMOKE=(--cpu-smoke)
 # /dev/shm for the trainer's final checkpoint (a 350M run writes ~4.2 GB) when it has room, else the temp dir
 RUNS=/tmp; [ -d /dev/shm ] && (( $(df -Pk /dev/shm | awk 'NR==2 {print $4}') > 40000000 )) && RUNS=/dev/shm

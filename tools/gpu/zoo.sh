@@ -5,24 +5,9 @@
 # AdamW, Liger's fused linear CE when it imports): qwen3-0.6b and llama3.2-1b at seq 8192 on packed rows,
 # compiled blocks, and (c) qwen3-0.6b at seq 32768 with activation checkpointing.
 #   bash tools/gpu/zoo.sh [BUDGET_S]     # from the repository root; writes $OUT/zoo.log
-set -u
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/zoo-out}
-mkdir -p "$OUT"
-LOG="$OUT/zoo.log"
+BUDGET=${1:-540}; OUT=${OUT:-/tmp/zoo-out}; LOG="$OUT/zoo.log"
+source "$(dirname "$0")/common.sh"
 : >"$LOG"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OUT
-BUDGET=${1:-540}
-START=$(date +%s)
-left() { echo $(( BUDGET - ($(date +%s) - START) )); }
-say() { echo "=== $* [t=$(( $(date +%s) - START ))s, $(left)s left]" | tee -a "$LOG"; }
-run() {  # run SECONDS COMMAND...: time-boxed, output to the log, status reported
-  local limit=$1; shift
-  if (( limit < 10 )); then say "skipped (no time left): $*"; return; fi
-  timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$LOG" >/dev/null
-  say "exit ${PIPESTATUS[0]}: $*"
-}
-min() { echo $(( $1 < $2 ? $1 : $2 )); }
 SMOKE=(); python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || SMOKE=(--cpu-smoke)
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA: smoke run')" 2>&1 | tee -a "$LOG"

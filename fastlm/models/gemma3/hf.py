@@ -27,7 +27,9 @@ from fastlm.models.hf_adapter import (
 )
 from fastlm.models.llama.hf import (
     COMMON_DEFAULTS,
+    LLAMA_LIKE_FIELDS,
     LlamaAdapter,
+    layer_types_to_hf,
     llama_like_to_hf,
     split_rules,
     window_fields,
@@ -59,13 +61,7 @@ class Gemma3Adapter(LlamaAdapter):
             reader.issues += [replace(issue, path=f"text_config.{issue.path}") for issue in tower.issues]
             return fields
         hf = reader.hf
-        fields = reader.fields({
-            "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
-            "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
-            "intermediate_size": "intermediate_size", "max_seq_len": "max_position_embeddings",
-            "norm_eps": "rms_norm_eps", "init_std": "initializer_range", "tie_embeddings": "tie_word_embeddings",
-            "query_pre_attn_scalar": "query_pre_attn_scalar",
-        })
+        fields = reader.fields({**LLAMA_LIKE_FIELDS, "query_pre_attn_scalar": "query_pre_attn_scalar"})
         reader.expect("hidden_activation", ("gelu_pytorch_tanh", "gelu_tanh"), "the MLP is GeGLU with the tanh GELU")
         reader.expect("attention_bias", (False,), "Gemma 3 has no projection biases")
         reader.expect("attention_dropout", (0, 0.0), "model.dropout would also drop residual branches")
@@ -119,11 +115,10 @@ class Gemma3Adapter(LlamaAdapter):
         hf = llama_like_to_hf(config)
         for key in ("hidden_act", "rope_theta", "rope_scaling"):
             hf.pop(key, None)
-        kinds = [SLIDING if config.is_sliding(layer) else FULL for layer in range(config.num_layers)]
         return {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], **hf,
                 "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
                 "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim,
-                "sliding_window": config.sliding_window or 4096, "layer_types": kinds,
+                "sliding_window": config.sliding_window or 4096, "layer_types": layer_types_to_hf(config),
                 "final_logit_softcapping": None, "attn_logit_softcapping": None,
                 "rope_parameters": {FULL: rope_to_hf(config.rope_theta, config.rope_scaling),
                                     SLIDING: rope_to_hf(config.rope_local_theta, None)}}

@@ -25,17 +25,19 @@ SILU_ACTIVATIONS = ("silu", "swish")
 COMMON_DEFAULTS = {"hidden_act": "silu", "initializer_range": 0.02, "rms_norm_eps": 1e-6,
                     "tie_word_embeddings": False, "attention_dropout": 0.0, "head_dim": None}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+# our model fields -> the config.json keys every Llama-like family names the same way
+LLAMA_LIKE_FIELDS = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+    "intermediate_size": "intermediate_size", "max_seq_len": "max_position_embeddings",
+    "norm_eps": "rms_norm_eps", "init_std": "initializer_range", "tie_embeddings": "tie_word_embeddings",
+}
 
 
 def llama_like_fields(reader: Reader) -> dict[str, Any]:
     """The fields every Llama-like config.json has, and the checks they share (SiLU, no attention dropout,
     RoPE parameters, head_dim)."""
-    fields = reader.fields({
-        "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
-        "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
-        "intermediate_size": "intermediate_size", "max_seq_len": "max_position_embeddings",
-        "norm_eps": "rms_norm_eps", "init_std": "initializer_range", "tie_embeddings": "tie_word_embeddings",
-    })
+    fields = reader.fields(LLAMA_LIKE_FIELDS)
     reader.expect("attention_dropout", (0, 0.0), "model.dropout would also drop residual branches")
     fields["rope_theta"], fields["rope_scaling"] = rope_fields(reader, *rope_parameters(reader), fields["max_seq_len"])
     return {**fields, "dropout": 0.0}

@@ -6,26 +6,13 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from fastlm.config.errors import ConfigIssue
-from fastlm.models.hf_adapter import HFAdapter, Reader, WeightRule
-from fastlm.models.llama.hf import (
-    SILU_ACTIVATIONS,
-    llama_like_fields,
-    llama_like_to_hf,
-    split_rules,
-    window_fields,
-)
+from fastlm.models.hf_adapter import Reader, WeightRule
+from fastlm.models.llama.hf import SILU_ACTIVATIONS, LlamaAdapter, llama_like_fields, llama_like_to_hf, window_fields
 from fastlm.models.mixtral.config import MixtralConfig
-from fastlm.models.moe_family import expert_rules, moe_settings
+from fastlm.models.moe_family import moe_settings, sparse_layer_rules
 
 
-def attention_rules(config: Any, layer: int, base: str, hf: str) -> list[WeightRule]:
-    """Norms and q/k/v/o of a Llama-like layer (its dense MLP rules left out)."""
-    return [WeightRule(f"{base}.attn_norm.weight", (f"{hf}.input_layernorm.weight",)),
-            WeightRule(f"{base}.mlp_norm.weight", (f"{hf}.post_attention_layernorm.weight",)),
-            *(rule for rule in split_rules(config, layer, base, hf) if ".mlp." not in rule.ours)]
-
-
-class MixtralAdapter(HFAdapter):
+class MixtralAdapter(LlamaAdapter):
     model_types: ClassVar[tuple[str, ...]] = ("mixtral",)
     defaults: ClassVar[dict[str, dict[str, Any]]] = {
         "mixtral": {"hidden_act": "silu", "initializer_range": 0.02, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
@@ -34,7 +21,6 @@ class MixtralAdapter(HFAdapter):
                     "rope_theta": 1e6, "num_local_experts": 8, "num_experts_per_tok": 2,
                     "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0},
     }
-    embedding_key: ClassVar[str] = "model.embed_tokens.weight"
 
     def fields(self, reader: Reader, model_type: str) -> dict[str, Any]:
         fields = llama_like_fields(reader)
@@ -59,11 +45,6 @@ class MixtralAdapter(HFAdapter):
                 "sliding_window": config.sliding_window, "num_local_experts": config.moe.num_experts,
                 "router_jitter_noise": 0.0, **config.moe.hf_fields()}
 
-    def weight_rules(self, config: MixtralConfig) -> list[WeightRule]:  # type: ignore[override]
-        rules = [WeightRule("embeddings.tokens.weight", (self.embedding_key,))]
-        for layer in range(config.num_layers):
-            base, hf = f"blocks.{layer}", f"model.layers.{layer}"
-            rules += attention_rules(config, layer, base, hf)
-            rules += expert_rules(config.moe, f"{base}.mlp", f"{hf}.block_sparse_moe", ("w1", "w3", "w2"),
-                                  config.hidden_size)
-        return rules + [WeightRule("final_norm.weight", ("model.norm.weight",))] + self.head_rule(config)
+    def layer_rules(self, config: MixtralConfig, layer: int, base: str, hf: str) -> list[WeightRule]:  # type: ignore[override]
+        return sparse_layer_rules(super().layer_rules(config, layer, base, hf), config.moe, base,
+                                  f"{hf}.block_sparse_moe", ("w1", "w3", "w2"), config.hidden_size)

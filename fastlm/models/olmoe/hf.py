@@ -6,14 +6,13 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from fastlm.config.errors import ConfigIssue
-from fastlm.models.hf_adapter import HFAdapter, Reader, WeightRule
-from fastlm.models.llama.hf import SILU_ACTIVATIONS, llama_like_fields, llama_like_to_hf
-from fastlm.models.mixtral.hf import attention_rules
-from fastlm.models.moe_family import expert_rules, moe_settings
+from fastlm.models.hf_adapter import Reader, WeightRule
+from fastlm.models.llama.hf import SILU_ACTIVATIONS, LlamaAdapter, llama_like_fields, llama_like_to_hf
+from fastlm.models.moe_family import moe_settings, sparse_layer_rules
 from fastlm.models.olmoe.config import OlmoeConfig
 
 
-class OlmoeAdapter(HFAdapter):
+class OlmoeAdapter(LlamaAdapter):
     model_types: ClassVar[tuple[str, ...]] = ("olmoe",)
     defaults: ClassVar[dict[str, dict[str, Any]]] = {
         "olmoe": {"hidden_act": "silu", "initializer_range": 0.02, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
@@ -21,7 +20,6 @@ class OlmoeAdapter(HFAdapter):
                   "num_key_value_heads": None, "max_position_embeddings": 4096, "rope_theta": 10000.0,
                   "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False, "router_aux_loss_coef": 0.01},
     }
-    embedding_key: ClassVar[str] = "model.embed_tokens.weight"
 
     def fields(self, reader: Reader, model_type: str) -> dict[str, Any]:
         fields = llama_like_fields(reader)
@@ -45,13 +43,8 @@ class OlmoeAdapter(HFAdapter):
         return {"model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], **hf, "attention_bias": False,
                 "clip_qkv": None, "num_experts": config.moe.num_experts, **config.moe.hf_fields()}
 
-    def weight_rules(self, config: OlmoeConfig) -> list[WeightRule]:  # type: ignore[override]
-        rules = [WeightRule("embeddings.tokens.weight", (self.embedding_key,))]
-        for layer in range(config.num_layers):
-            base, hf = f"blocks.{layer}", f"model.layers.{layer}"
-            rules += attention_rules(config, layer, base, hf)
-            rules += [WeightRule(f"{base}.attn.q_norm.weight", (f"{hf}.self_attn.q_norm.weight",)),
-                      WeightRule(f"{base}.attn.k_norm.weight", (f"{hf}.self_attn.k_norm.weight",))]
-            rules += expert_rules(config.moe, f"{base}.mlp", f"{hf}.mlp", ("gate_proj", "up_proj", "down_proj"),
-                                  config.hidden_size)
-        return rules + [WeightRule("final_norm.weight", ("model.norm.weight",))] + self.head_rule(config)
+    def layer_rules(self, config: OlmoeConfig, layer: int, base: str, hf: str) -> list[WeightRule]:  # type: ignore[override]
+        rules = sparse_layer_rules(super().layer_rules(config, layer, base, hf), config.moe, base, f"{hf}.mlp",
+                                   ("gate_proj", "up_proj", "down_proj"), config.hidden_size)
+        return rules + [WeightRule(f"{base}.attn.{name}.weight", (f"{hf}.self_attn.{name}.weight",))
+                        for name in ("q_norm", "k_norm")]

@@ -33,18 +33,19 @@ class Qwen3MoeConfig(Qwen3Config):
     def build_block(self, layer: int) -> nn.Module:
         if not self.is_sparse(layer):
             return super().build_block(layer)
-        from fastlm.models.llama.blocks import llama_attention
-        from fastlm.models.moe_blocks import moe_mlp, pre_norm_block
+        from fastlm.models.llama.blocks import pre_norm_block
+        from fastlm.models.qwen3.blocks import qwen3_attention
 
-        return pre_norm_block(self.hidden_size, self.norm_eps, llama_attention(self, qk_norm="rmsnorm"),
-                              moe_mlp(self.hidden_size, self.moe), self.dropout)
+        return pre_norm_block(self, qwen3_attention(self), self.moe.build(self.hidden_size))
 
     def _sparse_instead_of_dense(self, moe_parameters: int) -> int:
         return moe_parameters - 3 * self.hidden_size * self.ffn_size
 
     def block_parameters(self, layer: int) -> int:
         dense = super().block_parameters(layer)
-        return dense + self._sparse_instead_of_dense(self.moe.layer_parameters(self.hidden_size)) if self.is_sparse(layer) else dense
+        if not self.is_sparse(layer):
+            return dense
+        return dense + self._sparse_instead_of_dense(self.moe.layer_parameters(self.hidden_size))
 
     def blocks_parameters(self) -> int:
         sparse = self.moe.layer_parameters(self.hidden_size)
@@ -57,6 +58,4 @@ class Qwen3MoeConfig(Qwen3Config):
             self._sparse_instead_of_dense(active))
 
     def architecture(self) -> dict[str, Any]:
-        values = super().architecture()
-        values["moe"] = self.moe.model_dump(include={"num_experts", "top_k", "ffn_size", "normalize_top_k"})
-        return values
+        return {**super().architecture(), "moe": self.moe.architecture()}

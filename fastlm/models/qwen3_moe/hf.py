@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from fastlm.models.hf_adapter import Reader, WeightRule
-from fastlm.models.moe_family import expert_rules, moe_settings
+from fastlm.models.moe_family import moe_settings, sparse_layer_rules
 from fastlm.models.qwen3.hf import Qwen3Adapter
 from fastlm.models.qwen3_moe.config import Qwen3MoeConfig
 
@@ -24,7 +24,8 @@ class Qwen3MoeAdapter(Qwen3Adapter):
         fields = super().fields(reader, "qwen3")
         moe = moe_settings(reader, ("num_experts", "num_local_experts"), "moe_intermediate_size",
                            reader.get("norm_topk_prob"))
-        return {**fields, "type": "qwen3_moe", "moe": moe, "dense_layers": self._dense_layers(reader, fields["num_layers"])}
+        return {**fields, "type": "qwen3_moe", "moe": moe,
+                "dense_layers": self._dense_layers(reader, fields["num_layers"])}
 
     @staticmethod
     def _dense_layers(reader: Reader, num_layers: Any) -> list[int]:
@@ -48,5 +49,5 @@ class Qwen3MoeAdapter(Qwen3Adapter):
         rules = super().layer_rules(config, layer, base, hf)
         if not config.is_sparse(layer):
             return rules
-        return [rule for rule in rules if ".mlp." not in rule.ours] + expert_rules(
-            config.moe, f"{base}.mlp", f"{hf}.mlp", ("gate_proj", "up_proj", "down_proj"), config.hidden_size)
+        return sparse_layer_rules(rules, config.moe, base, f"{hf}.mlp", ("gate_proj", "up_proj", "down_proj"),
+                                  config.hidden_size)
