@@ -28,7 +28,8 @@ from fastlm.data.summary import check_batch_fits
 from fastlm.data.tasks import Problem
 from fastlm.data.tokenizer import Tokenizer
 from fastlm.engine.distributed import RankShardLoader
-from fastlm.engine.frozen import reference_model
+from fastlm.engine.checkpoint import CheckpointError, save_checkpoint
+from fastlm.engine.frozen import copy_frozen, load_frozen_model, reference_model
 from fastlm.engine.optim import lr_multiplier
 from fastlm.engine.trainer import StepResult, Trainer, TrainSummary
 from fastlm.layers.lm_head import LMHead
@@ -47,6 +48,7 @@ from fastlm.rl.rollouts import RolloutLoader, RolloutShard, build_task, evaluate
 
 SUMMARY_WINDOW = 3  # rollouts averaged at each end of the run for the reward summary
 COMPLETIONS_KEY = "train/completions_table"  # rollout, prompt, completion, reward, advantage per row
+REFERENCE_DIR = "reference"  # the KL reference taken at the end of the warm-up, for a resume
 
 
 @dataclass
@@ -108,7 +110,7 @@ class RLTrainer(Trainer):
         self.logged_rollout = 0  # the last rollout whose completions table was logged
 
     def build_loaders(self, tokenizer: Tokenizer) -> tuple[RolloutLoader | PolicyBatchLoader | RankShardLoader, None]:
-        self.reference = self._reference()
+        self.reference = None if self._reference_after_warmup() else self._reference()
         data, seed, parallel = self.config.data, self.config.run.seed, self.parallel
         shard = RolloutShard(parallel.dp_rank, parallel.dp_size, parallel.dp_group, self.device)
         if self.offline:
@@ -121,19 +123,54 @@ class RLTrainer(Trainer):
                                self.config.trainer.grad_accumulation, seed, tokenizer, self.amp_dtype, shard)
         return loader, None
 
-    def _reference(self) -> DecoderLM | None:
-        """The frozen reference of a policy loss with `beta` > 0: the initial policy or its
-        `reference_path` checkpoint (engine/frozen.py, shared with DPO); None without a KL penalty."""
+    def _kl_child(self) -> tuple[str, PolicyConfig] | None:
+        """(name, config) of the policy loss with a KL penalty (`beta` > 0), if any."""
         for name, child in self.config.model.head.losses.items():
             if isinstance(child, PolicyConfig) and child.beta > 0:
-                field = f"model.head.losses.{name}.reference_path"
-                return reference_model(self.model, child.reference_path, field, self.device, self.config.data.seq_len)
+                return name, child
         return None
+
+    def _reference(self) -> DecoderLM | None:
+        """The frozen reference of a policy loss with `beta` > 0 as RL starts: its `reference_path`
+        checkpoint, or a copy of the policy (engine/frozen.py, shared with DPO); None without a KL penalty.
+        Without a warm-up that is the initial policy (built before any step; a resume rebuilds it from the
+        seed). After a warm-up it is the policy at the first RL step (`_copy_reference_after_warmup`)."""
+        found = self._kl_child()
+        if found is None:
+            return None
+        name, child = found
+        if self._reference_after_warmup():
+            return self._copy_reference_after_warmup()
+        field = f"model.head.losses.{name}.reference_path"
+        return reference_model(self.model, child.reference_path, field, self.device, self.config.data.seq_len)
+
+    def _reference_after_warmup(self) -> bool:
+        """Whether the KL reference is the policy at the end of the warm-up (no `reference_path`)."""
+        found = self._kl_child()
+        return found is not None and found[1].reference_path is None and bool(self.rl.warmup_steps) and not self.offline
+
+    def _copy_reference_after_warmup(self) -> DecoderLM:
+        """The policy as the first RL step starts (the end of the warm-up), not the random initial model:
+        copied then and saved to `<run dir>/reference` (rank 0), which a resume past that step loads."""
+        saved = self.run_dir / REFERENCE_DIR
+        if self.step > self.rl.warmup_steps:
+            if not saved.is_dir():
+                raise CheckpointError(
+                    f"resuming at step {self.step} needs the KL reference saved at the end of the warm-up "
+                    f"(step {self.rl.warmup_steps}) in {saved}, which is missing; start the run again, or set "
+                    f"model.head.losses.<policy>.reference_path to a checkpoint of the policy at that step")
+            return load_frozen_model(saved, str(saved), self.device)
+        reference = copy_frozen(self.model, self.device)
+        if self.rank in (None, 0):
+            save_checkpoint(saved, self.step, reference, {}, {"step": self.step}, self.config.model_dump(mode="json"), keep=1)
+        return reference
 
     def micro_batches(self) -> list[Batch]:
         """With a reference, each policy batch gets the reference's label log-probs once: the rollout
         loader serves the same batch objects to every update of a rollout, so once per rollout."""
         batches = super().micro_batches()
+        if self.reference is None and not self.in_warmup and self._kl_child() is not None:
+            self.reference = self._reference()  # the first RL step after a warm-up
         if self.reference is not None and not self.in_warmup:
             head = self.reference.config.head
             scale, softcap = tempered_transform(head.logit_scale, head.softcap, 0.0 if self.offline else self.rl.temperature)
