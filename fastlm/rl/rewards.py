@@ -7,8 +7,8 @@ keyword arguments, one list entry per completion (prompt-major, G per prompt):
     plus every extra column of the prompt records (e.g. `answer`), repeated for the G completions,
 
 and returns one float (or None: "no reward from this function") per completion; accept `**kwargs` for
-columns you do not use. The total reward is the weighted sum over the functions that gave one (0 when none
-did). A function that raises, returns the wrong count or a non-number stops the run with a `RewardError`
+columns you do not use. The total reward is the weighted sum over the functions that gave one; a completion
+none scored is left out of its group's mean and std and gets advantage 0 (TRL). A function that raises, returns the wrong count or a non-number stops the run with a `RewardError`
 naming the function and the prompt index; a NaN does too, or counts as None with `rl.nan_rewards: skip`.
 """
 
@@ -118,9 +118,11 @@ def score_completions(
 
 
 def total_reward(per_function: torch.Tensor, functions: list[RewardFunction]) -> torch.Tensor:
-    """(N,) weighted sum over the functions that gave a reward (NaN counts as none; all none -> 0)."""
+    """(N,) weighted sum over the functions that gave a reward (NaN counts as none); NaN where none did
+    (TRL: an unscored completion is left out of its group's statistics and gets advantage 0)."""
     weights = torch.tensor([f.weight for f in functions], dtype=torch.float64)
-    return torch.nansum(per_function * weights, dim=1)
+    total = torch.nansum(per_function * weights, dim=1)
+    return torch.where(per_function.isnan().all(dim=1), torch.nan, total)
 
 
 def reward_metrics(per_function: torch.Tensor, functions: list[RewardFunction]) -> dict[str, float]:
