@@ -206,3 +206,21 @@ def test_kd_scale_none_is_trls_gkd_and_t_squared_hintons(reverse: bool) -> None:
             print(f"kd t_squared={t_squared} ({'reverse' if reverse else 'forward'}) / {path} vs TRL GKD x {scale:g}: "
                   f"loss {loss_error:.1e}, grad {grad_error:.1e}")
             assert loss_error < 1e-12 and grad_error < 1e-12
+
+
+def test_config_names_reach_the_children() -> None:
+    from fastlm.losses.children import CISPOConfig, DistillationConfig, GRPOConfig, GSPOConfig
+
+    grpo = GRPOConfig(beta=0.1, use_bias_correction_kl=True, top_entropy_quantile=0.2, entropy_coeff=0.01,
+                      entropy_aggregation="loss_type").to_child("g")
+    assert (grpo.bias_corrected_kl, grpo.top_entropy_quantile, grpo.entropy_token_mean) == (True, 0.2, False)
+    assert grpo.torch_tail and grpo.whole_call and not GRPOConfig(entropy_coeff=0.01).to_child("g").torch_tail
+    assert GRPOConfig(loss_type="grpo", entropy_coeff=0.01).to_child("g").torch_tail  # token mean != w_t
+    assert GSPOConfig(top_entropy_quantile=0.5).to_child("s").whole_call
+    assert CISPOConfig().to_child("c").eps_high == 5.0  # TRL's recommended epsilon_high, the cap
+    with pytest.raises(ValueError, match="use_bias_correction_kl corrects the KL penalty"):
+        GRPOConfig(use_bias_correction_kl=True)
+    gkd = DistillationConfig(temperature=2.0, temperature_mode="both", kd_scale="none").to_child("kd")
+    hinton = DistillationConfig(temperature=2.0, temperature_mode="both").to_child("kd")
+    teacher_only = DistillationConfig(temperature=2.0, kd_scale="t_squared").to_child("kd")
+    assert (gkd.loss_scale, hinton.loss_scale, teacher_only.loss_scale) == (1.0, 4.0, 1.0)
