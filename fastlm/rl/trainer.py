@@ -41,7 +41,8 @@ from fastlm.models.decoder import DecoderLM
 from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples, policy_logprobs
 from fastlm.generation import SamplingOptions
 from fastlm.rl.consistency import tempered_transform
-from fastlm.rl.prompts import stop_token_ids
+from fastlm.rl.eval_prompts import eval_records, evaluate_prompts
+from fastlm.rl.prompts import PromptRecord, stop_token_ids
 from fastlm.rl.rewards import RewardError
 from fastlm.rl.rollouts import RolloutLoader, RolloutShard, build_task, evaluate_greedy, rank_rows
 
@@ -100,12 +101,20 @@ class RLTrainer(Trainer):
         tempered = self.rl.temperature not in (0.0, 1.0) and not self.offline
         self.policy_head = LMHead(policy_head_config(config.model.head, self.rl.temperature)) if tempered else self.model.head
         self.warmup_head = LMHead(warmup_head_config(config.model.head))
-        self.eval_problems: list[Problem] = []
+        self.eval_problems: list[Problem] = []  # the built-in task's
+        self.eval_records: list[PromptRecord] = []  # a prompt data set's (rl/eval_prompts.py)
         self.timing = [0.0, 0.0, 0]  # rollout seconds, train seconds, steps since the last log record
-        if not self.offline and self.rl.eval_prompts and self.rl.prompts is None:
+        chosen = self.rl.eval_prompts
+        if not self.offline and self.rl.prompts is None and isinstance(chosen, int) and chosen:
             rng = random.Random(config.run.seed + 4)
             task = build_task(self.rl.task)
-            self.eval_problems = [task.sample(rng) for _ in range(self.rl.eval_prompts)]
+            self.eval_problems = [task.sample(rng) for _ in range(chosen)]
+        elif not self.offline and isinstance(self.train_loader, RolloutLoader):
+            limit = config.model.max_seq_len - self.rl.max_new_tokens
+            self.eval_records, line = eval_records(self.rl, self.train_loader.source, self.tokenizer, limit,
+                                                   config.run.seed + 4)
+            if self.rank in (None, 0):
+                print(line, file=sys.stderr)
         self.eval_rewards: list[tuple[int, float]] = []
         self.logged_rollout = 0  # the last rollout whose completions table was logged
 
@@ -208,7 +217,7 @@ class RLTrainer(Trainer):
 
     def _eval_due(self) -> bool:
         every, steps = self.config.trainer.eval_every, self.config.trainer.steps
-        return bool(self.eval_problems) and bool(every) and (self.step % every == 0 or self.step == steps)
+        return bool(self.eval_problems or self.eval_records) and bool(every) and (self.step % every == 0 or self.step == steps)
 
     def _log_record(self, result: StepResult, tokens_per_second: float) -> dict[str, Any]:
         record: dict[str, Any] = super()._log_record(result, tokens_per_second)
@@ -226,9 +235,15 @@ class RLTrainer(Trainer):
                 record[COMPLETIONS_KEY] = [{"rollout": loader.rollouts, **row} for row in loader.examples]
                 self.logged_rollout = loader.rollouts
         if self._eval_due() and isinstance(loader, RolloutLoader):
-            scores = evaluate_greedy(loader.engine, loader.tokenizer, loader.task, self.eval_problems, self.options,
-                                     self.rl.format_reward)
-            record["eval/reward"], record["eval/accuracy"] = scores["reward"], scores["accuracy"]
+            if self.eval_problems:
+                scores = evaluate_greedy(loader.engine, loader.tokenizer, loader.task, self.eval_problems, self.options,
+                                         self.rl.format_reward)
+                record["eval/accuracy"] = scores["accuracy"]
+            else:
+                scores = evaluate_prompts(loader.engine, loader.tokenizer, self.eval_records, self.options,
+                                          loader.reward_functions, self.rl.nan_rewards)
+                record.update({f"eval/{name}": value for name, value in scores.items() if name.startswith("rewards/")})
+            record["eval/reward"] = scores["reward"]
             self.eval_rewards.append((self.step, scores["reward"]))
         return record
 

@@ -90,6 +90,8 @@ def _rollout_checks(config: RunConfig) -> list[ConfigIssue]:
                                   f"({config.model.max_seq_len})", rl.max_new_tokens, hint="lower it"))
     if rl.prompts is not None and not Path(rl.prompts.path).is_file():
         issues.append(ConfigIssue("rl.prompts.path", "no such file", rl.prompts.path))
+    if hasattr(rl.eval_prompts, "path") and not Path(rl.eval_prompts.path).is_file():
+        issues.append(ConfigIssue("rl.eval_prompts.path", "no such file", rl.eval_prompts.path))
     if rl.importance_sampling.mode == "token_truncate" and any(
             c.type == "gspo" for c in config.model.head.losses.values()):
         issues.append(ConfigIssue("rl.importance_sampling.mode", "GSPO weighs whole sequences; per-token weights would "

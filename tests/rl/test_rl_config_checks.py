@@ -32,3 +32,11 @@ def test_log_every_must_be_a_multiple_of_the_updates_per_rollout(log_every: int,
     print(line)
     assert line.startswith("trainer.log_every: is not a multiple of rl.updates_per_rollout")
     assert f"({updates})" in line and line.endswith(f"Fix: set trainer.log_every: {fix} (or 1)")
+
+
+def test_eval_prompts_fraction_needs_a_prompt_set_and_a_file_must_exist(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="is a fraction of rl.prompts held out for eval, but rl.prompts is not set"):
+        load_config(CONFIGS / "grpo.yaml", ["rl.eval_prompts=0.1"])
+    with pytest.raises(ConfigError) as caught:
+        load_config(CONFIGS / "grpo.yaml", [f"rl.eval_prompts={{path: {tmp_path}/missing.jsonl}}"])
+    assert [issue.path for issue in caught.value.issues] == ["rl.eval_prompts.path"]
