@@ -56,6 +56,7 @@ REFERENCE_DIR = "reference"  # the KL reference taken at the end of the warm-up,
 class RLSummary(TrainSummary):
     rewards: list[float] = field(default_factory=list)  # mean reward of every rollout
     eval_rewards: list[tuple[int, float]] = field(default_factory=list)  # (step, greedy eval reward)
+    rl_start: int = 0  # the last warm-up step (0 without one): its eval is the policy as RL starts
 
 
 def warmup_head_config(head: LMHeadConfig) -> LMHeadConfig:
@@ -250,7 +251,8 @@ class RLTrainer(Trainer):
     def train(self, resume: bool = False) -> RLSummary:
         summary = super().train(resume)
         rewards = list(self.train_loader.rewards) if isinstance(self.train_loader, RolloutLoader) else []
-        result = RLSummary(**vars(summary), rewards=rewards, eval_rewards=list(self.eval_rewards))
+        result = RLSummary(**vars(summary), rewards=rewards, eval_rewards=list(self.eval_rewards),
+                           rl_start=0 if self.offline else self.rl.warmup_steps)
         if self.rank in (None, 0) and not summary.already_finished:
             print(describe_rl(result), file=sys.stderr)
         return result
@@ -273,5 +275,8 @@ def describe_rl(summary: RLSummary) -> str:
                      f"-> {means[1]:.3f} (last {SUMMARY_WINDOW})")
     if summary.eval_rewards:
         (first_step, first), (last_step, last) = summary.eval_rewards[0], summary.eval_rewards[-1]
-        lines.append(f"rl: eval/reward (greedy) {first:.3f} at step {first_step} -> {last:.3f} at step {last_step}")
+        start = dict(summary.eval_rewards).get(summary.rl_start) if summary.rl_start else None
+        at_start = "" if start is None else f" -> {start:.3f} as RL starts (step {summary.rl_start})"
+        lines.append(f"rl: eval/reward (greedy) {first:.3f} at step {first_step}{at_start} -> {last:.3f} at step "
+                     f"{last_step}" + ("" if start is None else f" (RL: {last - start:+.3f})"))
     return "\n".join(lines) or "rl: offline run (no rollouts)"
