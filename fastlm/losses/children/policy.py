@@ -66,7 +66,8 @@ class PolicyConfig(ChildConfig):
     )
     beta: float = Field(0.0, ge=0.0, description="KL penalty to the frozen reference model (k3); 0 = no reference model.")
     reference_path: str | None = Field(
-        None, description="Checkpoint of the frozen reference (beta > 0); None means a copy of the initial policy."
+        None, description="Checkpoint of the frozen reference (beta > 0); None means a copy of the policy as RL "
+        "starts (the initial one, or the warmed-up one after rl.warmup_steps)."
     )
     entropy_coeff: float = Field(0.0, ge=0.0, description="Entropy bonus: the loss subtracts entropy_coeff x entropy.")
     entropy_aggregation: Literal["token_mean", "loss_type"] = Field(
