@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from fastlm.config.base import ConfigModel
 
@@ -116,6 +116,16 @@ class RLConfig(ConfigModel):
         4, ge=0, description="Prompts, completions and rewards of the latest rollout logged at each log step "
         "(a wandb table and a metrics.jsonl record, as TRL's completions table); 0 = off."
     )
+
+    @field_validator("eval_prompts", mode="before")
+    @classmethod
+    def _eval_prompts_kind(cls, value: Any) -> Any:
+        """One error for a number that is neither a count nor a fraction (instead of one per union member)."""
+        if isinstance(value, float) and not value.is_integer() and not 0.0 < value < 1.0 or (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0):
+            raise ValueError("takes a count of prompts (e.g. 64), a fraction of rl.prompts below 1 (e.g. 0.1) or "
+                             "an eval JSONL ({path: eval.jsonl})")
+        return value
 
     @model_validator(mode="before")
     @classmethod

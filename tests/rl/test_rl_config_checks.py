@@ -40,3 +40,11 @@ def test_eval_prompts_fraction_needs_a_prompt_set_and_a_file_must_exist(tmp_path
     with pytest.raises(ConfigError) as caught:
         load_config(CONFIGS / "grpo.yaml", [f"rl.eval_prompts={{path: {tmp_path}/missing.jsonl}}"])
     assert [issue.path for issue in caught.value.issues] == ["rl.eval_prompts.path"]
+
+
+@pytest.mark.parametrize("value", ["1.5", "-2"])
+def test_eval_prompts_that_is_neither_a_count_nor_a_fraction_is_one_line(value: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(CONFIGS / "grpo.yaml", [f"rl.eval_prompts={value}"])
+    (issue,) = caught.value.issues
+    assert issue.path == "rl.eval_prompts" and "a fraction of rl.prompts below 1" in str(issue)
