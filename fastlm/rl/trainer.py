@@ -13,6 +13,7 @@ noisier policy gradient). Data parallel: each dp rank samples its own share of t
 from __future__ import annotations
 
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -172,6 +173,7 @@ class RLTrainer(Trainer):
             return load_frozen_model(saved, str(saved), self.device)
         reference = copy_frozen(self.model, self.device)
         if self.rank in (None, 0):
+            shutil.rmtree(saved, ignore_errors=True)  # an earlier run's (overwrite) never outranks this one
             save_checkpoint(saved, self.step, reference, {}, {"step": self.step}, self.config.model_dump(mode="json"), keep=1)
         return reference
 
