@@ -179,7 +179,7 @@ def _free_port() -> int:
 
 
 TP_MATRIX = ["grpo all+ce+z+kd", "cispo bnpo beta entropy", "gspo dapo delta entropy beta+z", "kd_rev both+ce+z",
-             "kd both T=0.6+ce+z+grpo"]
+             "kd both T=0.6+ce+z+grpo", "grpo top-entropy bias-kl+z"]
 
 
 def _tp_worker(rank: int, world: int, port: int, folder: str) -> None:
