@@ -79,8 +79,9 @@ def reference_model(
     model: torch.nn.Module, path: str | None, field: str, device: torch.device, seq_len: int
 ) -> DecoderLM:
     """The frozen reference of a DPO or policy loss with a KL penalty: a copy of `model` as it is now
-    (the initial policy: built before any step, and a resume rebuilds that same policy from the seed),
-    or the checkpoint at `path` (named by the config key `field`), checked against `model`."""
+    (called before any step: the initial policy, which a resume rebuilds from the seed; an RL run with a
+    supervised warm-up copies the policy at its first RL step instead, rl/trainer.py), or the checkpoint
+    at `path` (named by the config key `field`), checked against `model`."""
     if path is None:
         return copy_frozen(model, device)
     reference = load_frozen_model(path, field, device)

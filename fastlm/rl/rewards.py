@@ -8,8 +8,9 @@ keyword arguments, one list entry per completion (prompt-major, G per prompt):
 
 and returns one float (or None: "no reward from this function") per completion; accept `**kwargs` for
 columns you do not use. The total reward is the weighted sum over the functions that gave one; a completion
-none scored is left out of its group's mean and std and gets advantage 0 (TRL). A function that raises, returns the wrong count or a non-number stops the run with a `RewardError`
-naming the function and the prompt index; a NaN does too, or counts as None with `rl.nan_rewards: skip`.
+none scored is left out of its group's mean and std and gets advantage 0 (TRL). A function that raises,
+returns the wrong count or a non-number stops the run with a `RewardError` naming the function and the
+prompt index; a NaN does too, or counts as None with `rl.nan_rewards: skip`.
 """
 
 from __future__ import annotations
