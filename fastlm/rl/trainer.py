@@ -4,7 +4,9 @@ Online (`rl:` set, any data source but offline_rl): the loader is a `RolloutLoad
 `rl.warmup_steps` steps train cross-entropy (+ the head's z_loss) on task demonstrations through a
 second head on the same weights, then the configured policy head (GRPO or GSPO) trains on rollouts.
 Offline (`data.source.type: offline_rl`): the policy head trains on the file's samples, old_logp and
-advantages as given. Rollout statistics and the greedy eval reward join the trainer's log records.
+advantages as given. Rollout statistics and the greedy eval reward join the trainer's log records (the
+built-in task's fixed problems, or a prompt data set's eval prompts: rl/eval_prompts.py). A KL penalty's
+frozen reference is the policy as RL starts: after a warm-up, a copy taken at the first RL step.
 RL steps run at `rl.lr_scale` times the scheduled lr (the warm-up's lr suits cross-entropy, not the
 noisier policy gradient). Data parallel: each dp rank samples its own share of the rollout
 (fastlm/rl/rollouts.py), warm-up and offline batches are rank-strided like the base trainer's.
