@@ -71,6 +71,10 @@ class RunSection(ConfigModel):
     name: str = "fastlm"
     output_dir: str = Field("runs/{name}", description="'{name}' is replaced by run.name.")
     seed: int = Field(0, ge=0, lt=2**32, description="Seeds torch, python and the data order (32 bits, as numpy's).")
+    threads: int | None = Field(
+        None, ge=1, description="CPU threads of torch per process; None = the cores this process may use divided "
+        "by the processes on the host (LOCAL_WORLD_SIZE), at most 4 (more oversubscribe a shared machine).",
+    )
     init_path: str | None = Field(
         None,
         description="Weights to start from: a fastlm run, checkpoints/ or step-* folder (its tokenizer comes along), "

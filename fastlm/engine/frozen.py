@@ -80,9 +80,10 @@ def reference_model(
     model: torch.nn.Module, path: str | None, field: str, device: torch.device, seq_len: int
 ) -> DecoderLM:
     """The frozen reference of a DPO or policy loss with a KL penalty: a copy of `model` as it is now
-    (the initial policy: built before any step, and a resume rebuilds that same policy from the seed),
-    or the checkpoint at `path` (named by the config key `field`), checked against `model`. A LoRA model's
-    initial policy is its base: the same weights with the adapters switched off, no copy."""
+    (called before any step: the initial policy, which a resume rebuilds from the seed; an RL run with a
+    supervised warm-up copies the policy at its first RL step instead, rl/trainer.py), or the checkpoint
+    at `path` (named by the config key `field`), checked against `model`. A LoRA model's initial policy is
+    its base: the same weights with the adapters switched off, no copy."""
     if path is None:
         source = getattr(model, "module", model)
         return BaseView(source) if lora_layers(source) else copy_frozen(model, device)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +40,19 @@ def describe_head(config: RunConfig, device: torch.device) -> str:
     vocab = config.model.vocab_size // config.distributed.tensor_parallel
     dtype = autocast_dtype(config.trainer, device) or torch.float32
     return LMHead(config.model.head, device).describe(tokens, vocab, dtype)
+
+
+DEFAULT_MAX_THREADS = 4  # the CPU demos run 2.5-10x slower with every core of a shared 2-core machine
+
+
+def cpu_threads(setting: int | None) -> int:
+    """`run.threads`, or this process's share of the cores it may use (torchrun's LOCAL_WORLD_SIZE processes
+    share them), at most DEFAULT_MAX_THREADS."""
+    if setting is not None:
+        return setting
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, min(DEFAULT_MAX_THREADS, cores // max(processes, 1)))
 
 
 def seed_everything(seed: int) -> None:

@@ -66,6 +66,7 @@ from fastlm.engine.runtime import (
     autocast_dtype,
     describe_head,
     rng_state,
+    cpu_threads,
     seed_everything,
     select_device,
     set_rng_state,
@@ -140,6 +141,7 @@ class Trainer:
         self.parallel = build_parallel(config.distributed, self.device)
         self.rank = self.parallel.rank if self.parallel.distributed else rank
         self.amp_dtype = autocast_dtype(config.trainer, self.device)
+        torch.set_num_threads(cpu_threads(config.run.threads))
         seed_everything(config.run.seed)  # the same seed on every rank: identical initial weights
         self.model = build_model(config.model, device=self.device)
         if config.run.init_path is not None:  # a resume overwrites these weights with the checkpoint's

@@ -88,7 +88,7 @@ class LMHead(nn.Module):
         dtype = dtype or torch.float32
         plan = chunking(tokens, vocab, dtype.itemsize, budget, self.spec.teacher is not None)
         count = -(-tokens // plan.tokens)
-        passes = ", two passes: 4 GEMMs for the per-document child" if self.spec.per_document and count > 1 else ""
+        passes = ", two passes: 4 GEMMs for the whole-call child" if self.spec.whole_call and count > 1 else ""
         teacher = f", the teacher's logits {plan.teacher_tokens} at a time" if 0 < plan.teacher_tokens < plan.tokens else ""
         return (f"{line}: {plan.tokens} of {tokens} tokens a chunk ({count} chunk{'s' * (count > 1)}{passes}{teacher}) "
                 f"at vocab {vocab} in {str(dtype).removeprefix('torch.')}")

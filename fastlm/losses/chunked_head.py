@@ -332,7 +332,7 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, call: _Call) -> tuple[L
         with checked_from_targets(counts, stand_in, targets, normalizers, spec, group):
             chunks = _Chunks(hidden, weight.to(dtype), teacher, targets, plan.tokens, dtype, grad_hidden, grad_weight,
                              plan.teacher_tokens)
-            result = (_two_pass if spec.per_document else _one_pass)(chunks, call)
+            result = (_two_pass if spec.whole_call else _one_pass)(chunks, call)
     return result, grad_hidden, grad_weight
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from fastlm.config.base import ConfigModel
 from fastlm.config.user_code import UserCodeConfig
@@ -110,11 +110,25 @@ class RLConfig(ConfigModel):
     )
     warmup_noise: float = Field(0.0, ge=0.0, lt=1.0, description="Share of demonstrations with a wrong answer.")
     warmup_demonstrations: int = Field(1024, ge=1)
-    eval_prompts: int = Field(64, ge=0, description="Fixed prompts decoded greedily for eval/reward; 0 = off.")
+    eval_prompts: Annotated[int, Field(ge=0)] | Annotated[float, Field(gt=0.0, lt=1.0)] | JsonlPromptsConfig = Field(
+        64, description="Prompts decoded greedily for eval/reward, scored by the training rewards: a count (the "
+        "built-in task samples them; with rl.prompts they are held out of the file, at most a tenth of it), a "
+        "fraction of rl.prompts held out (e.g. 0.1), or a JSONL of eval prompts ({path, prompt_field}); 0 = off.",
+    )
     log_completions: int = Field(
         4, ge=0, description="Prompts, completions and rewards of the latest rollout logged at each log step "
         "(a wandb table and a metrics.jsonl record, as TRL's completions table); 0 = off."
     )
+
+    @field_validator("eval_prompts", mode="before")
+    @classmethod
+    def _eval_prompts_kind(cls, value: Any) -> Any:
+        """One error for a number that is neither a count nor a fraction (instead of one per union member)."""
+        if isinstance(value, float) and not value.is_integer() and not 0.0 < value < 1.0 or (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0):
+            raise ValueError("takes a count of prompts (e.g. 64), a fraction of rl.prompts below 1 (e.g. 0.1) or "
+                             "an eval JSONL ({path: eval.jsonl})")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -129,6 +143,9 @@ class RLConfig(ConfigModel):
         if self.prompts is not None and not self.rewards:
             raise ValueError("rl.prompts (a prompt data set) needs rl.rewards: the built-in reward scores the "
                              "built-in task only; add e.g. rewards: [{function: 'mypkg.rewards:exact', weight: 1.0}]")
+        if isinstance(self.eval_prompts, float) and self.prompts is None:
+            raise ValueError(f"rl.eval_prompts {self.eval_prompts} is a fraction of rl.prompts held out for eval, but "
+                             "rl.prompts is not set; the built-in task takes a count (e.g. eval_prompts: 64)")
         if self.prompts is not None and self.warmup_steps:
             raise ValueError("rl.warmup_steps trains on the built-in task's demonstrations; with rl.prompts set "
                              "it to 0 (warm up with an SFT run and start from it with run.init_path)")

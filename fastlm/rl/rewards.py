@@ -10,7 +10,7 @@ and returns one float (or None: "no reward from this function") per completion; 
 columns you do not use. The argument names above are reserved: a prompt column with one of them is refused
 when the prompts are loaded (fastlm/rl/prompts.py). Each function gets its own deep copies of the lists, so
 one that edits them changes nothing for the next. The total reward is the weighted sum over the functions
-that gave one (0 when none did).
+that gave one; a completion none scored is left out of its group's mean and std and gets advantage 0 (TRL).
 
 A function that raises, returns the wrong count or a non-number stops the run with a `RewardError` naming
 the function and the prompt index; a NaN does too, or counts as None with `rl.nan_rewards: skip`; so does a
@@ -164,8 +164,9 @@ def score_completions(
 
 
 def total_reward(per_function: torch.Tensor, functions: list[RewardFunction]) -> torch.Tensor:
-    """(N,) weighted sum over the functions that gave a reward (NaN counts as none; all none -> 0); a weighted
-    value or a sum that overflows to infinity is a `RewardError` naming the function."""
+    """(N,) weighted sum over the functions that gave a reward (NaN counts as none); NaN where none did (TRL:
+    an unscored completion is left out of its group's statistics and gets advantage 0). A weighted value or a
+    sum that overflows to infinity is a `RewardError` naming the function."""
     weights = torch.tensor([f.weight for f in functions], dtype=torch.float64)
     weighted = per_function * weights
     overflow = torch.isinf(weighted)
@@ -180,7 +181,7 @@ def total_reward(per_function: torch.Tensor, functions: list[RewardFunction]) ->
         row = int(torch.isinf(total).nonzero()[0])
         raise RewardError(f"the weighted rewards of completion {row} sum to {float(total[row]):g} (functions "
                           f"{[f.name for f in functions]}); return smaller rewards or lower the weights")
-    return total
+    return torch.where(per_function.isnan().all(dim=1), torch.nan, total)
 
 
 def reward_metrics(per_function: torch.Tensor, functions: list[RewardFunction]) -> dict[str, float]:

@@ -86,6 +86,12 @@ def _rl_checks(config: RunConfig) -> list[ConfigIssue]:
     if warmup >= config.trainer.steps:
         issues.append(ConfigIssue("rl.warmup_steps", f"leaves no RL steps out of trainer.steps ({config.trainer.steps})",
                                   warmup, hint="lower it or raise trainer.steps"))
+    every, updates = config.trainer.log_every, config.rl.updates_per_rollout if config.rl is not None else 1
+    if every > 1 and every % updates:  # log_every 1 shows every update; others must sample the same update of each rollout
+        issues.append(ConfigIssue(
+            "trainer.log_every", f"is not a multiple of rl.updates_per_rollout ({updates}): the logged steps would "
+            "alternate between a rollout's first update (ratio 1, kl_old 0) and later ones, so the KL and clip "
+            "panels zigzag", every, hint=f"set trainer.log_every: {updates * -(-every // updates)} (or 1)"))
     return issues
 
 
@@ -105,6 +111,8 @@ def _rollout_checks(config: RunConfig) -> list[ConfigIssue]:
                                   f"({config.model.max_seq_len})", rl.max_new_tokens, hint="lower it"))
     if rl.prompts is not None and not Path(rl.prompts.path).is_file():
         issues.append(ConfigIssue("rl.prompts.path", "no such file", rl.prompts.path))
+    if hasattr(rl.eval_prompts, "path") and not Path(rl.eval_prompts.path).is_file():
+        issues.append(ConfigIssue("rl.eval_prompts.path", "no such file", rl.eval_prompts.path))
     if rl.importance_sampling.mode == "token_truncate" and any(
             c.type == "gspo" for c in config.model.head.losses.values()):
         issues.append(ConfigIssue("rl.importance_sampling.mode", "GSPO weighs whole sequences; per-token weights would "

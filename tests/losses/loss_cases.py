@@ -20,7 +20,7 @@ CHILDREN = {
     "grpo": lambda w, **o: GRPO("grpo", w, **{"eps_low": 0.2, "eps_high": 0.25, **o}),
     "gspo": lambda w, **o: GSPO("gspo", w, **{"eps_low": 0.05, "eps_high": 0.08, **o}),
     "gspo_len": lambda w, **o: GSPO("gspo", w, **{"eps_low": 0.05, "eps_high": 0.08, "loss_type": "dapo", **o}),
-    "cispo": lambda w, **o: CISPO("cispo", w, **{"eps_high": 0.3, **o}),
+    "cispo": lambda w, **o: CISPO("cispo", w, **{"eps_high": 1.3, **o}),
     "kd": lambda w, **o: Distillation("kd", w, **{"temperature": 1.7, **o}),
     "kd_rev": lambda w, **o: Distillation("kd", w, **{"temperature": 1.7, "reverse": True, **o}),
     "kd_both": lambda w, **o: Distillation("kd", w, **{"temperature": 1.7, "tempered_student": True, **o}),

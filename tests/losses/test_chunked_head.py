@@ -53,6 +53,11 @@ CASES = {
     "kd_rev+z w0": ("kd_rev+z", {}, {"z": 0.0}, {}),
     "gspo dr_grpo+kd_rev": ("gspo+kd_rev", {"gspo": {"loss_type": "dr_grpo", "max_completion_length": 12}}, {}, {}),
     "ce+kd_both": ("ce+kd_both", {}, {}, {}),
+    # a call-wide entropy quantile: the two passes (the middle on the whole call), the torch tail
+    "grpo top-entropy bias-kl+ce": ("ce+grpo", {"grpo": {"top_entropy_quantile": 0.5, "beta": 0.1,
+                                                         "bias_corrected_kl": True, "entropy_coeff": 0.05}}, {}, {}),
+    "gspo top-entropy bias-kl": ("gspo", {"gspo": {"top_entropy_quantile": 0.6, "beta": 0.1, "bias_corrected_kl": True}},
+                                 {}, {}),
 }
 # (implementation, rows of the budget, options): chunks of 12 (4 of them) and, from a budget of 11 rows,
 # evened out to 10 (10, 10, 10, 10, 8: not dividing T)

@@ -82,7 +82,8 @@ def test_gspo_seam_in_small_blocks_equals_one_block(loss_type: str) -> None:
     """GSPO's seam launch in programs of 16 tokens (documents of up to 60 tokens cross several block
     edges) writes the rows and coefficients of one 512-token program: counts exactly, float sums to
     rounding (their order differs)."""
-    spec = make_spec("gspo", options={"gspo": {"loss_type": loss_type, "beta": 0.1, "entropy_coeff": 0.05}})
+    spec = make_spec("gspo", options={"gspo": {"loss_type": loss_type, "beta": 0.1, "entropy_coeff": 0.05,
+                                               "entropy_token_mean": False}})  # w_t-weighted entropy: the seam's
     logits, targets, _ = make_case(seed_of("seam blocks" + loss_type), tokens=300, vocab=37, spec=spec)
     targets = dataclasses.replace(targets, document_ids=_targets(3, 300, 0.0, longest=60).document_ids)
     mask = targets.labels != IGNORE_INDEX

@@ -72,6 +72,18 @@ MATRIX = {
     "kd both T=0.6+ce+z+grpo": ("ce+z+grpo+kd_both", {"kd_both": {"temperature": 0.6}}, {}, {"softcap": 4.0}),
     "kd_rev both+gspo": ("gspo+kd_rev_both", {}, {}, {}),
     "kd both w0+ce+grpo entropy": ("ce+grpo+kd_both", {"grpo": {"entropy_coeff": 0.05}}, {"kd_both": 0.0}, {}),
+    # TRL's GKD: both tempered, no T^2 (kd_scale none)
+    "kd_rev gkd+ce": ("ce+kd_rev_both", {"kd_rev_both": {"t_squared": False}}, {}, {"softcap": 3.0}),
+    # TRL's options: the entropy weighted like the loss (fused), or the token mean / a call-wide entropy
+    # quantile / the bias-corrected KL (the torch tail between two Triton launches)
+    "grpo seq-mean entropy by loss_type": ("grpo", {"grpo": {"loss_type": "grpo", "entropy_coeff": 0.05,
+                                                             "entropy_token_mean": False}}, {}, {}),
+    "grpo top-entropy bias-kl+z": ("grpo+z", {"grpo": {"loss_type": "grpo", "top_entropy_quantile": 0.4, "beta": 0.1,
+                                                       "bias_corrected_kl": True, "entropy_coeff": 0.05}}, {}, {}),
+    "cispo top-entropy bias-kl": ("cispo", {"cispo": {"top_entropy_quantile": 0.5, "beta": 0.1,
+                                                      "bias_corrected_kl": True, "entropy_coeff": 0.03}}, {}, {}),
+    "gspo top-entropy bias-kl": ("gspo", {"gspo": {"top_entropy_quantile": 0.6, "beta": 0.1, "bias_corrected_kl": True,
+                                                   "entropy_coeff": 0.05}}, {}, {"logit_scale": 1.3}),
 }
 BLOCKS = {"single": 64, "looped": 16}  # vocab 37: one block of 64, or three blocks of 16 with a tail
 
@@ -167,7 +179,7 @@ def _free_port() -> int:
 
 
 TP_MATRIX = ["grpo all+ce+z+kd", "cispo bnpo beta entropy", "gspo dapo delta entropy beta+z", "kd_rev both+ce+z",
-             "kd both T=0.6+ce+z+grpo"]
+             "kd both T=0.6+ce+z+grpo", "grpo top-entropy bias-kl+z"]
 
 
 def _tp_worker(rank: int, world: int, port: int, folder: str) -> None:

@@ -86,7 +86,8 @@ def test_nan_rewards_can_be_skipped(rewards_module: str) -> None:
     functions = load_reward_functions([RewardConfig(function=f"{rewards_module}:nan_on_b")])
     per = score_completions(functions, _arguments(["a", "b", "b", "a"]), group_size=2, nan_policy="skip")
     assert reward_metrics(per, functions)["rewards/nan_on_b/none_count"] == 2.0
-    assert total_reward(per, functions).tolist() == [1.0, 0.0, 0.0, 1.0]
+    total = total_reward(per, functions)  # unscored: NaN (left out of the group, advantage 0)
+    assert total[[0, 3]].tolist() == [1.0, 1.0] and total[[1, 2]].isnan().all()
 
 
 def test_unimportable_reward_functions_are_config_errors(rewards_module: str) -> None:

@@ -56,3 +56,13 @@ def test_lr_scale_applies_from_the_first_rl_step() -> None:
         optimizer.step()
         scheduler.step()
     assert seen[4] < 0.3 * seen[3]  # the drop at the first RL step
+
+
+def test_summary_names_the_eval_as_rl_starts_and_the_rl_only_gain(tmp_path: Path) -> None:
+    from fastlm.rl.trainer import RLSummary, describe_rl
+
+    summary = RLSummary(steps=160, first_loss=2.0, last_loss=0.1, tokens_per_second=1.0, skipped_steps=0, eval_loss=None,
+                        run_dir=tmp_path, rewards=[0.2, 0.3, 0.4, 0.6], eval_rewards=[(10, 0.0), (60, 0.25), (160, 0.75)],
+                        rl_start=60)
+    assert describe_rl(summary).splitlines()[-1] == (
+        "rl: eval/reward (greedy) 0.000 at step 10 -> 0.250 as RL starts (step 60) -> 0.750 at step 160 (RL: +0.500)")

@@ -142,6 +142,17 @@ class LossChild:
     per_document: ClassVar[bool] = False  # needs every token's log-prob before its coefficients (seam)
     kernel: ClassVar[bool] = True  # the fused Triton kernel has a slot for it
 
+    @property
+    def torch_tail(self) -> bool:
+        """Whether its options are past the fused kernel's slot: the Triton path then runs its `tail` between a
+        stats launch and a grad launch (as under tensor parallelism)."""
+        return False
+
+    @property
+    def whole_call(self) -> bool:
+        """Whether its coefficients need every token's statistics of the call first (a chunked head's two passes)."""
+        return self.per_document
+
     def tail(self, inputs: TailInputs, out: Tail) -> None:
         raise NotImplementedError
 

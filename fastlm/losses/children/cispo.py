@@ -1,7 +1,9 @@
-"""CISPO (MiniMax-M1; TRL's loss_type "cispo"): `-sg(min(r, 1+eps_high)) * A * new_logp` per token.
+"""CISPO (MiniMax-M1; TRL's loss_type "cispo"): `-sg(min(r, eps_high)) * A * new_logp` per token.
 
+`eps_high` is the cap itself, as TRL's `epsilon_high` (`torch.clamp(coef_1, max=epsilon_high)`; TRL
+recommends 5.0; the paper's eps_high^IS bounds r at 1 + eps_high^IS, so its value there is one less).
 The importance weight is clipped and detached, never the token: every token keeps a gradient,
-`c = w*min(r, 1+eps_high)*A` in `c*(p_j - [j == y])`. Metric `cispo_clip_ratio`: tokens with r above
+`c = w*min(r, eps_high)*A` in `c*(p_j - [j == y])`. Metric `cispo_clip_ratio`: tokens with r above
 the cap and A > 0 (TRL's).
 """
 
@@ -23,7 +25,7 @@ RATIO_METRICS = ("ratio", "advantage", "cispo_clip_ratio")
 class CISPOConfig(PolicyConfig):
     type: Literal["cispo"] = "cispo"
     eps_high: float = Field(
-        4.0, gt=0.0, description="Cap the detached ratio at 1 + eps_high (TRL's epsilon_high = 5.0 is the cap itself)."
+        5.0, gt=0.0, description="Cap of the detached ratio, as TRL's epsilon_high (5.0 recommended): min(r, eps_high)."
     )
 
     def to_child(self, name: str) -> "CISPO":
@@ -32,7 +34,7 @@ class CISPOConfig(PolicyConfig):
 
 @dataclass(frozen=True)
 class CISPO(PolicyChild):
-    eps_high: float = 4.0
+    eps_high: float = 5.0
 
     kind = "cispo"
 
@@ -42,9 +44,9 @@ class CISPO(PolicyChild):
     def tail(self, inputs: TailInputs, out: Tail) -> None:
         advantage = inputs.target("advantages")
         ratio = torch.exp(inputs.new_logp - inputs.target("old_logp"))
-        slope = ratio.clamp(max=1.0 + self.eps_high) * advantage
+        slope = ratio.clamp(max=self.eps_high) * advantage
         self.token_level_loss(inputs, out, -slope * inputs.new_logp, slope)
-        clipped = (ratio > 1.0 + self.eps_high) & (advantage > 0)
+        clipped = (ratio > self.eps_high) & (advantage > 0)
         for metric, value in zip(RATIO_METRICS, (ratio * inputs.mask, advantage, clipped), strict=True):
             out.metric(self.name, metric, value, inputs.per_token)
 
@@ -52,15 +54,16 @@ class CISPO(PolicyChild):
         mask = inputs.mask
         old = torch.where(mask, inputs.targets.old_logp.to(inputs.new_logp.dtype), 0.0)
         advantage = torch.where(mask, inputs.targets.advantages.to(inputs.new_logp.dtype), 0.0)
-        weight = torch.exp(inputs.new_logp - old).clamp(max=1.0 + self.eps_high).detach()
-        token_loss = -weight * advantage * inputs.new_logp + self.reference_regularizers(inputs)
-        return (token_loss * self.reference_weights(inputs)).sum()
+        weight = torch.clamp(torch.exp(inputs.new_logp - old), max=self.eps_high).detach()
+        weights, selected = self.reference_weights(inputs), self.reference_selected(inputs)
+        token_loss = -weight * advantage * inputs.new_logp * selected
+        return (token_loss * weights).sum() + self.reference_regularizers(inputs, weights, selected)
 
     def fused_keys(self) -> tuple[tuple[bool, str], ...]:
         return self.fused_metric_keys(self.metric_names())
 
     def kernel_arguments(self, row: int) -> dict[str, Any]:
-        return {**self.policy_kernel_arguments("cispo", row), "cispo_cap": 1.0 + self.eps_high}
+        return {**self.policy_kernel_arguments("cispo", row), "cispo_cap": float(self.eps_high)}
 
     def kernel_tensors(self, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
         return self.policy_kernel_tensors("cispo", targets, normalizers)

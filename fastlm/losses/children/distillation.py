@@ -1,10 +1,13 @@
 """Distillation: KL between the tempered teacher q = softmax(t / T) and the student p = softmax(x).
 
-`temperature_mode: both` (Hinton; TRL's GKD) tempers the student too, p_T = softmax(x / T), and
-scales the loss by T^2: `T^2 KL(q || p_T)`, gradient `T (p_T - q)` (forward; reverse
-`T p_T ((x/T - u) - E_pT[x/T - u])`), the whole term per element (`tempered_student`). Every path
-runs it: the vocab pass keeps a second online softmax of the student at x/T (its max is max(x)/T, so
-one more sum-exp) next to the untempered one the label children and the metrics use.
+`temperature_mode: both` tempers the student too, p_T = softmax(x / T), and scales the KL by `kd_scale`
+s: `t_squared` (default) is Hinton et al. 2015 (arXiv:1503.02531, section 2: "multiply them by T^2",
+so the gradient's scale does not change with T), `s = T^2`; `none` is TRL's GKD
+(`GKDTrainer.generalized_jsd_loss` at beta 0 (forward) or 1 (reverse): the KL of the two tempered
+softmaxes, token mean, unscaled), `s = 1`. Loss `s KL(q || p_T)`, gradient `(s/T) (p_T - q)` (forward;
+reverse `(s/T) p_T ((x/T - u) - E_pT[x/T - u])`), the whole term per element (`tempered_student`).
+Every path runs it: the vocab pass keeps a second online softmax of the student at x/T (its max is
+max(x)/T, so one more sum-exp) next to the untempered one the label children and the metrics use.
 
 Gradient with k_t = w/N on unmasked tokens (docs/design/losses.md):
 - forward KL(q || p): d/dx_j = k*(p_j - q_j): `prob += k`, teacher term `-k*q_j`;
@@ -35,21 +38,28 @@ class DistillationConfig(ChildConfig):
     )
     temperature_mode: Literal["teacher", "both"] = Field(
         "teacher",
-        description="teacher: only the teacher is divided by T; both: student and teacher, loss times T^2 (Hinton, TRL's GKD).",
+        description="teacher: only the teacher is divided by T; both: student and teacher (scaled by kd_scale).",
+    )
+    kd_scale: Literal["t_squared", "none"] = Field(
+        "t_squared",
+        description="temperature_mode both: t_squared multiplies the KL by T^2 (Hinton et al. 2015); none leaves it "
+        "unscaled (TRL's GKD, generalized_jsd_loss at beta 0 or 1). temperature_mode teacher is never scaled.",
     )
     teacher_path: str | None = Field(
         None, description="Checkpoint directory of the frozen teacher; None means the batch brings teacher logits."
     )
 
     def to_child(self, name: str) -> "Distillation":
-        return Distillation(name, self.weight, self.temperature, self.kl == "reverse", self.temperature_mode == "both")
+        return Distillation(name, self.weight, self.temperature, self.kl == "reverse", self.temperature_mode == "both",
+                            self.kd_scale == "t_squared")
 
 
 @dataclass(frozen=True)
 class Distillation(LossChild):
     temperature: float = 1.0
     reverse: bool = False
-    tempered_student: bool = False  # temperature_mode both: p_T = softmax(x / T), loss T^2 KL
+    tempered_student: bool = False  # temperature_mode both: p_T = softmax(x / T)
+    t_squared: bool = True  # with a tempered student: loss T^2 KL (Hinton), else KL (GKD)
 
     @property
     def student_inv_temperature(self) -> float:
@@ -58,8 +68,8 @@ class Distillation(LossChild):
 
     @property
     def loss_scale(self) -> float:
-        """T^2 with a tempered student (keeps the gradient's scale independent of T), else 1."""
-        return self.temperature**2 if self.tempered_student else 1.0
+        """T^2 with a tempered student and kd_scale t_squared (keeps the gradient's scale independent of T), else 1."""
+        return self.temperature**2 if self.tempered_student and self.t_squared else 1.0
 
     def token_stats(
         self, student_lse: torch.Tensor, teacher_lse: torch.Tensor, cross: torch.Tensor, student_sum: torch.Tensor,
@@ -84,8 +94,8 @@ class Distillation(LossChild):
         if self.weight == 0:
             return
         k = inputs.mask.to(inputs.dtype) * (self.weight * inputs.per_token)
-        if self.tempered_student:  # T^2 * d KL_T / dx = T * (p_T - q) ...: all in the teacher term
-            out.teacher = k * self.temperature
+        if self.tempered_student:  # s * d KL_T / dx = (s / T) * (p_T - q) ...: all in the teacher term
+            out.teacher = k * (self.loss_scale / self.temperature)
             return
         out.teacher = k
         out.prob += -k * inputs.stat("teacher_gap") if self.reverse else k
@@ -104,11 +114,13 @@ class Distillation(LossChild):
 
     def kernel_arguments(self, row: int) -> dict[str, Any]:
         return {"ROW_KD": row, "kd_weight": float(self.weight), "inv_temperature": 1.0 / self.temperature,
-                "KD_REVERSE": self.reverse, "KD_TEMPERED": self.student_inv_temperature != 1.0}
+                "kd_scale": float(self.loss_scale), "KD_REVERSE": self.reverse,
+                "KD_TEMPERED": self.student_inv_temperature != 1.0}
 
     @classmethod
     def kernel_absent(cls) -> dict[str, Any]:
-        return {"ROW_KD": -1, "kd_weight": 0.0, "inv_temperature": 1.0, "KD_REVERSE": False, "KD_TEMPERED": False}
+        return {"ROW_KD": -1, "kd_weight": 0.0, "inv_temperature": 1.0, "kd_scale": 1.0, "KD_REVERSE": False,
+                "KD_TEMPERED": False}
 
     def grad_stats(self) -> tuple[str, ...]:
         """The per-token statistics the kernel's gradient launch reads for this child, in its order

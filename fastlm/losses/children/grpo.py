@@ -85,8 +85,9 @@ class GRPO(PolicyChild):
         ratio = torch.exp(inputs.new_logp - old)
         clipped = ratio.clamp(1.0 - self.eps_low, 1.0 + self.eps_high)
         capped = torch.minimum(ratio, torch.full_like(ratio, self.delta))
-        token_loss = -torch.min(capped * advantage, clipped * advantage) + self.reference_regularizers(inputs)
-        return (token_loss * self.reference_weights(inputs)).sum()
+        weights, selected = self.reference_weights(inputs), self.reference_selected(inputs)
+        token_loss = -torch.min(capped * advantage, clipped * advantage) * selected
+        return (token_loss * weights).sum() + self.reference_regularizers(inputs, weights, selected)
 
     def fused_keys(self) -> tuple[tuple[bool, str], ...]:
         return self.fused_metric_keys(self.metric_names())

@@ -74,7 +74,12 @@ class GSPO(PolicyChild):
         sums = per_token.new_zeros((slot.numel() + 1, 3)).index_add_(0, slot, per_token)
         lengths = sums[:, 0]
         present = lengths > 0
-        document_w = self.document_weights(lengths, present, mask, inputs.normalizers)
+        selected = self.selected_tokens(inputs)
+        w = self.aggregation(inputs, slot) if self.beta > 0 or self.entropy_coeff > 0 or selected is not None else None
+        if selected is None:
+            document_w = self.document_weights(lengths, present, mask, inputs.normalizers)
+        else:  # W_i over the document's selected tokens only
+            document_w = per_token.new_zeros(slot.numel() + 1).index_add_(0, slot, selected * w)
         divisor = lengths.clamp(min=1.0)  # empty slots divide zeros by 1
         ratio = torch.where(present, torch.exp(sums[:, 1] / divisor), 0.0)
         advantage = sums[:, 2] / divisor
@@ -82,8 +87,11 @@ class GSPO(PolicyChild):
         document_terms = document_loss * document_w
         extra = None
         if self.beta > 0 or self.entropy_coeff > 0:  # per-token terms: need w_t itself
-            w = self.aggregation(inputs, slot)
-            extra = self.regularizers(inputs, w, out) * (mask.to(dtype) * w if isinstance(w, float) else w)
+            extra = self.regularizers(inputs, w, out, selected, ratio[slot] if self.bias_corrected_kl else None)
+            if self.bias_corrected_kl and self.weight != 0:  # beta*K_i*s_i, K_i = sum_i w_t k3_t: through s_i
+                gap = inputs.target("ref_logp") - inputs.new_logp
+                kl = per_token.new_zeros(slot.numel() + 1).index_add_(0, slot, (torch.expm1(gap) - gap) * w * mask)
+                out.add_label_form((-self.beta * self.weight * kl * ratio / divisor)[slot] * mask)
         out.loss(self.name, document_terms if extra is None else torch.cat([document_terms, extra]))
         self.token_metrics(inputs, out)
         low, high, region = clip_fractions(ratio, advantage, 1.0 - self.eps_low, 1.0 + self.eps_high)
@@ -96,17 +104,19 @@ class GSPO(PolicyChild):
 
     def reference(self, inputs: ReferenceInputs) -> torch.Tensor:
         mask, targets = inputs.mask, inputs.targets
-        weights = self.reference_weights(inputs)
-        total = (self.reference_regularizers(inputs) * weights).sum()
+        weights, selected = self.reference_weights(inputs), self.reference_selected(inputs)
+        total = inputs.new_logp.new_zeros(())
+        ratios = torch.zeros_like(inputs.new_logp)  # each token's document ratio (TRL's sequence-level coef_1)
         for tokens in reference_documents(targets.document_ids, mask):
             delta = inputs.new_logp[tokens] - targets.old_logp[tokens].to(inputs.new_logp.dtype)
             ratio = torch.exp(delta.mean())
+            ratios = torch.where(tokens, ratio, ratios)
             advantage = targets.advantages[tokens].to(inputs.new_logp.dtype).mean()
             clipped = ratio.clamp(1.0 - self.eps_low, 1.0 + self.eps_high)
             capped = ratio.clamp(max=self.delta)
             loss = -torch.min(capped * advantage, clipped * advantage)
-            total = total + loss * weights[tokens].sum()
-        return total
+            total = total + loss * (weights[tokens] * selected[tokens]).sum()
+        return total + self.reference_regularizers(inputs, weights, selected, ratios)
 
     def fused_keys(self) -> tuple[tuple[bool, str], ...]:
         """The token metrics (the fused launch writes them), then the loss and the document metrics

@@ -13,10 +13,24 @@ document's tokens contiguous, masked tokens (its prompt, say) included, and two 
 never share an id (the pipeline numbers them across the whole batch); an id seen again further on
 is another document.
 
-Regularisers, per token, both times w_t and the child's weight:
-- `beta` (reference KL, TRL's k3): `beta*k3(new, ref)`, coefficient `beta*(exp(ref - new) - 1)` in
-  `c*(p_j - [j == y])`;
-- `entropy_coeff` e: `-e*H_t`; gradient `e*p_j*(x_j - E_p[x])`: `x` term e, `prob -= e*E_p[x]`.
+Regularisers, per token, times the child's weight:
+- `beta` (reference KL, TRL's k3), times w_t: `beta*k3(new, ref)`, coefficient `beta*(exp(ref - new) - 1)`
+  in `c*(p_j - [j == y])`; `use_bias_correction_kl` (TRL) multiplies k3 by the ratio r = exp(new - old)
+  (not detached): coefficient `beta*r*(expm1(ref - new) - k3)`;
+- `entropy_coeff` e: `-e*H_t` times the entropy weight v_t; gradient `e*v_t*p_j*(x_j - E_p[x])`: `x` term
+  e*v_t, `prob -= e*v_t*E_p[x]`. `entropy_aggregation: token_mean` (TRL) averages H over tokens: v_t =
+  1/N_step for dapo (TRL's dapo/cispo: summed over the step's tokens, divided by their count), else the
+  mean over the call's tokens averaged over the step's calls (TRL's other loss types: per micro-batch);
+  `loss_type` weighs H like the policy loss (v_t = w_t).
+
+`top_entropy_quantile` q < 1 (TRL; "the 80/20 rule", Wang et al. 2025): only the tokens whose entropy is
+at least the (1 - q)-quantile of the call's unmasked tokens' entropies (linear interpolation, as
+torch.quantile) keep their policy-gradient term and entropy bonus; the KL term stays on every token and
+the normalisers are unchanged (TRL multiplies the per-token loss by the mask before its aggregation).
+
+The fused Triton kernel has no slot for a call-wide quantile, the bias-corrected KL or a token-mean
+entropy weight that differs from w_t: a child with one of them (`torch_tail`) runs on the Triton path
+as under tensor parallelism (a stats launch, the torch tail below, a grad launch).
 
 Metrics (token means over the step's unmasked tokens, every loss_type): `new_logp`, `entropy`,
 `kl_old` (k3 against the sampling policy), and `kl` (k3 against the frozen reference) when beta > 0.
@@ -52,19 +66,36 @@ class PolicyConfig(ChildConfig):
     )
     beta: float = Field(0.0, ge=0.0, description="KL penalty to the frozen reference model (k3); 0 = no reference model.")
     reference_path: str | None = Field(
-        None, description="Checkpoint of the frozen reference (beta > 0); None means a copy of the initial policy."
+        None, description="Checkpoint of the frozen reference (beta > 0); None means a copy of the policy as RL "
+        "starts (the initial one, or the warmed-up one after rl.warmup_steps)."
     )
     entropy_coeff: float = Field(0.0, ge=0.0, description="Entropy bonus: the loss subtracts entropy_coeff x entropy.")
+    entropy_aggregation: Literal["token_mean", "loss_type"] = Field(
+        "token_mean", description="token_mean (TRL): the bonus is the mean entropy over tokens; loss_type: "
+        "entropy weighted per token like the policy loss.",
+    )
+    top_entropy_quantile: float = Field(
+        1.0, gt=0.0, le=1.0, description="TRL's: train the policy term (and entropy bonus) only on the share q of "
+        "tokens with the highest entropy (per loss call); 1.0 = every token.",
+    )
+    use_bias_correction_kl: bool = Field(
+        False, description="TRL's: multiply the per-token KL penalty by the importance ratio exp(new - old)."
+    )
 
     @model_validator(mode="after")
     def _check_loss_type(self) -> "PolicyConfig":
         if self.loss_type == "dr_grpo" and self.max_completion_length is None:
             raise ValueError("loss_type dr_grpo divides by max_completion_length x sequences; set max_completion_length")
+        if self.use_bias_correction_kl and self.beta == 0:
+            raise ValueError("use_bias_correction_kl corrects the KL penalty, which is off at beta 0; set beta > 0 "
+                             "(e.g. 0.04) or remove use_bias_correction_kl")
         return self
 
     def policy_numbers(self) -> dict[str, object]:
         return {"loss_type": self.loss_type, "max_completion_length": self.max_completion_length or 0,
-                "beta": self.beta, "entropy_coeff": self.entropy_coeff}
+                "beta": self.beta, "entropy_coeff": self.entropy_coeff,
+                "entropy_token_mean": self.entropy_aggregation == "token_mean",
+                "top_entropy_quantile": self.top_entropy_quantile, "bias_corrected_kl": self.use_bias_correction_kl}
 
 
 @dataclass(frozen=True)
@@ -75,8 +106,30 @@ class PolicyChild(LossChild):
     max_completion_length: int = 0
     beta: float = 0.0
     entropy_coeff: float = 0.0
+    entropy_token_mean: bool = True
+    top_entropy_quantile: float = 1.0
+    bias_corrected_kl: bool = False
 
     reads = POLICY_INPUTS
+
+    @property
+    def entropy_selected(self) -> bool:
+        """Whether only the highest-entropy tokens train (`top_entropy_quantile` < 1)."""
+        return self.top_entropy_quantile < 1.0
+
+    @property
+    def entropy_weighted_apart(self) -> bool:
+        """Whether the entropy bonus's per-token weight differs from the loss_type weight w_t (token_mean
+        for grpo and dr_grpo; for dapo and bnpo the two are the same)."""
+        return self.entropy_coeff > 0 and self.entropy_token_mean and self.loss_type in ("grpo", "dr_grpo")
+
+    @property
+    def torch_tail(self) -> bool:
+        return self.entropy_selected or (self.bias_corrected_kl and self.beta > 0) or self.entropy_weighted_apart
+
+    @property
+    def whole_call(self) -> bool:
+        return self.per_document or self.entropy_selected
 
     @property
     def target_names(self) -> tuple[str, ...]:
@@ -155,10 +208,16 @@ class PolicyChild(LossChild):
 
     def prepare(self, targets: LossTargets, normalizers: LossNormalizers, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """loss_type grpo and bnpo weigh a token by counts over the whole call (its document's tokens, the
-        call's tokens); a per-document child's tail sees the whole call anyway (the chunked head's two passes)."""
-        if self.per_document or self.loss_type not in ("grpo", "bnpo"):
+        call's tokens), as does a token-mean entropy bonus; a whole-call child's tail sees the whole call
+        anyway (the chunked head's two passes)."""
+        if self.whole_call:
             return {}
-        return {"token_weights": self.token_weights(targets, normalizers, dtype)}
+        prepared = {}
+        if self.loss_type in ("grpo", "bnpo"):
+            prepared["token_weights"] = self.token_weights(targets, normalizers, dtype)
+        if self.entropy_weighted_apart:
+            prepared["entropy_weights"] = call_token_mean(targets.labels != IGNORE_INDEX, normalizers, dtype)
+        return prepared
 
     def aggregation(self, inputs: TailInputs, slot: torch.Tensor | None = None) -> torch.Tensor | float:
         weights = self.call_weights(inputs.targets, inputs.normalizers, inputs.dtype, slot)
@@ -166,33 +225,64 @@ class PolicyChild(LossChild):
 
     # -- shared terms --------------------------------------------------------------------------
 
-    def regularizers(self, inputs: TailInputs, w: torch.Tensor | float, out: Tail) -> torch.Tensor | None:
-        """beta*k3(ref) - e*H per token (unscaled; None without either); adds their coefficients to `out`."""
+    def selected_tokens(self, inputs: TailInputs) -> torch.Tensor | None:
+        """(T,) 1.0 on the tokens that train with `top_entropy_quantile` < 1, else None."""
+        if not self.entropy_selected:
+            return None
+        return high_entropy_tokens(inputs.entropy, inputs.mask, 1.0 - self.top_entropy_quantile).to(inputs.dtype)
+
+    def entropy_weights(self, inputs: TailInputs, w: torch.Tensor | float,
+                        selected: torch.Tensor | None) -> torch.Tensor | float:
+        """v_t, the entropy bonus's per-token weight (`entropy_aggregation`), on the selected tokens."""
+        if self.entropy_token_mean and self.loss_type == "dapo":
+            w = inputs.per_token
+        elif self.entropy_token_mean and (self.loss_type != "bnpo" or selected is not None):
+            prepared = None if selected is not None else self.prepared(inputs.targets, "entropy_weights")
+            tokens = inputs.mask if selected is None else selected
+            return call_token_mean(tokens, inputs.normalizers, inputs.dtype) if prepared is None else prepared.to(inputs.dtype)
+        return w if selected is None else selected * w
+
+    def regularizers(self, inputs: TailInputs, w: torch.Tensor | float, out: Tail,
+                     selected: torch.Tensor | None = None, document_ratio: torch.Tensor | None = None) -> torch.Tensor | None:
+        """(T,) beta*k3(ref)*w_t - e*H*v_t, already weighted (None without either); adds their coefficients
+        to `out`. The bias-corrected KL's ratio is the token's (its derivative included here) or, given,
+        GSPO's document ratio per token (the caller adds the gradient through it)."""
         extra = None
+        mask = inputs.mask.to(inputs.dtype)
         if self.beta > 0:
             gap = inputs.target("ref_logp") - inputs.new_logp
-            extra = self.beta * (torch.expm1(gap) - gap)
+            k3, slope = torch.expm1(gap) - gap, torch.expm1(gap)
+            if self.bias_corrected_kl and document_ratio is not None:
+                k3, slope = document_ratio * k3, document_ratio * slope
+            elif self.bias_corrected_kl:
+                ratio = torch.exp(inputs.new_logp - inputs.target("old_logp"))
+                k3, slope = ratio * k3, ratio * (slope - k3)
+            extra = self.beta * k3 * w
             if self.weight != 0:
-                out.add_label_form(torch.expm1(gap) * inputs.mask * (w * self.beta * self.weight))
+                out.add_label_form(slope * mask * (w * self.beta * self.weight))
         if self.entropy_coeff > 0:
-            bonus = -self.entropy_coeff * inputs.entropy
+            v = self.entropy_weights(inputs, w, selected)
+            bonus = -self.entropy_coeff * inputs.entropy * v
             extra = bonus if extra is None else extra + bonus
             if self.weight != 0:
-                e = inputs.mask.to(inputs.dtype) * (w * self.entropy_coeff * self.weight)
+                e = mask * (v * self.entropy_coeff * self.weight)
                 out.prob -= e * (inputs.lse - inputs.entropy)  # E_p[x] = lse - H
                 out.add_x_term(e)
         return extra
 
     def token_level_loss(self, inputs: TailInputs, out: Tail, token_loss: torch.Tensor, slope: torch.Tensor) -> None:
-        """Token-level children (GRPO, CISPO): the aggregated per-token loss plus regularizers, the token
-        metrics, and `slope` (d loss / d new_logp per token) as the label-form coefficient."""
+        """Token-level children (GRPO, CISPO): the aggregated per-token loss (on the selected tokens) plus
+        regularizers, the token metrics, and `slope` (d loss / d new_logp per token) as the label-form
+        coefficient."""
         w = self.aggregation(inputs)
-        extra = self.regularizers(inputs, w, out)
-        token_loss = token_loss if extra is None else token_loss + extra
-        if isinstance(w, float):
+        selected = self.selected_tokens(inputs)
+        if selected is not None:
+            token_loss, slope = token_loss * selected, slope * selected
+        extra = self.regularizers(inputs, w, out, selected)
+        if isinstance(w, float) and extra is None:
             out.loss(self.name, token_loss, w)
         else:
-            out.loss(self.name, token_loss * w)
+            out.loss(self.name, token_loss * w if extra is None else token_loss * w + extra)
         self.token_metrics(inputs, out)
         if self.weight != 0:
             out.add_label_form(slope * (w * self.weight))
@@ -205,16 +295,43 @@ class PolicyChild(LossChild):
         for metric, value in zip(self.token_metric_names(), values, strict=True):
             out.metric(self.name, metric, value, inputs.per_token)
 
-    def reference_regularizers(self, inputs: ReferenceInputs) -> torch.Tensor:
-        """(T,) beta*k3(ref) - e*H by autograd (0 when neither is set)."""
-        extra = torch.zeros_like(inputs.new_logp)
+    def reference_selected(self, inputs: ReferenceInputs) -> torch.Tensor:
+        """(T,) 1.0 on the tokens that train: TRL's get_high_entropy_mask (torch.quantile of the unmasked
+        tokens' entropies at 1 - q, then entropy >= it), or every unmasked token."""
+        mask = inputs.mask
+        if not self.entropy_selected:
+            return mask.to(inputs.new_logp.dtype)
+        entropy = -(inputs.log_probs.exp() * inputs.log_probs).sum(-1).detach()
+        if not mask.any():
+            return torch.zeros_like(entropy)
+        threshold = torch.quantile(entropy[mask], 1.0 - self.top_entropy_quantile)
+        return ((entropy >= threshold) & mask).to(entropy.dtype)
+
+    def reference_regularizers(self, inputs: ReferenceInputs, weights: torch.Tensor, selected: torch.Tensor,
+                               ratio: torch.Tensor | None = None) -> torch.Tensor:
+        """beta * sum_t w_t k3_t (times the ratio with use_bias_correction_kl) - e * the entropy bonus,
+        written from TRL's _compute_loss (the bonus: TRL's dapo/cispo sum over the selected tokens divided
+        by the step's tokens, the other loss types the mean over the call's selected tokens divided by the
+        step's calls), by autograd."""
+        total = inputs.new_logp.new_zeros(())
+        mask = inputs.mask
         if self.beta > 0:
-            gap = inputs.targets.ref_logp.to(extra.dtype) - inputs.new_logp
-            extra = extra + self.beta * (torch.exp(gap) - gap - 1.0)
+            gap = torch.where(mask, inputs.targets.ref_logp.to(total.dtype) - inputs.new_logp, 0.0)
+            k3 = torch.exp(gap) - gap - 1.0
+            if self.bias_corrected_kl:
+                old = torch.where(mask, inputs.targets.old_logp.to(total.dtype), 0.0)
+                k3 = k3 * (torch.exp(inputs.new_logp - old) if ratio is None else ratio)
+            total = total + self.beta * (k3 * weights).sum()
         if self.entropy_coeff > 0:
-            entropy = -(inputs.log_probs.exp() * inputs.log_probs).sum(-1)
-            extra = extra - self.entropy_coeff * entropy
-        return torch.where(inputs.mask, extra, torch.zeros_like(extra))
+            entropy = torch.where(mask, -(inputs.log_probs.exp() * inputs.log_probs).sum(-1), 0.0)
+            if not self.entropy_token_mean:
+                bonus = (entropy * weights * selected).sum()
+            elif self.loss_type == "dapo":
+                bonus = (entropy * selected).sum() * safe_inverse(inputs.normalizers.tokens)
+            else:
+                bonus = (entropy * selected).sum() / selected.sum().clamp(min=1.0) / inputs.normalizers.micro_batches
+            total = total - self.entropy_coeff * bonus
+        return total
 
     def reference_weights(self, inputs: ReferenceInputs) -> torch.Tensor:
         """w_t by a plain loop over documents (independent of `token_weights`)."""
@@ -288,6 +405,24 @@ def reference_documents(document_ids: torch.Tensor, mask: torch.Tensor) -> list[
             documents.append(torch.zeros_like(mask))
         documents[-1][t] = True
     return [tokens & mask for tokens in documents if (tokens & mask).any()]
+
+
+def call_token_mean(tokens: torch.Tensor, normalizers: LossNormalizers, dtype: torch.dtype) -> torch.Tensor:
+    """(T,) weights of the mean over this call's `tokens` (bool or 0/1), averaged over the step's calls."""
+    tokens = tokens.to(dtype)
+    return tokens / (tokens.sum().clamp(min=1.0) * normalizers.micro_batches)
+
+
+def high_entropy_tokens(entropy: torch.Tensor, mask: torch.Tensor, level: float) -> torch.Tensor:
+    """(T,) bool: unmasked tokens whose entropy is at least the `level`-quantile of the unmasked tokens'
+    entropies (linear interpolation, as torch.quantile; none when no token is unmasked). Sort-based,
+    with no device->host sync (no boolean indexing)."""
+    count = mask.sum()
+    ordered = torch.where(mask, entropy, torch.inf).sort().values  # the unmasked ones first
+    position = (count - 1).clamp(min=0).to(entropy.dtype) * level
+    low, high = position.floor().long(), position.ceil().long()
+    threshold = torch.lerp(ordered[low], ordered[high], position - low.to(entropy.dtype))
+    return mask & (entropy >= threshold)
 
 
 @functools.cache

@@ -18,9 +18,10 @@ KL = cross/sum_u - lse_u + lse_x (forward) or cross/sum_x - lse_x + lse_u (rever
 
 `temperature_mode: both` (KD_TEMPERED, T != 1) puts the student at x/T in the KL: the stats pass
 keeps a second sum-exp `sum_j exp((x_j - max_x)/T)` (the tempered max is max_x/T, so no second max)
-and uses x/T in the cross sum (reverse: weighted by the tempered terms); the loss is T^2 times the KL
-of p_T = softmax(x/T), and its gradient T*(p_T - q) (reverse T*p_T*((x/T - u) - E_pT[x/T - u])) is
-written whole per element from p_T, next to the untempered p the label children use.
+and uses x/T in the cross sum (reverse: weighted by the tempered terms); the loss is `kd_scale` (T^2
+for Hinton's, 1 for TRL's GKD) times the KL of p_T = softmax(x/T), and its gradient kd_scale/T*(p_T - q)
+(reverse kd_scale/T*p_T*((x/T - u) - E_pT[x/T - u])) is written whole per element from p_T, next to the
+untempered p the label children use.
 
 One program handles one token row; math is fp32 whatever the input dtypes, in base 2 inside (x*log2 e,
 so each exponential is one `exp2`) and natural units at the interface. The row is walked in blocks:
@@ -503,6 +504,7 @@ def lm_loss_kernel(
     z_weight,
     kd_weight,
     inv_temperature,
+    kd_scale,  # KD_TEMPERED: the KL's multiplier (T^2 for Hinton's, 1 for GKD)
     grpo_weight,
     grpo_beta,
     grpo_entropy,
@@ -711,7 +713,7 @@ def lm_loss_kernel(
                     teacher_sum = su
                     teacher_lse2 = mu + tl.log2(teacher_sum)
                     cross_sum = cross * LN2
-                    if KD_TEMPERED:  # T^2 KL(q || p_T) or T^2 KL(p_T || q); every gradient term per element
+                    if KD_TEMPERED:  # kd_scale KL(q || p_T) or kd_scale KL(p_T || q); every gradient term per element
                         student_sum = ss
                         student_lse = m * inv_temperature + tl.log(student_sum)
                         student_lse2 = student_lse * LOG2E
@@ -721,7 +723,7 @@ def lm_loss_kernel(
                             kl_kd = kd_gap - student_lse + teacher_lse2 * LN2
                         else:
                             kl_kd = cross_sum / teacher_sum - teacher_lse2 * LN2 + student_lse
-                        kl_kd = kl_kd / (inv_temperature * inv_temperature)
+                        kl_kd = kl_kd * kd_scale
                     elif KD_REVERSE:
                         mean_gap = cross_sum / s  # E_p[x - u]
                         kl_kd = mean_gap - lse + teacher_lse2 * LN2
@@ -743,8 +745,8 @@ def lm_loss_kernel(
             prob_coeff = prob_coeff * grad_coeff
             label_coeff = label_coeff * grad_coeff
             kd_grad_coeff = kd_coeff * grad_coeff * (LN2 if KD_REVERSE else 1.0)
-            if KD_TEMPERED:  # T^2 * d/dx of a KL of x/T
-                kd_grad_coeff = kd_grad_coeff / inv_temperature
+            if KD_TEMPERED:  # kd_scale * d/dx of a KL of x/T
+                kd_grad_coeff = kd_grad_coeff * (kd_scale * inv_temperature)
             x_coeff = x_coeff * grad_coeff * LN2
             if SINGLE_PASS:
                 # One row in one block: p = 2^(x2 - m) / s reuses the stats pass's exponentials.

@@ -2,8 +2,10 @@
 
 - no tensor parallelism, no per-document child: one fused forward+backward launch (every child's
   coefficients in-kernel);
-- tensor parallelism (`group`): stats launch, all-reduce of the mergeable pieces (student and
-  teacher), every child's tail in torch (`coefficients.tail`), grad launch;
+- tensor parallelism (`group`), or a child whose options the fused kernel has no slot for
+  (`LossSpec.torch_tail`: a call-wide entropy quantile, the bias-corrected KL, a token-mean entropy
+  weight apart from the loss_type's): stats launch, all-reduce of the mergeable pieces (student and
+  teacher; none without a group), every child's tail in torch (`coefficients.tail`), grad launch;
 - a per-document child (GSPO) without tensor parallelism: the fused launch without the gradient
   (which also writes the per-token state), that child's `kernel_seam` launch on the term buffer (the
   sync-free seam: its loss and document metrics rows, its coefficients added to the state), then the
@@ -361,7 +363,7 @@ def _grad_launch(launch: _Launch, coefficients: GradCoefficients, grad: torch.Te
 def _stats_phase(launch: _Launch, group: ProcessGroup | None) -> dict[str, torch.Tensor]:
     """Per-token state (tokens on the last dim): the fused launch's (K, T) term buffer without a group
     (no gradient, so no grad_scale), else the merged statistics of `_reduce_stats`."""
-    if group is None:
+    if group is None and not launch.spec.torch_tail:
         return {"terms": _fused_terms(launch, None, 1.0)[0]}
     return _reduce_stats(launch, group)
 
@@ -386,9 +388,10 @@ def _seam_finish(
 
 def _tp_finish(
     stats: dict[str, torch.Tensor], logits: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers,
-    spec: LossSpec, grad_scale: float, group: ProcessGroup,
+    spec: LossSpec, grad_scale: float, group: ProcessGroup | None,
 ) -> tuple[LossResult, GradCoefficients, torch.Tensor]:
-    """Every child's tail on the merged statistics, and the grad launch's coefficients."""
+    """Every child's tail on the merged statistics (tensor parallelism, or a `torch_tail` child), and the
+    grad launch's coefficients."""
     mask, counts = value_flags(logits, targets, spec, group)
     out = tail(stats, mask, targets, normalizers, spec)
     x_coeff = out.prob if out.x is None else out.x.float()
@@ -465,7 +468,7 @@ def triton_loss(
     grad = None
     if compute_grad:
         grad = logits if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
-    if group is None and not spec.per_document:
+    if group is None and not spec.per_document and not spec.torch_tail:
         losses, metrics, kernel_total, counts = _reduce_fused(*_fused_terms(launch, grad, grad_scale))
         result = assemble_result(spec, losses, metrics, kernel_total)
     else:
@@ -508,7 +511,7 @@ def triton_finish(
     coefficients and the value-check counts (for `raise_on_bad_values`)."""
     merged = states[0] if len(states) == 1 else {name: torch.cat([state[name] for state in states], dim=-1)
                                                   for name in states[0]}
-    if group is None:
+    if group is None and not spec.torch_tail:
         return _seam_finish(merged["terms"], targets, normalizers, spec, grad_scale)
     return _tp_finish(merged, logits, targets, normalizers, spec, grad_scale, group)
 

@@ -1,0 +1,70 @@
+"""The greedy eval of a run on a prompt data set (`rl.prompts`, or an eval JSONL): which prompts, and their reward.
+
+`rl.eval_prompts` picks them: a JSONL of eval prompts, or prompts held out of `rl.prompts` (a fraction
+of the file, or a count, at most a tenth of it), chosen by the run's seed and removed from the training
+prompts before the first rollout. Each is decoded greedily and scored by the run's reward functions
+(the training rewards), so `eval/reward` is the same quantity as `train/reward` at temperature 0; a
+completion no function scored is left out of the mean, as in the advantages.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from fastlm.data.tokenizer import Tokenizer
+from fastlm.generation import Generator, SamplingOptions
+from fastlm.rl.config import JsonlPromptsConfig, RLConfig
+from fastlm.rl.prompts import JsonlPrompts, PromptRecord, PromptSource
+from fastlm.rl.rewards import RewardFunction, reward_metrics, score_completions, total_reward
+from fastlm.rl.rollouts import completion_text, encode_prompts, generate_checked
+
+HELD_OUT_SHARE = 10  # a count of eval prompts takes at most 1/HELD_OUT_SHARE of rl.prompts
+
+
+def eval_records(config: RLConfig, source: PromptSource, tokenizer: Tokenizer, max_prompt_tokens: int,
+                 seed: int) -> tuple[list[PromptRecord], str]:
+    """(the eval prompts, a line that says where they come from). Held-out prompts leave `source`."""
+    chosen = config.eval_prompts
+    if isinstance(chosen, JsonlPromptsConfig):
+        records = JsonlPrompts(chosen, tokenizer, max_prompt_tokens).records
+        return records, f"rl: eval/reward on the {len(records)} prompts of {chosen.path} (rl.eval_prompts)"
+    if not chosen or not isinstance(source, JsonlPrompts):
+        return [], "rl: no eval (rl.eval_prompts: 0)"
+    records = source.records
+    if isinstance(chosen, float):
+        count = min(max(1, round(chosen * len(records))), len(records) - 1)
+    else:
+        count = min(chosen, len(records) // HELD_OUT_SHARE)
+    if count <= 0:
+        return [], (f"rl: no eval: {len(records)} prompts in rl.prompts are too few to hold out {chosen} "
+                    f"(at most a {HELD_OUT_SHARE}th of them); give rl.eval_prompts a fraction or an eval JSONL")
+    held = set(random.Random(seed).sample(range(len(records)), count))
+    source.records = [record for index, record in enumerate(records) if index not in held]
+    return [records[index] for index in sorted(held)], (
+        f"rl: eval/reward on {count} prompts held out of {config.prompts.path} (rl.eval_prompts), "
+        f"{len(source.records)} left to train on")
+
+
+@torch.no_grad()
+def evaluate_prompts(engine: Generator, tokenizer: Tokenizer, records: list[PromptRecord], options: SamplingOptions,
+                     functions: list[RewardFunction], nan_policy: str = "error") -> dict[str, float]:
+    """`reward` (mean total reward of the greedy completions) and each function's `rewards/<name>/...`."""
+    greedy = SamplingOptions(options.max_new_tokens, 0.0, stop_tokens=options.stop_tokens,
+                             logit_scale=options.logit_scale, softcap=options.softcap)
+    texts = [record.text for record in records]
+    completions = generate_checked(engine, encode_prompts(tokenizer, texts), texts, greedy, None)
+    arguments = {
+        "prompts": [record.shown for record in records],
+        "completions": [completion_text(c, tokenizer) for c in completions],
+        "completion_ids": [list(c.tokens) for c in completions],
+        "stopped": [c.stopped for c in completions],
+    }
+    for column in records[0].columns:
+        arguments[column] = [record.columns[column] for record in records]
+    per_function = score_completions(functions, arguments, 1, nan_policy)
+    total = total_reward(per_function, functions)
+    scored = total[~total.isnan()]
+    return {"reward": float(scored.mean()) if scored.numel() else math.nan, **reward_metrics(per_function, functions)}

@@ -1,0 +1,226 @@
+"""TRL's names mean TRL's behaviour: the policy options and GKD against TRL's formulas, written out by
+hand in float64 from GRPOTrainer._compute_loss / get_high_entropy_mask and GKDTrainer.generalized_jsd_loss
+(huggingface/trl), on a padded (B, T) batch. fastlm's float64 reference and its compiled path must give
+the same loss and the same gradient; test_matrix.py ties the Triton paths to that reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fastlm.losses.children import CISPO, GRPO, GSPO, Distillation
+from fastlm.losses.children.base import LossChild
+from fastlm.losses.compiled import compiled_loss
+from fastlm.losses.reference import reference_loss
+from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossSpec, LossTargets
+
+B, T, V = 4, 7, 11
+LENGTHS = [7, 3, 5, 1]  # completion tokens per row; the rest is padding
+
+
+def _batch(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=generator, dtype=torch.float64) * 1.5
+    ids = torch.randint(0, V, (B, T), generator=generator)
+    mask = (torch.arange(T)[None, :] < torch.tensor(LENGTHS)[:, None]).double()
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
+    old = logp + 0.4 * torch.randn(B, T, generator=generator, dtype=torch.float64)
+    ref = logp + 0.4 * torch.randn(B, T, generator=generator, dtype=torch.float64)
+    advantages = torch.randn(B, generator=generator, dtype=torch.float64)
+    return {"logits": logits, "ids": ids, "mask": mask, "old": old, "ref": ref, "advantages": advantages}
+
+
+def _trl_policy_loss(logits: torch.Tensor, batch: dict, loss_type: str, *, epsilon_low: float = 0.2,
+                     epsilon_high: float = 0.28, beta: float = 0.0, use_bias_correction_kl: bool = False,
+                     top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0, sequence: bool = False,
+                     max_completion_length: int = T) -> torch.Tensor:
+    """GRPOTrainer._compute_loss, one process, no gradient accumulation, no vLLM correction, as written in TRL."""
+    mask, ids, advantages = batch["mask"], batch["ids"], batch["advantages"][:, None]
+    log_probs = torch.log_softmax(logits, -1)
+    per_token_logps = log_probs.gather(-1, ids[..., None])[..., 0]
+    entropies = -(log_probs.exp() * log_probs).sum(-1)
+    entropy_mask = None
+    if top_entropy_quantile < 1.0:  # get_high_entropy_mask
+        threshold = torch.quantile(entropies.detach()[mask.bool()], 1 - top_entropy_quantile)
+        entropy_mask = ((entropies.detach() * mask) >= threshold) & mask.bool()
+    log_ratio = per_token_logps - batch["old"]
+    if sequence:
+        log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
+    else:
+        log_importance_weights = log_ratio
+    coef_1 = torch.exp(log_importance_weights)
+    if beta != 0.0:
+        ref = batch["ref"]
+        per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
+        if use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+    if loss_type == "cispo":
+        clamped_ratios = torch.clamp(coef_1, max=epsilon_high).detach()
+        per_token_loss = -clamped_ratios * advantages * per_token_logps
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
+    if beta != 0.0:
+        per_token_loss = per_token_loss + beta * per_token_kl
+    if loss_type == "grpo":
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type == "bnpo":
+        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    elif loss_type == "dr_grpo":
+        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
+    else:  # cispo, dapo
+        normalizer = mask.sum().clamp(min=1.0)
+        loss = (per_token_loss * mask).sum() / normalizer
+    if entropy_coef:
+        effective_mask = mask if entropy_mask is None else mask * entropy_mask
+        if loss_type in ("cispo", "dapo"):
+            entropy_loss = (entropies * effective_mask).sum() / mask.sum().clamp(min=1.0)
+        else:
+            entropy_loss = (entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0)
+        loss = loss - entropy_coef * entropy_loss
+    return loss
+
+
+def _flat(batch: dict) -> tuple[LossTargets, LossNormalizers]:
+    """The same batch as fastlm's flattened tokens: padding masked, one document per row."""
+    mask = batch["mask"].bool()
+    labels = torch.where(mask, batch["ids"], IGNORE_INDEX).reshape(-1)
+    nan = torch.full_like(batch["old"], float("nan"))  # padding must never be read
+    targets = LossTargets(
+        labels, torch.where(mask, batch["old"], nan).reshape(-1), batch["advantages"][:, None].expand(B, T).reshape(-1),
+        torch.arange(B)[:, None].expand(B, T).reshape(-1).clone(), ref_logp=torch.where(mask, batch["ref"], nan).reshape(-1))
+    return targets, LossNormalizers(float(mask.sum()), float(B))
+
+
+def _fastlm(child: LossChild, batch: dict) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(path, loss, d loss / d logits) of the float64 reference and the compiled path in float64."""
+    spec = LossSpec((child,))
+    targets, normalizers = _flat(batch)
+    logits = batch["logits"].reshape(B * T, V).clone().requires_grad_(True)
+    result = reference_loss(logits, targets, normalizers, spec)
+    result.loss.backward()
+    compiled, grad = compiled_loss(batch["logits"].reshape(B * T, V), targets, normalizers, spec)
+    return [("reference", result.loss.detach(), logits.grad), ("compiled", compiled.loss, grad)]
+
+
+def _check(name: str, child: LossChild, batch: dict, **trl: object) -> None:
+    logits = batch["logits"].clone().requires_grad_(True)
+    want = _trl_policy_loss(logits, batch, **trl)
+    want.backward()
+    for path, loss, grad in _fastlm(child, batch):
+        loss_error = abs(float(loss) - float(want)) / max(abs(float(want)), 1e-12)
+        grad_error = float((grad.reshape(B, T, V) - logits.grad).norm() / logits.grad.norm())
+        print(f"{name} / {path} vs TRL: loss {loss_error:.1e}, grad {grad_error:.1e}")
+        assert loss_error < 1e-12 and grad_error < 1e-12, (path, loss_error, grad_error)
+
+
+CASES = {
+    # cispo: eps_high is TRL's epsilon_high, the cap itself (1.2 here so that it binds)
+    "cispo cap": (lambda: CISPO("p", 1.0, eps_high=1.2), {"loss_type": "cispo", "epsilon_high": 1.2}),
+    # entropy_coeff: TRL's token mean (dapo: over the step's tokens; grpo: per micro-batch)
+    "dapo entropy": (lambda: GRPO("p", 1.0, entropy_coeff=0.07, eps_high=0.28),
+                     {"loss_type": "dapo", "entropy_coef": 0.07}),
+    "grpo entropy": (lambda: GRPO("p", 1.0, loss_type="grpo", entropy_coeff=0.07, eps_high=0.28),
+                     {"loss_type": "grpo", "entropy_coef": 0.07}),
+    "dr_grpo entropy": (lambda: GRPO("p", 1.0, loss_type="dr_grpo", max_completion_length=T, entropy_coeff=0.07,
+                                     eps_high=0.28), {"loss_type": "dr_grpo", "entropy_coef": 0.07}),
+    # top_entropy_quantile: the policy term and the entropy bonus on the top share of tokens, the KL on all
+    "grpo top entropy": (lambda: GRPO("p", 1.0, loss_type="grpo", top_entropy_quantile=0.4, beta=0.1,
+                                      entropy_coeff=0.05, eps_high=0.28),
+                         {"loss_type": "grpo", "top_entropy_quantile": 0.4, "beta": 0.1, "entropy_coef": 0.05}),
+    "dapo top entropy": (lambda: GRPO("p", 1.0, top_entropy_quantile=0.5, entropy_coeff=0.05, eps_high=0.28),
+                         {"loss_type": "dapo", "top_entropy_quantile": 0.5, "entropy_coef": 0.05}),
+    "bnpo top entropy": (lambda: GRPO("p", 1.0, loss_type="bnpo", top_entropy_quantile=0.3, eps_high=0.28),
+                         {"loss_type": "bnpo", "top_entropy_quantile": 0.3}),
+    "cispo top entropy": (lambda: CISPO("p", 1.0, eps_high=1.2, top_entropy_quantile=0.5),
+                          {"loss_type": "cispo", "epsilon_high": 1.2, "top_entropy_quantile": 0.5}),
+    # use_bias_correction_kl: the k3 term times the (not detached) ratio
+    "dapo bias-corrected kl": (lambda: GRPO("p", 1.0, beta=0.2, bias_corrected_kl=True, eps_high=0.28),
+                               {"loss_type": "dapo", "beta": 0.2, "use_bias_correction_kl": True}),
+    "cispo bias-corrected kl": (lambda: CISPO("p", 1.0, eps_high=1.2, beta=0.2, bias_corrected_kl=True),
+                                {"loss_type": "cispo", "epsilon_high": 1.2, "beta": 0.2, "use_bias_correction_kl": True}),
+    # GSPO = TRL's importance_sampling_level "sequence" (loss_type grpo, the paper's)
+    "gspo bias-corrected kl top entropy": (
+        lambda: GSPO("p", 1.0, eps_low=0.05, eps_high=0.08, beta=0.2, bias_corrected_kl=True, top_entropy_quantile=0.6,
+                     entropy_coeff=0.05),
+        {"loss_type": "grpo", "sequence": True, "epsilon_low": 0.05, "epsilon_high": 0.08, "beta": 0.2,
+         "use_bias_correction_kl": True, "top_entropy_quantile": 0.6, "entropy_coef": 0.05}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_policy_options_match_trl(name: str) -> None:
+    make, trl = CASES[name]
+    _check(name, make(), _batch(11), **trl)
+
+
+def test_cispo_cap_binds_and_its_metric_is_trls() -> None:
+    batch = _batch(11)
+    targets, normalizers = _flat(batch)
+    result, _ = compiled_loss(batch["logits"].reshape(B * T, V), targets, normalizers,
+                              LossSpec((CISPO("p", 1.0, eps_high=1.2),)))
+    mask = batch["mask"].bool()
+    logp = torch.log_softmax(batch["logits"], -1).gather(-1, batch["ids"][..., None])[..., 0]
+    clipped = (torch.exp(logp - batch["old"]) > 1.2) & (batch["advantages"][:, None] > 0)
+    assert clipped[mask].any()
+    assert float(result.metrics["p/cispo_clip_ratio"]) == pytest.approx(float(clipped[mask].double().mean()), abs=1e-12)
+
+
+def _trl_gkd(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, beta: float,
+             temperature: float) -> torch.Tensor:
+    """GKDTrainer.generalized_jsd_loss at beta 0 or 1, reduction batchmean with labels, as written in TRL."""
+    student_log_probs = torch.log_softmax(student / temperature, dim=-1)
+    teacher_log_probs = torch.log_softmax(teacher / temperature, dim=-1)
+    if beta == 0:
+        jsd = torch.nn.functional.kl_div(student_log_probs, teacher_log_probs, reduction="none", log_target=True)
+    else:
+        jsd = torch.nn.functional.kl_div(teacher_log_probs, student_log_probs, reduction="none", log_target=True)
+    keep = labels != -100
+    return jsd[keep].sum() / keep.sum().clamp_min(1)
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_kd_scale_none_is_trls_gkd_and_t_squared_hintons(reverse: bool) -> None:
+    batch = _batch(5)
+    generator = torch.Generator().manual_seed(6)
+    teacher = torch.randn(B * T, V, generator=generator, dtype=torch.float64) * 2.0
+    targets, normalizers = _flat(batch)
+    targets = dataclasses.replace(targets, teacher_logits=teacher)
+    temperature = 2.0
+    student = batch["logits"].reshape(B * T, V).clone().requires_grad_(True)
+    want = _trl_gkd(student, teacher, targets.labels, 1.0 if reverse else 0.0, temperature)
+    want.backward()
+    for t_squared, scale in ((False, 1.0), (True, temperature**2)):
+        spec = LossSpec((Distillation("kd", 1.0, temperature, reverse, True, t_squared),))
+        leaf = batch["logits"].reshape(B * T, V).clone().requires_grad_(True)
+        result = reference_loss(leaf, targets, normalizers, spec)
+        result.loss.backward()
+        compiled, grad = compiled_loss(batch["logits"].reshape(B * T, V), targets, normalizers, spec)
+        for path, loss, gradient in (("reference", result.loss, leaf.grad), ("compiled", compiled.loss, grad)):
+            loss_error = abs(float(loss) / scale - float(want)) / float(want)
+            grad_error = float((gradient / scale - student.grad).norm() / student.grad.norm())
+            print(f"kd t_squared={t_squared} ({'reverse' if reverse else 'forward'}) / {path} vs TRL GKD x {scale:g}: "
+                  f"loss {loss_error:.1e}, grad {grad_error:.1e}")
+            assert loss_error < 1e-12 and grad_error < 1e-12
+
+
+def test_config_names_reach_the_children() -> None:
+    from fastlm.losses.children import CISPOConfig, DistillationConfig, GRPOConfig, GSPOConfig
+
+    grpo = GRPOConfig(beta=0.1, use_bias_correction_kl=True, top_entropy_quantile=0.2, entropy_coeff=0.01,
+                      entropy_aggregation="loss_type").to_child("g")
+    assert (grpo.bias_corrected_kl, grpo.top_entropy_quantile, grpo.entropy_token_mean) == (True, 0.2, False)
+    assert grpo.torch_tail and grpo.whole_call and not GRPOConfig(entropy_coeff=0.01).to_child("g").torch_tail
+    assert GRPOConfig(loss_type="grpo", entropy_coeff=0.01).to_child("g").torch_tail  # token mean != w_t
+    assert GSPOConfig(top_entropy_quantile=0.5).to_child("s").whole_call
+    assert CISPOConfig().to_child("c").eps_high == 5.0  # TRL's recommended epsilon_high, the cap
+    with pytest.raises(ValueError, match="use_bias_correction_kl corrects the KL penalty"):
+        GRPOConfig(use_bias_correction_kl=True)
+    gkd = DistillationConfig(temperature=2.0, temperature_mode="both", kd_scale="none").to_child("kd")
+    hinton = DistillationConfig(temperature=2.0, temperature_mode="both").to_child("kd")
+    teacher_only = DistillationConfig(temperature=2.0, kd_scale="t_squared").to_child("kd")
+    assert (gkd.loss_scale, hinton.loss_scale, teacher_only.loss_scale) == (1.0, 4.0, 1.0)
