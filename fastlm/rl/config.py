@@ -55,11 +55,22 @@ class RewardConfig(ConfigModel):
 
 
 class ImportanceSamplingConfig(ConfigModel):
-    """Truncated importance sampling of the sampler-vs-trainer gap (TRL's vLLM correction): every token's loss
-    is weighted by min(exp(train_logp - sampler_logp), cap), per token or per completion (sequence)."""
+    """Rollout corrections of the sampler-vs-trainer gap: every token's loss is weighted by a function of the
+    ratio r = exp(train_logp - sampler_logp), per token or per completion (fastlm/rl/consistency.py has the
+    formulas, docs/losses.md their sources), plus an optional log-ratio^2 KL to the sampler (prime-rl)."""
 
-    mode: Literal["none", "token_truncate", "sequence_truncate"] = "none"
-    cap: float = Field(3.0, gt=0.0)
+    mode: Literal["none", "token_truncate", "sequence_truncate", "token_mask", "sequence_mask", "icepop",
+                  "sequence_geometric"] = "none"
+    cap: float = Field(3.0, gt=0.0, description="c: truncate at c, mask above c (icepop, sequence_geometric: "
+                       "outside [1/c, c])")
+    mismatch_kl_coeff: float = Field(0.0, ge=0.0, description="k of k * (new_logp - sampler_logp)^2 per token; "
+                                     "needs rl.updates_per_rollout: 1")
+
+    @model_validator(mode="after")
+    def _check_band(self) -> "ImportanceSamplingConfig":
+        if self.mode in ("icepop", "sequence_geometric") and self.cap <= 1.0:
+            raise ValueError(f"mode {self.mode} keeps ratios in [1/cap, cap]; cap must be > 1, got {self.cap}")
+        return self
 
 
 class RLConfig(ConfigModel):
@@ -129,4 +140,11 @@ class RLConfig(ConfigModel):
         if self.prompts is not None and self.warmup_steps:
             raise ValueError("rl.warmup_steps trains on the built-in task's demonstrations; with rl.prompts set "
                              "it to 0 (warm up with an SFT run and start from it with run.init_path)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_mismatch_kl(self) -> "RLConfig":
+        if self.importance_sampling.mismatch_kl_coeff > 0 and self.updates_per_rollout != 1:
+            raise ValueError("rl.importance_sampling.mismatch_kl_coeff is folded into the advantages, which is exact on "
+                             "the first update of a rollout only (fastlm/rl/consistency.py); set rl.updates_per_rollout: 1")
         return self

@@ -44,7 +44,9 @@ from fastlm.losses.spec import ProcessGroup
 from fastlm.models.decoder import DecoderLM
 from fastlm.rl.advantages import group_advantages, rollout_metrics
 from fastlm.rl.config import RLConfig
-from fastlm.rl.consistency import gap_metrics, gap_statistics, importance_weights, tempered_transform
+from fastlm.rl.consistency import (
+    corrected_advantages, gap_metrics, gap_statistics, importance_weights, tempered_transform,
+)
 from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples, policy_logprobs, split_into_batches
 from fastlm.rl.prompts import (
     JsonlPrompts, PromptRecord, PromptSource, TaskPrompts, build_task, encode_prompt, task_reward,
@@ -275,9 +277,8 @@ class RolloutLoader:
             assert sampler_logp is not None
             batch.old_logp = policy_logprobs(self.model, batch, *self.train_transform, self.amp_dtype)
             weights = importance_weights(batch, batch.old_logp, sampler_logp, self.config.importance_sampling)
-            if weights is not None:
-                assert batch.advantages is not None
-                batch.advantages = batch.advantages * weights
+            batch.advantages = corrected_advantages(batch, batch.old_logp, sampler_logp,
+                                                    self.config.importance_sampling, weights)
             statistics.append(gap_statistics(batch, batch.old_logp, sampler_logp, weights))
         gathered = self.shard.gather(torch.stack(statistics))
         self.batches, self.position = batches, 0

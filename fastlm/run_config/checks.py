@@ -84,11 +84,15 @@ def _rollout_checks(config: RunConfig) -> list[ConfigIssue]:
                                   f"({config.model.max_seq_len})", rl.max_new_tokens, hint="lower it"))
     if rl.prompts is not None and not Path(rl.prompts.path).is_file():
         issues.append(ConfigIssue("rl.prompts.path", "no such file", rl.prompts.path))
-    if rl.importance_sampling.mode == "token_truncate" and any(
-            c.type == "gspo" for c in config.model.head.losses.values()):
+    gspo = any(c.type == "gspo" for c in config.model.head.losses.values())
+    if rl.importance_sampling.mode in ("token_truncate", "token_mask", "icepop") and gspo:
         issues.append(ConfigIssue("rl.importance_sampling.mode", "GSPO weighs whole sequences; per-token weights would "
-                                  "be averaged into its sequence advantage", "token_truncate",
-                                  hint="use sequence_truncate with gspo"))
+                                  "be averaged into its sequence advantage", rl.importance_sampling.mode,
+                                  hint="use a sequence_* mode with gspo"))
+    if rl.importance_sampling.mismatch_kl_coeff > 0 and gspo:
+        issues.append(ConfigIssue("rl.importance_sampling.mismatch_kl_coeff", "is a per-token advantage shift, which "
+                                  "GSPO's sequence ratio would mix across tokens", rl.importance_sampling.mismatch_kl_coeff,
+                                  hint="use it with grpo or cispo, or set it to 0"))
     try:
         load_reward_functions(rl.rewards)
     except ConfigError as error:
