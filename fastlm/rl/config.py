@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Field, model_validator
 
 from fastlm.config.base import ConfigModel
+from fastlm.rl.environments.config import EnvironmentConfig
 
 
 class AdditionTaskConfig(ConfigModel):
@@ -88,6 +89,9 @@ class RLConfig(ConfigModel):
     rewards: list[RewardConfig] = Field(
         default_factory=list, description="User reward functions; empty = the built-in task's reward."
     )
+    environment: EnvironmentConfig | None = Field(
+        None, description="Multi-turn episodes with tools (fastlm/rl/environments); the environment gives the reward."
+    )
     nan_rewards: Literal["error", "skip"] = Field(
         "error", description="A NaN reward stops the run (error) or counts as no reward (skip, counted in the log)."
     )
@@ -140,6 +144,13 @@ class RLConfig(ConfigModel):
         if self.prompts is not None and self.warmup_steps:
             raise ValueError("rl.warmup_steps trains on the built-in task's demonstrations; with rl.prompts set "
                              "it to 0 (warm up with an SFT run and start from it with run.init_path)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_environment(self) -> "RLConfig":
+        if self.environment is not None and self.rewards:
+            raise ValueError("rl.environment gives the episodes' rewards; remove rl.rewards (score inside the "
+                             "environment's step instead)")
         return self
 
     @model_validator(mode="after")

@@ -42,7 +42,7 @@ from fastlm.generation import SamplingOptions
 from fastlm.rl.consistency import tempered_transform
 from fastlm.rl.prompts import stop_token_ids
 from fastlm.rl.rewards import RewardError
-from fastlm.rl.rollouts import RolloutLoader, RolloutShard, build_task, evaluate_greedy, rank_rows
+from fastlm.rl.rollouts import RolloutLoader, RolloutShard, rank_rows, rollout_task
 
 
 SUMMARY_WINDOW = 3  # rollouts averaged at each end of the run for the reward summary
@@ -102,7 +102,7 @@ class RLTrainer(Trainer):
         self.timing = [0.0, 0.0, 0]  # rollout seconds, train seconds, steps since the last log record
         if not self.offline and self.rl.eval_prompts and self.rl.prompts is None:
             rng = random.Random(config.run.seed + 4)
-            task = build_task(self.rl.task)
+            task = rollout_task(self.rl)
             self.eval_problems = [task.sample(rng) for _ in range(self.rl.eval_prompts)]
         self.eval_rewards: list[tuple[int, float]] = []
         self.logged_rollout = 0  # the last rollout whose completions table was logged
@@ -189,9 +189,8 @@ class RLTrainer(Trainer):
                 record[COMPLETIONS_KEY] = [{"rollout": loader.rollouts, **row} for row in loader.examples]
                 self.logged_rollout = loader.rollouts
         if self._eval_due() and isinstance(loader, RolloutLoader):
-            scores = evaluate_greedy(loader.engine, loader.tokenizer, loader.task, self.eval_problems, self.options,
-                                     self.rl.format_reward)
-            record["eval/reward"], record["eval/accuracy"] = scores["reward"], scores["accuracy"]
+            scores = loader.evaluate(self.eval_problems, self.options)
+            record.update({f"eval/{name}": value for name, value in scores.items()})
             self.eval_rewards.append((self.step, scores["reward"]))
         return record
 
