@@ -85,6 +85,10 @@ def describe_data(config: RunConfig) -> str:
     batch_rows = data.micro_batch_size * dp
     if config.rl is not None:  # online RL: rollouts come from the policy, not from a data set
         rl = config.rl
+        if rl.environment is not None:
+            return (f"data: online multi-turn RL in the {rl.environment.name} environment (up to {rl.environment.max_turns} "
+                    f"turns), {rl.prompts_per_rollout * dp} prompts x {rl.group_size} episodes per rollout, "
+                    f"{rl.warmup_steps} supervised warm-up steps")
         return (f"data: online RL on the {rl.task.type} task, {rl.prompts_per_rollout * dp} prompts x {rl.group_size} "
                 f"completions per rollout, {rl.warmup_steps} supervised warm-up steps")
     if data.source.type in PREPARED_SOURCE_TYPES:

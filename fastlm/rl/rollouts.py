@@ -136,6 +136,7 @@ class Rollout:
     samples: list[PolicySample]
     metrics: dict[str, float]  # rollout_metrics names, without the train/ prefix
     examples: list[dict[str, Any]]  # the first rl.log_completions samples, as text: what a user reads
+    reward_seconds: float = 0.0  # in the reward functions, or the environments' steps (tool calls included)
 
 
 def draw_rollout(
@@ -165,7 +166,9 @@ def draw_rollout(
     }
     for column in records[0].columns:
         arguments[column] = [record.columns[column] for record in records for _ in range(group)]
+    started = time.perf_counter()
     per_function = score_completions(rewards, arguments, group, config.nan_rewards)
+    reward_seconds = time.perf_counter() - started
     facts = torch.tensor([[len(c.tokens), float(c.stopped)] for c in completions], dtype=torch.float64)
     local = torch.cat([total_reward(per_function, rewards)[:, None], facts, per_function], dim=1)
     gathered = shard.gather(local)
@@ -183,7 +186,7 @@ def draw_rollout(
          "advantage": samples[i].advantage}
         for i in range(min(config.log_completions, len(samples)))
     ]
-    return Rollout(samples, metrics, examples)
+    return Rollout(samples, metrics, examples, reward_seconds)
 
 
 def draw_episodes(
@@ -200,7 +203,7 @@ def draw_episodes(
     """`draw_rollout` for multi-turn episodes: G per record, rewards from the environment, the advantage per
     episode; the samples mask the environment's tokens and carry the sampler's log-probs on the policy's."""
     group = config.group_size
-    episodes = run_episodes(engine, tokenizer, factory, records, group, options, generator, limit)
+    episodes, step_seconds = run_episodes(engine, tokenizer, factory, records, group, options, generator, limit)
     local = torch.tensor([[e.reward, e.policy_tokens, float(e.ended), e.turns, e.counts["tool_calls"],
                            e.counts["tool_errors"]] for e in episodes], dtype=torch.float64)
     gathered = shard.gather(local)
@@ -217,7 +220,7 @@ def draw_episodes(
          "reward": e.reward, "advantage": sample.advantage}
         for e, sample in list(zip(episodes, samples))[: config.log_completions]
     ]
-    return Rollout(samples, metrics, examples)
+    return Rollout(samples, metrics, examples, step_seconds)
 
 
 def _episode_text(episode: Episode, tokenizer: Tokenizer) -> str:
@@ -239,7 +242,7 @@ def evaluate_episodes(engine: Generator, tokenizer: Tokenizer, factory: Environm
     greedy = SamplingOptions(options.max_new_tokens, 0.0, stop_tokens=options.stop_tokens,
                              logit_scale=options.logit_scale, softcap=options.softcap)
     records = [PromptRecord(p.prompt, {"answer": p.answer}) for p in problems]
-    episodes = run_episodes(engine, tokenizer, factory, records, 1, greedy, None, limit)
+    episodes, _ = run_episodes(engine, tokenizer, factory, records, 1, greedy, None, limit)
     correct = [e.ended and task.is_correct(p, e.messages[-1]["content"]) for p, e in zip(problems, episodes)]
     return {"reward": sum(e.reward for e in episodes) / len(episodes), "accuracy": sum(correct) / len(correct),
             "tool_use_rate": sum(e.counts["tool_calls"] > 0 for e in episodes) / len(episodes)}
@@ -320,6 +323,8 @@ class RolloutLoader:
         self.examples: list[dict[str, Any]] = []  # the latest rollout's, for the completions table
         self.rewards: list[float] = []  # mean reward of every rollout, in order
         self.rollout_seconds = 0.0  # time spent drawing rollouts since the trainer last read it
+        # the same time split: sampling (generation), reward (functions or environment steps), old log-probs
+        self.phase_seconds = dict.fromkeys(("sampling", "reward", "old_logprob"), 0.0)
 
     def _demonstrations(self, seed: int) -> list[PolicySample]:
         """The warm-up's solved samples: the task's (prompt, answer) pairs, or the environment's conversations
@@ -372,6 +377,7 @@ class RolloutLoader:
             self.prompt_rng.setstate(saved[0])
             self.generator.set_state(saved[1])
             raise
+        sampled = time.perf_counter()
         rows = pack_policy_samples(rollout.samples, self.seq_len, self.tokenizer.pad_id)
         batches = split_into_batches(rows, self.grad_accumulation)
         statistics = []
@@ -389,7 +395,11 @@ class RolloutLoader:
         self.examples = rollout.examples
         self.rewards.append(rollout.metrics["reward"])
         self.rollouts += 1
-        self.rollout_seconds += time.perf_counter() - started
+        finished = time.perf_counter()
+        self.rollout_seconds += finished - started
+        self.phase_seconds["sampling"] += sampled - started - rollout.reward_seconds
+        self.phase_seconds["reward"] += rollout.reward_seconds
+        self.phase_seconds["old_logprob"] += finished - sampled
 
     def next_batch(self) -> Batch:
         if self.in_warmup:

@@ -191,7 +191,8 @@ def test_user_environment_episodes_on_a_real_model(user_module: str) -> None:
     engine = Generator(model, tokenizer, padding="right")
     options = SamplingOptions(6, temperature=1.0, stop_tokens=(*range(128), EOS))
     records = [PromptRecord("a"), PromptRecord("bb")]
-    episodes = run_episodes(engine, tokenizer, factory, records, 2, options, torch.Generator().manual_seed(1), 80)
+    episodes, seconds = run_episodes(engine, tokenizer, factory, records, 2, options, torch.Generator().manual_seed(1), 80)
+    assert seconds > 0
     assert len(episodes) == 4
     for episode in episodes:
         assert len(episode.tokens) == len(episode.policy) == len(episode.logprobs)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import time
+
 import torch
 
 from fastlm.data.chat import ChatError
@@ -55,8 +57,10 @@ class Episode:
 
 
 def run_episodes(engine: Generator, tokenizer: Tokenizer, factory: EnvironmentFactory, records: list[PromptRecord],
-                 group: int, options: SamplingOptions, generator: torch.Generator | None, limit: int) -> list[Episode]:
-    """G episodes per record (record-major), each of at most `limit` tokens, prompt included."""
+                 group: int, options: SamplingOptions, generator: torch.Generator | None,
+                 limit: int) -> tuple[list[Episode], float]:
+    """G episodes per record (record-major), each of at most `limit` tokens, prompt included, and the seconds
+    spent in the environments' `step` (the reward's and tools' share of the rollout)."""
     rows = [(index, record) for index, record in enumerate(records) for _ in range(group)]
     environments = [factory.new(index) for index, _ in rows]
     transcripts = []
@@ -72,6 +76,7 @@ def run_episodes(engine: Generator, tokenizer: Tokenizer, factory: EnvironmentFa
         completions: dict[int, Completion] = dict(enumerate(session.start([e.prompt for e in episodes], generator)))
     except ValueError as error:
         raise DataError(f"environment '{factory.path}': {error}") from error
+    step_seconds = 0.0
     while completions:
         appended: dict[int, list[int]] = {}
         for row, completion in completions.items():
@@ -82,7 +87,9 @@ def run_episodes(engine: Generator, tokenizer: Tokenizer, factory: EnvironmentFa
                 transcript.record(text)
                 continue
             conversation = transcript.messages + [{"role": "assistant", "content": text}]
+            started = time.perf_counter()
             new_messages, reward, info = factory.step(environments[row], conversation, text, index)
+            step_seconds += time.perf_counter() - started
             episode.reward += reward or 0.0
             for key in COUNTED_INFO:
                 value = info.get(key, 0)
@@ -101,4 +108,4 @@ def run_episodes(engine: Generator, tokenizer: Tokenizer, factory: EnvironmentFa
         completions = session.extend(appended, generator) if appended else {}
     for episode, transcript in zip(episodes, transcripts):
         episode.messages = transcript.messages
-    return episodes
+    return episodes, step_seconds
