@@ -30,7 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +40,11 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastlm.data.tokenizer import ByteTokenizer  # noqa: E402 - after the path fix
-from fastlm.models.hf import export_hf  # noqa: E402
-from fastlm.rl.prompts import TaskPrompts, task_reward  # noqa: E402
-from fastlm.rl.trainer import RLTrainer  # noqa: E402
-from fastlm.run_config.loader import load_config  # noqa: E402
+from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.models.hf import export_hf
+from fastlm.rl.prompts import TaskPrompts, task_reward
+from fastlm.rl.trainer import RLTrainer
+from fastlm.run_config.loader import load_config
 
 PRESETS = ROOT / "configs" / "presets"
 PHASES = ("rollout", "reward", "old_logprob", "train")
@@ -169,8 +169,8 @@ def run_trl(preset: str, args: argparse.Namespace, hf_dir: Path, work: Path) -> 
         return side
     import random
 
-    from fastlm.rl.rollouts import rollout_task
     from fastlm.rl.config import RLConfig
+    from fastlm.rl.rollouts import rollout_task
 
     task = rollout_task(RLConfig(task=TASK))
     source, rng = TaskPrompts(task), random.Random(2)

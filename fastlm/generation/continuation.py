@@ -26,7 +26,13 @@ from contextlib import contextmanager
 import torch
 
 from fastlm.engine.runtime import autocast
-from fastlm.generation.generator import Completion, Generator, _completions, _DecodeStep, check_prompts
+from fastlm.generation.generator import (
+    Completion,
+    Generator,
+    _completions,
+    _DecodeStep,
+    check_prompts,
+)
 from fastlm.generation.sampling import SamplingOptions, draw_race
 from fastlm.models.decoder import DecoderLM
 

@@ -97,12 +97,37 @@ def _rollout_checks(config: RunConfig) -> list[ConfigIssue]:
         load_reward_functions(rl.rewards)
     except ConfigError as error:
         issues += error.issues
+    if rl.environment is not None:
+        issues += _environment_checks(config)
     try:
         stop_token_ids(rl, build_tokenizer(config.data.tokenizer, config.run.init_path))
     except ConfigError as error:
         issues += error.issues
     except TokenizerError:
         pass  # _tokenizer_checks reports it
+    return issues
+
+
+def _environment_checks(config: RunConfig) -> list[ConfigIssue]:
+    """The environment class imports and builds, can demonstrate for a warm-up, and an episode has room."""
+    from fastlm.config.errors import ConfigError
+    from fastlm.rl.environments.base import load_environment
+
+    rl = config.rl
+    assert rl is not None and rl.environment is not None
+    issues: list[ConfigIssue] = []
+    limit = min(config.data.seq_len + 1, config.model.max_seq_len - rl.max_new_tokens - 1)
+    if limit <= rl.max_new_tokens:
+        issues.append(ConfigIssue("rl.max_new_tokens", f"leaves no room for a multi-turn episode: an episode holds "
+                                  f"min(data.seq_len + 1, model.max_seq_len - max_new_tokens - 1) = {limit} tokens",
+                                  rl.max_new_tokens, hint="raise model.max_seq_len and data.seq_len, or lower it"))
+    try:
+        factory = load_environment(rl.environment, rl.format_reward)
+    except ConfigError as error:
+        return issues + error.issues
+    if rl.warmup_steps and not callable(getattr(factory.prototype, "demonstrations", None)):
+        issues.append(ConfigIssue("rl.warmup_steps", f"environment '{factory.path}' has no demonstrations(count, noise, "
+                                  "seed) for the supervised warm-up", rl.warmup_steps, hint="set rl.warmup_steps: 0"))
     return issues
 
 

@@ -25,7 +25,12 @@ from fastlm.rl.environments.base import EnvironmentFailure, load_environment
 from fastlm.rl.environments.calculator import calculator
 from fastlm.rl.environments.config import EnvironmentConfig
 from fastlm.rl.environments.episodes import run_episodes
-from fastlm.rl.environments.tool_calls import MalformedCall, ToolCall, format_tool_call, parse_tool_calls
+from fastlm.rl.environments.tool_calls import (
+    MalformedCall,
+    ToolCall,
+    format_tool_call,
+    parse_tool_calls,
+)
 from fastlm.rl.environments.transcript import Transcript, demonstration_sample
 from fastlm.rl.prompts import PromptRecord
 from fastlm.rl.rewards import RewardError

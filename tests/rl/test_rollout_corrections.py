@@ -23,10 +23,21 @@ from fastlm.data.batch import batch_from_rows
 from fastlm.losses.children import CISPO, GRPO
 from fastlm.losses.compiled import compiled_loss
 from fastlm.losses.reference import reference_loss
-from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossSpec, LossTargets, label_logp
+from fastlm.losses.spec import (
+    IGNORE_INDEX,
+    LossNormalizers,
+    LossSpec,
+    LossTargets,
+    label_logp,
+)
 from fastlm.losses.triton import triton_loss
 from fastlm.rl.config import ImportanceSamplingConfig
-from fastlm.rl.consistency import corrected_advantages, gap_metrics, gap_statistics, importance_weights
+from fastlm.rl.consistency import (
+    corrected_advantages,
+    gap_metrics,
+    gap_statistics,
+    importance_weights,
+)
 
 VOCAB = 29
 MODES = {"token_truncate": 1.3, "sequence_truncate": 1.5, "token_mask": 1.3, "sequence_mask": 1.5, "icepop": 1.3,

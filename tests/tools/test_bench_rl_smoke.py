@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
-import bench_rl as bench  # noqa: E402
+import bench_rl as bench
 
 
 def test_bench_rl_cpu_smoke(tmp_path: Path) -> None:

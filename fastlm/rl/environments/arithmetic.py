@@ -21,7 +21,11 @@ from fastlm.config.base import ConfigModel
 from fastlm.data.tasks import FINAL_ANSWER, Problem, score
 from fastlm.data.tokenizer import Message
 from fastlm.rl.environments.calculator import calculator, evaluate, format_number
-from fastlm.rl.environments.tool_calls import MalformedCall, format_tool_call, parse_tool_calls
+from fastlm.rl.environments.tool_calls import (
+    MalformedCall,
+    format_tool_call,
+    parse_tool_calls,
+)
 from fastlm.rl.prompts import PromptRecord
 
 TOOL = "calculator"

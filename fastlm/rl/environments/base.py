@@ -65,13 +65,13 @@ class EnvironmentFactory:
     def new(self, index: int) -> Any:
         try:
             return self.make()
-        except Exception as error:  # noqa: BLE001 - user code
+        except Exception as error:
             raise self._failed("constructor", index, f"raised {type(error).__name__}: {error}") from error
 
     def reset(self, environment: Any, record: PromptRecord, index: int) -> list[Message]:
         try:
             messages = environment.reset(record)
-        except Exception as error:  # noqa: BLE001 - user code
+        except Exception as error:
             raise self._failed("reset", index, f"raised {type(error).__name__}: {error}") from error
         try:
             return check_messages(messages)
@@ -81,7 +81,7 @@ class EnvironmentFactory:
     def step(self, environment: Any, messages: list[Message], completion: str, index: int) -> StepOutput:
         try:
             output = environment.step([dict(m) for m in messages], completion)
-        except Exception as error:  # noqa: BLE001 - user code
+        except Exception as error:
             raise self._failed("step", index, f"raised {type(error).__name__}: {error}") from error
         if not isinstance(output, (tuple, list)) or len(output) != 3:
             raise self._failed("step", index, f"returned {type(output).__name__} {output!r:.80}; return "
@@ -105,11 +105,14 @@ class EnvironmentFactory:
 def load_environment(config: EnvironmentConfig, format_reward: float) -> EnvironmentFactory:
     """The configured environment's factory; a bad class path or options is a `ConfigError` at rl.environment."""
     if config.name == BUILT_IN:
-        from fastlm.rl.environments.arithmetic import ToolArithmetic, ToolArithmeticOptions
+        from fastlm.rl.environments.arithmetic import (
+            ToolArithmetic,
+            ToolArithmeticOptions,
+        )
 
         try:
             options = ToolArithmeticOptions(**config.options)
-        except Exception as error:  # noqa: BLE001 - pydantic's message names the option
+        except Exception as error:
             raise ConfigError(ConfigIssue("rl.environment.options", str(error).replace("\n", "; "),
                                           config.options)) from error
 
@@ -121,7 +124,7 @@ def load_environment(config: EnvironmentConfig, format_reward: float) -> Environ
     where = "rl.environment.name"
     try:
         module = importlib.import_module(module_name)
-    except Exception as error:  # noqa: BLE001 - any import failure of user code is a config problem
+    except Exception as error:
         raise ConfigError(ConfigIssue(where, f"cannot import module '{module_name}': {type(error).__name__}: {error}",
                                       config.name, hint="check the module path and that it is on PYTHONPATH")) from error
     cls = getattr(module, attribute, None)
@@ -133,7 +136,7 @@ def load_environment(config: EnvironmentConfig, format_reward: float) -> Environ
                                       hint="an environment defines reset(record) and step(messages, completion)"))
     try:
         prototype = cls(**config.options)
-    except Exception as error:  # noqa: BLE001 - user code
+    except Exception as error:
         raise ConfigError(ConfigIssue("rl.environment.options", f"'{config.name}'({config.options}) raised "
                                       f"{type(error).__name__}: {error}", config.options)) from error
     return EnvironmentFactory(config.name, lambda: cls(**config.options), config.max_turns, prototype)

@@ -10,9 +10,8 @@ environment replies (masked, no log-probs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import time
+from dataclasses import dataclass, field
 
 import torch
 
