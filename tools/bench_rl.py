@@ -188,11 +188,14 @@ def run_trl(preset: str, args: argparse.Namespace, hf_dir: Path, work: Path) -> 
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True, dtype=dtype,
                                                  attn_implementation="sdpa")
+    # one generation of prompts x G completions per optimizer step, trained in grad_accumulation micro-batches
+    # (as fastlm's rollout); with steps aligned TRL skips the old log-prob forward
     config = trl.GRPOConfig(
-        output_dir=str(work / f"trl_{preset}"), per_device_train_batch_size=args.prompts * args.group,
+        output_dir=str(work / f"trl_{preset}"), per_device_train_batch_size=args.micro_batch,
         num_generations=args.group, max_completion_length=args.new_tokens, temperature=1.0, top_p=1.0,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, beta=0.0,
-        epsilon=0.2, num_iterations=1, steps_per_generation=1, gradient_accumulation_steps=1,
+        epsilon=0.2, num_iterations=1, steps_per_generation=args.grad_accumulation,
+        gradient_accumulation_steps=args.grad_accumulation,
         max_steps=args.trl_steps, logging_steps=1, save_strategy="no", report_to=[], bf16=torch.cuda.is_available(),
         use_vllm=False, loss_type="dapo", scale_rewards="group", use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0, seed=0, gradient_checkpointing=False,  # fastlm does not checkpoint either
@@ -270,11 +273,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     device = "cuda" if torch.cuda.is_available() and not args.cpu_smoke else "cpu"
     if args.cpu_smoke:
         args.presets = args.presets or "tiny-llama"
-        for name, value in (("group", 2), ("prompts", 2), ("new_tokens", 16), ("micro_batch", 4),
-                            ("grad_accumulation", 1), ("warmup_steps", 1), ("steps", 2), ("trl_steps", 2), ("skip", 0)):
+        for name, value in (("group", 2), ("prompts", 2), ("new_tokens", 16), ("micro_batch", 2), ("grad_accumulation", 2),
+                            ("warmup_steps", 1), ("steps", 2), ("trl_steps", 2), ("skip", 0)):
             setattr(args, name, value)
     elif device != "cuda":
         parser.error("the benchmark needs CUDA (or --cpu-smoke)")
+    if args.prompts * args.group != args.micro_batch * args.grad_accumulation:
+        parser.error(f"--prompts x --group ({args.prompts * args.group} completions) must equal --micro-batch x "
+                     f"--grad-accumulation ({args.micro_batch * args.grad_accumulation}): TRL trains one generation "
+                     "per optimizer step in that many micro-batches")
     presets = (args.presets or "llama-350m" + (",qwen3-0.6b" if (PRESETS / "qwen3-0.6b.yaml").is_file() else "")).split(",")
     summaries = []
     with tempfile.TemporaryDirectory() as folder:

@@ -155,6 +155,23 @@ def test_continuation_appends_only_new_tokens_and_matches_float64() -> None:
         session.extend({2: [65] * 60}, generator)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA-graph decode step needs CUDA")
+def test_continuation_on_the_cuda_graph_path_matches_float64() -> None:
+    """The graph path (replica, captured decode step, FlexAttention decode over per-row columns), fp32:
+    a continued turn's sampled log-probs are the float64 ones of the whole sequence (a missing or misplaced
+    cache column is off by ~0.5)."""
+    model, tokenizer = _model().cuda(), ByteTokenizer()
+    engine = Generator(model, tokenizer, cuda_graph=True, padding="right")
+    session = Continuation(engine, SamplingOptions(7, temperature=1.0), limit=60)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    prompts = [tokenizer.encode("3*4", bos=True), tokenizer.encode("10+20=?", bos=True)]
+    first = session.start(prompts, generator)
+    second = session.extend({1: tokenizer.encode("\n### tool\n30\n")}, generator)
+    sequence = prompts[1] + first[1].tokens + tokenizer.encode("\n### tool\n30\n") + second[1].tokens
+    want = _float64_logprobs(model.cpu(), sequence, len(sequence) - len(second[1].tokens))
+    assert float((torch.tensor(second[1].logprobs).double() - want).abs().max()) < 5e-3  # TF32 matmuls if enabled
+
+
 ENVIRONMENT = '''
 class Echo:
     """Two turns: the first gets a tool reply; the second ends with the reward len(answer)."""
