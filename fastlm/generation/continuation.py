@@ -12,10 +12,11 @@ done (it draws padding) and its decode steps write into a parking area past ever
 tracks each row's length, so a row's next columns follow its real tokens whatever the others did.
 
 Cache layout, with `limit` the most tokens a row may hold and M = max_new_tokens: columns [0, limit) hold
-real tokens; a turn may only start when the row's length + M <= limit (the caller checks `room`), so the
-decode writes of rows that stopped early stay below `limit`; parked rows decode in [limit, limit + M);
-column limit + M takes the padding of ragged prefills. Positions are columns, so limit + M + 1 <=
-model.max_seq_len keeps learned position tables in range.
+a row's kept tokens. A turn may start while the row has room for one more token (the caller checks
+`room`) and is cut at `limit` (a cut turn has not stopped); its decode writes past `limit` (at most M - 1
+columns) are never read. Finished rows park their decode writes at [limit, limit + M) (each row owns its
+columns, so that is only a bound), and column limit + M takes the padding of ragged prefills. Positions are
+columns, so limit + M + 1 <= model.max_seq_len keeps learned position tables in range.
 """
 
 from __future__ import annotations
@@ -53,8 +54,15 @@ class Continuation:
         self.step: _DecodeStep | None = None
 
     def room(self, row: int, appended: int) -> bool:
-        """Whether `row` can take `appended` more tokens and then a whole turn."""
-        return self.lengths[row] + appended + self.options.max_new_tokens <= self.limit
+        """Whether `row` can take `appended` more tokens and then at least one sampled token."""
+        return self.lengths[row] + appended < self.limit
+
+    def _fit(self, completion: Completion, start: int) -> Completion:
+        """A turn that starts after `start` tokens, cut at `limit` (then it has not stopped)."""
+        keep = self.limit - start
+        if len(completion.tokens) <= keep:
+            return completion
+        return Completion(completion.tokens[:keep], completion.logprobs[:keep], False)
 
     @contextmanager
     def _model(self) -> Iterator[tuple[DecoderLM, torch.Tensor | None]]:
@@ -74,10 +82,10 @@ class Continuation:
         """The first turn of every row (one completion per prompt)."""
         engine, options = self.engine, self.options
         check_prompts(prompts, options, engine.model)
-        too_long = [i for i, prompt in enumerate(prompts) if len(prompt) + options.max_new_tokens > self.limit]
+        too_long = [i for i, prompt in enumerate(prompts) if len(prompt) >= self.limit]
         if too_long:
-            raise ValueError(f"prompt {too_long[0]} has {len(prompts[too_long[0]])} tokens; with max_new_tokens "
-                             f"({options.max_new_tokens}) it does not fit the episode limit ({self.limit})")
+            raise ValueError(f"prompt {too_long[0]} has {len(prompts[too_long[0]])} tokens, no room under the "
+                             f"episode limit ({self.limit})")
         if engine.cuda_graph:
             engine.sync_weights()
         length = self.limit + options.max_new_tokens + 1
@@ -85,6 +93,7 @@ class Continuation:
             self.step = engine._decode_step(model, head_weight, len(prompts), length, options)
             width = max(len(p) for p in prompts)
             completions = engine._generate(model, head_weight, self.step, prompts, generator, width)
+        completions = [self._fit(c, len(p)) for p, c in zip(prompts, completions)]
         self.lengths = [len(p) + len(c.tokens) for p, c in zip(prompts, completions)]
         self.last = [c.tokens[-1] for c in completions]
         return completions
@@ -128,8 +137,9 @@ class Continuation:
                 if state.race is not None:
                     draw_race(state.race, generator)
                 step()
-        completions = _completions(state.drawn.cpu(), state.logprobs.cpu(), set(options.stop_tokens))
+        drawn = _completions(state.drawn.cpu(), state.logprobs.cpu(), set(options.stop_tokens))
+        completions = {row: self._fit(drawn[row], self.lengths[row] + len(new)) for row, new in appended.items()}
         for row, new in appended.items():
             self.lengths[row] += len(new) + len(completions[row].tokens)
             self.last[row] = completions[row].tokens[-1]
-        return {row: completions[row] for row in appended}
+        return completions

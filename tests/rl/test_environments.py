@@ -151,8 +151,11 @@ def test_continuation_appends_only_new_tokens_and_matches_float64() -> None:
     sequence = prompts[2] + first[2].tokens + replies[2] + second[2].tokens + tokenizer.encode("?") + third[2].tokens
     want = _float64_logprobs(model, sequence, len(sequence) - len(third[2].tokens))
     assert float((torch.tensor(third[2].logprobs).double() - want).abs().max()) < 1e-5
+    room = session.limit - session.lengths[2] - 1  # a reply that leaves one token: the turn is cut there
+    (cut,) = session.extend({2: [65] * room}, generator).values()
+    assert len(cut.tokens) == 1 and not cut.stopped and session.lengths[2] == session.limit
     with pytest.raises(ValueError, match="do not fit"):
-        session.extend({2: [65] * 60}, generator)
+        session.extend({2: [65]}, generator)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA-graph decode step needs CUDA")
