@@ -137,6 +137,10 @@ def describe_rl_data(config: RunConfig, tokenizer: Tokenizer, dp: int) -> str:
 
     rl = config.rl
     assert rl is not None
+    if rl.environment is not None:
+        return (f"data: online multi-turn RL in the {rl.environment.name} environment (up to {rl.environment.max_turns} "
+                f"turns), {rl.prompts_per_rollout * dp} prompts x {rl.group_size} episodes per rollout, "
+                f"{rl.warmup_steps} supervised warm-up steps; data.source is not read")
     if rl.prompts is not None:
         prompts = JsonlPrompts(rl.prompts, tokenizer, config.model.max_seq_len - rl.max_new_tokens)
         count = len(prompts.records)

@@ -24,12 +24,16 @@ from fastlm.data.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class PolicySample:
-    """One prompt + completion with its advantage; `old_logp` per completion token (None: recompute it)."""
+    """One prompt + completion with its advantage; `old_logp` per completion token (None: recompute it).
+
+    `completion_mask` (None: all) flags the completion tokens that are targets: a multi-turn episode's
+    policy tokens, not the environment's replies between them."""
 
     prompt_tokens: list[int]
     completion_tokens: list[int]
     advantage: float
     old_logp: list[float] | None = None
+    completion_mask: list[bool] | None = None
 
 
 def _number(value: Any) -> bool:

@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from fastlm.config.base import ConfigModel
 from fastlm.config.user_code import UserCodeConfig
+from fastlm.rl.environments.config import EnvironmentConfig
 
 
 class AdditionTaskConfig(ConfigModel):
@@ -56,11 +57,22 @@ class RewardConfig(UserCodeConfig):
 
 
 class ImportanceSamplingConfig(ConfigModel):
-    """Truncated importance sampling of the sampler-vs-trainer gap (TRL's vLLM correction): every token's loss
-    is weighted by min(exp(train_logp - sampler_logp), cap), per token or per completion (sequence)."""
+    """Rollout corrections of the sampler-vs-trainer gap: every token's loss is weighted by a function of the
+    ratio r = exp(train_logp - sampler_logp), per token or per completion (fastlm/rl/consistency.py has the
+    formulas, docs/losses.md their sources), plus an optional log-ratio^2 KL to the sampler (prime-rl)."""
 
-    mode: Literal["none", "token_truncate", "sequence_truncate"] = "none"
-    cap: float = Field(3.0, gt=0.0)
+    mode: Literal["none", "token_truncate", "sequence_truncate", "token_mask", "sequence_mask", "icepop",
+                  "sequence_geometric"] = "none"
+    cap: float = Field(3.0, gt=0.0, description="c: truncate at c, mask above c (icepop, sequence_geometric: "
+                       "outside [1/c, c])")
+    mismatch_kl_coeff: float = Field(0.0, ge=0.0, description="k of k * (new_logp - sampler_logp)^2 per token; "
+                                     "needs rl.updates_per_rollout: 1")
+
+    @model_validator(mode="after")
+    def _check_band(self) -> "ImportanceSamplingConfig":
+        if self.mode in ("icepop", "sequence_geometric") and self.cap <= 1.0:
+            raise ValueError(f"mode {self.mode} keeps ratios in [1/cap, cap]; cap must be > 1, got {self.cap}")
+        return self
 
 
 class RLConfig(ConfigModel):
@@ -80,6 +92,9 @@ class RLConfig(ConfigModel):
     )
     reward_timeout_s: float = Field(60.0, gt=0.0, allow_inf_nan=False, description="Longest a reward function may "
                                     "run for one rollout; past it the run stops with a checkpoint, as for one that raises.")
+    environment: EnvironmentConfig | None = Field(
+        None, description="Multi-turn episodes with tools (fastlm/rl/environments); the environment gives the reward."
+    )
     nan_rewards: Literal["error", "skip"] = Field(
         "error", description="A NaN reward stops the run (error) or counts as no reward (skip, counted in the log)."
     )
@@ -149,4 +164,18 @@ class RLConfig(ConfigModel):
         if self.prompts is not None and self.warmup_steps:
             raise ValueError("rl.warmup_steps trains on the built-in task's demonstrations; with rl.prompts set "
                              "it to 0 (warm up with an SFT run and start from it with run.init_path)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_environment(self) -> "RLConfig":
+        if self.environment is not None and self.rewards:
+            raise ValueError("rl.environment gives the episodes' rewards; remove rl.rewards (score inside the "
+                             "environment's step instead)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_mismatch_kl(self) -> "RLConfig":
+        if self.importance_sampling.mismatch_kl_coeff > 0 and self.updates_per_rollout != 1:
+            raise ValueError("rl.importance_sampling.mismatch_kl_coeff is folded into the advantages, which is exact on "
+                             "the first update of a rollout only (fastlm/rl/consistency.py); set rl.updates_per_rollout: 1")
         return self

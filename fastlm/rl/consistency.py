@@ -1,11 +1,31 @@
 """Sampler-vs-trainer log-prob consistency: the gap between the sampler's own log-probs and the training
-forward's, and TRL's truncated importance-sampling correction for what remains of it.
+forward's, the rollout corrections for what remains of it, and their diagnostics.
 
 Training trains the sampling distribution (the head's transform divided by the temperature, see
 `tempered_transform`), so the remaining gap is top-k/top-p truncation plus numerics (bf16 replica and
-cache vs the packed training forward). The correction weights every token's loss by
-w = min(exp(train_logp - sampler_logp), cap), per token or with the completion's summed log-ratio; since the
-GRPO/GSPO token loss is linear in the advantage for w > 0, the weight is folded into the advantages.
+cache vs the packed training forward). With d_t = train_logp_t - sampler_logp_t on a completion token,
+r_t = exp(d_t), a completion's R = exp(sum_t d_t) and G = exp(mean_t d_t), `rl.importance_sampling.mode`
+weighs every token's loss by (docs/losses.md, "Rollout corrections", gives the sources):
+
+    token_truncate       w_t = min(r_t, c)                      (TRL token_truncate, verl token/truncate)
+    sequence_truncate    w_t = min(R, c)                        (TRL sequence_truncate)
+    token_mask           w_t = r_t if r_t <= c else 0           (TRL token_mask: masked IS)
+    sequence_mask        w_t = R if R <= c else 0               (TRL sequence_mask)
+    icepop               w_t = r_t if 1/c <= r_t <= c else 0    (IcePop; verl token/mask, lower = 1/upper)
+    sequence_geometric   w_t = G if 1/c <= G <= c else 0        (verl geometric/mask)
+
+The weight is computed before the head from the first update's old log-probs (the training forward of the
+packed rollout). Every policy child's token loss is linear in the advantage for w >= 0, so w is folded into
+the advantages and goes through whichever head path runs (chunked, compiled, Triton) unchanged. Masked
+tokens keep their place in the loss normaliser (TRL and prime-rl do the same).
+
+`mismatch_kl_coeff` k adds prime-rl's k * (new_logp - sampler_logp)^2 per token. Its gradient is
+2k (new - sampler) d new; the policy term's is -A r d new (r = exp(new - old), unclipped at r = 1). On the
+first update of a rollout new = old (the same weights computed old_logp), r = 1 and no clip is active,
+so the KL is exactly an advantage shift A' = w A - 2k (old - sampler), folded here before the head. On a
+later update new != old and the two differ (the KL keeps pulling toward the sampler with its own slope,
+and acts on clipped tokens too): the option therefore needs rl.updates_per_rollout: 1 and a token-level
+policy child (grpo or cispo; GSPO mixes tokens through its sequence ratio), both checked at validation.
 """
 
 from __future__ import annotations
@@ -16,6 +36,9 @@ from fastlm.data.batch import Batch
 from fastlm.losses.spec import IGNORE_INDEX
 from fastlm.rl.config import ImportanceSamplingConfig
 
+SEQUENCE_MODES = ("sequence_truncate", "sequence_mask", "sequence_geometric")
+TWO_SIDED_MODES = ("icepop", "sequence_geometric")
+
 
 def tempered_transform(logit_scale: float, softcap: float | None, temperature: float) -> tuple[float, float | None]:
     """(scale, softcap) whose transform equals the head's transform divided by `temperature`:
@@ -25,42 +48,81 @@ def tempered_transform(logit_scale: float, softcap: float | None, temperature: f
     return logit_scale / temperature, None if softcap is None else softcap / temperature
 
 
+def _per_document(values: torch.Tensor, documents: torch.Tensor, mean_over: torch.Tensor | None) -> torch.Tensor:
+    """Each token's document sum of `values` (or mean over the `mean_over` tokens), broadcast back (float64)."""
+    flat = documents.reshape(-1)
+    size = int(flat.max()) + 1
+    sums = torch.zeros(size, dtype=torch.float64).index_add_(0, flat, values.reshape(-1))
+    if mean_over is not None:
+        counts = torch.zeros(size, dtype=torch.float64).index_add_(0, flat, mean_over.reshape(-1).double())
+        sums = sums / counts.clamp_min(1.0)
+    return sums[flat].reshape(values.shape)
+
+
 def importance_weights(batch: Batch, train_logp: torch.Tensor, sampler_logp: torch.Tensor,
                        config: ImportanceSamplingConfig) -> torch.Tensor | None:
-    """(B, S) truncated importance weights on the labels (1 elsewhere), or None when the mode is 'none'."""
+    """(B, S) correction weights on the labels (1 elsewhere), or None when the mode is 'none'."""
     if config.mode == "none":
         return None
     mask = batch.labels != IGNORE_INDEX
-    log_ratio = (train_logp - sampler_logp).masked_fill(~mask, 0.0).double()
-    if config.mode == "sequence_truncate":
-        documents = batch.document_ids.reshape(-1)
-        sums = torch.zeros(int(documents.max()) + 1, dtype=torch.float64).index_add_(0, documents, log_ratio.reshape(-1))
-        log_ratio = sums[documents].reshape(log_ratio.shape)
-    weights = log_ratio.exp().clamp_max(config.cap).float()
-    return torch.where(mask, weights, torch.ones_like(weights))
+    log_ratio = (train_logp.double() - sampler_logp.double()).masked_fill(~mask, 0.0)
+    if config.mode in SEQUENCE_MODES:
+        log_ratio = _per_document(log_ratio, batch.document_ids, mask if config.mode == "sequence_geometric" else None)
+    ratio = log_ratio.exp()
+    cap = config.cap
+    if config.mode.endswith("_truncate"):
+        weights = ratio.clamp_max(cap)
+    else:
+        keep = ratio <= cap
+        if config.mode in TWO_SIDED_MODES:
+            keep &= ratio >= 1.0 / cap
+        weights = torch.where(keep, ratio, torch.zeros_like(ratio))  # an inf ratio is masked, never inf * 0
+    return torch.where(mask, weights, torch.ones_like(weights)).float()
+
+
+def corrected_advantages(batch: Batch, train_logp: torch.Tensor, sampler_logp: torch.Tensor,
+                         config: ImportanceSamplingConfig, weights: torch.Tensor | None) -> torch.Tensor:
+    """The advantages the head trains on: w * A, minus 2k (train - sampler) with the mismatch KL (see the
+    module docstring for why that is the KL's exact gradient on the only update it is allowed with)."""
+    assert batch.advantages is not None
+    advantages = batch.advantages if weights is None else batch.advantages * weights
+    if config.mismatch_kl_coeff > 0:
+        mask = batch.labels != IGNORE_INDEX
+        gap = (train_logp - sampler_logp).masked_fill(~mask, 0.0)
+        advantages = advantages - 2.0 * config.mismatch_kl_coeff * gap
+    return advantages
 
 
 def gap_statistics(batch: Batch, train_logp: torch.Tensor, sampler_logp: torch.Tensor,
                    weights: torch.Tensor | None) -> torch.Tensor:
-    """[sum |gap|, token count, max |gap|, sum w, min w, max w] over this batch's labels (float64)."""
+    """[sum |d|, tokens, max |d|, sum w, min w, max w, sum w^2, sum k3, masked tokens] over this batch's
+    labels (float64); d = train - sampler, k3 = e^d - d - 1 (the mismatch KL estimate), w = 1 without weights."""
     mask = batch.labels != IGNORE_INDEX
-    gap = (train_logp - sampler_logp)[mask].abs().double()
-    picked = weights[mask].double() if weights is not None else torch.ones_like(gap)
+    gap = (train_logp - sampler_logp)[mask].double()
     if not gap.numel():
-        return torch.tensor([0.0, 0.0, 0.0, 0.0, float("inf"), 0.0], dtype=torch.float64)
-    return torch.stack([gap.sum(), torch.tensor(float(gap.numel()), dtype=torch.float64), gap.max(),
-                        picked.sum(), picked.min(), picked.max()])
+        return torch.tensor([0.0, 0.0, 0.0, 0.0, float("inf"), 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    picked = weights[mask].double() if weights is not None else torch.ones_like(gap)
+    count = torch.tensor(float(gap.numel()), dtype=torch.float64)
+    return torch.stack([gap.abs().sum(), count, gap.abs().max(), picked.sum(), picked.min(), picked.max(),
+                        picked.square().sum(), (torch.expm1(gap) - gap).sum(), (picked == 0).sum().double()])
 
 
 def gap_metrics(statistics: torch.Tensor, with_weights: bool) -> dict[str, float]:
-    """(n, 6) `gap_statistics` rows (batches, all dp ranks) -> sampling/* metrics (without the train/ prefix)."""
-    count = float(statistics[:, 1].sum())
+    """(n, 9) `gap_statistics` rows (batches, all dp ranks) -> sampling/* metrics (without the train/ prefix).
+
+    ess is the normalised effective sample size of the token weights, (sum w)^2 / (N sum w^2) in (0, 1]
+    (verl's rollout_is_eff_sample_size); masked_fraction the share of tokens a mask mode zeroed."""
+    count = max(float(statistics[:, 1].sum()), 1.0)
     metrics = {
-        "sampling/logp_diff/mean": float(statistics[:, 0].sum()) / max(count, 1.0),
+        "sampling/logp_diff/mean": float(statistics[:, 0].sum()) / count,
         "sampling/logp_diff/max": float(statistics[:, 2].max()),
+        "sampling/mismatch_kl": float(statistics[:, 7].sum()) / count,
     }
     if with_weights:
-        metrics["sampling/importance_ratio/mean"] = float(statistics[:, 3].sum()) / max(count, 1.0)
+        total, squares = float(statistics[:, 3].sum()), float(statistics[:, 6].sum())
+        metrics["sampling/importance_ratio/mean"] = total / count
         metrics["sampling/importance_ratio/min"] = float(statistics[:, 4].min())
         metrics["sampling/importance_ratio/max"] = float(statistics[:, 5].max())
+        metrics["sampling/ess"] = total * total / (count * squares) if squares > 0 else 0.0
+        metrics["sampling/masked_fraction"] = float(statistics[:, 8].sum()) / count
     return metrics

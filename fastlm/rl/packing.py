@@ -1,8 +1,8 @@
 """Prompt + completion samples -> packed rows -> Batches with old log-probs and advantages per label.
 
 Each sample is one document (BOS + prompt + completion + EOS) and is never split across rows, so a
-GSPO sequence ratio always covers a whole completion. Labels are -100 on the prompt; old_logp and the
-advantage sit on the completion's labels (the advantage is constant over a completion). Rows hold
+GSPO sequence ratio always covers a whole completion. Labels are -100 on the prompt (and on a multi-turn
+episode's environment tokens: `PolicySample.completion_mask`); old_logp and the advantage sit on the completion's labels (the advantage is constant over a completion). Rows hold
 seq_len + 1 tokens, shifted into seq_len inputs and labels like every other batch; `batch_from_rows`
 renumbers document ids so they are unique across the flattened batch.
 """
@@ -70,7 +70,7 @@ def pack_policy_samples(samples: list[PolicySample], seq_len: int, pad_id: int) 
             begin, end = start + prompt, start + prompt + completion
             tokens[row, start:end] = torch.tensor(sample.prompt_tokens + sample.completion_tokens)
             document_ids[row, start:end] = doc
-            target_mask[row, begin:end] = True
+            target_mask[row, begin:end] = True if sample.completion_mask is None else torch.tensor(sample.completion_mask)
             advantages[row, begin:end] = sample.advantage
             if sample.old_logp is not None:
                 old_logp[row, begin:end] = torch.tensor(sample.old_logp)

@@ -15,6 +15,13 @@ optionally, weight the tokens by truncated importance sampling (fastlm/rl/consis
 function that fails leaves the loader as it was before the rollout (prompt stream and sampling generator
 restored), so the trainer can checkpoint the last finished step.
 
+Multi-turn (`rl.environment`, fastlm/rl/environments): each prompt record starts G episodes of an
+environment; the policy's turns and the environment's replies alternate on one KV cache (the generator
+then places each row at its own cache columns, `padding="right"`), an episode holds at most
+min(data.seq_len + 1, model.max_seq_len - max_new_tokens - 1) tokens, only the policy's tokens are targets,
+and the advantage is the episode's. The environment gives the reward and, for the built-in calculator task,
+the problems and the warm-up's demonstrations.
+
 Data parallel (`RolloutShard`): `rl.prompts_per_rollout` is per dp rank, like `data.micro_batch_size`,
 so a global rollout holds `prompts_per_rollout * dp` prompts. Every rank draws the whole global prompt
 list from the same seeded stream and keeps its block (rank r: prompts r*P .. r*P + P - 1), and samples
@@ -33,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.data.batch import Batch
 from fastlm.data.datasets import DataError
 from fastlm.data.offline_rl import PolicySample
@@ -44,7 +52,13 @@ from fastlm.losses.spec import ProcessGroup
 from fastlm.models.decoder import DecoderLM
 from fastlm.rl.advantages import group_advantages, rollout_metrics
 from fastlm.rl.config import RLConfig
-from fastlm.rl.consistency import gap_metrics, gap_statistics, importance_weights, tempered_transform
+from fastlm.rl.environments.base import EnvironmentFactory, load_environment
+from fastlm.rl.environments.config import BUILT_IN
+from fastlm.rl.environments.episodes import Episode, run_episodes
+from fastlm.rl.environments.transcript import completion_text, demonstration_sample
+from fastlm.rl.consistency import (
+    corrected_advantages, gap_metrics, gap_statistics, importance_weights, tempered_transform,
+)
 from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples, policy_logprobs, split_into_batches
 from fastlm.rl.prompts import (
     JsonlPrompts, PromptRecord, PromptSource, TaskPrompts, build_task, encode_prompt, task_reward,
@@ -55,13 +69,18 @@ from fastlm.rl.rewards import (
 
 SEED_STRIDE = 1_000_003  # between the sampling seeds of dp ranks (a prime: runs with nearby seeds never share one)
 
-__all__ = ["RewardError", "RolloutLoader", "RolloutShard", "build_task", "draw_rollout", "evaluate_greedy"]
+__all__ = ["RewardError", "RolloutLoader", "RolloutShard", "build_task", "draw_episodes", "draw_rollout",
+           "evaluate_greedy", "rollout_task"]
 
 
-def completion_text(completion: Completion, tokenizer: Tokenizer) -> str:
-    """The answer text before the stop token; other special tokens stay visible (so they cost reward)."""
-    body = completion.tokens[:-1] if completion.stopped else completion.tokens
-    return tokenizer.decode(body, skip_special=False)
+def rollout_task(config: RLConfig) -> Task:
+    """The built-in task a run draws prompts (and eval problems) from: the built-in environment's, else rl.task."""
+    if config.environment is not None and config.environment.name == BUILT_IN:
+        from fastlm.rl.environments.arithmetic import ToolArithmeticOptions, ToolArithmeticTask
+
+        options = ToolArithmeticOptions(**config.environment.options)
+        return ToolArithmeticTask(options.operations, options.max_operand)
+    return build_task(config.task)
 
 
 def encode_prompts(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
@@ -117,6 +136,7 @@ class Rollout:
     samples: list[PolicySample]
     metrics: dict[str, float]  # rollout_metrics names, without the train/ prefix
     examples: list[dict[str, Any]]  # the first rl.log_completions samples, as text: what a user reads
+    reward_seconds: float = 0.0  # in the reward functions, or the environments' steps (tool calls included)
 
 
 def draw_rollout(
@@ -146,7 +166,9 @@ def draw_rollout(
     }
     for column in records[0].columns:
         arguments[column] = [record.columns[column] for record in records for _ in range(group)]
+    started = time.perf_counter()
     per_function = score_completions(rewards, arguments, group, config.nan_rewards)
+    reward_seconds = time.perf_counter() - started
     facts = torch.tensor([[len(c.tokens), float(c.stopped)] for c in completions], dtype=torch.float64)
     local = torch.cat([total_reward(per_function, rewards)[:, None], facts, per_function], dim=1)
     gathered = shard.gather(local)
@@ -164,7 +186,66 @@ def draw_rollout(
          "advantage": samples[i].advantage}
         for i in range(min(config.log_completions, len(samples)))
     ]
-    return Rollout(samples, metrics, examples)
+    return Rollout(samples, metrics, examples, reward_seconds)
+
+
+def draw_episodes(
+    engine: Generator,
+    tokenizer: Tokenizer,
+    records: list[PromptRecord],
+    factory: EnvironmentFactory,
+    config: RLConfig,
+    options: SamplingOptions,
+    generator: torch.Generator | None,
+    limit: int,
+    shard: RolloutShard = RolloutShard(),
+) -> Rollout:
+    """`draw_rollout` for multi-turn episodes: G per record, rewards from the environment, the advantage per
+    episode; the samples mask the environment's tokens and carry the sampler's log-probs on the policy's."""
+    group = config.group_size
+    episodes, step_seconds = run_episodes(engine, tokenizer, factory, records, group, options, generator, limit)
+    local = torch.tensor([[e.reward, e.policy_tokens, float(e.ended), e.turns, e.counts["tool_calls"],
+                           e.counts["tool_errors"]] for e in episodes], dtype=torch.float64)
+    gathered = shard.gather(local)
+    total, lengths, ended = gathered[:, 0], gathered[:, 1], gathered[:, 2]
+    advantages = group_advantages(total, group, config.scale_rewards, config.advantage_eps)
+    samples = [
+        PolicySample(e.prompt, e.tokens, float(a), old_logp=e.logprobs, completion_mask=e.policy)
+        for e, a in zip(episodes, shard.block(advantages.tolist()))
+    ]
+    metrics = rollout_metrics(total, advantages, lengths, ended.bool(), group)
+    metrics.update(episode_metrics(gathered[:, 3:]))
+    examples = [
+        {"prompt": tokenizer.decode(e.prompt, skip_special=False), "completion": _episode_text(e, tokenizer),
+         "reward": e.reward, "advantage": sample.advantage}
+        for e, sample in list(zip(episodes, samples))[: config.log_completions]
+    ]
+    return Rollout(samples, metrics, examples, step_seconds)
+
+
+def _episode_text(episode: Episode, tokenizer: Tokenizer) -> str:
+    return tokenizer.decode(episode.tokens, skip_special=False)
+
+
+def episode_metrics(columns: torch.Tensor) -> dict[str, float]:
+    """env/* statistics of the global rollout's episodes from their (turns, tool calls, tool errors) columns."""
+    turns, calls, errors = columns[:, 0], columns[:, 1], columns[:, 2]
+    return {"env/turns/mean": float(turns.mean()), "env/turns/max": float(turns.max()),
+            "env/tool_calls/mean": float(calls.mean()), "env/tool_errors/mean": float(errors.mean()),
+            "env/tool_use_rate": float((calls > 0).double().mean())}
+
+
+@torch.no_grad()
+def evaluate_episodes(engine: Generator, tokenizer: Tokenizer, factory: EnvironmentFactory, task: Task,
+                      problems: list[Problem], options: SamplingOptions, limit: int) -> dict[str, float]:
+    """Mean reward and accuracy of greedy episodes on fixed problems (accuracy: the last turn is correct)."""
+    greedy = SamplingOptions(options.max_new_tokens, 0.0, stop_tokens=options.stop_tokens,
+                             logit_scale=options.logit_scale, softcap=options.softcap)
+    records = [PromptRecord(p.prompt, {"answer": p.answer}) for p in problems]
+    episodes, _ = run_episodes(engine, tokenizer, factory, records, 1, greedy, None, limit)
+    correct = [e.ended and task.is_correct(p, e.messages[-1]["content"]) for p, e in zip(problems, episodes)]
+    return {"reward": sum(e.reward for e in episodes) / len(episodes), "accuracy": sum(correct) / len(correct),
+            "tool_use_rate": sum(e.counts["tool_calls"] > 0 for e in episodes) / len(episodes)}
 
 
 @torch.no_grad()
@@ -212,25 +293,24 @@ class RolloutLoader:
         self.shard = shard
         self.seed = seed
         self.tokenizer = tokenizer
-        self.task = build_task(config.task)
+        self.task = rollout_task(config)
         self.source: PromptSource = TaskPrompts(self.task)
         if config.prompts is not None:
             limit = model.config.max_seq_len - config.max_new_tokens
             self.source = JsonlPrompts(config.prompts, tokenizer, limit)
+        self.environment = load_environment(config.environment, config.format_reward) if config.environment else None
+        self.episode_limit = min(seq_len + 1, model.config.max_seq_len - config.max_new_tokens - 1)
         self.reward_functions = load_reward_functions(config.rewards, config.reward_timeout_s) if config.rewards else [
             RewardFunction("task", "built-in task reward", task_reward(self.task, config.format_reward), 1.0)]
         device = model.output_weight.device
         graphs = config.cuda_graph and device.type == "cuda" and model.tp_group is None
-        self.engine = Generator(model, self.tokenizer, amp_dtype, cuda_graph=graphs, compile=config.compile_decode and graphs)
+        self.engine = Generator(model, self.tokenizer, amp_dtype, cuda_graph=graphs, compile=config.compile_decode and graphs,
+                                padding="left" if self.environment is None else "right")
         self.train_transform = tempered_transform(options.logit_scale, options.softcap, options.temperature)
         self.warmup_batches = config.warmup_steps * grad_accumulation
         self.demos: PolicyBatchLoader | RankShardLoader | None = None
         if config.warmup_steps:
-            shown = demonstrations(self.task, config.warmup_demonstrations, config.warmup_noise, seed + 1)
-            samples = [
-                PolicySample(self.tokenizer.encode(p.prompt, bos=True), self.tokenizer.encode(p.answer, eos=True), 0.0)
-                for p in shown
-            ]
+            samples = self._demonstrations(seed + 1)
             self.demos = rank_rows(PolicyBatchLoader(pack_policy_samples(samples, seq_len, self.tokenizer.pad_id),
                                                      micro_batch_size * shard.count, seed), shard)
         self.prompt_rng = random.Random(seed + 2)
@@ -243,6 +323,32 @@ class RolloutLoader:
         self.examples: list[dict[str, Any]] = []  # the latest rollout's, for the completions table
         self.rewards: list[float] = []  # mean reward of every rollout, in order
         self.rollout_seconds = 0.0  # time spent drawing rollouts since the trainer last read it
+        # the same time split: sampling (generation), reward (functions or environment steps), old log-probs
+        self.phase_seconds = dict.fromkeys(("sampling", "reward", "old_logprob"), 0.0)
+
+    def _demonstrations(self, seed: int) -> list[PolicySample]:
+        """The warm-up's solved samples: the task's (prompt, answer) pairs, or the environment's conversations
+        tokenized as its rollouts are (only the assistant turns are targets)."""
+        config = self.config
+        if self.environment is None:
+            shown = demonstrations(self.task, config.warmup_demonstrations, config.warmup_noise, seed)
+            return [PolicySample(self.tokenizer.encode(p.prompt, bos=True), self.tokenizer.encode(p.answer, eos=True), 0.0)
+                    for p in shown]
+        demonstrate = getattr(self.environment.prototype, "demonstrations", None)
+        if not callable(demonstrate):
+            raise ConfigError(ConfigIssue("rl.warmup_steps", f"environment '{self.environment.path}' has no "
+                                          "demonstrations(count, noise, seed) for the supervised warm-up",
+                                          config.warmup_steps, hint="set rl.warmup_steps: 0"))
+        stop = self.options.stop_tokens[0]
+        return [demonstration_sample(self.tokenizer, conversation, stop)
+                for conversation in demonstrate(config.warmup_demonstrations, config.warmup_noise, seed)]
+
+    def evaluate(self, problems: list[Problem], options: SamplingOptions) -> dict[str, float]:
+        """The greedy eval: single completions scored by the task, or whole episodes of the environment."""
+        if self.environment is None:
+            return evaluate_greedy(self.engine, self.tokenizer, self.task, problems, options, self.config.format_reward)
+        return evaluate_episodes(self.engine, self.tokenizer, self.environment, self.task, problems, options,
+                                 self.episode_limit)
 
     @property
     def in_warmup(self) -> bool:
@@ -261,12 +367,17 @@ class RolloutLoader:
         try:
             count = self.config.prompts_per_rollout * self.shard.count
             records = self.shard.block([self.source.sample(self.prompt_rng) for _ in range(count)])
-            rollout = draw_rollout(self.engine, self.tokenizer, records, self.reward_functions, self.config,
-                                   self.options, self.generator, self.shard)
+            if self.environment is None:
+                rollout = draw_rollout(self.engine, self.tokenizer, records, self.reward_functions, self.config,
+                                       self.options, self.generator, self.shard)
+            else:
+                rollout = draw_episodes(self.engine, self.tokenizer, records, self.environment, self.config,
+                                        self.options, self.generator, self.episode_limit, self.shard)
         except (RewardError, DataError):
             self.prompt_rng.setstate(saved[0])
             self.generator.set_state(saved[1])
             raise
+        sampled = time.perf_counter()
         rows = pack_policy_samples(rollout.samples, self.seq_len, self.tokenizer.pad_id)
         batches = split_into_batches(rows, self.grad_accumulation)
         statistics = []
@@ -275,9 +386,8 @@ class RolloutLoader:
             assert sampler_logp is not None
             batch.old_logp = policy_logprobs(self.model, batch, *self.train_transform, self.amp_dtype)
             weights = importance_weights(batch, batch.old_logp, sampler_logp, self.config.importance_sampling)
-            if weights is not None:
-                assert batch.advantages is not None
-                batch.advantages = batch.advantages * weights
+            batch.advantages = corrected_advantages(batch, batch.old_logp, sampler_logp,
+                                                    self.config.importance_sampling, weights)
             statistics.append(gap_statistics(batch, batch.old_logp, sampler_logp, weights))
         gathered = self.shard.gather(torch.stack(statistics))
         self.batches, self.position = batches, 0
@@ -285,7 +395,11 @@ class RolloutLoader:
         self.examples = rollout.examples
         self.rewards.append(rollout.metrics["reward"])
         self.rollouts += 1
-        self.rollout_seconds += time.perf_counter() - started
+        finished = time.perf_counter()
+        self.rollout_seconds += finished - started
+        self.phase_seconds["sampling"] += sampled - started - rollout.reward_seconds
+        self.phase_seconds["reward"] += rollout.reward_seconds
+        self.phase_seconds["old_logprob"] += finished - sampled
 
     def next_batch(self) -> Batch:
         if self.in_warmup:

@@ -47,7 +47,7 @@ from fastlm.rl.consistency import tempered_transform
 from fastlm.rl.eval_prompts import eval_records, evaluate_prompts
 from fastlm.rl.prompts import PromptRecord, stop_token_ids
 from fastlm.rl.rewards import RewardError
-from fastlm.rl.rollouts import RolloutLoader, RolloutShard, build_task, evaluate_greedy, rank_rows
+from fastlm.rl.rollouts import RolloutLoader, RolloutShard, rank_rows, rollout_task
 
 
 SUMMARY_WINDOW = 3  # rollouts averaged at each end of the run for the reward summary
@@ -111,7 +111,7 @@ class RLTrainer(Trainer):
         chosen = self.rl.eval_prompts
         if not self.offline and self.rl.prompts is None and isinstance(chosen, int) and chosen:
             rng = random.Random(config.run.seed + 4)
-            task = build_task(self.rl.task)
+            task = rollout_task(self.rl)
             self.eval_problems = [task.sample(rng) for _ in range(chosen)]
         elif not self.offline and isinstance(self.train_loader, RolloutLoader):
             limit = config.model.max_seq_len - self.rl.max_new_tokens
@@ -240,15 +240,14 @@ class RLTrainer(Trainer):
                 record[COMPLETIONS_KEY] = [{"rollout": loader.rollouts, **row} for row in loader.examples]
                 self.logged_rollout = loader.rollouts
         if self._eval_due() and isinstance(loader, RolloutLoader):
-            if self.eval_problems:
-                scores = evaluate_greedy(loader.engine, loader.tokenizer, loader.task, self.eval_problems, self.options,
-                                         self.rl.format_reward)
-                record["eval/accuracy"] = scores["accuracy"]
+            if self.eval_problems:  # the built-in task's problems, single completions or whole episodes
+                scores = loader.evaluate(self.eval_problems, self.options)
+                record.update({f"eval/{name}": value for name, value in scores.items()})
             else:
                 scores = evaluate_prompts(loader.engine, loader.tokenizer, self.eval_records, self.options,
                                           loader.reward_functions, self.rl.nan_rewards)
                 record.update({f"eval/{name}": value for name, value in scores.items() if name.startswith("rewards/")})
-            record["eval/reward"] = scores["reward"]
+                record["eval/reward"] = scores["reward"]
             self.eval_rewards.append((self.step, scores["reward"]))
         return record
 

@@ -113,21 +113,50 @@ def _rollout_checks(config: RunConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue("rl.prompts.path", "no such file", rl.prompts.path))
     if hasattr(rl.eval_prompts, "path") and not Path(rl.eval_prompts.path).is_file():
         issues.append(ConfigIssue("rl.eval_prompts.path", "no such file", rl.eval_prompts.path))
-    if rl.importance_sampling.mode == "token_truncate" and any(
-            c.type == "gspo" for c in config.model.head.losses.values()):
+    gspo = any(c.type == "gspo" for c in config.model.head.losses.values())
+    if rl.importance_sampling.mode in ("token_truncate", "token_mask", "icepop") and gspo:
         issues.append(ConfigIssue("rl.importance_sampling.mode", "GSPO weighs whole sequences; per-token weights would "
-                                  "be averaged into its sequence advantage", "token_truncate",
-                                  hint="use sequence_truncate with gspo"))
+                                  "be averaged into its sequence advantage", rl.importance_sampling.mode,
+                                  hint="use a sequence_* mode with gspo"))
+    if rl.importance_sampling.mismatch_kl_coeff > 0 and gspo:
+        issues.append(ConfigIssue("rl.importance_sampling.mismatch_kl_coeff", "is a per-token advantage shift, which "
+                                  "GSPO's sequence ratio would mix across tokens", rl.importance_sampling.mismatch_kl_coeff,
+                                  hint="use it with grpo or cispo, or set it to 0"))
     try:
         load_reward_functions(rl.rewards)
     except ConfigError as error:
         issues += error.issues
+    if rl.environment is not None:
+        issues += _environment_checks(config)
     try:
         stop_token_ids(rl, build_tokenizer(config.data.tokenizer, config.run.init_path))
     except ConfigError as error:
         issues += error.issues
     except TokenizerError:
         pass  # _tokenizer_checks reports it
+    return issues
+
+
+def _environment_checks(config: RunConfig) -> list[ConfigIssue]:
+    """The environment class imports and builds, can demonstrate for a warm-up, and an episode has room."""
+    from fastlm.config.errors import ConfigError
+    from fastlm.rl.environments.base import load_environment
+
+    rl = config.rl
+    assert rl is not None and rl.environment is not None
+    issues: list[ConfigIssue] = []
+    limit = min(config.data.seq_len + 1, config.model.max_seq_len - rl.max_new_tokens - 1)
+    if limit <= rl.max_new_tokens:
+        issues.append(ConfigIssue("rl.max_new_tokens", f"leaves no room for a multi-turn episode: an episode holds "
+                                  f"min(data.seq_len + 1, model.max_seq_len - max_new_tokens - 1) = {limit} tokens",
+                                  rl.max_new_tokens, hint="raise model.max_seq_len and data.seq_len, or lower it"))
+    try:
+        factory = load_environment(rl.environment, rl.format_reward)
+    except ConfigError as error:
+        return issues + error.issues
+    if rl.warmup_steps and not callable(getattr(factory.prototype, "demonstrations", None)):
+        issues.append(ConfigIssue("rl.warmup_steps", f"environment '{factory.path}' has no demonstrations(count, noise, "
+                                  "seed) for the supervised warm-up", rl.warmup_steps, hint="set rl.warmup_steps: 0"))
     return issues
 
 
