@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastlm.layers.moe import MoEMLP
+from fastlm.layers.moe import MoEMLP  # noqa: E402 - after the repository joins the path
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,6 @@ def time_model(name: str, config: Any, batch: int, seq_len: int, steps: int, dev
     from bench_train import synthetic_batches
 
     from fastlm.engine.optim import build_optimizer
-    from fastlm.system.device import autocast
     from fastlm.losses.spec import LossNormalizers, LossTargets
     from fastlm.models import (
         active_parameters,
@@ -163,6 +162,7 @@ def time_model(name: str, config: Any, batch: int, seq_len: int, steps: int, dev
         num_parameters,
     )
     from fastlm.run_config.schema import RunConfig
+    from fastlm.system.device import autocast
 
     run = RunConfig.model_validate({"model": config.model_dump()})
     torch.manual_seed(0)

@@ -40,11 +40,11 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastlm.data.tokenizer import ByteTokenizer
-from fastlm.models.hf import export_hf
-from fastlm.rl.prompts import TaskPrompts, task_reward
-from fastlm.rl.trainer import RLTrainer
-from fastlm.run_config.loader import load_config
+from fastlm.data.tokenizer import ByteTokenizer  # noqa: E402
+from fastlm.models.hf import export_hf  # noqa: E402
+from fastlm.rl.prompts import TaskPrompts, task_reward  # noqa: E402
+from fastlm.rl.trainer import RLTrainer  # noqa: E402
+from fastlm.run_config.loader import load_config  # noqa: E402
 
 PRESETS = ROOT / "configs" / "presets"
 PHASES = ("rollout", "reward", "old_logprob", "train")

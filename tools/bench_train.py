@@ -55,15 +55,15 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastlm.run_config.schema import RunConfig  # noqa: E402 - after the path fix
 from fastlm.engine.compile import CompileFallback  # noqa: E402
 from fastlm.engine.optim import build_optimizer  # noqa: E402
-from fastlm.system.device import autocast  # noqa: E402
 from fastlm.layers.embedding import document_positions  # noqa: E402
 from fastlm.layers.packed_attention import attention_layout  # noqa: E402
 from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets  # noqa: E402
 from fastlm.models import build_model, count_parameters, model_flops_per_token  # noqa: E402
 from fastlm.models.decoder import DecoderLM  # noqa: E402
+from fastlm.run_config.schema import RunConfig  # noqa: E402 - after the path fix
+from fastlm.system.device import autocast  # noqa: E402
 
 DOC_MIN, DOC_MAX = 150, 450  # packed documents: lengths uniform in [150, 450], ~300 tokens on average
 

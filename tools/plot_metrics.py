@@ -19,8 +19,8 @@ import argparse
 import math
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import matplotlib
 

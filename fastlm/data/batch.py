@@ -66,7 +66,7 @@ class Batch:
             teacher_head=None if self.teacher_head is None else self.teacher_head.flatten(),
         )
 
-    def to(self, device: torch.device | str) -> "Batch":
+    def to(self, device: torch.device | str) -> Batch:
         """A copy with every tensor on `device`. Host tensors reach a GPU through pinned memory without
         blocking: a pageable copy would make the host wait for the GPU to finish its queue (a sync per
         step); the stream orders the copy before the kernels that read it."""

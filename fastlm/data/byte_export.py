@@ -18,7 +18,7 @@ BYTE_CHAT_TEMPLATE = (
 )
 
 
-def save_byte_tokenizer(tokenizer: "ByteTokenizer", directory: Path) -> None:
+def save_byte_tokenizer(tokenizer: ByteTokenizer, directory: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

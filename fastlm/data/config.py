@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -36,7 +36,7 @@ class RecordFields(ConfigModel):
     messages_field: str | None = None
 
     @model_validator(mode="after")
-    def _check_fields(self) -> "RecordFields":
+    def _check_fields(self) -> RecordFields:
         if (self.prompt_field is None) != (self.completion_field is None):
             raise ValueError("set both prompt_field and completion_field (SFT) or neither (plain text_field)")
         if self.messages_field is not None and self.prompt_field is not None:
@@ -113,8 +113,7 @@ PREPARED_SOURCE_TYPES: frozenset[str] = frozenset({"memmap", "blend"})
 PREFERENCE_SOURCE_TYPES: frozenset[str] = frozenset({"preferences_jsonl", "generated_preferences"})
 
 DataSource = Annotated[
-    Union[GeneratedSource, TextSource, JsonlSource, MemmapSource, BlendSource, OfflineRLSource, PreferencesJsonlSource,
-          GeneratedPreferencesSource],
+    GeneratedSource | TextSource | JsonlSource | MemmapSource | BlendSource | OfflineRLSource | PreferencesJsonlSource | GeneratedPreferencesSource,
     Field(discriminator="type"),
 ]
 
@@ -137,7 +136,7 @@ class HuggingFaceTokenizerConfig(ConfigModel):
     pad_token: str | None = None
 
 
-TokenizerConfig = Annotated[Union[ByteTokenizerConfig, HuggingFaceTokenizerConfig], Field(discriminator="type")]
+TokenizerConfig = Annotated[ByteTokenizerConfig | HuggingFaceTokenizerConfig, Field(discriminator="type")]
 
 
 class DataConfig(ConfigModel):

@@ -65,7 +65,7 @@ class HuggingFaceTokenizer:
         self.pad_id = eos if pad is None else pad  # padding is never a target, any id will do
 
     @classmethod
-    def load(cls, config: HuggingFaceTokenizerConfig) -> "HuggingFaceTokenizer":
+    def load(cls, config: HuggingFaceTokenizerConfig) -> HuggingFaceTokenizer:
         return cls(_load_backend(config), config.path, config.bos_token, config.eos_token, config.pad_token)
 
     def _token_id(self, token: str | None, what: str) -> int | None:

@@ -162,7 +162,7 @@ def _load(path: Path, fmt: FileFormat, cache: Path) -> Any:
     options: dict[str, Any] = {"sample_by": "paragraph"} if fmt == "text" else {}
     try:
         return load_dataset(fmt, data_files=[str(path)], split="train", cache_dir=str(cache), **options)
-    except Exception as error:  # datasets wraps pyarrow's parse errors in several types
+    except Exception as error:  # noqa: BLE001 - datasets wraps pyarrow's parse errors in several types
         cause = error.__cause__ or error
         raise DataError(f"{path}: could not be read as {fmt} ({type(cause).__name__}: {cause}); fix the file or set "
                         "format:") from None

@@ -167,7 +167,7 @@ def check_tokenizer(metadata: dict[str, Any], tokenizer: Tokenizer, where: str) 
         )
 
 
-def prepared_source_issues(config: "RunConfig") -> list[ConfigIssue]:
+def prepared_source_issues(config: RunConfig) -> list[ConfigIssue]:
     """What opening the prepared data sets of a memmap or blend source would fail on, for `fastlm validate`:
     missing or damaged files, another tokenizer than the run's, token ids past the model's vocab."""
     from fastlm.data.config import MemmapSource
@@ -197,7 +197,7 @@ def prepared_source_issues(config: "RunConfig") -> list[ConfigIssue]:
     return issues
 
 
-def check_rows_fit(dataset: "PreparedDataset", seq_len: int) -> None:
+def check_rows_fit(dataset: PreparedDataset, seq_len: int) -> None:
     """The JSONL source's rule for SFT records (fastlm/data/datasets.py `pack_documents`): a document with a
     prompt longer than one row is refused, not split."""
     longest, width = int(dataset.metadata.get("longest_prompted", 0)), seq_len + 1

@@ -120,7 +120,7 @@ def holds_hf_tokenizer(directory: str | Path) -> bool:
     return path.is_dir() and any((path / name).is_file() for name in HF_TOKENIZER_FILES)
 
 
-def build_tokenizer(config: "TokenizerConfig | None", init_path: str | None = None) -> Tokenizer:
+def build_tokenizer(config: TokenizerConfig | None, init_path: str | None = None) -> Tokenizer:
     """The run's tokenizer: `data.tokenizer` when set; else the tokenizer saved with `run.init_path`; else bytes."""
     from fastlm.data.config import HuggingFaceTokenizerConfig
 

@@ -33,8 +33,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from fastlm.engine.run_dir import RunDirError, open_run_file
-from fastlm.system.disk_space import raise_if_disk_full
 from fastlm.engine.signals import fault_point
+from fastlm.system.disk_space import raise_if_disk_full
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"

@@ -8,7 +8,6 @@ from pydantic import Field, model_validator
 
 from fastlm.config.base import ConfigModel
 
-
 Beta = Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)]
 
 
@@ -94,7 +93,7 @@ class RunSection(ConfigModel):
     )
 
     @model_validator(mode="after")
-    def _check_name(self) -> "RunSection":
+    def _check_name(self) -> RunSection:
         if not self.name or "/" in self.name:
             raise ValueError(f"run.name {self.name!r} must be a non-empty name without '/'")
         return self

@@ -15,11 +15,11 @@ from dataclasses import replace
 
 import torch
 
-from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.engine.frozen import check_compatible, frozen_head_input, frozen_logits, load_frozen_model
-from fastlm.system.device import autocast
 from fastlm.engine.trainer import Trainer
+from fastlm.run_config.schema import RunConfig
+from fastlm.system.device import autocast
 
 
 class DistillationTrainer(Trainer):

@@ -13,13 +13,13 @@ from dataclasses import fields
 
 import torch
 
-from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.data.preferences import PreferenceBatch
 from fastlm.engine.frozen import frozen_logits, reference_model
-from fastlm.system.device import autocast
 from fastlm.engine.trainer import Trainer
 from fastlm.losses.dpo import label_sequence_logps
+from fastlm.run_config.schema import RunConfig
+from fastlm.system.device import autocast
 
 
 class DPOTrainer(Trainer):

@@ -24,15 +24,15 @@ import torch
 from pydantic import ValidationError
 
 from fastlm.config.errors import ConfigError
-from fastlm.run_config.schema import RunConfig
+from fastlm.data.chat import ChatError, check_messages, encode_chat_prompt
 from fastlm.data.datasets import DataError, jsonl_records
 from fastlm.data.tokenizer import Message, Tokenizer
 from fastlm.engine.checkpoint import LATEST_FILE, CheckpointError, read_manifest
-from fastlm.data.chat import ChatError, check_messages, encode_chat_prompt
 from fastlm.engine.preflight import resolve_step_dir
 from fastlm.engine.runtime import autocast_dtype, select_device
-from fastlm.models.decoder import DecoderLM, build_model
 from fastlm.generation import Generator, SamplingOptions
+from fastlm.models.decoder import DecoderLM, build_model
+from fastlm.run_config.schema import RunConfig
 
 DEFAULT_MAX_NEW_TOKENS = 64
 

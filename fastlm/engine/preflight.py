@@ -20,13 +20,13 @@ from pydantic import TypeAdapter, ValidationError
 from safetensors import safe_open
 
 from fastlm.config.errors import ConfigError, ConfigIssue
-from fastlm.run_config.schema import RunConfig
 from fastlm.data.config import PREPARED_SOURCE_TYPES
 from fastlm.data.prepared import prepared_source_issues
 from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, latest_pointer
 from fastlm.engine.run_dir import LOCK_FILE
 from fastlm.logging.logger import METRICS_FILE
 from fastlm.models.config import ModelConfig
+from fastlm.run_config.schema import RunConfig
 
 
 def preflight_issues(config: RunConfig) -> list[ConfigIssue]:

@@ -139,7 +139,7 @@ class RunDirLock:
         os.close(self._fd)
         self._fd = None
 
-    def __enter__(self) -> "RunDirLock":
+    def __enter__(self) -> RunDirLock:
         self.acquire()
         return self
 
@@ -196,7 +196,7 @@ class ReplacedRun:
         self.run_dir = run_dir
 
     @classmethod
-    def set_aside(cls, run_dir: Path, names: list[str]) -> "ReplacedRun":
+    def set_aside(cls, run_dir: Path, names: list[str]) -> ReplacedRun:
         partial = run_dir / ASIDE_DIR
         partial.mkdir()
         for name in names:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from fastlm.run_config.schema import RunConfig
 from fastlm.engine.distill import DistillationTrainer
 from fastlm.engine.dpo import DPOTrainer
 from fastlm.engine.trainer import Trainer
+from fastlm.run_config.schema import RunConfig
 
 
 def trainer_class_for(config: RunConfig) -> type[Trainer]:

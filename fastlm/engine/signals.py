@@ -73,7 +73,7 @@ class StopRequest:
         print(f"fastlm: {received.name} received: finishing this step, writing a checkpoint, then exiting "
               "(send it again to exit at once)", file=sys.stderr, flush=True)
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
             for stop_signal in STOP_SIGNALS:
                 self._previous[stop_signal] = signal.signal(stop_signal, self._handle)

@@ -27,13 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fastlm.run_config.checks import cross_check
 from fastlm.config.errors import ConfigError
-from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.data.datasets import DataError
-from fastlm.data.fingerprint import data_fingerprint, describe_change
 from fastlm.data.eval_source import build_run_loaders
+from fastlm.data.fingerprint import data_fingerprint, describe_change
 from fastlm.data.loader import BatchLoader
 from fastlm.data.summary import eval_repeat_note
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
@@ -46,7 +44,6 @@ from fastlm.engine.checkpoint import (
     step_dir_name,
 )
 from fastlm.engine.compile import CompileFallback, compile_wanted
-from fastlm.system.disk_space import ensure_space
 from fastlm.engine.distributed import (
     RankShardLoader,
     build_parallel,
@@ -61,26 +58,28 @@ from fastlm.engine.distributed import (
 from fastlm.engine.optim import build_optimizer, build_scheduler, clip_divisor, fused_update, step_unless
 from fastlm.engine.preflight import CHECKPOINT_DIR, EARLIER_RUN_FIX, earlier_run, preflight_issues
 from fastlm.engine.run_dir import FreshStart, ReplacedRun, RunDirError, RunDirLock, recover_replaced
-from fastlm.engine.schedule_resume import DecayAnchor, anchor_for_resume, continue_decay
 from fastlm.engine.runtime import (
     autocast_dtype,
+    cpu_threads,
     describe_head,
     rng_state,
-    cpu_threads,
     seed_everything,
     select_device,
     set_rng_state,
 )
+from fastlm.engine.schedule_resume import DecayAnchor, anchor_for_resume, continue_decay
 from fastlm.engine.signals import StopRequest
 from fastlm.engine.step_scalars import InFlightRead, PendingSteps, StepResult, StepValues, window_mean
-from fastlm.system.device import autocast
 from fastlm.logging.jsonl import drop_records_after
 from fastlm.logging.logger import METRICS_FILE, MetricLogger
 from fastlm.lora.training import check_base, checkpointed, checkpointed_shapes, restore_model, setup_lora
 from fastlm.losses.spec import LossNormalizers, LossResult
 from fastlm.losses.validation import ValueCheck, collected_value_checks, deferred_value_checks
 from fastlm.models.decoder import build_model
-
+from fastlm.run_config.checks import cross_check
+from fastlm.run_config.schema import RunConfig
+from fastlm.system.device import autocast
+from fastlm.system.disk_space import ensure_space
 
 HF_EXPORT_DIR = "hf"  # trainer.export_hf writes the final weights here
 
@@ -470,7 +469,7 @@ class Trainer:
             except ValueError:
                 if same_data:
                     raise
-                warnings.warn("the data order starts over: the changed data has another row count", RuntimeWarning)
+                warnings.warn("the data order starts over: the changed data has another row count", RuntimeWarning, stacklevel=2)
             set_rng_state(state["rng"])
             self.step = int(state["step"])
             self.skipped_steps = int(state["skipped_steps"])

@@ -26,7 +26,6 @@ from contextlib import contextmanager
 
 import torch
 
-from fastlm.system.device import autocast
 from fastlm.generation.generator import (
     Completion,
     Generator,
@@ -36,6 +35,7 @@ from fastlm.generation.generator import (
 )
 from fastlm.generation.sampling import SamplingOptions, draw_race
 from fastlm.models.decoder import DecoderLM
+from fastlm.system.device import autocast
 
 
 class Continuation:

@@ -11,7 +11,6 @@ runs unless top_p < 1 (top-k is one `topk`).
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch

@@ -70,7 +70,9 @@ class LayerCache:
             self.keys.scatter_(2, index, k)
             self.values.scatter_(2, index, v)
         if self.mask.blocks is not None:
-            from fastlm.layers.packed_attention import flex_attend  # lazy: packed_attention imports this module (via attention.py)
+            from fastlm.layers.packed_attention import (
+                flex_attend,  # lazy: packed_attention imports this module (via attention.py)
+            )
 
             return flex_attend(q.to(self.keys.dtype), self.keys, self.values, self.mask.blocks, scale).to(q.dtype)
         keys, values = self.keys[:, :, : self.span], self.values[:, :, : self.span]

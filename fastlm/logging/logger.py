@@ -68,7 +68,7 @@ class MetricLogger:
         for sink in self.sinks:
             sink.close()
 
-    def __enter__(self) -> "MetricLogger":
+    def __enter__(self) -> MetricLogger:
         return self
 
     def __exit__(self, *exc: object) -> None:

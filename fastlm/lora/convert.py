@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from fastlm.config.errors import ConfigError
 from fastlm.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerError
 from fastlm.engine.checkpoint import CheckpointError
+from fastlm.engine.convert import save_fastlm
 from fastlm.lora.attach import (
     Target,
     merged_weights,
@@ -36,7 +37,6 @@ from fastlm.lora.peft import (
 )
 from fastlm.lora.training import checkpointed, load_lora_run
 from fastlm.models.decoder import DecoderLM, build_model
-from fastlm.engine.convert import save_fastlm
 from fastlm.models.hf import FASTLM_CONFIG_FILE, config_from_hf, read_hf_config, save_hf
 
 LORA_YAML = "lora.yaml"

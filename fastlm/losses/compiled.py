@@ -275,7 +275,7 @@ class CompiledCoefficients:
     teacher_gap: torch.Tensor
     teacher_term: bool  # a distillation child writes gradient (weight != 0)
 
-    def rows(self, rows: slice) -> "CompiledCoefficients":
+    def rows(self, rows: slice) -> CompiledCoefficients:
         return replace(self, **{name: getattr(self, name)[rows] for name in
                                 ("lse", "prob", "label", "teacher_lse", "teacher", "student_lse", "teacher_gap")},
                        x=None if self.x is None else self.x[rows])

@@ -24,7 +24,7 @@ class DPOConfig(ChildConfig):
 
 # The shared-softmax children come from the registry (fastlm/losses/children); DPO works on summed
 # sequence log-probs, outside the shared softmax.
-MonolithicChild = Annotated[Union[CHILD_CONFIGS], Field(discriminator="type")]  # type: ignore[valid-type]
+MonolithicChild = Annotated[Union[CHILD_CONFIGS], Field(discriminator="type")]  # type: ignore[valid-type]  # noqa: UP007 - a tuple of classes
 LossChild = Annotated[Union[(*CHILD_CONFIGS, DPOConfig)], Field(discriminator="type")]  # type: ignore[valid-type]
 
 # The chunked head's default logits budget: 4096-token chunks at V=131072 in bf16 (with a teacher, its logits
@@ -77,7 +77,7 @@ class LMHeadConfig(ConfigModel):
         return data
 
     @model_validator(mode="after")
-    def _check_children(self) -> "LMHeadConfig":
+    def _check_children(self) -> LMHeadConfig:
         if not self.losses:
             raise ValueError("at least one loss is needed; e.g. losses: {cross_entropy: {type: cross_entropy}}")
         kinds: dict[str, str] = {}

@@ -37,7 +37,7 @@ class LossSpec:
     chunk_tokens: int = 4096
 
     @classmethod
-    def from_config(cls, config: MonolithicLossConfig) -> "LossSpec":
+    def from_config(cls, config: MonolithicLossConfig) -> LossSpec:
         children = tuple(child.to_child(name) for name, child in config.children.items())
         return cls(children, logit_scale=config.logit_scale, softcap=config.softcap, chunk_tokens=config.chunk_tokens)
 
@@ -93,7 +93,7 @@ class LossTargets:
     # "<child>/<name>": computed once before a chunked head slices the call into chunks
     prepared: dict[str, torch.Tensor] | None = None
 
-    def rows(self, rows: slice) -> "LossTargets":
+    def rows(self, rows: slice) -> LossTargets:
         """These targets for one chunk of tokens (per-sequence DPO reference log-probs stay whole)."""
         sliced = {
             item.name: getattr(self, item.name)[rows]
@@ -123,17 +123,17 @@ class TeacherHead:
         """The token dims of the hidden states (what per-token shape checks compare)."""
         return self.hidden.shape[:-1]
 
-    def to(self, device: torch.device | str) -> "TeacherHead":
+    def to(self, device: torch.device | str) -> TeacherHead:
         return replace(self, hidden=self.hidden.to(device), weight=self.weight.to(device))
 
-    def flatten(self) -> "TeacherHead":
+    def flatten(self) -> TeacherHead:
         """Hidden states as (tokens, Ht)."""
         return replace(self, hidden=self.hidden.reshape(-1, self.hidden.shape[-1]))
 
-    def rows(self, rows: slice) -> "TeacherHead":
+    def rows(self, rows: slice) -> TeacherHead:
         return replace(self, hidden=self.hidden[rows])
 
-    def vocab_rows(self, start: int, count: int) -> "TeacherHead":
+    def vocab_rows(self, start: int, count: int) -> TeacherHead:
         """This rank's shard of the output weight (a vocab-parallel student head)."""
         return replace(self, weight=self.weight[start : start + count])
 

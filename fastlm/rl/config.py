@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -31,7 +31,7 @@ class ArithmeticChainTaskConfig(ConfigModel):
 
 
 TaskConfig = Annotated[
-    Union[AdditionTaskConfig, ReverseTaskConfig, ArithmeticChainTaskConfig], Field(discriminator="type")
+    AdditionTaskConfig | ReverseTaskConfig | ArithmeticChainTaskConfig, Field(discriminator="type")
 ]
 
 
@@ -69,7 +69,7 @@ class ImportanceSamplingConfig(ConfigModel):
                                      "needs rl.updates_per_rollout: 1")
 
     @model_validator(mode="after")
-    def _check_band(self) -> "ImportanceSamplingConfig":
+    def _check_band(self) -> ImportanceSamplingConfig:
         if self.mode in ("icepop", "sequence_geometric") and self.cap <= 1.0:
             raise ValueError(f"mode {self.mode} keeps ratios in [1/cap, cap]; cap must be > 1, got {self.cap}")
         return self
@@ -154,7 +154,7 @@ class RLConfig(ConfigModel):
         return data
 
     @model_validator(mode="after")
-    def _check_prompt_source(self) -> "RLConfig":
+    def _check_prompt_source(self) -> RLConfig:
         if self.prompts is not None and not self.rewards:
             raise ValueError("rl.prompts (a prompt data set) needs rl.rewards: the built-in reward scores the "
                              "built-in task only; add e.g. rewards: [{function: 'mypkg.rewards:exact', weight: 1.0}]")
@@ -167,14 +167,14 @@ class RLConfig(ConfigModel):
         return self
 
     @model_validator(mode="after")
-    def _check_environment(self) -> "RLConfig":
+    def _check_environment(self) -> RLConfig:
         if self.environment is not None and self.rewards:
             raise ValueError("rl.environment gives the episodes' rewards; remove rl.rewards (score inside the "
                              "environment's step instead)")
         return self
 
     @model_validator(mode="after")
-    def _check_mismatch_kl(self) -> "RLConfig":
+    def _check_mismatch_kl(self) -> RLConfig:
         if self.importance_sampling.mismatch_kl_coeff > 0 and self.updates_per_rollout != 1:
             raise ValueError("rl.importance_sampling.mismatch_kl_coeff is folded into the advantages, which is exact on "
                              "the first update of a rollout only (fastlm/rl/consistency.py); set rl.updates_per_rollout: 1")

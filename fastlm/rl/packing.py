@@ -17,9 +17,9 @@ from fastlm.data.batch import Batch, batch_from_rows
 from fastlm.data.datasets import PackedRows
 from fastlm.data.loader import BatchLoader
 from fastlm.data.offline_rl import PolicySample
-from fastlm.system.device import autocast
 from fastlm.losses.spec import IGNORE_INDEX, label_logp
 from fastlm.models.decoder import DecoderLM
+from fastlm.system.device import autocast
 
 
 @dataclass(frozen=True)

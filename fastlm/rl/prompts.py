@@ -20,8 +20,8 @@ from fastlm.data.chat import ChatError, check_messages
 from fastlm.data.datasets import DataError, jsonl_records
 from fastlm.data.tasks import AdditionTask, ArithmeticChainTask, Problem, ReverseTask, Task, score
 from fastlm.data.tokenizer import SPECIAL_TOKENS, Tokenizer, TokenizerError
-from fastlm.rl.rewards import RESERVED_ARGUMENTS
 from fastlm.rl.config import AdditionTaskConfig, ArithmeticChainTaskConfig, JsonlPromptsConfig, RLConfig, TaskConfig
+from fastlm.rl.rewards import RESERVED_ARGUMENTS
 
 
 @dataclass(frozen=True)

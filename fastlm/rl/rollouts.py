@@ -52,19 +52,34 @@ from fastlm.losses.spec import ProcessGroup
 from fastlm.models.decoder import DecoderLM
 from fastlm.rl.advantages import group_advantages, rollout_metrics
 from fastlm.rl.config import RLConfig
+from fastlm.rl.consistency import (
+    corrected_advantages,
+    gap_metrics,
+    gap_statistics,
+    importance_weights,
+    tempered_transform,
+)
 from fastlm.rl.environments.base import EnvironmentFactory, load_environment
 from fastlm.rl.environments.config import BUILT_IN
 from fastlm.rl.environments.episodes import Episode, run_episodes
 from fastlm.rl.environments.transcript import completion_text, demonstration_sample
-from fastlm.rl.consistency import (
-    corrected_advantages, gap_metrics, gap_statistics, importance_weights, tempered_transform,
-)
 from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples, policy_logprobs, split_into_batches
 from fastlm.rl.prompts import (
-    JsonlPrompts, PromptRecord, PromptSource, TaskPrompts, build_task, encode_prompt, task_reward,
+    JsonlPrompts,
+    PromptRecord,
+    PromptSource,
+    TaskPrompts,
+    build_task,
+    encode_prompt,
+    task_reward,
 )
 from fastlm.rl.rewards import (
-    RewardError, RewardFunction, load_reward_functions, reward_metrics, score_completions, total_reward,
+    RewardError,
+    RewardFunction,
+    load_reward_functions,
+    reward_metrics,
+    score_completions,
+    total_reward,
 )
 
 SEED_STRIDE = 1_000_003  # between the sampling seeds of dp ranks (a prime: runs with nearby seeds never share one)

@@ -23,32 +23,31 @@ from typing import Any
 
 import torch
 
-from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.data.config import OfflineRLSource
 from fastlm.data.offline_rl import load_offline_rl
 from fastlm.data.summary import check_batch_fits
 from fastlm.data.tasks import Problem
 from fastlm.data.tokenizer import Tokenizer
-from fastlm.engine.distributed import RankShardLoader
 from fastlm.engine.checkpoint import CheckpointError, save_checkpoint
+from fastlm.engine.distributed import RankShardLoader
 from fastlm.engine.frozen import copy_frozen, load_frozen_model, reference_model
 from fastlm.engine.optim import lr_multiplier
 from fastlm.engine.trainer import StepResult, Trainer, TrainSummary
+from fastlm.generation import SamplingOptions
 from fastlm.layers.lm_head import LMHead
 from fastlm.losses.children import CrossEntropyConfig
 from fastlm.losses.children.policy import PolicyConfig
 from fastlm.losses.config import LMHeadConfig
-from fastlm.rl.config import RLConfig
 from fastlm.models.decoder import DecoderLM
-from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples, policy_logprobs
-from fastlm.generation import SamplingOptions
+from fastlm.rl.config import RLConfig
 from fastlm.rl.consistency import tempered_transform
 from fastlm.rl.eval_prompts import eval_records, evaluate_prompts
+from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples, policy_logprobs
 from fastlm.rl.prompts import PromptRecord, stop_token_ids
 from fastlm.rl.rewards import RewardError
 from fastlm.rl.rollouts import RolloutLoader, RolloutShard, rank_rows, rollout_task
-
+from fastlm.run_config.schema import RunConfig
 
 SUMMARY_WINDOW = 3  # rollouts averaged at each end of the run for the reward summary
 COMPLETIONS_KEY = "train/completions_table"  # rollout, prompt, completion, reward, advantage per row

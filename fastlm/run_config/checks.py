@@ -6,11 +6,11 @@ import os
 from pathlib import Path
 
 from fastlm.config.errors import ConfigIssue
-from fastlm.run_config.schema import RunConfig
 from fastlm.data.config import PREFERENCE_SOURCE_TYPES
 from fastlm.data.tokenizer import TokenizerError, build_tokenizer
-from fastlm.losses.children.policy import PolicyConfig
 from fastlm.lora.checks import lora_issues
+from fastlm.losses.children.policy import PolicyConfig
+from fastlm.run_config.schema import RunConfig
 
 
 def cross_check(config: RunConfig) -> list[ConfigIssue]:

@@ -10,20 +10,21 @@ import difflib
 import os
 import re
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from fastlm.run_config.checks import cross_check
 from fastlm.config.errors import _MISSING, ConfigError, ConfigIssue
 from fastlm.config.user_code import user_code_sections
-from fastlm.run_config.init_path import HUB_NAME, checkpoint_tokenizer, resolve_init_path
-from fastlm.run_config.schema import RunConfig
 from fastlm.config.yaml_reader import parse_yaml, read_config_file
 from fastlm.models.build import describe_count, num_parameters
+from fastlm.run_config.checks import cross_check
+from fastlm.run_config.init_path import HUB_NAME, checkpoint_tokenizer, resolve_init_path
+from fastlm.run_config.schema import RunConfig
 
 BASE_KEY = "base"
 INIT_KEY = "init_path"

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastlm.config.errors import ConfigError
-from fastlm.run_config.loader import dump_config, load_config, load_layers, parse_override
 from fastlm.losses.children import GRPOConfig, ZLossConfig
 from fastlm.models.config import GPT2Config, LlamaConfig
+from fastlm.run_config.loader import dump_config, load_config, load_layers, parse_override
 
 
 def write(path: Path, data: dict | str) -> Path:

@@ -12,10 +12,10 @@ import torch
 import yaml
 
 from fastlm.cli import main
-from fastlm.run_config.schema import RunConfig
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.models.decoder import build_model
 from fastlm.models.hf import export_hf
+from fastlm.run_config.schema import RunConfig
 
 MODEL = {"type": "llama", "hidden_size": 32, "num_layers": 1, "num_heads": 2, "max_seq_len": 32}
 

@@ -20,8 +20,8 @@ import yaml
 from fastlm.cli import main
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
 from fastlm.engine.checkpoint import load_latest_checkpoint
-from fastlm.models.hf import import_hf
 from fastlm.generation import SamplingOptions, generate
+from fastlm.models.hf import import_hf
 
 MAX_NEW_TOKENS = 8
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "make_tiny_hf.py"

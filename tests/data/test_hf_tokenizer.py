@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from fastlm.run_config.checks import cross_check
-from fastlm.run_config.schema import RunConfig
 from fastlm.data.config import HuggingFaceTokenizerConfig
 from fastlm.data.hf_tokenizer import HuggingFaceTokenizer
 from fastlm.data.tokenizer import ByteTokenizer, TokenizerError, build_tokenizer
+from fastlm.run_config.checks import cross_check
+from fastlm.run_config.schema import RunConfig
 from tests.data.conftest import BPE_VOCAB
 
 TEXTS = ["The cat sees the moon. 17+25=42.", "  spaces\tand\nnew lines ", "ünïcödé 日本語 🙂", ""]

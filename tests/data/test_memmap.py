@@ -8,14 +8,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from fastlm.run_config.schema import RunConfig
 from fastlm.data.config import DataConfig
 from fastlm.data.datasets import DataError
 from fastlm.data.memmap import memmap_loaders
@@ -23,6 +21,7 @@ from fastlm.data.prepare import PrepareConfig, prepare
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.trainer import StepResult, Trainer
 from fastlm.logging.jsonl import read_metrics
+from fastlm.run_config.schema import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

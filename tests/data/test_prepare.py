@@ -13,15 +13,15 @@ import yaml
 from datasets import Dataset
 
 from fastlm.cli import main
-from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import batch_from_rows
-from fastlm.data.config import DataConfig, HuggingFaceTokenizerConfig, JsonlSource, MemmapSource
+from fastlm.data.config import DataConfig, HuggingFaceTokenizerConfig, JsonlSource
 from fastlm.data.datasets import DataError, load_documents, pack_documents
 from fastlm.data.memmap import memmap_rows
 from fastlm.data.prepare import PrepareConfig, prepare
 from fastlm.data.prepared import TOKENS_FILE, open_prepared
 from fastlm.data.tokenizer import ByteTokenizer, build_tokenizer
 from fastlm.engine.preflight import preflight_issues
+from fastlm.run_config.schema import RunConfig
 
 RECORDS = [{"text": f"document {i}: " + "word " * (i % 7), "prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(40)]
 

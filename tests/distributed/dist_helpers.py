@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from fastlm.run_config.schema import RunConfig
 from fastlm.engine.checkpoint import MODEL_FILE, load_latest_checkpoint
+from fastlm.run_config.schema import RunConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

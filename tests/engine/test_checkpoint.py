@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fastlm.run_config.schema import RunConfig
 from fastlm.engine.checkpoint import CheckpointError, load_latest_checkpoint
 from fastlm.engine.trainer import StepResult, Trainer
 from fastlm.logging.jsonl import read_metrics
+from fastlm.run_config.schema import RunConfig
 
 
 class Preempted(Exception):

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from wandb_reader import read_wandb_run
 
 from fastlm.config.errors import ConfigError
-from fastlm.run_config.loader import load_config
-from fastlm.run_config.schema import RunConfig
 from fastlm.engine.distill import DistillationTrainer
 from fastlm.engine.select import trainer_class_for
 from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
-from wandb_reader import read_wandb_run
 from fastlm.losses.spec import IGNORE_INDEX
+from fastlm.run_config.loader import load_config
+from fastlm.run_config.schema import RunConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TEACHER_FIELD = "model.head.losses.distillation.teacher_path"

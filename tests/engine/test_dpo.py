@@ -12,21 +12,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from wandb_reader import read_wandb_run
 
-from fastlm.run_config.checks import cross_check
 from fastlm.config.errors import ConfigError
-from fastlm.run_config.loader import load_config
-from fastlm.run_config.schema import RunConfig
+from fastlm.data.batch import batch_from_rows
 from fastlm.data.config import PreferencesJsonlSource
 from fastlm.data.datasets import DataError
 from fastlm.data.preferences import PreferenceBatch, pack_pairs, read_preference_jsonl
-from fastlm.data.batch import batch_from_rows
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.dpo import DPOTrainer
 from fastlm.engine.select import trainer_class_for
 from fastlm.logging.jsonl import read_metrics
-from wandb_reader import read_wandb_run
 from fastlm.losses.spec import IGNORE_INDEX
+from fastlm.run_config.checks import cross_check
+from fastlm.run_config.loader import load_config
+from fastlm.run_config.schema import RunConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 REWARDS = ("chosen", "rejected", "margins", "accuracies")

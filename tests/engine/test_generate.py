@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from fastlm.cli import main
-from fastlm.run_config.schema import RunConfig
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.generate import LoadedModel, sampling_options
 from fastlm.engine.trainer import Trainer
-from fastlm.models.decoder import build_model
 from fastlm.generation import SamplingOptions, generate
+from fastlm.models.decoder import build_model
+from fastlm.run_config.schema import RunConfig
 
 
 def test_generate_prints_the_samplers_completions(tiny_config: Callable[..., RunConfig], tmp_path: Path,

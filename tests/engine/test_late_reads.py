@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from host_reads import host_reads
+from test_trainer import _LateBadLabel
 
 from fastlm.data.batch import Batch
 from fastlm.engine.checkpoint import load_latest_checkpoint
@@ -17,8 +19,6 @@ from fastlm.engine.optim import build_scheduler
 from fastlm.engine.trainer import NonFiniteError, Trainer
 from fastlm.logging.jsonl import read_metrics
 from fastlm.run_config.schema import RunConfig
-from host_reads import host_reads
-from test_trainer import _LateBadLabel
 
 
 def _late(trainer: Trainer) -> Trainer:

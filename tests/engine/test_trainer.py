@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from host_reads import host_reads
+from wandb_reader import read_wandb_run
 
-from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.run_dir import RunDirError
 from fastlm.engine.trainer import NonFiniteError, Trainer
 from fastlm.logging.jsonl import read_metrics
-from host_reads import host_reads
-from wandb_reader import read_wandb_run
+from fastlm.run_config.schema import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -87,7 +87,7 @@ def test_graph_step_matches_eager(name: str, attention: str, compile: bool) -> N
     graph = Generator(model, TOKENIZER, cuda_graph=True, compile=compile, decode_attention=attention)
     cases = [(SamplingOptions(60, temperature=0.0), None), (SamplingOptions(60, temperature=1.0), 5)]
     for options, seed in cases[1:] if compile else cases:  # compiled: one compile, the sampled case (noise in the graph)
-        def run(engine: Generator):
+        def run(engine: Generator, options: SamplingOptions = options, seed: int | None = seed):
             generator = None if seed is None else torch.Generator("cuda").manual_seed(seed)
             return engine.generate(prompts, options, generator)
 

@@ -8,13 +8,13 @@ import math
 from pathlib import Path
 
 import pytest
+from wandb_reader import read_wandb_run
 
 from fastlm.logging.config import LoggingConfig, WandbConfig
 from fastlm.logging.jsonl import read_metrics
 from fastlm.logging.logger import MetricLogger
 from fastlm.logging.progress import ProgressLine
 from fastlm.logging.wandb_sink import resolve_mode
-from wandb_reader import read_wandb_run
 
 STEPS = [{"train/loss": 5.5 - i, "train/lr": 1e-3 * (i + 1), "train/tokens_per_second": 100.0 * i} for i in range(3)]
 

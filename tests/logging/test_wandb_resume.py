@@ -8,9 +8,9 @@ import pytest
 import yaml
 
 from fastlm.cli import main
-from fastlm.run_config.loader import load_config
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.trainer import Trainer
+from fastlm.run_config.loader import load_config
 
 
 def _config_file(tmp_path: Path) -> Path:

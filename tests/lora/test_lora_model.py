@@ -163,7 +163,9 @@ def test_frozen_base_has_no_gradient_and_no_optimizer_state() -> None:
 
 def test_targets_by_fastlm_or_peft_names() -> None:
     llama, gpt2 = build_model(small_llama(), "meta"), build_model(small_gpt2(), "meta")
-    paths = lambda model, patterns: [t.path for t in select_targets(model, patterns)]
+    def paths(model: torch.nn.Module, patterns: list[str]) -> list[str]:
+        return [t.path for t in select_targets(model, patterns)]
+
     assert paths(llama, ["attn.q", "attn.v"]) == paths(llama, ["q_proj", "v_proj"])
     assert paths(llama, ["mlp.*"]) == paths(llama, ["gate_proj", "up_proj", "down_proj"])
     assert paths(llama, ["blocks.1.attn.o"]) == paths(llama, ["layers.1.self_attn.o_proj"]) == ["blocks.1.attn.o"]

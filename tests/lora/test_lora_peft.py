@@ -14,11 +14,11 @@ import yaml
 from peft import PeftModel
 
 from fastlm.cli import main
+from fastlm.engine.convert import load_fastlm
 from fastlm.engine.trainer import Trainer
 from fastlm.lora.convert import load_lora_run
 from fastlm.lora.training import checkpointed
 from fastlm.models.decoder import build_model
-from fastlm.engine.convert import load_fastlm
 from fastlm.models.hf import config_from_hf
 from fastlm.run_config.schema import RunConfig
 

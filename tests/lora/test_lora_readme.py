@@ -19,7 +19,7 @@ from fastlm.cli import main
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 
-import make_tiny_hf
+import make_tiny_hf  # noqa: E402 - after tools/ joins the path
 
 SHORT = {"sft_lora": ["trainer.steps=3", "trainer.eval_every=0", "logging.wandb.enabled=false"],
          "grpo_lora": ["trainer.steps=3", "rl.warmup_steps=1", "rl.prompts_per_rollout=2", "rl.group_size=4",

@@ -7,10 +7,10 @@ import zlib
 
 import torch
 
-from fastlm.losses.reference import reference_loss
 from fastlm.losses.children import CISPO, GRPO, GSPO, CrossEntropy, Distillation, ZLoss
 from fastlm.losses.children.base import LossChild
 from fastlm.losses.children.policy import reference_documents
+from fastlm.losses.reference import reference_loss
 from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossResult, LossSpec, LossTargets, label_logp
 
 # Short names of the test children; a name's options (after ':' in make_spec) override these.

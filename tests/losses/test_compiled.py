@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from loss_cases import compare, make_case, make_spec, reference_with_grad, seed_of
 
 from fastlm.losses.compiled import compiled_loss

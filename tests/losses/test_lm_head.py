@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from loss_cases import make_case, make_spec, reference_with_grad, rel_err, seed_of
 

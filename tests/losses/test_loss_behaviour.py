@@ -12,8 +12,7 @@ from loss_cases import compare, make_case, make_spec, reference_with_grad, rel_e
 from fastlm.losses.compiled import compiled_loss
 from fastlm.losses.dispatch import monolithic_loss
 from fastlm.losses.metrics import k3_kl
-from fastlm.losses.spec import label_logp
-from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets
+from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets, label_logp
 
 
 @pytest.mark.parametrize("grad_output", [1.0, 0.37])

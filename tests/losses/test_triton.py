@@ -21,13 +21,13 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fastlm.losses.children import GRPO as GRPOChild
+from fastlm.losses.children import GSPO as GSPOChild
+from fastlm.losses.children import CrossEntropy, ZLoss
 from fastlm.losses.compiled import compiled_loss
 from fastlm.losses.dispatch import monolithic_loss
 from fastlm.losses.function import LossImplementation
 from fastlm.losses.reference import reference_loss
-from fastlm.losses.children import GRPO as GRPOChild
-from fastlm.losses.children import GSPO as GSPOChild
-from fastlm.losses.children import CrossEntropy, ZLoss
 from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets
 from fastlm.losses.triton import triton_loss
 from fastlm.losses.validation import deferred_value_checks

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 import yaml
 
-from fastlm.run_config.schema import RunConfig
 from fastlm.models.config import GPT2Config, LlamaConfig
 from fastlm.models.decoder import DecoderLM, build_model
+from fastlm.run_config.schema import RunConfig
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "presets"
 TINY_PRESETS = ("tiny-llama", "tiny-gpt2", "qwen2-tiny", "mistral-tiny", "gemma3-tiny")

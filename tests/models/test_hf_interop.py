@@ -18,11 +18,10 @@ from safetensors.torch import load_file, save_file
 
 from fastlm.cli import main
 from fastlm.config.errors import ConfigError
-from fastlm.run_config.loader import load_config
+from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.losses.spec import LossNormalizers, LossTargets
 from fastlm.models.config import GPT2Config, LlamaConfig
 from fastlm.models.decoder import build_model
-from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.models.hf import (
     check_matches,
     config_from_hf,
@@ -32,6 +31,7 @@ from fastlm.models.hf import (
     to_hf_state,
     weight_rules,
 )
+from fastlm.run_config.loader import load_config
 from tests.models.model_helpers import randomize_weights
 
 VOCAB, SEQ = 300, 16
@@ -269,8 +269,8 @@ def test_cli_convert_both_ways(saved: Callable[..., tuple[torch.nn.Module, Path]
 def test_training_round_trip_stays_loadable(saved: Callable[..., tuple[torch.nn.Module, Path]], tmp_path: Path) -> None:
     """HF checkpoint -> Trainer started from run.init_path (a few steps, real checkpoint) -> convert --to-hf
     -> transformers loads it and computes the trained model's logits."""
-    from fastlm.run_config.schema import RunConfig
     from fastlm.engine.trainer import Trainer
+    from fastlm.run_config.schema import RunConfig
 
     reference, directory = saved("qwen2")
     imported = config_from_hf(json.loads((directory / "config.json").read_text()))

@@ -10,11 +10,11 @@ import math
 
 import pytest
 import torch
+from model_helpers import relative_error
 
 from fastlm.layers.attention import Attention, attention_mask
 from fastlm.layers.embedding import document_positions
 from fastlm.layers.packed_attention import attention_layout
-from model_helpers import relative_error
 
 DOCS = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 3, 3]])
 
@@ -96,7 +96,7 @@ def test_layouts_match_naive_float64(kind: str, kv_heads: int, case: str, dtype:
         grads = torch.autograd.grad((out * weight.to(dtype)).sum(), inputs)
         ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
         errors += [relative_error(g, r) for g, r in zip(grads, ref_grads)]
-    print(f"{kind} {case} kv_heads={kv_heads} {dtype}: rel err out[/dq/dk/dv] = {['%.2e' % e for e in errors]}")
+    print(f"{kind} {case} kv_heads={kv_heads} {dtype}: rel err out[/dq/dk/dv] = {[f'{e:.2e}' for e in errors]}")
     assert max(errors) < (1e-12 if dtype == torch.float64 else 1e-5)
 
 

@@ -7,11 +7,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from model_helpers import TINY_PRESETS, load_preset, make_model, relative_error, small_gpt2, small_llama
 
 from fastlm.losses.spec import IGNORE_INDEX
 from fastlm.models.build import count_parameters
 from fastlm.models.decoder import build_model
-from model_helpers import TINY_PRESETS, load_preset, make_model, relative_error, small_gpt2, small_llama
 
 CONFIGS = {
     "gpt2": small_gpt2(),

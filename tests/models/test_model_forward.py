@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_helpers import make_model, relative_error, small_gpt2, small_llama
 
 from fastlm.losses.children import CrossEntropyConfig, ZLossConfig
 from fastlm.losses.config import LMHeadConfig
 from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets
-from model_helpers import make_model, relative_error, small_gpt2, small_llama
 
 Z_WEIGHT = 0.01
 

@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
+from model_helpers import PRESET_DIR, TINY_PRESETS, load_preset, make_model
 from torch.utils.flop_counter import FlopCounterMode
 
 from fastlm.models.build import count_parameters, estimate_memory, model_flops_per_token, num_parameters
 from fastlm.models.config import GPT2Config, LlamaConfig
 from fastlm.models.decoder import build_model
-from model_helpers import PRESET_DIR, TINY_PRESETS, load_preset, make_model
 
 PRESETS = sorted(path.stem for path in PRESET_DIR.glob("*.yaml"))
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_helpers import relative_error
 
 from fastlm.layers.rotary import apply_rotary, rotary_angles
-from model_helpers import relative_error
 
 HEAD_DIM = 16
 

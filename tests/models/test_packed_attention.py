@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_helpers import TINY_PRESETS, load_preset, make_model, relative_error
 
 from fastlm.engine.compile import CompileFallback, compile_wanted, describe_training_path
 from fastlm.layers.embedding import document_positions
 from fastlm.layers.packed_attention import document_mask_mod, flex_block_mask
 from fastlm.losses.spec import LossNormalizers, LossTargets
 from fastlm.models.decoder import DecoderLM
-from model_helpers import TINY_PRESETS, load_preset, make_model, relative_error
 
 
 def packed_rows(batch: int, seq_len: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

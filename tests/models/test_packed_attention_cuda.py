@@ -10,12 +10,13 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA (FlexAttention kernels, bf16 autocast)", allow_module_level=True)
 
-from fastlm.layers.embedding import document_positions
-from fastlm.layers.packed_attention import attention_layout
-from fastlm.losses.spec import LossNormalizers, LossTargets
 from model_helpers import TINY_PRESETS, load_preset, make_model, relative_error
 from test_model_attention import naive_attention, naive_mask
 from test_packed_attention import packed_rows
+
+from fastlm.layers.embedding import document_positions
+from fastlm.layers.packed_attention import attention_layout
+from fastlm.losses.spec import LossNormalizers, LossTargets
 
 CUDA = torch.device("cuda")
 
@@ -45,7 +46,7 @@ def test_flex_kernels_match_float64_reference(heads: int, kv_heads: int, window:
     out = layout.attend(*inputs)
     grads = torch.autograd.grad((out * weight.to(CUDA, dtype)).sum(), inputs)
     errors = [relative_error(out.double().cpu(), ref)] + [relative_error(g.double().cpu(), r) for g, r in zip(grads, ref_grads)]
-    print(f"flex {dtype} {heads}/{kv_heads} window={window}: rel err out/dq/dk/dv {['%.1e' % e for e in errors]}")
+    print(f"flex {dtype} {heads}/{kv_heads} window={window}: rel err out/dq/dk/dv {[f'{e:.1e}' for e in errors]}")
     assert max(errors) < (2e-2 if dtype == torch.bfloat16 else 2e-3)
 
 

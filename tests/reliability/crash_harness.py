@@ -87,7 +87,7 @@ def logged_steps(config_path: Path) -> int:
     return sum(1 for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if line.endswith("\n"))
 
 
-def wait_for(predicate: "callable[[], bool]", process: subprocess.Popen[str], what: str) -> None:
+def wait_for(predicate: callable[[], bool], process: subprocess.Popen[str], what: str) -> None:
     deadline = time.monotonic() + TIMEOUT_S
     while not predicate():
         if process.poll() is not None:
@@ -165,7 +165,7 @@ def kill_chain(config_path: Path, plan: list[str], seed: int, max_delay_s: float
         target = checkpoint_step(config_path) + rng.randint(1, 3)
         process = start(config_path, resume, fault)
         if how == "random":
-            wait_for(lambda: checkpoint_step(config_path) >= target, process, f"a checkpoint of step {target}")
+            wait_for(lambda target=target: checkpoint_step(config_path) >= target, process, f"a checkpoint of step {target}")
             time.sleep(rng.uniform(0.0, max_delay_s))
         elif how == "startup":
             time.sleep(rng.uniform(0.0, startup_s))

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from fastlm.cli import main
 from fastlm.config.errors import ConfigError
-from fastlm.run_config.loader import load_config
 from fastlm.config.yaml_reader import MAX_DEPTH
+from fastlm.run_config.loader import load_config
 
 
 def _bomb(levels: int, width: int) -> str:

@@ -20,8 +20,8 @@ from crash_harness import finish, run_dir, start, write_config
 
 from fastlm.cli import main
 from fastlm.engine.checkpoint import load_latest_checkpoint
-from fastlm.system.disk_space import DiskFullError
 from fastlm.logging.jsonl import JsonlSink, read_metrics
+from fastlm.system.disk_space import DiskFullError
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a size-limited tmpfs needs root")
 

@@ -21,11 +21,11 @@ import torch
 from crash_harness import ROOT, write_config
 from safetensors.torch import save_file
 
-from fastlm.run_config.loader import load_config
 from fastlm.data.datasets import DataError
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
+from fastlm.run_config.loader import load_config
 
 NEWEST, PREVIOUS = "step-00000004", "step-00000002"
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from crash_harness import ROOT, write_config
 
-from fastlm.run_config.loader import load_config
 from fastlm.data.batch import Batch
 from fastlm.data.config import DataConfig, JsonlSource
 from fastlm.data.datasets import DataError
@@ -19,6 +18,7 @@ from fastlm.data.loader import build_loaders
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.trainer import Trainer
+from fastlm.run_config.loader import load_config
 
 GOOD = '{"text": "a fine document"}\n'
 

@@ -11,10 +11,10 @@ import torch
 from crash_harness import ROOT, write_config
 
 from fastlm.config.errors import ConfigError
-from fastlm.run_config.loader import load_config
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.trainer import NonFiniteError, Trainer
 from fastlm.logging.jsonl import read_metrics
+from fastlm.run_config.loader import load_config
 
 
 def _poison_gradient_at(trainer: Trainer, step: int) -> None:

@@ -18,8 +18,8 @@ import yaml
 from crash_harness import write_config
 
 from fastlm.cli import main
-from fastlm.data.datasets import DataError, load_documents, pack_documents
 from fastlm.data.config import JsonlSource
+from fastlm.data.datasets import DataError, load_documents, pack_documents
 from fastlm.data.prepare import PrepareConfig, prepare
 from fastlm.data.prepared import SAMPLE_BLOCKS, SAMPLE_BYTES, TOKENS_FILE, open_prepared, token_sample
 from fastlm.data.tokenizer import ByteTokenizer

@@ -19,11 +19,11 @@ import pytest
 from crash_harness import ROOT, finish, run_dir, start, write_config
 
 from fastlm.cli import main
-from fastlm.run_config.loader import load_config
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.run_dir import LOCK_FILE, RunDirError, RunDirLock
 from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
+from fastlm.run_config.loader import load_config
 
 TINY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
         "model.intermediate_size=64", "data.seq_len=16", "data.micro_batch_size=2", "data.source.num_documents=40",

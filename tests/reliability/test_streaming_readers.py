@@ -40,7 +40,7 @@ def test_jsonl_reader_memory_is_bounded_by_the_longest_line(tmp_path: Path) -> N
 def test_text_reader_memory_is_bounded_by_the_longest_document(tmp_path: Path) -> None:
     path = tmp_path / "big.txt"
     with path.open("w", encoding="utf-8") as handle:
-        for index in range(LINES):
+        for _ in range(LINES):
             handle.write("word " * (LINE_BYTES // 5) + "\n\n")
     peak = _peak(lambda: sum(1 for _ in _paragraphs(path)))
     print(f"text: file {path.stat().st_size / 2**20:.1f} MiB, longest document 1 MiB, reader peak {peak / 2**20:.2f} MiB")

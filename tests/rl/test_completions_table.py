@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fastlm.run_config.loader import load_config
+from wandb_reader import read_wandb_run
+
 from fastlm.data.tasks import AdditionTask, Problem, score
 from fastlm.logging.jsonl import read_metrics
-from wandb_reader import read_wandb_run
 from fastlm.rl.trainer import COMPLETIONS_KEY, RLTrainer
+from fastlm.run_config.loader import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

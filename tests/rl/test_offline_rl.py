@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastlm.run_config.schema import RunConfig
 from fastlm.data.datasets import DataError
 from fastlm.data.offline_rl import load_offline_rl, write_offline_rl
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.select import trainer_class_for
 from fastlm.rl.packing import pack_policy_samples, policy_logprobs, rows_to_batch
 from fastlm.rl.trainer import RLTrainer
+from fastlm.run_config.schema import RunConfig
 
 GOOD = {"prompt": "2+2=", "completion": "4", "advantage": 1.0, "old_logprobs": [-0.5, -0.1]}
 

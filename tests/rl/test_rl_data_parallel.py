@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fastlm.run_config.schema import RunConfig
 from fastlm.data.batch import Batch
 from fastlm.data.tasks import AdditionTask, Problem, score
 from fastlm.data.tokenizer import EOS, ByteTokenizer
@@ -24,6 +23,7 @@ from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.logging.jsonl import read_metrics
 from fastlm.losses.spec import IGNORE_INDEX
 from fastlm.rl.trainer import RLTrainer
+from fastlm.run_config.schema import RunConfig
 from tests.distributed.dist_helpers import run_config, spawn
 
 WARMUP, RL_STEPS, GROUP, PROMPTS, OPERAND = 12, 4, 4, 3, 4

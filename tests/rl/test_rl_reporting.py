@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastlm.run_config.schema import RunConfig
 from fastlm.engine.launch import describe_summary
 from fastlm.engine.optim import lr_multiplier
 from fastlm.engine.trainer import TrainSummary
 from fastlm.logging.progress import ProgressLine
 from fastlm.rl.trainer import rl_scheduler
+from fastlm.run_config.schema import RunConfig
 
 
 def test_progress_line_shows_rewards_when_logged() -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from wandb_reader import read_wandb_run
 
-from fastlm.run_config.loader import load_config
-from fastlm.run_config.schema import RunConfig
 from fastlm.engine.select import trainer_class_for
 from fastlm.logging.jsonl import read_metrics
-from wandb_reader import read_wandb_run
 from fastlm.rl.trainer import COMPLETIONS_KEY, RLSummary, RLTrainer, window_means
+from fastlm.run_config.loader import load_config
+from fastlm.run_config.schema import RunConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 ROLLOUT_KEYS = {

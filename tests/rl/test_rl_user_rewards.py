@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from fastlm.run_config.loader import load_config
 from fastlm.logging.jsonl import read_metrics
 from fastlm.rl.rewards import RewardError
 from fastlm.rl.trainer import RLTrainer
+from fastlm.run_config.loader import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MODULE = '''

@@ -15,7 +15,7 @@ from tests.rl.rl_helpers import reference_logprobs, rel_err, tiny_model
 def _samples(count: int, seed: int = 0) -> list[PolicySample]:
     generator = torch.Generator().manual_seed(seed)
     out = []
-    for index in range(count):
+    for _ in range(count):
         prompt = [BOS] + torch.randint(40, 60, (int(torch.randint(2, 5, (1,), generator=generator)),), generator=generator).tolist()
         completion = torch.randint(40, 60, (int(torch.randint(1, 4, (1,), generator=generator)),), generator=generator).tolist() + [EOS]
         old = (-torch.rand(len(completion), generator=generator) - 0.01).tolist()

@@ -41,7 +41,7 @@ class ChildConfig(ConfigModel):
 
     weight: float = Field(1.0, ge=0.0, description="Multiplier of this child's loss; 0 = metrics only.")
 
-    def to_child(self, name: str) -> "LossChild":
+    def to_child(self, name: str) -> LossChild:
         """The plain object the loss paths run (no pydantic past this point)."""
         raise NotImplementedError
 

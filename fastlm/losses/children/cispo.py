@@ -28,7 +28,7 @@ class CISPOConfig(PolicyConfig):
         5.0, gt=0.0, description="Cap of the detached ratio, as TRL's epsilon_high (5.0 recommended): min(r, eps_high)."
     )
 
-    def to_child(self, name: str) -> "CISPO":
+    def to_child(self, name: str) -> CISPO:
         return CISPO(name, self.weight, **self.policy_numbers(), eps_high=self.eps_high)
 
 

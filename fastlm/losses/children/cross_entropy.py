@@ -15,7 +15,7 @@ from fastlm.losses.spec import safe_inverse
 class CrossEntropyConfig(ChildConfig):
     type: Literal["cross_entropy"] = "cross_entropy"
 
-    def to_child(self, name: str) -> "CrossEntropy":
+    def to_child(self, name: str) -> CrossEntropy:
         return CrossEntropy(name, self.weight)
 
 

@@ -49,7 +49,7 @@ class DistillationConfig(ChildConfig):
         None, description="Checkpoint directory of the frozen teacher; None means the batch brings teacher logits."
     )
 
-    def to_child(self, name: str) -> "Distillation":
+    def to_child(self, name: str) -> Distillation:
         return Distillation(name, self.weight, self.temperature, self.kl == "reverse", self.temperature_mode == "both",
                             self.kd_scale == "t_squared")
 

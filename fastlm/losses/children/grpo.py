@@ -31,7 +31,7 @@ class ClippedPolicyConfig(PolicyConfig):
     )
 
     @model_validator(mode="after")
-    def _check_delta(self) -> "ClippedPolicyConfig":
+    def _check_delta(self) -> ClippedPolicyConfig:
         if self.delta is not None and not self.delta > 1.0 + self.eps_high:
             raise ValueError(f"delta must be > 1 + eps_high = {1.0 + self.eps_high:g} (it bounds the ratio above the clip), got {self.delta}")
         return self
@@ -40,7 +40,7 @@ class ClippedPolicyConfig(PolicyConfig):
 class GRPOConfig(ClippedPolicyConfig):
     type: Literal["grpo"] = "grpo"
 
-    def to_child(self, name: str) -> "GRPO":
+    def to_child(self, name: str) -> GRPO:
         return GRPO(name, self.weight, **self.policy_numbers(), eps_low=self.eps_low, eps_high=self.eps_high,
                     delta=dual_clip(self.delta))
 

@@ -47,7 +47,7 @@ class GSPOConfig(ClippedPolicyConfig):
         "token carries its document's loss, mean over tokens; bnpo, dr_grpo as for the grpo child.",
     )
 
-    def to_child(self, name: str) -> "GSPO":
+    def to_child(self, name: str) -> GSPO:
         return GSPO(name, self.weight, **self.policy_numbers(), eps_low=self.eps_low, eps_high=self.eps_high,
                     delta=dual_clip(self.delta))
 

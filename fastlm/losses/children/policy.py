@@ -83,7 +83,7 @@ class PolicyConfig(ChildConfig):
     )
 
     @model_validator(mode="after")
-    def _check_loss_type(self) -> "PolicyConfig":
+    def _check_loss_type(self) -> PolicyConfig:
         if self.loss_type == "dr_grpo" and self.max_completion_length is None:
             raise ValueError("loss_type dr_grpo divides by max_completion_length x sequences; set max_completion_length")
         if self.use_bias_correction_kl and self.beta == 0:

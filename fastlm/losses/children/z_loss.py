@@ -16,7 +16,7 @@ class ZLossConfig(ChildConfig):
     type: Literal["z_loss"] = "z_loss"
     weight: float = Field(1e-4, ge=0.0)
 
-    def to_child(self, name: str) -> "ZLoss":
+    def to_child(self, name: str) -> ZLoss:
         return ZLoss(name, self.weight)
 
 

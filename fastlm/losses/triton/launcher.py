@@ -34,7 +34,6 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-
 import triton
 
 from fastlm.losses.children import CHILD_CLASSES
@@ -340,7 +339,7 @@ class GradCoefficients:
     x_term: bool
     grad_scale: float
 
-    def rows(self, rows: slice) -> "GradCoefficients":
+    def rows(self, rows: slice) -> GradCoefficients:
         """The coefficients of one token chunk (contiguous views)."""
         return replace(self, lse=self.lse[rows], prob=self.prob[rows], label=self.label[rows], x=self.x[rows],
                        teacher=tuple(stat[rows] for stat in self.teacher))

@@ -11,7 +11,6 @@ as `tensor.mul_(scale)` (math in the promoted dtype, rounded back), a launch's c
 from __future__ import annotations
 
 import torch
-
 import triton
 import triton.language as tl
 
