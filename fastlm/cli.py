@@ -120,7 +120,10 @@ def _describe_data(config: RunConfig) -> str:
         from fastlm.data.offline_rl import load_offline_rl
         from fastlm.rl.packing import pack_policy_samples
 
-        train, evaluation = pack_policy_samples(load_offline_rl(data.source.path, tokenizer), data.seq_len, tokenizer.pad_id), None
+        train, evaluation = (
+            pack_policy_samples(load_offline_rl(data.source.path, tokenizer), data.seq_len, tokenizer.pad_id),
+            None,
+        )
     else:
         batched = data.model_copy(update={"micro_batch_size": batch_rows})
         loaders = build_run_loaders(batched, config.run.seed, tokenizer)

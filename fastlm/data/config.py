@@ -113,7 +113,8 @@ PREPARED_SOURCE_TYPES: frozenset[str] = frozenset({"memmap", "blend"})
 PREFERENCE_SOURCE_TYPES: frozenset[str] = frozenset({"preferences_jsonl", "generated_preferences"})
 
 DataSource = Annotated[
-    GeneratedSource | TextSource | JsonlSource | MemmapSource | BlendSource | OfflineRLSource | PreferencesJsonlSource | GeneratedPreferencesSource,
+    GeneratedSource | TextSource | JsonlSource | MemmapSource | BlendSource | OfflineRLSource
+    | PreferencesJsonlSource | GeneratedPreferencesSource,
     Field(discriminator="type"),
 ]
 

@@ -1,8 +1,8 @@
 """Documents from a configured source, tokenized and packed into fixed rows with document ids.
 
-Every document becomes BOS + its tokens + EOS (the run's tokenizer; BOS only if it has one). Documents are shuffled once by seed, split into train and
-eval, then laid end to end and cut into rows of seq_len + 1 tokens; a document crossing a row boundary
-is split, and each piece gets its own id (attention and labels never cross a piece boundary).
+Every document becomes BOS + its tokens + EOS (the run's tokenizer; BOS only if it has one). Documents are shuffled once
+by seed, split into train and eval, then laid end to end and cut into rows of seq_len + 1 tokens; a document crossing a
+row boundary is split, and each piece gets its own id (attention and labels never cross a piece boundary).
 
 Hostile files fail early with the file and line: invalid UTF-8 or JSON, missing or non-string fields,
 empty documents, and prompt + completion records too long for one row (a split would train the

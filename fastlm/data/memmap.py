@@ -84,7 +84,8 @@ def describe_prepared(config: DataConfig, seed: int, tokenizer: Tokenizer, rows_
         train, evaluation = memmap_rows(path, config, seed + index, tokenizer)
         data = train.dataset
         share = rows_per_step * steps * weight / total
-        lines.append(f"data: {path}: {data.num_documents:,} documents, {data.num_tokens:,} tokens ({data.metadata['tokenizer']['name']}); "
+        lines.append(f"data: {path}: {data.num_documents:,} documents, {data.num_tokens:,} tokens "
+                     f"({data.metadata['tokenizer']['name']}); "
                      f"train {len(train):,} rows, eval {len(evaluation) if evaluation else 0:,} rows of {config.seq_len + 1} "
                      f"tokens; weight {weight / total:.2f} = {share / len(train):.2f} epochs over {steps:,} steps")
     return "\n".join(lines)

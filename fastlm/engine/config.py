@@ -62,7 +62,8 @@ class DistributedConfig(ConfigModel):
     tensor_parallel: int = Field(1, ge=1, description="Ranks sharing the vocab of the LM head.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl on CUDA, gloo on CPU.")
     timeout_minutes: float = Field(
-        10.0, gt=0.0, allow_inf_nan=False, description="Collective timeout: a rank waiting this long for a dead peer fails instead of hanging."
+        10.0, gt=0.0, allow_inf_nan=False,
+        description="Collective timeout: a rank waiting this long for a dead peer fails instead of hanging.",
     )
 
 

@@ -224,7 +224,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None, parallel: Parallel)
     sharded = set(sharded_parameter_names(model))
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     zero = torch.zeros((), dtype=torch.float32, device=next(model.parameters()).device)
-    squares = [sum((g.float().square().sum() for n, g in grads.items() if (n in sharded) == part), zero) for part in (False, True)]
+    squares = [
+        sum((g.float().square().sum() for n, g in grads.items() if (n in sharded) == part), zero) for part in (False, True)
+    ]
     dist.all_reduce(squares[1], group=group)
     norm = (squares[0] + squares[1]).sqrt()
     if max_norm is not None:
@@ -252,7 +254,9 @@ def _sharded_indices(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return {i: parameters[name] for i, name in enumerate(_optimizer_names(model, optimizer)) if name in sharded}
 
 
-def _map_tensors(state: dict[str, Any], parameter: torch.Tensor, function: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:
+def _map_tensors(
+    state: dict[str, Any], parameter: torch.Tensor, function: Callable[[torch.Tensor], torch.Tensor]
+) -> dict[str, Any]:
     """Apply `function` to the per-row state tensors (exp_avg, ...) of one parameter; scalars stay."""
     return {
         key: function(value) if isinstance(value, torch.Tensor) and value.shape == parameter.shape else value
@@ -299,7 +303,9 @@ def load_full_state(
     if isinstance(model, FSDPModule):
         options = StateDictOptions(full_state_dict=True, strict=strict)
         set_model_state_dict(model, model_state, options=options)
-        set_optimizer_state_dict(model, optimizer, _name_keyed(optimizer_state, _optimizer_names(model, optimizer)), options=options)
+        set_optimizer_state_dict(
+            model, optimizer, _name_keyed(optimizer_state, _optimizer_names(model, optimizer)), options=options
+        )
         return
     parameters = dict(model.named_parameters())
     sharded = sharded_parameter_names(model)

@@ -52,7 +52,9 @@ class Target:
         """Shell-style, against the end of a dotted name (`attn.q` matches `blocks.0.attn.q`)."""
         if pattern == ALL_LINEAR:
             return True
-        return any(fnmatchcase(name, pattern) or fnmatchcase(name, f"*.{pattern}") for name in (self.path, *(p.name for p in self.peft)))
+        return any(
+            fnmatchcase(name, pattern) or fnmatchcase(name, f"*.{pattern}") for name in (self.path, *(p.name for p in self.peft))
+        )
 
 
 def _slices(name: str, linear: nn.Linear, parent: nn.Module) -> list[Slice]:

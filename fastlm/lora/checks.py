@@ -54,7 +54,9 @@ def _adapter_path_issues(config: RunConfig) -> list[ConfigIssue]:
     lora = config.model.lora
     path = Path(lora.adapter_path)
     hint = "point it at a PEFT adapter folder or a `fastlm convert --from-peft` output"
-    if not ((path / PEFT_CONFIG_FILE).is_file() and (path / PEFT_WEIGHTS_FILE).is_file() or (path / FASTLM_ADAPTER_FILE).is_file()):
+    if not (
+        (path / PEFT_CONFIG_FILE).is_file() and (path / PEFT_WEIGHTS_FILE).is_file() or (path / FASTLM_ADAPTER_FILE).is_file()
+    ):
         return [ConfigIssue("model.lora.adapter_path", f"holds neither a PEFT adapter ({PEFT_CONFIG_FILE} + "
                             f"{PEFT_WEIGHTS_FILE}) nor {FASTLM_ADAPTER_FILE}", str(path), hint=hint)]
     model = build_model(config.model, "meta")

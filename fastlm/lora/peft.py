@@ -102,7 +102,9 @@ def read_peft(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
                               f"{PEFT_WEIGHTS_FILE}): {str(error)[:200]}") from None
     if not isinstance(adapter_config, dict) or adapter_config.get("peft_type") != "LORA":
         raise PeftFormatError(f"{directory / PEFT_CONFIG_FILE}: peft_type must be LORA")
-    unsupported = {key: adapter_config.get(key) for key in ("use_dora", "bias") if adapter_config.get(key) not in (None, False, "none")}
+    unsupported = {
+        key: adapter_config.get(key) for key in ("use_dora", "bias") if adapter_config.get(key) not in (None, False, "none")
+    }
     if unsupported:
         raise PeftFormatError(f"{directory / PEFT_CONFIG_FILE}: {unsupported} is not plain LoRA (fastlm trains no DoRA "
                               "magnitudes or biases)")

@@ -312,7 +312,9 @@ def _prepare(targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec,
     return replace(targets, prepared=prepared) if prepared else targets
 
 
-def _forward(hidden: torch.Tensor, weight: torch.Tensor, call: _Call) -> tuple[LossResult, torch.Tensor | None, WeightGrad | None]:
+def _forward(
+    hidden: torch.Tensor, weight: torch.Tensor, call: _Call
+) -> tuple[LossResult, torch.Tensor | None, WeightGrad | None]:
     spec, targets, normalizers, group = call.spec, call.targets, call.normalizers, call.group
     dtype = compute_dtype(hidden, weight)
     tokens, vocab = hidden.shape[0], weight.shape[0]

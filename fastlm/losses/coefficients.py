@@ -1,8 +1,8 @@
 """Per-token statistics -> every child's loss, metrics and gradient coefficients; the fused kernel's row table.
 
 `tail` is the torch tail after the vocab pass (compiled path, tensor-parallel Triton path): it hands
-the statistics to each child in turn (`children.base.LossChild.tail`), with no per-kind code here. It is written for few device ops and
-no device->host sync: inputs are masked once on first use, and the token sums of all losses and
+the statistics to each child in turn (`children.base.LossChild.tail`), with no per-kind code here. It is written for few
+device ops and no device->host sync: inputs are masked once on first use, and the token sums of all losses and
 metrics are reduced together (`metrics.Sums`).
 
 The fused Triton path skips it: the kernel writes the same per-token terms into one (K, T) buffer

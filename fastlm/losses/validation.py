@@ -79,7 +79,9 @@ def check_inputs(
     tokens = logits.shape[0]
     labels = targets.labels
     if labels.shape != (tokens,):
-        raise ValueError(f"targets.labels must have shape ({tokens},) to match logits {tuple(logits.shape)}, got {tuple(labels.shape)}")
+        raise ValueError(
+            f"targets.labels must have shape ({tokens},) to match logits {tuple(logits.shape)}, got {tuple(labels.shape)}"
+        )
     if labels.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"targets.labels must be int64 (or int32), got {labels.dtype}")
     if normalizers.tokens < 0:

@@ -2,7 +2,8 @@
 
 Each sample is one document (BOS + prompt + completion + EOS) and is never split across rows, so a
 GSPO sequence ratio always covers a whole completion. Labels are -100 on the prompt (and on a multi-turn
-episode's environment tokens: `PolicySample.completion_mask`); old_logp and the advantage sit on the completion's labels (the advantage is constant over a completion). Rows hold
+episode's environment tokens: `PolicySample.completion_mask`); old_logp and the advantage sit on the completion's labels
+(the advantage is constant over a completion). Rows hold
 seq_len + 1 tokens, shifted into seq_len inputs and labels like every other batch; `batch_from_rows`
 renumbers document ids so they are unique across the flattened batch.
 """

@@ -3,8 +3,8 @@
 Both give `PromptRecord`s: the prompt text and the record's other columns, which reach the reward functions
 as keyword arguments (fastlm/rl/rewards.py). A JSONL prompt may be plain text or a conversation (TRL's
 conversational format, a list of {"role", "content"} messages): a conversation is rendered by the run's
-tokenizer's chat template with the generation prompt, and the reward functions get the messages. A built-in task's records carry `answer` (the demonstrated
-answer), and its built-in reward (`task_reward`) scores completions with the task's own check.
+tokenizer's chat template with the generation prompt, and the reward functions get the messages. A built-in task's records
+carry `answer` (the demonstrated answer), and its built-in reward (`task_reward`) scores completions with the task's own check.
 """
 
 from __future__ import annotations

@@ -47,7 +47,10 @@ def _eval_source_checks(config: RunConfig) -> list[ConfigIssue]:
                             hint=f"use one of {sorted(EVAL_SOURCE_TYPES)}")]
     source = config.data.source.type
     if config.rl is not None or source in PREFERENCE_SOURCE_TYPES or source == "offline_rl":
-        what = "an online RL run is judged by eval/reward" if config.rl is not None else f"the {source} source has no eval/loss on documents"
+        what = (
+            "an online RL run is judged by eval/reward" if config.rl is not None
+            else f"the {source} source has no eval/loss on documents"
+        )
         return [ConfigIssue("data.eval_source", f"{what}: no eval set to read", evaluation.type,
                             hint="remove data.eval_source")]
     return []

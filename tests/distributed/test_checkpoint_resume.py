@@ -39,7 +39,9 @@ def test_checkpoint_from_two_ranks_resumes(tmp_path: Path, runs: tuple[Path, lis
     written, straight = runs
     ranks, distributed, micro_batch = LAYOUTS[layout]
     shutil.copytree(written, tmp_path / "resumed")
-    config = run_config(tmp_path, "resumed", trainer={"steps": 4}, distributed=distributed, data={"micro_batch_size": micro_batch})
+    config = run_config(
+        tmp_path, "resumed", trainer={"steps": 4}, distributed=distributed, data={"micro_batch_size": micro_batch}
+    )
     resumed = {0: train_run(config, True)} if ranks == 1 else spawn(train_run, config, True)
     gaps = [abs(a - b) / b for run in resumed.values() for a, b in zip(run["losses"], straight[2:], strict=True)]
     print(f"resume at {layout} from a world-2 checkpoint: {[r['losses'] for r in resumed.values()]} vs "

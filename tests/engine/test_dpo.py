@@ -137,7 +137,9 @@ def test_preference_jsonl_packs_pairs_in_loss_order(tmp_path: Path) -> None:
     pairs = [{"prompt": f"{a}+{a}=", "chosen": str(2 * a), "rejected": str(2 * a + 1)} for a in range(7)]
     path = _write(tmp_path / "pairs.jsonl", [json.dumps(p) for p in pairs[:3]] + [""] + [json.dumps(p) for p in pairs[3:]])
     tokenizer = ByteTokenizer()
-    rows = pack_pairs(read_preference_jsonl(PreferencesJsonlSource(path=str(path)), tokenizer), seq_len=40, pad_id=tokenizer.pad_id)
+    rows = pack_pairs(
+        read_preference_jsonl(PreferencesJsonlSource(path=str(path)), tokenizer), seq_len=40, pad_id=tokenizer.pad_id
+    )
     batch = batch_from_rows(rows.tokens, rows.document_ids, rows.target_mask)
     assert len(rows) > 1  # pairs spill over rows, whole
     assert batch.num_documents == 2 * len(pairs)  # padding joins a document, never one of its own

@@ -110,7 +110,10 @@ def test_accumulation_gives_one_big_batch() -> None:
     assert gap < 1e-5 and abs(z - float(whole.losses["moe_router_z"])) < 1e-6 * abs(z)
     model = _model()
     total = sum(float(model(ids[r], _targets(ids[r])[0], normalizers).losses["moe_aux"]) for r in (slice(0, 1), slice(1, 4)))
-    alone = [float(model(ids[r], _targets(ids[r])[0], LossNormalizers(tokens=1.0)).losses["moe_aux"]) for r in (slice(0, 1), slice(1, 4))]
+    alone = [
+        float(model(ids[r], _targets(ids[r])[0], LossNormalizers(tokens=1.0)).losses["moe_aux"])
+        for r in (slice(0, 1), slice(1, 4))
+    ]
     assert math.isclose(total, 0.25 * alone[0] + 0.75 * alone[1], rel_tol=1e-6)
 
 

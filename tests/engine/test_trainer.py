@@ -166,7 +166,9 @@ def test_nonfinite_stop_between_read_points_saves_the_weights_before_it(tiny_con
     assert all(torch.equal(saved[name], p) for (name, _), p in zip(trainer.model.named_parameters(), after_first))
 
 
-def test_steps_between_read_points_read_nothing_back(tiny_config: Callable[..., RunConfig], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_steps_between_read_points_read_nothing_back(
+    tiny_config: Callable[..., RunConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The host never waits for the device inside a step: between read points nothing is read back (the
     chunked head, the default, scales its gradients by grad_output on the device); a read point reads
     everything pending in one transfer."""

@@ -5,8 +5,8 @@ loss, every child's loss, every metric, and the hidden and weight gradients with
 reference (`reference.reference_loss` on the full float64 logits, autograd) for losses and gradients,
 the compiled path on the full float64 logits for metrics. Chunks of 12 tokens (dividing T) for the
 compiled path and of 10 (5 chunks, the last of 8: not dividing T) for Triton with vocab blocks of 16
-(rows loop over 3 blocks, the last partial; the tensor-parallel test has one block a row); inputs from loss_cases.make_case (~30% masked labels whose
-policy inputs are NaN, several documents per row, documents crossing chunk boundaries). Distillation
+(rows loop over 3 blocks, the last partial; the tensor-parallel test has one block a row); inputs from loss_cases.make_case
+(~30% masked labels whose policy inputs are NaN, several documents per row, documents crossing chunk boundaries). Distillation
 takes the teacher's hidden states and head weight with its own logit transform (one case the full
 teacher logits). Backward runs on `0.75 * loss` with grad_scale 2, so both scalings reach dH and dW.
 
@@ -141,7 +141,12 @@ def on_device(targets: LossTargets, device: torch.device, full_teacher: bool) ->
     if full_teacher:
         moved.update(teacher_logits=moved["teacher_logits"].float(), teacher_head=None)
     else:
-        moved.update(teacher_logits=None, teacher_head=dataclasses.replace(teacher, hidden=teacher.hidden.to(device, torch.float32), weight=teacher.weight.to(device, torch.float32)))
+        moved.update(
+            teacher_logits=None,
+            teacher_head=dataclasses.replace(
+                teacher, hidden=teacher.hidden.to(device, torch.float32), weight=teacher.weight.to(device, torch.float32)
+            ),
+        )
     return dataclasses.replace(targets, **moved)
 
 
@@ -207,7 +212,9 @@ def test_bad_input_names_whole_call_tokens() -> None:
         run_head(bad, "compiled", 12, {})
     teacher = dataclasses.replace(case.targets.teacher_head, weight=case.targets.teacher_head.weight[:30])
     other = dataclasses.replace(case, targets=dataclasses.replace(case.targets, teacher_head=teacher))
-    with pytest.raises(ValueError, match=r"targets.teacher_head.weight must be \(vocab=37, teacher hidden size=6\), got \(30, 6\)"):
+    with pytest.raises(
+        ValueError, match=r"targets.teacher_head.weight must be \(vocab=37, teacher hidden size=6\), got \(30, 6\)"
+    ):
         run_head(other, "compiled", 12, {})
 
 

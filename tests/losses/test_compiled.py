@@ -15,7 +15,9 @@ SUBSETS = [
 
 
 @pytest.mark.parametrize("kinds", SUBSETS)
-@pytest.mark.parametrize("numbers", [{}, {"logit_scale": 0.7}, {"softcap": 3.0, "logit_scale": 1.3}], ids=["plain", "scale", "softcap"])
+@pytest.mark.parametrize(
+    "numbers", [{}, {"logit_scale": 0.7}, {"softcap": 3.0, "logit_scale": 1.3}], ids=["plain", "scale", "softcap"]
+)
 def test_subset_matches_reference(kinds: str, numbers: dict[str, float]) -> None:
     spec = make_spec(kinds, **numbers)
     logits, targets, normalizers = make_case(seed=seed_of(kinds), vocab=37, spec=spec)

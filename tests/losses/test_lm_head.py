@@ -34,14 +34,22 @@ def test_lm_head_grads_match_float64_autograd() -> None:
     weight = (torch.randn(300, 16, generator=generator) * 0.5).requires_grad_(True)
     logits = (hidden @ weight.t()).detach()
     _, targets, normalizers = make_case(seed_of("head-targets"), tokens=20, vocab=300, spec=spec)
-    targets.old_logp = torch.where(targets.labels == -100, targets.old_logp, torch.log_softmax(logits.double(), -1).gather(-1, targets.labels.clamp(min=0)[:, None])[:, 0].float() + 0.2)
+    targets.old_logp = torch.where(
+        targets.labels == -100,
+        targets.old_logp,
+        torch.log_softmax(logits.double(), -1).gather(-1, targets.labels.clamp(min=0)[:, None])[:, 0].float() + 0.2,
+    )
     result = head(hidden, weight, targets, normalizers)
     result.loss.backward()
     h64, w64 = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
     targets64 = LossTargets(targets.labels, targets.old_logp.double(), targets.advantages.double())
     expected = reference_loss(h64 @ w64.t(), targets64, normalizers, spec)
     expected.loss.backward()
-    errors = {"loss": rel_err(result.loss, expected.loss), "hidden": rel_err(hidden.grad, h64.grad), "weight": rel_err(weight.grad, w64.grad)}
+    errors = {
+        "loss": rel_err(result.loss, expected.loss),
+        "hidden": rel_err(hidden.grad, h64.grad),
+        "weight": rel_err(weight.grad, w64.grad),
+    }
     print("LMHead vs float64: " + ", ".join(f"{k}={v:.2e}" for k, v in errors.items()))
     assert max(errors.values()) < 1e-5
     assert head.implementation == "compiled" and "compiled PyTorch path" in head.describe()
@@ -80,7 +88,9 @@ def test_dpo_loss_metrics_are_trl_shaped() -> None:
 
 def test_dispatch_rules() -> None:
     label_based = LMHeadConfig.model_validate({"losses": {"ce": {"type": "cross_entropy"}, "g": {"type": "gspo"}}}).monolithic()
-    with_kd = LMHeadConfig.model_validate({"losses": {"ce": {"type": "cross_entropy"}, "kd": {"type": "distillation"}}}).monolithic()
+    with_kd = LMHeadConfig.model_validate(
+        {"losses": {"ce": {"type": "cross_entropy"}, "kd": {"type": "distillation"}}}
+    ).monolithic()
     assert resolve_implementation(label_based, "cpu") == "compiled"
     assert resolve_implementation(label_based, "cuda") == "triton"
     assert resolve_implementation(with_kd, "cuda") == "triton"  # distillation runs in the fused kernel

@@ -60,7 +60,9 @@ def test_chunking_gives_identical_results() -> None:
 
 def _split(targets: LossTargets, rows: slice) -> LossTargets:
     pick = lambda t: None if t is None else t[rows]  # noqa: E731
-    return LossTargets(*(pick(getattr(targets, f)) for f in ("labels", "old_logp", "advantages", "document_ids", "teacher_logits")))
+    return LossTargets(
+        *(pick(getattr(targets, f)) for f in ("labels", "old_logp", "advantages", "document_ids", "teacher_logits"))
+    )
 
 
 @pytest.mark.parametrize("kinds", ["ce+z+grpo", "gspo_len+kd", "gspo"])
@@ -141,7 +143,9 @@ def test_grpo_metrics_match_hand_formulas() -> None:
         "grpo/ratio": ratio.sum() / n,
         "grpo/entropy": -(log_probs.exp() * log_probs).sum() / n,
         "grpo/advantage": targets.advantages[mask].double().sum() / n,
-        "grpo/clip_ratio/region_mean": (((ratio < 0.8) & (targets.advantages[mask] < 0)) | ((ratio > 1.25) & (targets.advantages[mask] > 0))).sum() / n,
+        "grpo/clip_ratio/region_mean": (
+            ((ratio < 0.8) & (targets.advantages[mask] < 0)) | ((ratio > 1.25) & (targets.advantages[mask] > 0))
+        ).sum() / n,
     }
     for key, value in expected.items():
         print(f"{key}: {float(result.metrics[key]):.6f} vs {float(value):.6f}")

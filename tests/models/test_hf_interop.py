@@ -97,7 +97,8 @@ def test_import_matches_transformers_logits(kind: str, saved: Callable[..., tupl
     with torch.no_grad():
         ours, theirs = model.logits(ids), reference(ids).logits
     diff = float((ours - theirs).abs().max())
-    print(f"{kind}: fp32 logits max abs diff {diff:.2e}, rel {_rel(ours, theirs):.2e}, |logits| max {float(theirs.abs().max()):.2f}")
+    print(f"{kind}: fp32 logits max abs diff {diff:.2e}, rel {_rel(ours, theirs):.2e}, "
+          f"|logits| max {float(theirs.abs().max()):.2f}")
     assert diff < 1e-4
 
 
@@ -245,7 +246,9 @@ def test_mismatched_model_and_bad_tensors_are_named(saved: Callable[..., tuple[t
     save_file(tensors, str(weights), metadata={"format": "pt"})
     with pytest.raises(ConfigError) as caught:
         import_hf(directory)
-    assert {issue.path for issue in caught.value.issues} == {"model.layers.1.self_attn.k_proj.bias", "model.layers.0.extra.weight"}
+    assert {issue.path for issue in caught.value.issues} == {
+        "model.layers.1.self_attn.k_proj.bias", "model.layers.0.extra.weight"
+    }
 
 
 def test_cli_convert_both_ways(saved: Callable[..., tuple[torch.nn.Module, Path]], tmp_path: Path,

@@ -123,7 +123,9 @@ def test_backends_equal_the_loop(backend: str, dtype: torch.dtype, tol: float) -
     grad = torch.randn_like(x)
     reference = _outputs_and_grads(layer, x, grad, "loop")
     assert int((expert_counts(route(x.reshape(-1, HIDDEN), layer.router.weight, TOP_K, True).experts, 64) == 0).sum()) > 40
-    for name, got, want in zip(["out", "dx", "d_router", "d_gate_up", "d_down"], _outputs_and_grads(layer, x, grad, backend), reference):
+    for name, got, want in zip(
+        ["out", "dx", "d_router", "d_gate_up", "d_down"], _outputs_and_grads(layer, x, grad, backend), reference
+    ):
         print(f"{backend} {name}: rel err {_rel(got, want):.2e}")
         assert _rel(got, want) < tol, name
 

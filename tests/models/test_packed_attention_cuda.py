@@ -94,5 +94,6 @@ def test_whole_model_compile_with_the_triton_loss_runs() -> None:
     loss, grads = loss_and_grads(compiled_model, tokens, documents, amp=True)
     assert model.head.implementation == "triton"
     error = max(relative_error(g, r) for g, r in zip(grads, eager_grads))
-    print(f"torch.compile(model) + Triton loss: loss {float(loss):.5f} vs eager {float(eager_loss):.5f}, grad rel err {error:.1e}")
+    print(f"torch.compile(model) + Triton loss: loss {float(loss):.5f} vs eager {float(eager_loss):.5f}, "
+          f"grad rel err {error:.1e}")
     assert abs(float(loss - eager_loss)) < 1e-2 and error < 5e-2

@@ -37,7 +37,9 @@ HOSTILE: dict[str, tuple[str | bytes, str | None]] = {
     "100k-deep flow nesting": ("a: " + "[" * 100_000 + "]" * 100_000 + "\n", None),
     "1000-deep block nesting": ("".join(f"{' ' * i}k:\n" for i in range(1000)), f"nested deeper than {MAX_DEPTH}"),
     "5000-digit integer": ("run: {seed: " + "9" * 5000 + "}\n", None),
-    "duplicate key": ("run:\n  seed: 1\n  name: x\n  seed: 2\n", "line 4, column 3: duplicate key 'seed' \\(first given on line 2\\)"),
+    "duplicate key": (
+        "run:\n  seed: 1\n  name: x\n  seed: 2\n", "line 4, column 3: duplicate key 'seed' \\(first given on line 2\\)"
+    ),
     "duplicate top-level section": ("run: {seed: 1}\nmodel: {}\nrun: {seed: 2}\n", "line 3, column 1: duplicate key 'run'"),
     "invalid UTF-8": (b"run:\n  name: \xff\xfe\n", "line 2: not valid UTF-8"),
     "impossible date": ("run: {name: 2021-02-30}\n", None),

@@ -48,11 +48,15 @@ def test_empty_completion_and_overlong_prompt_record(tmp_path: Path) -> None:
     fields = {"prompt_field": "q", "completion_field": "a"}
     path.write_text('{"q": "1+1=", "a": "2"}\n{"q": "", "a": ""}\n', encoding="utf-8")
     with pytest.raises(DataError, match=f"{path} line 2: field 'a' is empty"):
-        build_loaders(DataConfig(source=JsonlSource(path=str(path), **fields), seq_len=16, micro_batch_size=2), 0, ByteTokenizer())
+        build_loaders(
+            DataConfig(source=JsonlSource(path=str(path), **fields), seq_len=16, micro_batch_size=2), 0, ByteTokenizer()
+        )
     path.write_text('{"q": "1+1=", "a": "2"}\n{"q": "' + "x" * 40 + '", "a": "y"}\n{"q": "2+2=", "a": "4"}\n',
                     encoding="utf-8")
     with pytest.raises(DataError, match=rf"{path} line 2: prompt \+ completion is 43 tokens.*data.seq_len \+ 1 = 17"):
-        build_loaders(DataConfig(source=JsonlSource(path=str(path), **fields), seq_len=16, micro_batch_size=2), 0, ByteTokenizer())
+        build_loaders(
+            DataConfig(source=JsonlSource(path=str(path), **fields), seq_len=16, micro_batch_size=2), 0, ByteTokenizer()
+        )
 
 
 def test_long_plain_text_documents_are_split_not_refused(tmp_path: Path) -> None:

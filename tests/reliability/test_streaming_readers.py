@@ -77,6 +77,8 @@ def test_text_documents_keep_their_line_for_errors(tmp_path: Path) -> None:
     path = tmp_path / "corpus.txt"
     path.write_bytes(b"first document\n\n  \nsecond\r\ndocument\n\nthird \xff\n")
     with pytest.raises(DataError, match=f"{path} line 7: not valid UTF-8 at byte 43"):
-        build_loaders(DataConfig(source=TextSource(path=str(path)), seq_len=16, micro_batch_size=2), seed=0, tokenizer=ByteTokenizer())
+        build_loaders(
+            DataConfig(source=TextSource(path=str(path)), seq_len=16, micro_batch_size=2), seed=0, tokenizer=ByteTokenizer()
+        )
     path.write_bytes(b"first document\n\n  \nsecond\r\ndocument\n")
     assert [text for _, text in _paragraphs(path)] == ["first document", "second\r\ndocument"]

@@ -210,7 +210,8 @@ def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 def test_user_environment_episodes_on_a_real_model(user_module: str) -> None:
-    """Episodes of `my_envs:Echo` with a random tiny model (any ASCII byte stops a turn): the token stream, the policy mask, the summed reward, and the sampler's log-probs equal float64 on policy tokens."""
+    """Episodes of `my_envs:Echo` with a random tiny model (any ASCII byte stops a turn): the token stream, the policy
+    mask, the summed reward, and the sampler's log-probs equal float64 on policy tokens."""
     model, tokenizer = _model(3), ByteTokenizer()
     factory = load_environment(EnvironmentConfig(name=f"{user_module}:Echo", max_turns=3), 0.1)
     engine = Generator(model, tokenizer, padding="right")

@@ -28,7 +28,10 @@ GOOD = {"prompt": "2+2=", "completion": "4", "advantage": 1.0, "old_logprobs": [
         (json.dumps({k: v for k, v in GOOD.items() if k != "advantage"}), "line 2: missing field 'advantage'"),
         (json.dumps({**GOOD, "prompt": 3}), "line 2: field 'prompt' must be a string, got int"),
         (json.dumps({**GOOD, "advantage": "high"}), "line 2: field 'advantage' must be a finite number"),
-        (json.dumps({**GOOD, "old_logprobs": [-0.5]}), r"must be a list of 2 numbers .*1 tokens under the byte tokenizer \+ EOS\), got 1 values"),
+        (
+            json.dumps({**GOOD, "old_logprobs": [-0.5]}),
+            r"must be a list of 2 numbers .*1 tokens under the byte tokenizer \+ EOS\), got 1 values",
+        ),
         (json.dumps({**GOOD, "old_logprobs": [-0.5, 0.3]}), r"old_logprobs\[1\] = 0.3 is not a finite log-probability"),
         (json.dumps({**GOOD, "old_logprobs": [-0.5, None]}), r"old_logprobs\[1\] = None"),
     ],

@@ -109,7 +109,9 @@ def test_jsonl_prompts_carry_columns_and_name_bad_lines(tmp_path) -> None:
     with pytest.raises(DataError, match=r"prompts.jsonl line 1: the prompt has 5 tokens, more than .* = 4"):
         JsonlPrompts(config, ByteTokenizer(), 4)
     path.write_text('{"question": "2+2="}\n{"prompt": "x"}\n')
-    with pytest.raises(DataError, match=r"line 2: field 'question' \(rl.prompts.prompt_field\) must be a non-empty string or a list of chat"):
+    with pytest.raises(
+        DataError, match=r"line 2: field 'question' \(rl.prompts.prompt_field\) must be a non-empty string or a list of chat"
+    ):
         JsonlPrompts(config, ByteTokenizer(), 100)
 
 

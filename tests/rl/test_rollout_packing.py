@@ -16,8 +16,12 @@ def _samples(count: int, seed: int = 0) -> list[PolicySample]:
     generator = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count):
-        prompt = [BOS] + torch.randint(40, 60, (int(torch.randint(2, 5, (1,), generator=generator)),), generator=generator).tolist()
-        completion = torch.randint(40, 60, (int(torch.randint(1, 4, (1,), generator=generator)),), generator=generator).tolist() + [EOS]
+        prompt = [BOS] + torch.randint(
+            40, 60, (int(torch.randint(2, 5, (1,), generator=generator)),), generator=generator
+        ).tolist()
+        completion = torch.randint(
+            40, 60, (int(torch.randint(1, 4, (1,), generator=generator)),), generator=generator
+        ).tolist() + [EOS]
         old = (-torch.rand(len(completion), generator=generator) - 0.01).tolist()
         out.append(PolicySample(prompt, completion, float(torch.randn(1, generator=generator)), old))
     return out

@@ -33,7 +33,9 @@ class ClippedPolicyConfig(PolicyConfig):
     @model_validator(mode="after")
     def _check_delta(self) -> ClippedPolicyConfig:
         if self.delta is not None and not self.delta > 1.0 + self.eps_high:
-            raise ValueError(f"delta must be > 1 + eps_high = {1.0 + self.eps_high:g} (it bounds the ratio above the clip), got {self.delta}")
+            raise ValueError(
+                f"delta must be > 1 + eps_high = {1.0 + self.eps_high:g} (it bounds the ratio above the clip), got {self.delta}"
+            )
         return self
 
 

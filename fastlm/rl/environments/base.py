@@ -14,9 +14,9 @@ An environment runs one episode (a fresh instance per episode, so it may keep th
 
 An episode also ends after `rl.environment.max_turns` policy turns, on a turn that hits max_new_tokens
 without a stop token or cut at the episode's token budget (not passed to `step`, as a single-turn
-completion without a stop scores 0), or when an environment reply leaves no room for another turn. A class may also offer `task` (a built-in
-`Task` that supplies the prompts and the greedy eval) and `demonstrations(count, noise, seed)` (conversations
-for the supervised warm-up).
+completion without a stop scores 0), or when an environment reply leaves no room for another turn. A class may also
+offer `task` (a built-in `Task` that supplies the prompts and the greedy eval) and `demonstrations(count, noise, seed)`
+(conversations for the supervised warm-up).
 
 Anything an environment raises or returns wrongly is an `EnvironmentFailure` (a `RewardError`): the trainer
 saves a checkpoint of the last finished step and stops with the class, the method and the prompt index.
