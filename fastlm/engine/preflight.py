@@ -23,7 +23,7 @@ from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.data.config import PREPARED_SOURCE_TYPES
 from fastlm.data.prepared import prepared_source_issues
 from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, latest_pointer
-from fastlm.engine.run_dir import LOCK_FILE
+from fastlm.engine.run_dir import LOCK_FILE, RunDirError, open_run_file
 from fastlm.logging.logger import METRICS_FILE
 from fastlm.models.config import ModelConfig
 from fastlm.run_config.schema import RunConfig
@@ -220,10 +220,12 @@ def run_dir_issues(config: RunConfig, resume: bool) -> list[ConfigIssue]:
 
 
 def _locked(path: Path) -> bool:
-    """Whether another process holds the run directory's lock (a shared probe, released at once)."""
+    """Whether another process holds the run directory's lock (a shared probe, released at once). A lock that is
+    not a regular file (a link, a FIFO, a folder) is opened as the trainer opens it, without following or
+    blocking, and left to the trainer, which refuses it in one line."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+        fd = open_run_file(path, os.O_RDONLY)
+    except (OSError, RunDirError):
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
