@@ -65,9 +65,13 @@ class Row:
     bound_step_ms: float | None = None  # the bound of that step
 
 
+@dataclass(frozen=True)
 class _NoTokenizer:
-    pad_id = 0
-    eos_id = None
+    """Random prompts need no text: every id of the model's vocab is drawable, none stops a row."""
+
+    vocab_size: int
+    pad_id: int = 0
+    eos_id: int | None = None
 
 
 MODES = ("eager", "graph", "graph-sdpa", "compile", "compile-sdpa", "compile-autotune", "hf")
@@ -118,7 +122,7 @@ def engine(model: DecoderLM, mode: str) -> Generator:
     this compile, `max_autotune_gemm`; it applies to compiles, which happen on the first call)."""
     base, *flags = mode.split("-")
     inductor_config.max_autotune_gemm = "autotune" in flags
-    return Generator(model, _NoTokenizer(), torch.bfloat16 if model.output_weight.is_cuda else None,
+    return Generator(model, _NoTokenizer(model.config.vocab_size), torch.bfloat16 if model.output_weight.is_cuda else None,
                      cuda_graph=base != "eager", compile=base == "compile",
                      decode_attention="sdpa" if "sdpa" in flags else None)
 

@@ -207,7 +207,7 @@ def test_rollout_replica_holds_merged_weights() -> None:
     model = make_model(small_llama(), dtype=torch.float32)
     attach_lora(model, LoraConfig(rank=4, targets=["all-linear"]))
     _perturb_adapters(model)
-    tokenizer = SimpleNamespace(pad_id=0, eos_id=None)
+    tokenizer = SimpleNamespace(pad_id=0, eos_id=None, vocab_size=model.config.vocab_size)
     engine = Generator(model, tokenizer, cuda_graph=False)
     engine.sync_weights()
     replica = engine.replica
