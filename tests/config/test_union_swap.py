@@ -31,6 +31,7 @@ UNION_TESTS = {
     "rl.prompts": "test_rl_prompts_is_replaced_and_null_clears_it",
     "optimizer": "test_single_variant_section_merges",
     "data.eval_source": "test_eval_source_swap",
+    "rl.eval_prompts": "test_rl_eval_prompts_swaps_between_a_count_and_a_file",
 }
 
 
@@ -116,6 +117,17 @@ def test_rl_prompts_is_replaced_and_null_clears_it(tmp_path: Path) -> None:
     prompts.write_text('{"prompt": "1+1="}\n')
     config = load_config(CONFIGS / "grpo.yaml", [f"rl.prompts={{path: {prompts}}}", "rl.prompts=null"])
     assert config.rl.prompts is None
+
+
+def test_rl_eval_prompts_swaps_between_a_count_and_a_file(tmp_path: Path) -> None:
+    """rl.eval_prompts is a count, a fraction or a JSONL (type jsonl): a file replaces a count and a count a file,
+    with none of the file's keys left behind."""
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text('{"q": "1+1="}\n')
+    config = load_config(CONFIGS / "grpo.yaml", [f"rl.eval_prompts={{path: {prompts}, prompt_field: q}}"])
+    assert (config.rl.eval_prompts.path, config.rl.eval_prompts.prompt_field) == (str(prompts), "q")
+    config = load_config(CONFIGS / "grpo.yaml", [f"rl.eval_prompts={{path: {prompts}, prompt_field: q}}", "rl.eval_prompts=8"])
+    assert config.rl.eval_prompts == 8
 
 
 def test_single_variant_section_merges() -> None:
