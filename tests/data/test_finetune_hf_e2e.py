@@ -3,7 +3,9 @@
 tiny HF Llama / Qwen2 (transformers config classes, random weights) + a BPE tokenizer trained locally and
 saved next to it -> `fastlm prepare` a chat JSONL -> `fastlm train` with `run.init_path` (the tokenizer
 comes from the checkpoint) -> `fastlm convert --to-hf` -> transformers reloads model and tokenizer, and
-its greedy `generate` matches fastlm's greedy generator token for token.
+its greedy `generate` matches fastlm's greedy generator token for token. The model's vocab (512) is padded
+past the tokenizer's (400): fastlm draws only ids the tokenizer can decode, which is transformers' `generate`
+with the padding ids (>= the tokenizer's vocab size) suppressed.
 """
 
 from __future__ import annotations
@@ -86,8 +88,10 @@ def test_finetune_export_and_transformers_generate_agree(tmp_path: Path, style: 
 
 def _greedy_agrees(directory: Path, prompts: list[list[int]], tokenizer: Tokenizer, label: str) -> list[tuple[int, ...]]:
     """transformers' greedy `generate` and fastlm's greedy generator on the same HF folder give the same tokens,
-    stopping at EOS as a user would and running past it for all MAX_NEW_TOKENS."""
+    stopping at EOS as a user would and running past it for all MAX_NEW_TOKENS. transformers' side suppresses
+    the model's padding ids (>= the tokenizer's vocab size), which fastlm's sampler never draws."""
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(directory)).eval()
+    padding = list(range(tokenizer.vocab_size, hf_model.config.vocab_size))
     ours = import_hf(directory, "cpu").eval()
     outputs = []
     for prompt in prompts:
@@ -95,7 +99,8 @@ def _greedy_agrees(directory: Path, prompts: list[list[int]], tokenizer: Tokeniz
             hf_model.generation_config.eos_token_id = tokenizer.eos_id if stop else None
             with torch.no_grad():
                 generated = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                              max_new_tokens=MAX_NEW_TOKENS, do_sample=False)[0, len(prompt):].tolist()
+                                              max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                                              suppress_tokens=padding or None)[0, len(prompt):].tolist()
             options = SamplingOptions(MAX_NEW_TOKENS, temperature=0.0, stop_tokens=(tokenizer.eos_id,) if stop else ())
             [completion] = generate(ours, [prompt], options, tokenizer, torch.Generator())
             print(f"{label} {tokenizer.decode(prompt[-4:])!r} stop={stop}: transformers {generated} fastlm {completion.tokens}")
