@@ -19,7 +19,7 @@ from fastlm.engine.checkpoint import (
     load_checkpoint,
     load_latest_checkpoint,
 )
-from fastlm.lora.attach import BaseView, lora_layers
+from fastlm.lora.attach import AdapterSnapshot, BaseView, adapter_mismatches, lora_layers
 from fastlm.losses.spec import TeacherHead, transform_logits
 from fastlm.models.config import ModelConfig
 from fastlm.models.decoder import DecoderLM, build_model
@@ -68,12 +68,28 @@ def load_frozen_model(path: str | Path, field: str, device: torch.device) -> Dec
 
 
 def copy_frozen(model: torch.nn.Module, device: torch.device) -> DecoderLM:
-    """A frozen copy of `model` as it is now (e.g. the initial policy), unwrapping a DDP wrapper."""
+    """A frozen copy of `model` as it is now (e.g. the initial policy), unwrapping a DDP wrapper. A LoRA
+    model's is an `AdapterSnapshot`: a copy of its adapters (and trained head) over its own frozen base."""
     source: DecoderLM = getattr(model, "module", model)
+    if lora_layers(source):
+        return AdapterSnapshot(source)  # type: ignore[return-value]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         copy = build_model(source.config, device=device)
     copy.load_state_dict(source.state_dict())
     return freeze(copy)
+
+
+def load_frozen_copy(path: Path, model: torch.nn.Module, device: torch.device) -> DecoderLM:
+    """A `copy_frozen` of `model` saved at `path` (its `checkpointed` state), read back: a LoRA model's
+    saved adapters over its own base, else the whole saved model."""
+    source = getattr(model, "module", model)
+    if not lora_layers(source):
+        return load_frozen_model(path, str(path), device)
+    state = find_checkpoint(path, str(path)).model_state()
+    wrong = adapter_mismatches(source, state)
+    if wrong:
+        raise CheckpointError(f"{path}: adapter tensors that do not fit this model.lora: {', '.join(wrong[:4])}")
+    return AdapterSnapshot(source, state)  # type: ignore[return-value]
 
 
 def reference_model(

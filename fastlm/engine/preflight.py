@@ -22,8 +22,8 @@ from safetensors import safe_open
 from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.data.config import PREPARED_SOURCE_TYPES
 from fastlm.data.prepared import prepared_source_issues
-from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, latest_pointer
-from fastlm.engine.run_dir import LOCK_FILE, RunDirError, open_run_file
+from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, complete_checkpoints, latest_pointer
+from fastlm.engine.run_dir import ASIDE_DIR, LOCK_FILE, REPLACED_DIR, RunDirError, open_run_file
 from fastlm.logging.logger import METRICS_FILE
 from fastlm.models.config import ModelConfig
 from fastlm.run_config.schema import RunConfig
@@ -193,13 +193,30 @@ EARLIER_RUN_FIX = "continue it with --resume, choose another run.name, or pass r
 
 def earlier_run(run_dir: Path) -> list[str]:
     """What makes the directory hold an earlier run: a checkpoint, or a logged metrics record. An empty
-    metrics.jsonl or only `.tmp-*` leftovers (a start killed before its first step) do not count."""
-    metrics = run_dir / METRICS_FILE
-    found = [METRICS_FILE] if metrics.is_file() and metrics.stat().st_size > 0 else []
-    checkpoints = run_dir / CHECKPOINT_DIR
-    if checkpoints.is_dir() and any(not p.name.startswith(".") for p in checkpoints.iterdir()):
-        found.append(CHECKPOINT_DIR)
+    metrics.jsonl or only `.tmp-*` leftovers (a start killed before its first step) do not count. An earlier
+    run that a killed `run.overwrite=true` set aside counts as back in place: the trainer's start puts it back
+    (`recover_replaced`) unless the new run reached a checkpoint; nothing is moved here."""
+    aside = _set_aside(run_dir)
+    found = []
+    for name, holds in ((METRICS_FILE, _logged), (CHECKPOINT_DIR, _checkpointed)):
+        if holds(aside / name if aside is not None and os.path.lexists(aside / name) else run_dir / name):
+            found.append(name)
     return found
+
+
+def _logged(metrics: Path) -> bool:
+    return metrics.is_file() and metrics.stat().st_size > 0
+
+
+def _checkpointed(checkpoints: Path) -> bool:
+    return checkpoints.is_dir() and any(not p.name.startswith(".") for p in checkpoints.iterdir())
+
+
+def _set_aside(run_dir: Path) -> Path | None:
+    """The folder of an earlier run that `recover_replaced` would put back (its entries replace the new run's)."""
+    if (run_dir / REPLACED_DIR).is_dir() and not complete_checkpoints(run_dir / CHECKPOINT_DIR):
+        return run_dir / REPLACED_DIR
+    return run_dir / ASIDE_DIR if (run_dir / ASIDE_DIR).is_dir() else None
 
 
 def run_dir_issues(config: RunConfig, resume: bool) -> list[ConfigIssue]:

@@ -215,6 +215,41 @@ class BaseView:
             return self.model.head_logits(self.model.hidden_states(input_ids, document_ids), self.output_weight)
 
 
+class AdapterSnapshot(BaseView):
+    """A LoRA model as it was when taken (e.g. the policy at the end of an RL warm-up), as a reference model: a
+    frozen copy of its trained tensors only (adapters, and the head with `train_head`), put in place of the
+    live ones for each forward of the same modules over the shared frozen base: no second copy of the base.
+    `state` (name -> tensor, e.g. read back from a checkpoint) replaces the model's current trained tensors."""
+
+    def __init__(self, model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> None:
+        super().__init__(model)
+        parameters = dict(model.named_parameters())
+        if state is None:
+            state = {name: value for name, value in parameters.items() if value.requires_grad}
+        self.state = {name: value.detach().to(parameters[name].device, parameters[name].dtype).clone()
+                      for name, value in state.items()}
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.state.get("lm_head_weight", self.model.output_weight)
+
+    @contextlib.contextmanager
+    def _base(self) -> Iterator[None]:
+        parameters = dict(self.model.named_parameters())
+        live = {name: parameters[name].data for name in self.state}
+        training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for name, value in self.state.items():
+                    parameters[name].data = value
+                yield
+        finally:
+            for name, value in live.items():
+                parameters[name].data = value
+            self.model.train(training)
+
+
 @torch.no_grad()
 def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) of every base parameter, one at a time, adapted linears as W + scale B A (fp32 sum, in

@@ -6,7 +6,8 @@ second head on the same weights, then the configured policy head (GRPO or GSPO) 
 Offline (`data.source.type: offline_rl`): the policy head trains on the file's samples, old_logp and
 advantages as given. Rollout statistics and the greedy eval reward join the trainer's log records (the
 built-in task's fixed problems, or a prompt data set's eval prompts: rl/eval_prompts.py). A KL penalty's
-frozen reference is the policy as RL starts: after a warm-up, a copy taken at the first RL step.
+frozen reference is the policy as RL starts: after a warm-up, a copy taken at the first RL step (of a
+LoRA policy: its adapters only, over the shared frozen base).
 RL steps run at `rl.lr_scale` times the scheduled lr (the warm-up's lr suits cross-entropy, not the
 noisier policy gradient). Data parallel: each dp rank samples its own share of the rollout
 (fastlm/rl/rollouts.py), warm-up and offline batches are rank-strided like the base trainer's.
@@ -31,11 +32,13 @@ from fastlm.data.tasks import Problem
 from fastlm.data.tokenizer import Tokenizer
 from fastlm.engine.checkpoint import CheckpointError, save_checkpoint
 from fastlm.engine.distributed import RankShardLoader
-from fastlm.engine.frozen import copy_frozen, load_frozen_model, reference_model
+from fastlm.engine.frozen import copy_frozen, load_frozen_copy, reference_model
 from fastlm.engine.optim import lr_multiplier
 from fastlm.engine.trainer import StepResult, Trainer, TrainSummary
 from fastlm.generation import SamplingOptions
 from fastlm.layers.lm_head import LMHead
+from fastlm.lora.attach import AdapterSnapshot
+from fastlm.lora.layer import full_tensor
 from fastlm.losses.children import CrossEntropyConfig
 from fastlm.losses.children.policy import PolicyConfig
 from fastlm.losses.config import LMHeadConfig
@@ -171,11 +174,14 @@ class RLTrainer(Trainer):
                     f"resuming at step {self.step} needs the KL reference saved at the end of the warm-up "
                     f"(step {self.rl.warmup_steps}) in {saved}, which is missing; start the run again, or set "
                     f"model.head.losses.<policy>.reference_path to a checkpoint of the policy at that step")
-            return load_frozen_model(saved, str(saved), self.device)
+            return load_frozen_copy(saved, self.model, self.device)
         reference = copy_frozen(self.model, self.device)
+        # a LoRA policy's: its adapters only (full tensors: a collective under FSDP, so on every rank)
+        state = ({n: full_tensor(v).cpu() for n, v in reference.state.items()}
+                 if isinstance(reference, AdapterSnapshot) else reference)
         if self.rank in (None, 0):
             shutil.rmtree(saved, ignore_errors=True)  # an earlier run's (overwrite) never outranks this one
-            save_checkpoint(saved, self.step, reference, {}, {"step": self.step}, self.config.model_dump(mode="json"), keep=1)
+            save_checkpoint(saved, self.step, state, {}, {"step": self.step}, self.config.model_dump(mode="json"), keep=1)
         return reference
 
     def micro_batches(self) -> list[Batch]:

@@ -21,7 +21,7 @@ from fastlm.engine.frozen import frozen_logits
 from fastlm.engine.select import trainer_class_for
 from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
-from fastlm.lora.attach import BaseView, lora_layers
+from fastlm.lora.attach import AdapterSnapshot, BaseView, lora_layers
 from fastlm.losses.dpo import label_sequence_logps
 from fastlm.models.decoder import build_model
 from fastlm.run_config.loader import load_config
@@ -124,20 +124,34 @@ def test_dpo_reference_is_the_base_without_a_copy(tmp_path: Path) -> None:
 
 
 def test_grpo_with_kl_reference_trains_adapters(tmp_path: Path) -> None:
-    config = load_config(CONFIGS / "grpo_lora.yaml", [
-        f"run.output_dir={tmp_path}/{{name}}", *QUIET, "trainer.steps=4", "rl.warmup_steps=2", "rl.prompts_per_rollout=4",
-        "rl.group_size=4", "rl.eval_prompts=0", "data.micro_batch_size=8", "trainer.grad_accumulation=1",
-        "model.head.losses.grpo.beta=0.05"])
+    """After a warm-up the KL reference is the policy as RL starts: a snapshot of the warmed-up adapters (and
+    head, train_head) over the shared frozen base, not the base with adapters off; so the first RL step's
+    kl is ~0 like kl_old. A resume past the warm-up reads the saved adapters back."""
+    overrides = [f"run.output_dir={tmp_path}/{{name}}", *QUIET, "rl.warmup_steps=2", "rl.prompts_per_rollout=4",
+                 "rl.group_size=4", "rl.eval_prompts=0", "data.micro_batch_size=8", "trainer.grad_accumulation=1",
+                 "model.head.losses.grpo.beta=0.05"]
+    config = load_config(CONFIGS / "grpo_lora.yaml", [*overrides, "trainer.steps=3", "trainer.checkpoint_every=3"])
     trainer = trainer_class_for(config)(config)
-    assert isinstance(trainer.reference, BaseView)  # with the untied head trained too (train_head: its base copy)
+    assert trainer.reference is None  # taken at the first RL step
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
     assert moved == {n for n in before if ".lora_" in n} | {"lm_head_weight"}
-    assert torch.equal(trainer.reference.output_weight, before["lm_head_weight"])
+    reference = trainer.reference
+    assert isinstance(reference, AdapterSnapshot) and reference.model is trainer.model
+    assert set(reference.state) == moved and not torch.equal(reference.output_weight, before["lm_head_weight"])
+    assert all(reference.state[n].data_ptr() != p.data_ptr() for n, p in trainer.model.named_parameters() if n in moved)
     records = [r for r in read_metrics(trainer.run_dir / "metrics.jsonl") if r["train/rl/warmup"] == 0.0]
     assert records and all(r["train/sampling/logp_diff/max"] < 1e-4 for r in records)
-    assert all("train/grpo/kl" in r for r in records)
+    assert records[0]["step"] == 3 and abs(records[0]["train/grpo/kl"]) < 1e-6 and abs(records[0]["train/grpo/kl_old"]) < 1e-6
+
+    longer = load_config(CONFIGS / "grpo_lora.yaml", [*overrides, "trainer.steps=4"])
+    resumed = trainer_class_for(longer)(longer)
+    resumed.train(resume=True)
+    assert isinstance(resumed.reference, AdapterSnapshot)
+    assert all(torch.equal(resumed.reference.state[n], v) for n, v in reference.state.items())
+    last = read_metrics(trainer.run_dir / "metrics.jsonl")[-1]
+    assert last["step"] == 4 and last["train/grpo/kl"] > 1e-6  # the policy then moves away from it
 
 
 def test_distillation_student_with_adapters(tmp_path: Path) -> None:
