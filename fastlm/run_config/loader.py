@@ -7,6 +7,7 @@ say "model.hidden_size: ... from configs/tiny.yaml" instead of only "invalid".
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import typing
@@ -405,6 +406,8 @@ def _whole_number_hint(value: Any) -> str:
         number = float(value)
     except (TypeError, ValueError):
         return "give a whole number (an integer, e.g. 100)"
+    if not math.isfinite(number):
+        return "give a whole, finite number (an integer, e.g. 100)"
     if number.is_integer():
         return f"write it as a whole number: {int(number)}"
     return f"this key counts things: give a whole number, e.g. {round(number)}"
