@@ -144,7 +144,7 @@ def test_mismatch_kl_is_the_log_square_gradient_on_the_first_update(child: str) 
     old = new.float().view_as(batch.labels)  # the first update: the weights that computed old_logp
     config = ImportanceSamplingConfig(mode="icepop", cap=1.3, mismatch_kl_coeff=0.3)
     weights = importance_weights(batch, old, sampler, config)
-    policy = GRPO("grpo", 1.0, eps_low=0.2, eps_high=0.25) if child == "grpo" else CISPO("cispo", 1.0, eps_high=0.3)
+    policy = GRPO("grpo", 1.0, eps_low=0.2, eps_high=0.25) if child == "grpo" else CISPO("cispo", 1.0, eps_high=1.3)
     spec = LossSpec((policy,))
     normalizers = _normalizers(batch)
     mask = labels != IGNORE_INDEX
