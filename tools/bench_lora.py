@@ -17,11 +17,10 @@ steps in fp32 (CI).
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import dataclass
 
 import torch
-from bench_train import Loop, StepBatch, _synchronize, synthetic_batches
+from bench_train import Loop, StepBatch, synthetic_batches, time_steps
 
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.optim import build_optimizer
@@ -87,20 +86,11 @@ class PeftLoop:
 
 
 def _time(loop, batches: list[StepBatch], steps: int, warmup: int, device: torch.device) -> tuple[float, float]:
-    """(peak GiB, tokens/s) of `steps` steps after `warmup`."""
+    """(peak GiB, tokens/s) of `steps` steps after `warmup` (bench_train's timing, from an emptied cache)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    for index in range(warmup):
-        loop.step(batches[index % len(batches)])
-    _synchronize(device)
-    start = time.perf_counter()
-    for index in range(steps):
-        loop.step(batches[index % len(batches)])
-    _synchronize(device)
-    seconds = (time.perf_counter() - start) / steps
+    seconds, peak = time_steps(loop, batches, steps, warmup, device)
     rows, seq_len = batches[0].input_ids.shape
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     return peak, rows * seq_len / seconds
 
 

@@ -54,7 +54,7 @@ from fastlm.data.prepared import (
     verify_prepared,
 )
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
-from fastlm.engine.run_dir import RunDirError, RunDirLock
+from fastlm.engine.run_dir import RunDirError, RunDirLock, fsync_dir
 from fastlm.engine.signals import fault_point
 from fastlm.system.disk_space import DiskFullError, raise_if_disk_full
 
@@ -355,15 +355,7 @@ def _swap_into_place(staging: Path, output: Path) -> None:
         fault_point("prepare_between_renames")
         os.rename(staging, output)
         os.rename(aside, staging)
-    _fsync_dir(output.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(output.parent)
 
 
 class PrepareStopped(Exception):

@@ -203,9 +203,9 @@ class ReplacedRun:
             if os.path.lexists(run_dir / name):
                 os.rename(run_dir / name, partial / name)
                 fault_point("overwrite_moving_aside")
-        _fsync_dir(run_dir)
+        fsync_dir(run_dir)
         os.rename(partial, run_dir / REPLACED_DIR)  # from here on the new run may write its own entries
-        _fsync_dir(run_dir)
+        fsync_dir(run_dir)
         fault_point("overwrite_set_aside")
         return cls(run_dir)
 
@@ -228,7 +228,7 @@ def _put_back(run_dir: Path) -> None:
         os.rename(entry, target)
         fault_point("overwrite_putting_back")
     partial.rmdir()
-    _fsync_dir(run_dir)
+    fsync_dir(run_dir)
 
 
 def recover_replaced(run_dir: Path, checkpoint_dir: Path) -> str | None:
@@ -248,7 +248,8 @@ def recover_replaced(run_dir: Path, checkpoint_dir: Path) -> str | None:
             "before its first checkpoint)")
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or removal in `directory` durable (the entries, not only the files)."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
