@@ -19,7 +19,7 @@ from fastlm.generation import Generator, SamplingOptions
 from fastlm.rl.config import JsonlPromptsConfig, RLConfig
 from fastlm.rl.prompts import JsonlPrompts, PromptRecord, PromptSource
 from fastlm.rl.rewards import RewardFunction, reward_metrics, score_completions, total_reward
-from fastlm.rl.rollouts import completion_text, encode_prompts, generate_checked
+from fastlm.rl.rollouts import encode_prompts, generate_checked, reward_arguments
 
 HELD_OUT_SHARE = 10  # a count of eval prompts takes at most 1/HELD_OUT_SHARE of rl.prompts
 
@@ -56,15 +56,7 @@ def evaluate_prompts(engine: Generator, tokenizer: Tokenizer, records: list[Prom
                              logit_scale=options.logit_scale, softcap=options.softcap)
     texts = [record.text for record in records]
     completions = generate_checked(engine, encode_prompts(tokenizer, texts), texts, greedy, None)
-    arguments = {
-        "prompts": [record.shown for record in records],
-        "completions": [completion_text(c, tokenizer) for c in completions],
-        "completion_ids": [list(c.tokens) for c in completions],
-        "stopped": [c.stopped for c in completions],
-    }
-    for column in records[0].columns:
-        arguments[column] = [record.columns[column] for record in records]
-    per_function = score_completions(functions, arguments, 1, nan_policy)
+    per_function = score_completions(functions, reward_arguments(records, completions, tokenizer, 1), 1, nan_policy)
     total = total_reward(per_function, functions)
     scored = total[~total.isnan()]
     return {"reward": float(scored.mean()) if scored.numel() else math.nan, **reward_metrics(per_function, functions)}

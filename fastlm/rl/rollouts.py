@@ -102,6 +102,21 @@ def encode_prompts(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
     return [encode_prompt(tokenizer, text) for text in texts]
 
 
+def reward_arguments(records: list[PromptRecord], completions: list[Completion], tokenizer: Tokenizer,
+                     group: int) -> dict[str, list[Any]]:
+    """The reward functions' keyword arguments for `group` completions per record (record-major): the reserved
+    names (prompts, completions, completion_ids, stopped) and each prompt column repeated per completion."""
+    arguments: dict[str, list[Any]] = {
+        "prompts": [record.shown for record in records for _ in range(group)],
+        "completions": [completion_text(c, tokenizer) for c in completions],
+        "completion_ids": [list(c.tokens) for c in completions],
+        "stopped": [c.stopped for c in completions],
+    }
+    for column in records[0].columns:
+        arguments[column] = [record.columns[column] for record in records for _ in range(group)]
+    return arguments
+
+
 def generate_checked(engine: Generator, prompts: list[list[int]], texts: list[str], options: SamplingOptions,
                      generator: torch.Generator | None) -> list[Completion]:
     """The generator's request errors (a prompt too long for max_seq_len) name the prompt's text."""
@@ -173,14 +188,7 @@ def draw_rollout(
     texts = [record.text for record in records for _ in range(group)]
     prompts = encode_prompts(tokenizer, texts)
     completions = generate_checked(engine, prompts, texts, options, generator)
-    arguments: dict[str, list[Any]] = {
-        "prompts": [record.shown for record in records for _ in range(group)],
-        "completions": [completion_text(c, tokenizer) for c in completions],
-        "completion_ids": [list(c.tokens) for c in completions],
-        "stopped": [c.stopped for c in completions],
-    }
-    for column in records[0].columns:
-        arguments[column] = [record.columns[column] for record in records for _ in range(group)]
+    arguments = reward_arguments(records, completions, tokenizer, group)
     started = time.perf_counter()
     per_function = score_completions(rewards, arguments, group, config.nan_rewards)
     reward_seconds = time.perf_counter() - started
