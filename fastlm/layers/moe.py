@@ -1,8 +1,9 @@
 """Mixture-of-experts MLP: an fp32 softmax top-k router and dropless SwiGLU experts.
 
 Every token goes to its top-k experts (no capacity, nothing dropped). The assignments are sorted by
-expert and the experts run as grouped GEMMs over the sorted rows (`torch._grouped_mm`, offsets kept on
-the device) where torch supports the dtype and shapes; a per-expert loop is the reference. `dispatch`
+expert and the experts run as grouped GEMMs over the sorted rows (`torch._grouped_mm`, or fastlm's Triton
+kernels in `triton_grouped_mm.py`, offsets kept on the device) where they support the dtype and shapes; a
+per-expert loop is the reference. `dispatch`
 (sort, permute, expert MLP, unpermute) is one function so that an all-to-all can later wrap it.
 
 The router's losses (Switch/Mixtral load balancing, ST-MoE z-loss) need sums over every MoE layer of a
@@ -11,6 +12,8 @@ forward, so each layer keeps its `RouterSums` of the last forward and `router_lo
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -21,8 +24,9 @@ from torch import nn
 from fastlm.layers.init import init_linear
 from fastlm.layers.mlp import GatedMLP
 
-ExpertBackend = Literal["auto", "grouped", "gather", "loop"]
-"""How the experts' GEMMs run: `grouped` (`torch._grouped_mm`), `gather` (each assignment's weights
+ExpertBackend = Literal["auto", "grouped", "triton", "gather", "loop"]
+"""How the experts' GEMMs run: `grouped` (`torch._grouped_mm`), `triton` (fastlm's Triton grouped GEMMs,
+`triton_grouped_mm.py`), `gather` (each assignment's weights
 gathered into one batched matmul: fixed shapes for CUDA graphs where grouped GEMMs are unsupported, memory
 grows with tokens, so decode only), `loop` (one GEMM per expert, the reference; reads the counts on the
 host). `auto`: grouped where supported on CUDA, gather inside a CUDA graph capture, else the loop."""
@@ -80,6 +84,18 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, hidden_size: 
     return hidden_size % align == 0 and ffn_size % align == 0
 
 
+def triton_grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether fastlm's Triton grouped GEMMs run in `dtype` on `device`: bf16/fp16 (SM >= 80) or fp32 on CUDA;
+    on the CPU only under TRITON_INTERPRET=1, in fp32 or fp64 (the interpreter's bf16 `tl.dot` is wrong).
+    Masked tiles: any hidden and expert width."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if device.type == "cuda":
+        return dtype == torch.float32 or (dtype in (torch.bfloat16, torch.float16)
+                                          and torch.cuda.get_device_capability(device) >= (8, 0))
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and dtype in (torch.float32, torch.float64)
+
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the experts' GEMMs run in: autocast's when it is on (grouped GEMMs are not autocast ops)."""
     return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
@@ -117,6 +133,18 @@ def expert_mlp(
         offsets = counts.cumsum(0).to(torch.int32)
         gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
+    if backend == "triton":
+        if not triton_grouped_mm_supported(rows.device, dtype):
+            raise ValueError(f"moe.backend triton: the Triton grouped GEMMs do not take {dtype} on {rows.device.type} "
+                             "(CUDA: bf16/fp16 on SM >= 80, fp32; CPU: fp32/fp64 under TRITON_INTERPRET=1); "
+                             "use backend auto")
+        from fastlm.layers.triton_grouped_mm import default_blocks, grouped_linear, row_groups
+
+        rows, gate_up, down = rows.to(dtype), gate_up.to(dtype), down.to(dtype)
+        offsets = counts.cumsum(0).to(torch.int32)
+        groups = row_groups(offsets, rows.shape[0], default_blocks(rows.shape[0], counts.shape[0], rows.device))
+        gate, up = grouped_linear(rows, gate_up, groups).chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate) * up, down, groups)
     if backend == "gather":
         gate, up = torch.bmm(gate_up[row_experts].to(dtype), rows.to(dtype).unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
         return torch.bmm(down[row_experts].to(dtype), (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)

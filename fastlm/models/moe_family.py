@@ -28,8 +28,9 @@ class MoESettings(ConfigModel):
     normalize_top_k: bool = Field(True, description="Renormalise the top-k probabilities to sum to 1 (HF norm_topk_prob).")
     aux_loss_coef: float = Field(0.01, ge=0.0, description="Weight of the load-balancing loss (HF router_aux_loss_coef).")
     z_loss_coef: float = Field(0.0, ge=0.0, description="Weight of the router z-loss.")
-    backend: Literal["auto", "grouped", "gather", "loop"] = Field(
-        "auto", description="Experts' GEMMs: grouped (torch._grouped_mm), gather, loop (reference); auto picks.")
+    backend: Literal["auto", "grouped", "triton", "gather", "loop"] = Field(
+        "auto", description="Experts' GEMMs: grouped (torch._grouped_mm), triton (fastlm's Triton grouped GEMMs), "
+                            "gather, loop (reference); auto picks.")
 
     @model_validator(mode="after")
     def _check_top_k(self) -> MoESettings:
