@@ -1,21 +1,25 @@
-"""The MoE layer's speed: fastlm's grouped-GEMM experts against its per-expert loop and transformers' own
-sparse MoE block (Qwen3-MoE's, eager experts and its `grouped_mm` experts) on the same weights,
-forward + backward, bf16; and whole models: an MoE preset against a dense model of equal active size,
-tokens/s and MFU counted on active parameters (tools/bench_train.py's loop).
+"""The MoE layer's speed: fastlm's experts on torch._grouped_mm (`grouped`), on its Triton grouped GEMMs
+(`triton`) and on the per-expert loop against transformers' own sparse MoE block (Qwen3-MoE's, eager experts
+and its `grouped_mm` experts) on the same weights, forward + backward, bf16; and whole models: an MoE preset
+against a dense model of equal active size, tokens/s and MFU counted on active parameters
+(tools/bench_train.py's loop).
 
     python tools/bench_moe.py                        # CUDA: layer shapes (16-64 experts, top-2..8, hidden 1024-2048)
     python tools/bench_moe.py --models olmoe-1b-7b --num-layers 4 --batch 4 --seq-len 2048
                                                       # + whole models: the preset on grouped GEMMs, on the
-                                                      #   loop, and its dense twin (equal active size)
-    python tools/bench_moe.py --cpu-smoke --models mixtral-tiny   # CPU: tiny shapes, float32 (CI smoke test)
+                                                      #   Triton GEMMs, on the loop, and its dense twin
+    python tools/bench_moe.py --triton-sweep          # + the Triton kernels' tile choices per layer shape
+    python tools/bench_moe.py --cpu-smoke --models mixtral-tiny   # CPU: tiny shapes, float32 (CI smoke test;
+                                                      #   the Triton layer row under TRITON_INTERPRET=1)
 
-Each layer row also prints the grouped path's largest error against the loop (relative to the output's
-largest value, and the same for the input gradient), the GPU check of the two paths within bf16 tolerance.
+Each layer row also prints its largest error against fastlm's loop (relative to the output's largest
+value, and the same for the input gradient): on the GPU, the check that every path agrees within bf16.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -26,8 +30,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+if "--cpu-smoke" in sys.argv:  # the Triton row runs interpreted; triton reads this when first imported (fastlm.layers does)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from fastlm.layers.moe import MoEMLP  # noqa: E402 - after the repository joins the path
+from fastlm.layers.moe import (  # noqa: E402 - after the repository joins the path
+    MoEMLP,
+    expert_counts,
+    route,
+    triton_grouped_mm_supported,
+)
 
 
 @dataclass(frozen=True)
@@ -104,27 +115,72 @@ def bench_layer(shape: LayerShape, device: torch.device, dtype: torch.dtype, rep
 
         return run
 
-    results = {}
-    times = {}
-    for backend in ("grouped", "loop"):
+    results, times = {}, {}
+    for backend in ("grouped", "triton", "loop"):
+        if backend == "triton" and not triton_grouped_mm_supported(device, dtype):
+            print(f"{shape}: fastlm triton skipped (no Triton for {dtype} on {device.type}; on the CPU it runs "
+                  "under TRITON_INTERPRET=1, which --cpu-smoke sets)")
+            continue
         layer.backend = backend
-        results[backend] = fwd_bwd(layer)()
+        results[f"fastlm {backend}"] = fwd_bwd(layer)()
         times[f"fastlm {backend}"] = time_ms(fwd_bwd(layer), device, repeats, warmup)
     for implementation in (None, "grouped_mm") if device.type == "cuda" else (None,):
         name = f"transformers {implementation or 'eager'}"
         try:
             block = transformers_block(shape, implementation, layer)
+            results[name] = fwd_bwd(block)()
             times[name] = time_ms(fwd_bwd(block), device, repeats, warmup)
         except Exception as error:  # noqa: BLE001 - a peer the installed transformers cannot run here
             print(f"{shape}: {name} did not run ({type(error).__name__}: {str(error)[:120]})")
-    error_out = _max_rel(results["grouped"][0], results["loop"][0])
-    error_dx = _max_rel(results["grouped"][1], results["loop"][1])
+    out_loop, dx_loop = results["fastlm loop"]
     reference = times.get("transformers eager")
     rows = []
     for name, ms in times.items():
         speedup = f"{reference / ms:.2f}x" if reference else "-"
-        rows.append(f"| {shape} | {name} | {ms:.2f} | {speedup} | {error_out:.1e} / {error_dx:.1e} |")
+        out, dx = results[name]
+        rows.append(f"| {shape} | {name} | {ms:.2f} | {speedup} | {_max_rel(out, out_loop):.1e} / {_max_rel(dx, dx_loop):.1e} |")
     return rows
+
+
+SWEEP_BLOCKS = [(64, 128, 64, 4, 3), (64, 256, 64, 8, 3), (128, 64, 64, 4, 4), (128, 128, 32, 8, 4),
+                (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 256, 32, 8, 4)]
+"""(m, n, k, warps, stages) of the Triton grouped GEMMs for --triton-sweep."""
+
+
+def sweep_triton_blocks(shape: LayerShape, device: torch.device, dtype: torch.dtype, repeats: int, warmup: int) -> list[str]:
+    """The experts' fwd+bwd alone (both grouped GEMMs, their gradients and the SwiGLU between) on a router's
+    real counts: each Triton tiling of SWEEP_BLOCKS, the default and torch._grouped_mm."""
+    from fastlm.layers.moe import expert_mlp, triton_expert_mlp
+    from fastlm.layers.triton_grouped_mm import Blocks, default_blocks
+
+    torch.manual_seed(0)
+    layer = MoEMLP(shape.hidden, shape.ffn, shape.experts, shape.top_k, True).to(device=device, dtype=dtype)
+    layer.reset_parameters(0.02, 0.02)
+    x = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dtype)
+    experts = route(x, layer.router.weight, shape.top_k, True).experts.reshape(-1)
+    order = experts.argsort(stable=True)
+    counts = expert_counts(experts, shape.experts)
+    rows = x[order // shape.top_k].detach().requires_grad_()
+    gate_up, down = (w.detach().requires_grad_() for w in layer.expert_weights())
+    grad = torch.randn_like(rows)
+
+    def fwd_bwd(run) -> float:
+        def step() -> None:
+            rows.grad = gate_up.grad = down.grad = None
+            run().backward(grad)
+
+        return time_ms(step, device, repeats, warmup)
+
+    default = default_blocks(rows.shape[0], shape.experts, device)
+    candidates = [Blocks(m, n, k, warps=warps, stages=stages) for m, n, k, warps, stages in SWEEP_BLOCKS]
+    reference = fwd_bwd(lambda: expert_mlp(rows, experts[order], counts, gate_up, down, "grouped"))
+    lines = [f"| {shape} | torch._grouped_mm | {reference:.2f} | 1.00x |"]
+    for blocks in ([default] + [b for b in candidates if b != default]):
+        ms = fwd_bwd(lambda blocks=blocks: triton_expert_mlp(rows, counts, gate_up, down, blocks))
+        tiles = f"m{blocks.m} n{blocks.n} k{blocks.k} w{blocks.warps} s{blocks.stages}"
+        lines.append(f"| {shape} | triton {tiles}{' (default)' if blocks == default else ''} | {ms:.2f} | "
+                     f"{reference / ms:.2f}x |")
+    return lines
 
 
 def dense_twin(config: Any) -> Any:
@@ -191,7 +247,7 @@ def time_model(name: str, config: Any, batch: int, seq_len: int, steps: int, dev
 
 def bench_models(presets: list[str], batch: int, seq_len: int, steps: int, device: torch.device,
                  num_layers: int | None = None) -> list[str]:
-    """Each MoE preset on grouped GEMMs and on the loop, and its dense twin, in one run; `num_layers`
+    """Each MoE preset on grouped GEMMs, on the Triton GEMMs (GPU) and on the loop, and its dense twin, in one run; `num_layers`
     shortens the presets (OLMoE-1B-7B whole needs ~110 GB for fp32 weights, gradients and AdamW)."""
     import yaml
     from bench_train import measured_peak_flops
@@ -207,11 +263,12 @@ def bench_models(presets: list[str], batch: int, seq_len: int, steps: int, devic
         if num_layers:
             document["model"]["num_layers"] = num_layers
         config = RunConfig.model_validate(document).model
-        grouped, loop = (config.model_copy(update={"moe": config.moe.model_copy(update={"backend": backend})})
-                         for backend in ("grouped", "loop"))
-        rows = [time_model(f"{preset} dense twin", dense_twin(config), batch, seq_len, steps, device, peak),
-                time_model(f"{preset} grouped", grouped, batch, seq_len, steps, device, peak),
-                time_model(f"{preset} loop", loop, batch, seq_len, steps, device, peak)]
+        backends = ("grouped", "triton", "loop") if device.type == "cuda" else ("grouped", "loop")
+        rows = [time_model(f"{preset} dense twin", dense_twin(config), batch, seq_len, steps, device, peak)]
+        for backend in backends:  # the interpreted Triton path would take minutes on the CPU: GPU only
+            moe = config.moe.model_copy(update={"backend": backend})
+            rows.append(time_model(f"{preset} {backend}", config.model_copy(update={"moe": moe}), batch, seq_len,
+                                   steps, device, peak))
         if device.type == "cuda":
             torch.cuda.empty_cache()
         for row in rows:
@@ -230,6 +287,7 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--num-layers", type=int, default=None, help="--models: override the presets' layer count")
+    parser.add_argument("--triton-sweep", action="store_true", help="time the Triton GEMMs' tilings per layer shape")
     args = parser.parse_args()
     device = torch.device("cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda")
     if args.cpu_smoke:
@@ -238,11 +296,16 @@ def main() -> int:
     shapes = CPU_SHAPES if device.type == "cpu" else GPU_SHAPES
     repeats, warmup = (2, 1) if args.cpu_smoke else (args.repeats, 3)
     print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}; {dtype}")
-    print("| shape | implementation | fwd+bwd ms | vs transformers eager | grouped vs loop: out / dx max rel err |")
+    print("| shape | implementation | fwd+bwd ms | vs transformers eager | vs fastlm loop: out / dx max rel err |")
     print("| --- | --- | --- | --- | --- |")
     for shape in shapes:
         for row in bench_layer(shape, device, dtype, repeats, warmup):
             print(row)
+    if args.triton_sweep:
+        print("| shape | experts' GEMMs | fwd+bwd ms | vs torch._grouped_mm |\n| --- | --- | --- | --- |")
+        for shape in shapes:
+            for row in sweep_triton_blocks(shape, device, dtype, repeats, warmup):
+                print(row)
     if args.models:
         batch, seq_len, steps = (2, 32, 1) if args.cpu_smoke else (args.batch, args.seq_len, args.steps)
         for line in bench_models(args.models, batch, seq_len, steps, device, args.num_layers):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,9 @@ from torch import nn
 
 from fastlm.layers.init import init_linear
 from fastlm.layers.mlp import GatedMLP
+
+if TYPE_CHECKING:
+    from fastlm.layers.triton_grouped_mm import Blocks
 
 ExpertBackend = Literal["auto", "grouped", "triton", "gather", "loop"]
 """How the experts' GEMMs run: `grouped` (`torch._grouped_mm`), `triton` (fastlm's Triton grouped GEMMs,
@@ -134,17 +137,7 @@ def expert_mlp(
         gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
     if backend == "triton":
-        if not triton_grouped_mm_supported(rows.device, dtype):
-            raise ValueError(f"moe.backend triton: the Triton grouped GEMMs do not take {dtype} on {rows.device.type} "
-                             "(CUDA: bf16/fp16 on SM >= 80, fp32; CPU: fp32/fp64 under TRITON_INTERPRET=1); "
-                             "use backend auto")
-        from fastlm.layers.triton_grouped_mm import default_blocks, grouped_linear, row_groups
-
-        rows, gate_up, down = rows.to(dtype), gate_up.to(dtype), down.to(dtype)
-        offsets = counts.cumsum(0).to(torch.int32)
-        groups = row_groups(offsets, rows.shape[0], default_blocks(rows.shape[0], counts.shape[0], rows.device))
-        gate, up = grouped_linear(rows, gate_up, groups).chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate) * up, down, groups)
+        return triton_expert_mlp(rows.to(dtype), counts, gate_up.to(dtype), down.to(dtype))
     if backend == "gather":
         gate, up = torch.bmm(gate_up[row_experts].to(dtype), rows.to(dtype).unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
         return torch.bmm(down[row_experts].to(dtype), (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
@@ -154,6 +147,21 @@ def expert_mlp(
             gate, up = F.linear(chunk, gate_up[expert]).chunk(2, dim=-1)
             outputs.append(F.linear(F.silu(gate) * up, down[expert]))
     return torch.cat(outputs) if outputs else rows.new_zeros(0, down.shape[1], dtype=dtype)
+
+
+def triton_expert_mlp(rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                      blocks: Blocks | None = None) -> torch.Tensor:
+    """`expert_mlp` on the Triton grouped GEMMs (operands in one dtype): one row-tile map for both GEMMs and
+    their gradients; `blocks` the kernels' tiles (default `default_blocks`; tools/bench_moe.py sweeps them)."""
+    if not triton_grouped_mm_supported(rows.device, rows.dtype):
+        raise ValueError(f"moe.backend triton: the Triton grouped GEMMs do not take {rows.dtype} on {rows.device.type} "
+                         "(CUDA: bf16/fp16 on SM >= 80, fp32; CPU: fp32/fp64 under TRITON_INTERPRET=1); use backend auto")
+    from fastlm.layers.triton_grouped_mm import default_blocks, grouped_linear, row_groups
+
+    blocks = blocks or default_blocks(rows.shape[0], counts.shape[0], rows.device)
+    groups = row_groups(counts.cumsum(0).to(torch.int32), rows.shape[0], blocks)
+    gate, up = grouped_linear(rows, gate_up, groups).chunk(2, dim=-1)
+    return grouped_linear(F.silu(gate) * up, down, groups)
 
 
 def dispatch(

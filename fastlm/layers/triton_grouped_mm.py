@@ -40,10 +40,10 @@ class Blocks:
 
 def default_blocks(rows: int, experts: int, device: torch.device) -> Blocks:
     """Not tuned yet on a GPU (tools/bench_moe.py --triton-sweep times alternatives): 64-128 row tiles by
-    the mean rows per expert, 128 x 64 for the rest; small tiles in the interpreter, where every program
-    costs Python time and masks get exercised at small shapes."""
+    the mean rows per expert, 128 x 64 for the rest. In the interpreter every program costs Python time
+    (a 128-wide layer's fwd+bwd: 39 s on 16 x 32 x 16 tiles, 6.5 s on these)."""
     if device.type != "cuda":
-        return Blocks(m=16, n=32, k=16, group_m=4)
+        return Blocks(m=32, n=64, k=32, group_m=4)
     mean_rows = rows // max(experts, 1)
     m = min(128, max(16, triton.next_power_of_2(max(mean_rows, 1))))
     return Blocks(m=m, n=128, k=64, warps=8 if m >= 128 else 4)
