@@ -78,7 +78,10 @@ def _accumulator(dtype: torch.dtype) -> tl.dtype:
 
 
 def _precision(dtype: torch.dtype, device: torch.device) -> str:
-    """fp32 inputs follow torch's TF32 switch on the GPU (as `F.linear` in the loop does); else exact."""
+    """`tl.dot`'s input precision, which only fp32 operands heed: 16-bit inputs keep Triton's default, fp32
+    follows torch's TF32 switch on the GPU (as `F.linear` in the loop does), else exact."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return "tf32"
     tf32 = device.type == "cuda" and dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
     return "tf32" if tf32 else "ieee"
 
