@@ -11,6 +11,7 @@ import torch
 
 from fastlm.layers.moe import MoEMLP, dispatch, expert_counts, route, triton_grouped_mm_supported
 from fastlm.layers.triton_grouped_mm import Blocks, grouped_linear, row_groups
+from fastlm.models.moe_family import MoESettings
 
 HIDDEN, FFN, EXPERTS, TOP_K = 40, 24, 5, 2
 IDLE = 3  # the expert the layer test's router never picks
@@ -120,6 +121,16 @@ def test_triton_dispatch_reads_nothing_to_the_host() -> None:
     got = dispatch(x, routing, *layer.expert_weights(), "triton", counts.as_subclass(NoHostRead))
     want = dispatch(x, routing, *layer.expert_weights(), "loop", counts)
     assert _rel(got.as_subclass(torch.Tensor), want) < 1e-5
+
+
+def test_config_selects_the_triton_backend() -> None:
+    """`moe.backend: triton` reaches the layer; an unknown backend is refused with the options listed."""
+    settings = MoESettings.model_validate({"num_experts": EXPERTS, "ffn_size": FFN, "backend": "triton"})
+    layer = settings.build(HIDDEN).to(DEVICE)
+    layer.reset_parameters(0.3, 0.3)
+    assert layer.backend == "triton" and layer(_tokens(3, torch.float32, DEVICE)).shape == (3, HIDDEN)
+    with pytest.raises(ValueError, match="'grouped', 'triton', 'gather' or 'loop'"):
+        MoESettings.model_validate({"backend": "cutlass"})
 
 
 def test_triton_backend_refuses_what_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
