@@ -3,8 +3,8 @@
 Every token goes to its top-k experts (no capacity, nothing dropped). The assignments are sorted by
 expert and the experts run as grouped GEMMs over the sorted rows (`torch._grouped_mm`, or fastlm's Triton
 kernels in `triton_grouped_mm.py`, offsets kept on the device) where they support the dtype and shapes; a
-per-expert loop is the reference. `dispatch`
-(sort, permute, expert MLP, unpermute) is one function so that an all-to-all can later wrap it.
+per-expert loop is the reference. `dispatch` (sort, permute, expert MLP, unpermute) is one function so
+that an all-to-all can later wrap it.
 
 The router's losses (Switch/Mixtral load balancing, ST-MoE z-loss) need sums over every MoE layer of a
 forward, so each layer keeps its `RouterSums` of the last forward and `router_losses` combines them.
@@ -29,10 +29,10 @@ if TYPE_CHECKING:
 
 ExpertBackend = Literal["auto", "grouped", "triton", "gather", "loop"]
 """How the experts' GEMMs run: `grouped` (`torch._grouped_mm`), `triton` (fastlm's Triton grouped GEMMs,
-`triton_grouped_mm.py`), `gather` (each assignment's weights
-gathered into one batched matmul: fixed shapes for CUDA graphs where grouped GEMMs are unsupported, memory
-grows with tokens, so decode only), `loop` (one GEMM per expert, the reference; reads the counts on the
-host). `auto`: grouped where supported on CUDA, gather inside a CUDA graph capture, else the loop."""
+`triton_grouped_mm.py`), `gather` (each assignment's weights gathered into one batched matmul: fixed shapes
+for CUDA graphs where grouped GEMMs are unsupported, memory grows with tokens, so decode only), `loop` (one
+GEMM per expert, the reference; reads the counts on the host). `auto`: grouped where supported on CUDA,
+gather inside a CUDA graph capture, else the loop; never triton until a GPU measurement says it is faster."""
 
 
 @dataclass
