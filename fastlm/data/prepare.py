@@ -54,9 +54,9 @@ from fastlm.data.prepared import (
     verify_prepared,
 )
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
-from fastlm.engine.run_dir import RunDirError, RunDirLock, fsync_dir
-from fastlm.engine.signals import fault_point
 from fastlm.system.disk_space import DiskFullError, raise_if_disk_full
+from fastlm.system.run_dir import RunDirError, RunDirLock, fsync_dir
+from fastlm.system.signals import fault_point
 
 FileFormat = Literal["text", "json", "parquet", "csv"]
 MAX_NUM_PROC = 256

@@ -20,12 +20,12 @@ from fastlm.data.datasets import DataError
 from fastlm.engine.checkpoint import CheckpointError
 from fastlm.engine.distributed import run_distributed, torchrun_env
 from fastlm.engine.preflight import preflight_issues, run_dir_issues
-from fastlm.engine.run_dir import RunDirError
 from fastlm.engine.runtime import select_device
 from fastlm.engine.trainer import NonFiniteError, TrainSummary
 from fastlm.rl.rewards import RewardError
 from fastlm.run_config.schema import RunConfig
 from fastlm.system.disk_space import DiskFullError
+from fastlm.system.run_dir import RunDirError
 
 
 def run_training(config: RunConfig, resume: bool = False) -> int:

@@ -23,10 +23,10 @@ from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.data.config import PREPARED_SOURCE_TYPES
 from fastlm.data.prepared import prepared_source_issues
 from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, complete_checkpoints, latest_pointer
-from fastlm.engine.run_dir import ASIDE_DIR, LOCK_FILE, REPLACED_DIR, RunDirError, open_run_file
 from fastlm.logging.logger import METRICS_FILE
 from fastlm.models.config import ModelConfig
 from fastlm.run_config.schema import RunConfig
+from fastlm.system.run_dir import ASIDE_DIR, LOCK_FILE, REPLACED_DIR, RunDirError, open_run_file
 
 
 def preflight_issues(config: RunConfig) -> list[ConfigIssue]:

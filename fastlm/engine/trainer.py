@@ -39,6 +39,7 @@ from fastlm.engine.checkpoint import (
     CheckpointError,
     LoadedCheckpoint,
     checkpoint_bytes,
+    complete_checkpoints,
     load_latest_checkpoint,
     save_checkpoint,
     step_dir_name,
@@ -57,7 +58,6 @@ from fastlm.engine.distributed import (
 )
 from fastlm.engine.optim import build_optimizer, build_scheduler, clip_divisor, fused_update, step_unless
 from fastlm.engine.preflight import CHECKPOINT_DIR, EARLIER_RUN_FIX, earlier_run, preflight_issues
-from fastlm.engine.run_dir import FreshStart, ReplacedRun, RunDirError, RunDirLock, recover_replaced
 from fastlm.engine.runtime import (
     autocast_dtype,
     cpu_threads,
@@ -68,7 +68,6 @@ from fastlm.engine.runtime import (
     set_rng_state,
 )
 from fastlm.engine.schedule_resume import DecayAnchor, anchor_for_resume, continue_decay
-from fastlm.engine.signals import StopRequest
 from fastlm.engine.step_scalars import InFlightRead, PendingSteps, StepResult, StepValues, window_mean
 from fastlm.logging.jsonl import drop_records_after
 from fastlm.logging.logger import METRICS_FILE, MetricLogger
@@ -80,6 +79,8 @@ from fastlm.run_config.checks import cross_check
 from fastlm.run_config.schema import RunConfig
 from fastlm.system.device import autocast
 from fastlm.system.disk_space import ensure_space
+from fastlm.system.run_dir import FreshStart, ReplacedRun, RunDirError, RunDirLock, recover_replaced
+from fastlm.system.signals import StopRequest
 
 HF_EXPORT_DIR = "hf"  # trainer.export_hf writes the final weights here
 
@@ -538,11 +539,11 @@ class Trainer:
         if self._any_rank(bool(earlier) and not self.config.run.overwrite):
             raise RunDirError(f"run directory {self.run_dir} already holds an earlier run "
                               f"({', '.join(earlier) or 'see rank 0'}); {EARLIER_RUN_FIX}")
-        if earlier:  # set aside, not deleted, until this run's first checkpoint (fastlm/engine/run_dir.py)
+        if earlier:  # set aside, not deleted, until this run's first checkpoint (fastlm/system/run_dir.py)
             self.replaced = ReplacedRun.set_aside(self.run_dir, [CHECKPOINT_DIR, METRICS_FILE])
 
     def train(self, resume: bool = False) -> TrainSummary:
-        """Run to `trainer.steps` holding the run directory's lock (rank 0; see fastlm/engine/run_dir.py).
+        """Run to `trainer.steps` holding the run directory's lock (rank 0; see fastlm/system/run_dir.py).
         A new run that fails before its first step or checkpoint leaves the directory as it found it."""
         existed = self.run_dir.exists()
         lock = RunDirLock(self.run_dir) if self.rank in (None, 0) else None
@@ -556,7 +557,8 @@ class Trainer:
             raise refused or RunDirError(f"rank 0 could not lock the run directory {self.run_dir}")
         fresh: FreshStart | None = None
         try:
-            restored = recover_replaced(self.run_dir, self.checkpoint_dir) if lock is not None else None
+            restored = (recover_replaced(self.run_dir, bool(complete_checkpoints(self.checkpoint_dir)))
+                        if lock is not None else None)
             if restored:
                 print(f"fastlm: {restored}", file=sys.stderr)
             if resume:
@@ -589,7 +591,7 @@ class Trainer:
                     self.run_dir.rmdir()
 
     def _train_loop(self) -> TrainSummary:
-        """Run to `trainer.steps`; SIGTERM/SIGINT end it early after a checkpoint (see fastlm/engine/signals.py).
+        """Run to `trainer.steps`; SIGTERM/SIGINT end it early after a checkpoint (see fastlm/system/signals.py).
 
         Throughput is wall time between read points (the GPU has finished the steps read there), less
         what the loop does after one (eval, checkpoints, logging), which is not step time."""

@@ -14,10 +14,10 @@ from wandb_reader import read_wandb_run
 
 from fastlm.data.batch import Batch
 from fastlm.engine.checkpoint import load_latest_checkpoint
-from fastlm.engine.run_dir import RunDirError
 from fastlm.engine.trainer import NonFiniteError, Trainer
 from fastlm.logging.jsonl import read_metrics
 from fastlm.run_config.schema import RunConfig
+from fastlm.system.run_dir import RunDirError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -21,8 +21,8 @@ from crash_harness import ROOT
 from fastlm.cli import main
 from fastlm.data.prepare import worker_count
 from fastlm.data.prepared import read_metadata
-from fastlm.engine.run_dir import RunDirLock
-from fastlm.engine.signals import FAULT_ENV
+from fastlm.system.run_dir import RunDirLock
+from fastlm.system.signals import FAULT_ENV
 
 OLD_DOCUMENTS, NEW_DOCUMENTS = 50, 6000
 

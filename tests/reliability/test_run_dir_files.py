@@ -22,10 +22,10 @@ from crash_harness import ROOT, run_dir, write_config
 
 from fastlm.cli import main
 from fastlm.data.datasets import DataError
-from fastlm.engine.run_dir import REPLACED_DIR, RunDirError, RunDirLock
-from fastlm.engine.signals import FAULT_ENV
 from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
+from fastlm.system.run_dir import REPLACED_DIR, RunDirError, RunDirLock
+from fastlm.system.signals import FAULT_ENV
 
 OUTSIDE = b"precious bytes outside the run\n"
 
@@ -84,7 +84,7 @@ def test_a_planted_lock_is_refused_in_one_line(trained: Path, tmp_path: Path, ki
 
 def test_lock_wait_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A lock file that vanishes at every try (holders leaving in a loop) ends in a message, not a spin."""
-    import fastlm.engine.run_dir as run_dir_module
+    import fastlm.system.run_dir as run_dir_module
 
     monkeypatch.setattr(run_dir_module, "LOCK_WAIT_S", 0.2)
     monkeypatch.setattr(RunDirLock, "_open", lambda self: (_ for _ in ()).throw(FileNotFoundError()))
