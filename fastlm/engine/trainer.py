@@ -22,12 +22,11 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from fastlm.config.errors import ConfigError
 from fastlm.data.batch import Batch
 from fastlm.data.datasets import DataError
 from fastlm.data.eval_source import build_run_loaders
@@ -56,8 +55,9 @@ from fastlm.engine.distributed import (
     parallelize,
     sum_over,
 )
+from fastlm.engine.lora_training import check_base, checkpointed, checkpointed_shapes, restore_model, setup_lora
 from fastlm.engine.optim import build_optimizer, build_scheduler, clip_divisor, fused_update, step_unless
-from fastlm.engine.preflight import CHECKPOINT_DIR, EARLIER_RUN_FIX, earlier_run, preflight_issues
+from fastlm.engine.preflight import CHECKPOINT_DIR, EARLIER_RUN_FIX, earlier_run
 from fastlm.engine.runtime import (
     autocast_dtype,
     cpu_threads,
@@ -71,16 +71,16 @@ from fastlm.engine.schedule_resume import DecayAnchor, anchor_for_resume, contin
 from fastlm.engine.step_scalars import InFlightRead, PendingSteps, StepResult, StepValues, window_mean
 from fastlm.logging.jsonl import drop_records_after
 from fastlm.logging.logger import METRICS_FILE, MetricLogger
-from fastlm.lora.training import check_base, checkpointed, checkpointed_shapes, restore_model, setup_lora
 from fastlm.losses.spec import LossNormalizers, LossResult
 from fastlm.losses.validation import ValueCheck, collected_value_checks, deferred_value_checks
 from fastlm.models.decoder import build_model
-from fastlm.run_config.checks import cross_check
-from fastlm.run_config.schema import RunConfig
 from fastlm.system.device import autocast
 from fastlm.system.disk_space import ensure_space
 from fastlm.system.run_dir import FreshStart, ReplacedRun, RunDirError, RunDirLock, recover_replaced
 from fastlm.system.signals import StopRequest
+
+if TYPE_CHECKING:
+    from fastlm.run_config.schema import RunConfig
 
 HF_EXPORT_DIR = "hf"  # trainer.export_hf writes the final weights here
 
@@ -132,10 +132,7 @@ class Trainer:
     late_reads = True  # log-only read points on CUDA wait for their scalars one step later (see optimizer_step)
 
     def __init__(self, config: RunConfig, rank: int | None = None):
-        issues = [*cross_check(config), *preflight_issues(config)]
-        if issues:
-            raise ConfigError(issues)
-        self.config = config
+        self.config = config  # checked by the start (the loader's cross_check, the command's preflight), not here
         self.tokenizer = build_tokenizer(config.data.tokenizer, config.run.init_path)  # vocab checked by cross_check
         self.device = local_device(select_device(config.trainer))
         self.parallel = build_parallel(config.distributed, self.device)
@@ -178,8 +175,8 @@ class Trainer:
 
     def _load_init_weights(self, path: str) -> None:
         """The starting weights: a fastlm checkpoint's (verified, its model checked against this run's) or a
-        Hugging Face folder's (fastlm/run_config/init_path.py resolved which one `path` is)."""
-        from fastlm.run_config.init_path import init_source
+        Hugging Face folder's (fastlm/engine/init_path.py resolved which one `path` is)."""
+        from fastlm.engine.init_path import init_source
 
         if init_source(path).kind == "hf":
             from fastlm.models.hf import load_hf_weights_into

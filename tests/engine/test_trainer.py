@@ -267,7 +267,7 @@ def test_export_hf_writes_a_transformers_folder_at_the_end(tiny_config: Callable
 def test_eval_source_is_a_separate_eval_set(tiny_config: Callable[..., RunConfig], tmp_path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     """data.eval_source: eval/loss reads that file's documents, and the train source is used whole."""
-    from fastlm.cli import main
+    from fastlm.commands.main import main
 
     story = tmp_path / "held_out.txt"
     story.write_text("".join(f"Held-out story number {i} about a red kite.\n\n" for i in range(60)))

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from crash_harness import ROOT, finish, run_dir, start, write_config
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from crash_harness import ROOT, run_dir, write_config
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.data.datasets import DataError
 from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
@@ -136,7 +136,7 @@ def _broken(self: object) -> list:
 
 
 FAILING_TRAIN = ("import sys; from fastlm.data.datasets import DataError; from fastlm.engine.trainer import Trainer; "
-                 "from fastlm.cli import main\n"
+                 "from fastlm.commands.main import main\n"
                  "def broken(self): raise DataError('first batch failed')\n"
                  "Trainer.micro_batches = broken; sys.exit(main(['train', sys.argv[1]]))")
 

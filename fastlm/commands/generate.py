@@ -79,7 +79,7 @@ def load_model(source: Path, device: torch.device) -> LoadedModel:
             run = None
     model_config, state, tokenizer = load_fastlm(step_dir or source)
     if model_config.lora is not None:  # adapters only: the base comes from run.init_path / run.seed
-        from fastlm.lora.training import load_lora_run
+        from fastlm.engine.lora_training import load_lora_run
 
         model = load_lora_run(str(step_dir or source), "source")[0]
         return LoadedModel(model.to(device).eval(), tokenizer, run, step_dir or source)
