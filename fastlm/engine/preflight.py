@@ -3,8 +3,8 @@
 `cross_check` (fastlm/run_config/checks.py) judges the config alone; these look outside it: do the data
 files open, do the init / teacher / reference checkpoints hold loadable weights (headers only, no
 tensor is read), does this machine have the device, kernel and world size the config asks for.
-`fastlm validate`, `train --dry-run` and the trainer all call `preflight_issues`, so validate catches
-what train would fail on before its first step.
+`fastlm validate`, `train --dry-run` and `train` call `preflight_issues` once per start (a trainer does not
+call it again), so validate catches what train would fail on before its first step.
 """
 
 from __future__ import annotations
