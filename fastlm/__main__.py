@@ -2,6 +2,6 @@
 
 import sys
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 
 sys.exit(main())

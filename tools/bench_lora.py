@@ -25,8 +25,8 @@ from bench_train import Loop, StepBatch, synthetic_batches, time_steps
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.optim import build_optimizer
 from fastlm.lora.attach import attach_lora
-from fastlm.lora.config import LoraConfig
 from fastlm.models.hf import config_to_hf
+from fastlm.models.lora_config import LoraConfig
 
 
 @dataclass
@@ -43,7 +43,7 @@ class LoraRow:
 
 class LoraLoop(Loop):
     """bench_train's step (bf16 autocast forward with the fused loss, backward, fused AdamW) on a model with
-    adapters: the base linears in the autocast dtype, as the trainer freezes them (fastlm/lora/training.py)."""
+    adapters: the base linears in the autocast dtype, as the trainer freezes them (fastlm/engine/lora_training.py)."""
 
     def __init__(self, preset: str, device: torch.device, lora: LoraConfig, activation_checkpointing: bool) -> None:
         super().__init__(preset, _loss(device), "plain", device)

@@ -4,7 +4,7 @@
     python tools/import_graph.py --max-upward 2       # exit 1 with more upward imports than 2, or any cycle
 
 The floors are the table under `## Floors` in the markdown file (`| floor | packages |`, lowest first). A
-package is a folder under the root; top-level modules (cli.py, __main__.py) are the `cli` package. Every
+package is a folder under the root; top-level modules (__main__.py) are the `commands` package. Every
 `import fastlm.X` / `from fastlm.X import` counts, also lazy ones inside functions (they run when the
 function does), except those under `if TYPE_CHECKING:` (never run). A cycle is a set of packages that reach
 one another through imports, whatever their floors.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP_LEVEL_PACKAGE = "cli"  # what a module directly under the root (cli.py, __main__.py) belongs to
+TOP_LEVEL_PACKAGE = "commands"  # what a module directly under the root (__main__.py) belongs to
 
 
 @dataclass(frozen=True)
@@ -49,11 +49,11 @@ def read_floors(markdown: Path) -> dict[str, int]:
 
 
 def package_of(module: str, root_name: str) -> str | None:
-    """`fastlm.data.batch` -> `data`; `fastlm.cli` -> `cli`; a module outside the root -> None."""
+    """`fastlm.data.batch` -> `data`; `fastlm.__main__` -> `commands`; a module outside the root -> None."""
     parts = module.split(".")
     if parts[0] != root_name or len(parts) < 2:
         return None
-    return parts[1] if parts[1] not in ("cli", "__main__") else TOP_LEVEL_PACKAGE
+    return parts[1] if parts[1] != "__main__" else TOP_LEVEL_PACKAGE
 
 
 def _is_type_checking(test: ast.expr) -> bool:

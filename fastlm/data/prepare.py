@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -51,12 +50,11 @@ from fastlm.data.prepared import (
     token_dtype,
     token_sample,
     tokenizer_metadata,
-    verify_prepared,
 )
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
-from fastlm.engine.run_dir import RunDirError, RunDirLock, fsync_dir
-from fastlm.engine.signals import fault_point
-from fastlm.system.disk_space import DiskFullError, raise_if_disk_full
+from fastlm.system.disk_space import raise_if_disk_full
+from fastlm.system.run_dir import RunDirLock, fsync_dir
+from fastlm.system.signals import fault_point
 
 FileFormat = Literal["text", "json", "parquet", "csv"]
 MAX_NUM_PROC = 256
@@ -427,46 +425,3 @@ def _check_columns(fields: RecordFields, columns: list[str], path: Path, fmt: Fi
     if missing:
         raise DataError(f"{path}: no column {', '.join(map(repr, missing))} (columns: {columns}); set text_field, "
                         "prompt_field/completion_field or messages_field to the right names")
-
-
-def load_prepare_config(path: str, overrides: list[str]) -> PrepareConfig:
-    """The prepare YAML (with `base:` and overrides, paths relative to the file) as a validated config."""
-    from pydantic import ValidationError
-
-    from fastlm.config.errors import ConfigError
-    from fastlm.run_config.loader import load_layers, to_issue
-
-    layered = load_layers(path, overrides)
-    try:
-        return PrepareConfig.model_validate(layered.data)
-    except ValidationError as error:
-        raise ConfigError([to_issue(item, layered, PrepareConfig) for item in error.errors()]) from None
-
-
-def prepare_command(path: str, overrides: list[str], verify: bool = False) -> int:
-    """`fastlm prepare CONFIG [key=value ...] [--verify]`: exit 0 with a summary, 2 with the error for bad input,
-    1 for run-time trouble (a full disk, another prepare into the same output, a stop signal, a damaged set)."""
-    from fastlm.config.errors import ConfigError
-    from fastlm.data.tokenizer import TokenizerError
-
-    try:
-        config = load_prepare_config(path, overrides)
-        if verify:  # check the set at output_path in full, write nothing; a damaged set is a run-time error: 1
-            try:
-                print(verify_prepared(config.output_path))
-            except DataError as error:
-                print(f"fastlm prepare --verify: {error}", file=sys.stderr)
-                return 1
-            return 0
-        summary = prepare(config)
-    except ConfigError as error:
-        print(error.render(), file=sys.stderr)
-        return 2
-    except (DataError, TokenizerError) as error:
-        print(f"fastlm prepare: {error}", file=sys.stderr)
-        return 2
-    except (DiskFullError, RunDirError, PrepareStopped) as error:  # run-time trouble, not bad input: 1
-        print(f"fastlm prepare: {error}", file=sys.stderr)
-        return 1
-    print(summary.describe())
-    return 0

@@ -32,9 +32,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from fastlm.engine.run_dir import RunDirError, open_run_file
-from fastlm.engine.signals import fault_point
 from fastlm.system.disk_space import raise_if_disk_full
+from fastlm.system.run_dir import RunDirError, open_run_file
+from fastlm.system.signals import fault_point
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"

@@ -1,11 +1,10 @@
-"""`fastlm convert` and the fastlm side of it: a model's folder in our names (`save_fastlm`), and a model's
-config, weights and tokenizer read back from such a folder or a training checkpoint (`load_fastlm`, also
-what `fastlm generate` and the trainer's HF export read). Above `fastlm.models.hf`, which maps the HF side,
+"""The fastlm side of `fastlm convert`: a model's folder in our names (`save_fastlm`), and a model's config,
+weights and tokenizer read back from such a folder or a training checkpoint (`load_fastlm`, also what
+`fastlm generate` and the trainer's HF export read). Above `fastlm.models.hf`, which maps the HF side,
 because a checkpoint is the engine's."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from pydantic import TypeAdapter, ValidationError
@@ -14,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.config.yaml_reader import parse_yaml, read_config_file
 from fastlm.data.config import TokenizerConfig
-from fastlm.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
+from fastlm.data.tokenizer import Tokenizer, build_tokenizer
 from fastlm.engine.checkpoint import (
     LATEST_FILE,
     MANIFEST_FILE,
@@ -29,10 +28,7 @@ from fastlm.models.hf import (
     FASTLM_CONFIG_FILE,
     WEIGHTS_FILE,
     StateDict,
-    hf_model_type,
-    import_hf,
     model_yaml,
-    save_hf,
 )
 
 
@@ -80,29 +76,3 @@ def load_fastlm(source: str | Path) -> tuple[DecoderConfig, StateDict, Tokenizer
         raise ConfigError(ConfigIssue("", f"{weights} is not a readable safetensors file: {str(error)[:200]}",
                                       source=str(path))) from None
     return config, state, tokenizer
-
-
-def convert_command(from_hf: str | None, to: str | None, from_fastlm: str | None, to_hf: str | None) -> int:
-    """`fastlm convert`: --from-hf DIR [--to DIR] imports (prints the model YAML), --from SRC --to-hf DIR exports."""
-    try:
-        if from_hf is not None:
-            if from_fastlm is not None:
-                raise ConfigError("--from is for --to-hf; with --from-hf use --to DIR")
-            model = import_hf(from_hf, "cpu")
-            print(model_yaml(model.config, str(Path(from_hf).resolve())), end="")
-            if to is not None:
-                print(f"# wrote {save_fastlm(model, to, str(Path(from_hf).resolve()))}", file=sys.stderr)
-            return 0
-        if from_fastlm is None or to is not None:
-            raise ConfigError("--to-hf DIR needs --from SRC (a checkpoint or a `convert --to` folder) and no --to")
-        config, state, tokenizer = load_fastlm(from_fastlm)
-        if config.lora is not None:
-            raise ConfigError(f"--from {from_fastlm} is a LoRA run: add --merge-lora (or use --to-peft DIR)")
-        print(f"wrote {save_hf(config, state, to_hf, tokenizer)} ({hf_model_type(config)}, {tokenizer.name} tokenizer)")
-        return 0
-    except ConfigError as error:
-        print(error.render(), file=sys.stderr)
-        return 2
-    except TokenizerError as error:
-        print(f"fastlm convert: {error}", file=sys.stderr)
-        return 2

@@ -12,14 +12,17 @@ teacher's logits chunk by chunk; with `model.head.logits_memory_mib: 0` its full
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from fastlm.data.batch import Batch
 from fastlm.engine.frozen import check_compatible, frozen_head_input, frozen_logits, load_frozen_model
 from fastlm.engine.trainer import Trainer
-from fastlm.run_config.schema import RunConfig
 from fastlm.system.device import autocast
+
+if TYPE_CHECKING:
+    from fastlm.run_config.schema import RunConfig
 
 
 class DistillationTrainer(Trainer):

@@ -10,6 +10,7 @@ which logs TRL's `rewards/{chosen,rejected,margins,accuracies}` per child.
 from __future__ import annotations
 
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,8 +19,10 @@ from fastlm.data.preferences import PreferenceBatch
 from fastlm.engine.frozen import frozen_logits, reference_model
 from fastlm.engine.trainer import Trainer
 from fastlm.losses.dpo import label_sequence_logps
-from fastlm.run_config.schema import RunConfig
 from fastlm.system.device import autocast
+
+if TYPE_CHECKING:
+    from fastlm.run_config.schema import RunConfig
 
 
 class DPOTrainer(Trainer):

@@ -3,8 +3,8 @@
 `cross_check` (fastlm/run_config/checks.py) judges the config alone; these look outside it: do the data
 files open, do the init / teacher / reference checkpoints hold loadable weights (headers only, no
 tensor is read), does this machine have the device, kernel and world size the config asks for.
-`fastlm validate`, `train --dry-run` and the trainer all call `preflight_issues`, so validate catches
-what train would fail on before its first step.
+`fastlm validate`, `train --dry-run` and `train` call `preflight_issues` once per start (a trainer does not
+call it again), so validate catches what train would fail on before its first step.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from pydantic import TypeAdapter, ValidationError
@@ -23,10 +24,12 @@ from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.data.config import PREPARED_SOURCE_TYPES
 from fastlm.data.prepared import prepared_source_issues
 from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, complete_checkpoints, latest_pointer
-from fastlm.engine.run_dir import ASIDE_DIR, LOCK_FILE, REPLACED_DIR, RunDirError, open_run_file
 from fastlm.logging.logger import METRICS_FILE
 from fastlm.models.config import ModelConfig
-from fastlm.run_config.schema import RunConfig
+from fastlm.system.run_dir import ASIDE_DIR, LOCK_FILE, REPLACED_DIR, RunDirError, open_run_file
+
+if TYPE_CHECKING:
+    from fastlm.run_config.schema import RunConfig
 
 
 def preflight_issues(config: RunConfig) -> list[ConfigIssue]:

@@ -22,12 +22,11 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from fastlm.config.errors import ConfigError
 from fastlm.data.batch import Batch
 from fastlm.data.datasets import DataError
 from fastlm.data.eval_source import build_run_loaders
@@ -39,6 +38,7 @@ from fastlm.engine.checkpoint import (
     CheckpointError,
     LoadedCheckpoint,
     checkpoint_bytes,
+    complete_checkpoints,
     load_latest_checkpoint,
     save_checkpoint,
     step_dir_name,
@@ -55,9 +55,9 @@ from fastlm.engine.distributed import (
     parallelize,
     sum_over,
 )
+from fastlm.engine.lora_training import check_base, checkpointed, checkpointed_shapes, restore_model, setup_lora
 from fastlm.engine.optim import build_optimizer, build_scheduler, clip_divisor, fused_update, step_unless
-from fastlm.engine.preflight import CHECKPOINT_DIR, EARLIER_RUN_FIX, earlier_run, preflight_issues
-from fastlm.engine.run_dir import FreshStart, ReplacedRun, RunDirError, RunDirLock, recover_replaced
+from fastlm.engine.preflight import CHECKPOINT_DIR, EARLIER_RUN_FIX, earlier_run
 from fastlm.engine.runtime import (
     autocast_dtype,
     cpu_threads,
@@ -68,18 +68,19 @@ from fastlm.engine.runtime import (
     set_rng_state,
 )
 from fastlm.engine.schedule_resume import DecayAnchor, anchor_for_resume, continue_decay
-from fastlm.engine.signals import StopRequest
 from fastlm.engine.step_scalars import InFlightRead, PendingSteps, StepResult, StepValues, window_mean
 from fastlm.logging.jsonl import drop_records_after
 from fastlm.logging.logger import METRICS_FILE, MetricLogger
-from fastlm.lora.training import check_base, checkpointed, checkpointed_shapes, restore_model, setup_lora
 from fastlm.losses.spec import LossNormalizers, LossResult
 from fastlm.losses.validation import ValueCheck, collected_value_checks, deferred_value_checks
 from fastlm.models.decoder import build_model
-from fastlm.run_config.checks import cross_check
-from fastlm.run_config.schema import RunConfig
 from fastlm.system.device import autocast
 from fastlm.system.disk_space import ensure_space
+from fastlm.system.run_dir import FreshStart, ReplacedRun, RunDirError, RunDirLock, recover_replaced
+from fastlm.system.signals import StopRequest
+
+if TYPE_CHECKING:
+    from fastlm.run_config.schema import RunConfig
 
 HF_EXPORT_DIR = "hf"  # trainer.export_hf writes the final weights here
 
@@ -131,10 +132,7 @@ class Trainer:
     late_reads = True  # log-only read points on CUDA wait for their scalars one step later (see optimizer_step)
 
     def __init__(self, config: RunConfig, rank: int | None = None):
-        issues = [*cross_check(config), *preflight_issues(config)]
-        if issues:
-            raise ConfigError(issues)
-        self.config = config
+        self.config = config  # checked by the start (the loader's cross_check, the command's preflight), not here
         self.tokenizer = build_tokenizer(config.data.tokenizer, config.run.init_path)  # vocab checked by cross_check
         self.device = local_device(select_device(config.trainer))
         self.parallel = build_parallel(config.distributed, self.device)
@@ -177,8 +175,8 @@ class Trainer:
 
     def _load_init_weights(self, path: str) -> None:
         """The starting weights: a fastlm checkpoint's (verified, its model checked against this run's) or a
-        Hugging Face folder's (fastlm/run_config/init_path.py resolved which one `path` is)."""
-        from fastlm.run_config.init_path import init_source
+        Hugging Face folder's (fastlm/engine/init_path.py resolved which one `path` is)."""
+        from fastlm.engine.init_path import init_source
 
         if init_source(path).kind == "hf":
             from fastlm.models.hf import load_hf_weights_into
@@ -538,11 +536,11 @@ class Trainer:
         if self._any_rank(bool(earlier) and not self.config.run.overwrite):
             raise RunDirError(f"run directory {self.run_dir} already holds an earlier run "
                               f"({', '.join(earlier) or 'see rank 0'}); {EARLIER_RUN_FIX}")
-        if earlier:  # set aside, not deleted, until this run's first checkpoint (fastlm/engine/run_dir.py)
+        if earlier:  # set aside, not deleted, until this run's first checkpoint (fastlm/system/run_dir.py)
             self.replaced = ReplacedRun.set_aside(self.run_dir, [CHECKPOINT_DIR, METRICS_FILE])
 
     def train(self, resume: bool = False) -> TrainSummary:
-        """Run to `trainer.steps` holding the run directory's lock (rank 0; see fastlm/engine/run_dir.py).
+        """Run to `trainer.steps` holding the run directory's lock (rank 0; see fastlm/system/run_dir.py).
         A new run that fails before its first step or checkpoint leaves the directory as it found it."""
         existed = self.run_dir.exists()
         lock = RunDirLock(self.run_dir) if self.rank in (None, 0) else None
@@ -556,7 +554,8 @@ class Trainer:
             raise refused or RunDirError(f"rank 0 could not lock the run directory {self.run_dir}")
         fresh: FreshStart | None = None
         try:
-            restored = recover_replaced(self.run_dir, self.checkpoint_dir) if lock is not None else None
+            restored = (recover_replaced(self.run_dir, bool(complete_checkpoints(self.checkpoint_dir)))
+                        if lock is not None else None)
             if restored:
                 print(f"fastlm: {restored}", file=sys.stderr)
             if resume:
@@ -589,7 +588,7 @@ class Trainer:
                     self.run_dir.rmdir()
 
     def _train_loop(self) -> TrainSummary:
-        """Run to `trainer.steps`; SIGTERM/SIGINT end it early after a checkpoint (see fastlm/engine/signals.py).
+        """Run to `trainer.steps`; SIGTERM/SIGINT end it early after a checkpoint (see fastlm/system/signals.py).
 
         Throughput is wall time between read points (the GPU has finished the steps read there), less
         what the loop does after one (eval, checkpoints, logging), which is not step time."""

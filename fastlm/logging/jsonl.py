@@ -12,8 +12,8 @@ import time
 import warnings
 from pathlib import Path
 
-from fastlm.engine.run_dir import open_run_file
 from fastlm.system.disk_space import raise_if_disk_full
+from fastlm.system.run_dir import open_run_file
 
 
 def _plain(value: float) -> float | None:

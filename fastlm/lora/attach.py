@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastlm.lora.config import LoraConfig
 from fastlm.lora.layer import LoraLinear, Slice, full_tensor
+from fastlm.models.lora_config import LoraConfig
 
 ALL_LINEAR = "all-linear"
 FUSED_ROLES = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}  # fused row blocks, in order

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from fastlm.lora.attach import Target
-from fastlm.lora.config import LoraConfig
+from fastlm.models.lora_config import LoraConfig
 
 PEFT_CONFIG_FILE = "adapter_config.json"
 PEFT_WEIGHTS_FILE = "adapter_model.safetensors"

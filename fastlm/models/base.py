@@ -11,8 +11,8 @@ from pydantic import Field, model_validator
 
 from fastlm.config.base import ConfigModel
 from fastlm.layers.rope_scaling import RopeScaling
-from fastlm.lora.config import LoraConfig
 from fastlm.losses.config import LMHeadConfig
+from fastlm.models.lora_config import LoraConfig
 
 if TYPE_CHECKING:
     from torch import nn

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from fastlm.config.errors import ConfigError, ConfigIssue
-from fastlm.engine.signals import stop_signal
 from fastlm.rl.config import RewardConfig
+from fastlm.system.signals import stop_signal
 
 RewardCallable = Callable[..., Sequence[float | None]]
 RESERVED_ARGUMENTS = ("prompts", "completions", "completion_ids", "stopped")

@@ -20,7 +20,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,7 +50,9 @@ from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples, policy_log
 from fastlm.rl.prompts import PromptRecord, stop_token_ids
 from fastlm.rl.rewards import RewardError
 from fastlm.rl.rollouts import RolloutLoader, RolloutShard, rank_rows, rollout_task
-from fastlm.run_config.schema import RunConfig
+
+if TYPE_CHECKING:
+    from fastlm.run_config.schema import RunConfig
 
 SUMMARY_WINDOW = 3  # rollouts averaged at each end of the run for the reward summary
 COMPLETIONS_KEY = "train/completions_table"  # rollout, prompt, completion, reward, advantage per row

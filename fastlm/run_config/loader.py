@@ -22,9 +22,9 @@ from pydantic import BaseModel, ValidationError
 from fastlm.config.errors import _MISSING, ConfigError, ConfigIssue
 from fastlm.config.user_code import user_code_sections
 from fastlm.config.yaml_reader import parse_yaml, read_config_file
+from fastlm.engine.init_path import HUB_NAME, checkpoint_tokenizer, resolve_init_path
 from fastlm.models.build import describe_count, num_parameters
 from fastlm.run_config.checks import cross_check
-from fastlm.run_config.init_path import HUB_NAME, checkpoint_tokenizer, resolve_init_path
 from fastlm.run_config.schema import RunConfig
 
 BASE_KEY = "base"
@@ -303,7 +303,7 @@ def _record_user_code_folders(config: RunConfig, layered: LayeredDict, path: str
 
 
 def _resolve_init_path(config: RunConfig, layered: LayeredDict) -> None:
-    """run.init_path becomes the local folder it names (fastlm/run_config/init_path.py); a fastlm checkpoint also
+    """run.init_path becomes the local folder it names (fastlm/engine/init_path.py); a fastlm checkpoint also
     brings its tokenizer when data.tokenizer is not set."""
     if config.run.init_path is None:
         return

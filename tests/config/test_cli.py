@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.run_config.loader import load_config
 
 ROOT = Path(__file__).resolve().parents[2]

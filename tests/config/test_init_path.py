@@ -11,13 +11,13 @@ import transformers
 import yaml
 from safetensors.torch import load_file
 
-from fastlm.cli import main
+from fastlm.commands.main import main
+from fastlm.commands.train import trainer_class_for
 from fastlm.config.errors import ConfigError
-from fastlm.engine.select import trainer_class_for
+from fastlm.engine.init_path import resolve_init_path
 from fastlm.engine.trainer import Trainer
 from fastlm.models.hf import config_from_hf, model_yaml, read_hf_config
 from fastlm.rl.trainer import RLTrainer
-from fastlm.run_config.init_path import resolve_init_path
 from fastlm.run_config.loader import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

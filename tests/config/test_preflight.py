@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.models.decoder import build_model
 from fastlm.models.hf import export_hf

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["trainer.steps=2", "trainer.eval_every=0", "trainer.checkpoint_every=0", "data.source.num_documents=60",

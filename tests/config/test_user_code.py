@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.rl.rewards import load_reward_functions
 from fastlm.run_config.loader import load_config
 

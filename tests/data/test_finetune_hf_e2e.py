@@ -19,7 +19,7 @@ import torch
 import transformers
 import yaml
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.generation import SamplingOptions, generate

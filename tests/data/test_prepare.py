@@ -12,7 +12,7 @@ import torch
 import yaml
 from datasets import Dataset
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.data.batch import batch_from_rows
 from fastlm.data.config import DataConfig, HuggingFaceTokenizerConfig, JsonlSource
 from fastlm.data.datasets import DataError, load_documents, pack_documents

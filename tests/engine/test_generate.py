@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastlm.cli import main
+from fastlm.commands.generate import LoadedModel, sampling_options
+from fastlm.commands.main import main
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.checkpoint import load_latest_checkpoint
-from fastlm.engine.generate import LoadedModel, sampling_options
 from fastlm.engine.trainer import Trainer
 from fastlm.generation import SamplingOptions, generate
 from fastlm.models.decoder import build_model

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.data.chat import encode_chat_prompt
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.checkpoint import load_latest_checkpoint

@@ -15,8 +15,8 @@ import torch
 import transformers
 import yaml
 
+from fastlm.commands.train import trainer_class_for
 from fastlm.data.tokenizer import ByteTokenizer
-from fastlm.engine.select import trainer_class_for
 from fastlm.layers.moe import MoEMLP
 from fastlm.logging.jsonl import read_metrics
 from fastlm.losses.spec import LossNormalizers, LossTargets

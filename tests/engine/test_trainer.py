@@ -14,10 +14,10 @@ from wandb_reader import read_wandb_run
 
 from fastlm.data.batch import Batch
 from fastlm.engine.checkpoint import load_latest_checkpoint
-from fastlm.engine.run_dir import RunDirError
 from fastlm.engine.trainer import NonFiniteError, Trainer
 from fastlm.logging.jsonl import read_metrics
 from fastlm.run_config.schema import RunConfig
+from fastlm.system.run_dir import RunDirError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -267,7 +267,7 @@ def test_export_hf_writes_a_transformers_folder_at_the_end(tiny_config: Callable
 def test_eval_source_is_a_separate_eval_set(tiny_config: Callable[..., RunConfig], tmp_path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     """data.eval_source: eval/loss reads that file's documents, and the train source is used whole."""
-    from fastlm.cli import main
+    from fastlm.commands.main import main
 
     story = tmp_path / "held_out.txt"
     story.write_text("".join(f"Held-out story number {i} about a red kite.\n\n" for i in range(60)))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.trainer import Trainer
 from fastlm.run_config.loader import load_config

@@ -27,10 +27,10 @@ from fastlm.lora.attach import (
     merged_weights,
     select_targets,
 )
-from fastlm.lora.config import LoraConfig
 from fastlm.lora.layer import LoraLinear, Slice
 from fastlm.losses.spec import label_logp
 from fastlm.models.decoder import build_model
+from fastlm.models.lora_config import LoraConfig
 
 
 def _perturb_adapters(model: torch.nn.Module, seed: int = 7) -> None:

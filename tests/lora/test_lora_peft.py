@@ -13,11 +13,10 @@ import transformers
 import yaml
 from peft import PeftModel
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.engine.convert import load_fastlm
+from fastlm.engine.lora_training import checkpointed, load_lora_run
 from fastlm.engine.trainer import Trainer
-from fastlm.lora.convert import load_lora_run
-from fastlm.lora.training import checkpointed
 from fastlm.models.decoder import build_model
 from fastlm.models.hf import config_from_hf
 from fastlm.run_config.schema import RunConfig

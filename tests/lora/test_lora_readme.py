@@ -14,7 +14,7 @@ import torch
 import transformers
 from peft import PeftModel
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))

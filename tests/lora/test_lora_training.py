@@ -16,9 +16,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "distributed"))
 
 from dist_helpers import final_weights, run_config, spawn, train_run
 
+from fastlm.commands.train import trainer_class_for
 from fastlm.engine.checkpoint import CheckpointError
 from fastlm.engine.frozen import frozen_logits
-from fastlm.engine.select import trainer_class_for
 from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
 from fastlm.lora.attach import AdapterSnapshot, BaseView, lora_layers
@@ -168,7 +168,7 @@ def test_distillation_student_with_adapters(tmp_path: Path) -> None:
 def test_validate_names_bad_lora_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """One line per problem, before anything runs: a target that matches no linear, a tied head to train, an
     adapter folder that is none; a good config's dry run prints the trainable / total split."""
-    from fastlm.cli import main
+    from fastlm.commands.main import main
 
     config = str(CONFIGS / "grpo_lora.yaml")
     assert main(["validate", config, "model.lora.targets=[attn.qkv]", "model.tie_embeddings=true",

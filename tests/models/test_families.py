@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers  # the `test` and `hf` extras
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.generation.generator import Generator
 from fastlm.generation.sampling import SamplingOptions

@@ -16,7 +16,7 @@ import transformers  # the `test` and `hf` extras
 import yaml
 from safetensors.torch import load_file, save_file
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.config.errors import ConfigError
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.losses.spec import LossNormalizers, LossTargets

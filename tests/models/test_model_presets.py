@@ -55,7 +55,7 @@ PUBLISHED = {"qwen3-0.6b": (596_049_920, 151936), "qwen3-1.7b": (1_720_574_976, 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_real_presets_print_the_published_parameter_count(name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from fastlm.cli import main
+    from fastlm.commands.main import main
 
     count, vocab = PUBLISHED[name]
     assert load_preset(name).vocab_size == vocab

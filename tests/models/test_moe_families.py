@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.generation import SamplingOptions, generate
 from fastlm.layers.moe import MoEMLP, load_balancing_loss

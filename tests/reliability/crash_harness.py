@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from fastlm.engine.checkpoint import LATEST_FILE, load_checkpoint, load_latest_checkpoint
-from fastlm.engine.signals import FAULT_ENV
+from fastlm.system.signals import FAULT_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULT_POINTS = ("checkpoint_files_written", "checkpoint_before_rename", "checkpoint_before_latest")

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.config.errors import ConfigError
 from fastlm.config.yaml_reader import MAX_DEPTH
 from fastlm.run_config.loader import load_config

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.config.errors import ConfigError
 from fastlm.run_config.loader import _unwrap, load_config
 from fastlm.run_config.schema import RunConfig

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from crash_harness import finish, run_dir, start, write_config
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.logging.jsonl import JsonlSink, read_metrics
 from fastlm.system.disk_space import DiskFullError

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.models.config import LlamaConfig
 from fastlm.models.decoder import build_model

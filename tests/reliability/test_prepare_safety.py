@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from crash_harness import ROOT
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.data.prepare import worker_count
 from fastlm.data.prepared import read_metadata
-from fastlm.engine.run_dir import RunDirLock
-from fastlm.engine.signals import FAULT_ENV
+from fastlm.system.run_dir import RunDirLock
+from fastlm.system.signals import FAULT_ENV
 
 OLD_DOCUMENTS, NEW_DOCUMENTS = 50, 6000
 
@@ -89,7 +89,7 @@ def test_num_proc_is_bounded_and_hints_are_prepares_own(tmp_path: Path, capsys: 
 
 
 def _start(config: Path, fault: str | None = None, exchange: bool = True) -> subprocess.Popen[str]:
-    code = ("import sys; import fastlm.data.prepare as p; from fastlm.cli import main\n"
+    code = ("import sys; import fastlm.data.prepare as p; from fastlm.commands.main import main\n"
             + ("" if exchange else "p._exchange = lambda first, second: False\n")
             + "sys.exit(main(['prepare', sys.argv[1]]))")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from crash_harness import write_config
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.data.config import JsonlSource
 from fastlm.data.datasets import DataError, load_documents, pack_documents
 from fastlm.data.prepare import PrepareConfig, prepare

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 from crash_harness import ROOT, finish, run_dir, start, write_config
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.engine.checkpoint import load_latest_checkpoint
-from fastlm.engine.run_dir import LOCK_FILE, RunDirError, RunDirLock
 from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
 from fastlm.run_config.loader import load_config
+from fastlm.system.run_dir import LOCK_FILE, RunDirError, RunDirLock
 
 TINY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
         "model.intermediate_size=64", "data.seq_len=16", "data.micro_batch_size=2", "data.source.num_documents=40",
@@ -66,7 +66,7 @@ def test_second_writer_is_refused_and_deletes_nothing(tmp_path: Path, capsys: py
 
 def test_lock_is_released_when_the_holder_is_killed(tmp_path: Path) -> None:
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from fastlm.engine.run_dir import RunDirLock; "
+        [sys.executable, "-c", "import sys, time; from fastlm.system.run_dir import RunDirLock; "
          "RunDirLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)", str(tmp_path / "run")],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
     try:

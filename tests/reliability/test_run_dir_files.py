@@ -20,12 +20,12 @@ import pytest
 import yaml
 from crash_harness import ROOT, run_dir, write_config
 
-from fastlm.cli import main
+from fastlm.commands.main import main
 from fastlm.data.datasets import DataError
-from fastlm.engine.run_dir import REPLACED_DIR, RunDirError, RunDirLock
-from fastlm.engine.signals import FAULT_ENV
 from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
+from fastlm.system.run_dir import REPLACED_DIR, RunDirError, RunDirLock
+from fastlm.system.signals import FAULT_ENV
 
 OUTSIDE = b"precious bytes outside the run\n"
 
@@ -84,7 +84,7 @@ def test_a_planted_lock_is_refused_in_one_line(trained: Path, tmp_path: Path, ki
 
 def test_lock_wait_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A lock file that vanishes at every try (holders leaving in a loop) ends in a message, not a spin."""
-    import fastlm.engine.run_dir as run_dir_module
+    import fastlm.system.run_dir as run_dir_module
 
     monkeypatch.setattr(run_dir_module, "LOCK_WAIT_S", 0.2)
     monkeypatch.setattr(RunDirLock, "_open", lambda self: (_ for _ in ()).throw(FileNotFoundError()))
@@ -136,7 +136,7 @@ def _broken(self: object) -> list:
 
 
 FAILING_TRAIN = ("import sys; from fastlm.data.datasets import DataError; from fastlm.engine.trainer import Trainer; "
-                 "from fastlm.cli import main\n"
+                 "from fastlm.commands.main import main\n"
                  "def broken(self): raise DataError('first batch failed')\n"
                  "Trainer.micro_batches = broken; sys.exit(main(['train', sys.argv[1]]))")
 

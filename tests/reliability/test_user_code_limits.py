@@ -178,7 +178,7 @@ def test_prepare_with_a_raising_template_is_one_line(template_dir: Path, tmp_pat
 
     import yaml
 
-    from fastlm.cli import main
+    from fastlm.commands.main import main
 
     folder = shutil.copytree(template_dir, tmp_path / "tok")
     (folder / "chat_template.jinja").write_text("{{ raise_exception('x') }}")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastlm.engine.launch import describe_summary
+from fastlm.commands.train import describe_summary
 from fastlm.engine.optim import lr_multiplier
 from fastlm.engine.trainer import TrainSummary
 from fastlm.logging.progress import ProgressLine

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from wandb_reader import read_wandb_run
 
-from fastlm.engine.select import trainer_class_for
+from fastlm.commands.train import trainer_class_for
 from fastlm.logging.jsonl import read_metrics
 from fastlm.rl.trainer import COMPLETIONS_KEY, RLSummary, RLTrainer, window_means
 from fastlm.run_config.loader import load_config

@@ -22,7 +22,7 @@ FLOORS = """# architecture
 | 0 | `base` |
 | 1 | low, side |
 | 2 | high |
-| 3 | cli |
+| 3 | commands |
 
 ## Next section
 | 9 | ignored |
@@ -42,7 +42,7 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
 def test_upward_lazy_type_checking_and_cycles(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = _package(tmp_path, {
         "__init__.py": "",
-        "cli.py": "from pkg.high import run\n",
+        "__main__.py": "from pkg.high import run\n",
         "base/__init__.py": "",
         "low/__init__.py": "",
         "low/a.py": ("from typing import TYPE_CHECKING\nfrom pkg.base import x\nif TYPE_CHECKING:\n"
@@ -51,7 +51,7 @@ def test_upward_lazy_type_checking_and_cycles(tmp_path: Path, capsys: pytest.Cap
         "high/__init__.py": "",
         "high/b.py": "import pkg.low.a\nimport pkg.side\n",
     })
-    assert import_graph.read_floors(tmp_path / "arch.md") == {"base": 0, "low": 1, "side": 1, "high": 2, "cli": 3}
+    assert import_graph.read_floors(tmp_path / "arch.md") == {"base": 0, "low": 1, "side": 1, "high": 2, "commands": 3}
     code = import_graph.main(["--root", str(root), "--floors", str(tmp_path / "arch.md"), "--max-upward", "1"])
     out = capsys.readouterr().out
     assert "upward imports: 1 " in out  # the lazy one; the TYPE_CHECKING import does not run
@@ -71,3 +71,12 @@ def test_every_fastlm_package_has_a_floor(capsys: pytest.CaptureFixture[str]) ->
     assert import_graph.main([]) == 0
     out = capsys.readouterr().out
     assert out.startswith("upward imports: ") and "package cycles: " in out
+
+
+def test_fastlm_floors_point_down(capsys: pytest.CaptureFixture[str]) -> None:
+    """The repository's own graph (issue 39): at most 2 imports up a floor, and no package cycle."""
+    code = import_graph.main(["--max-upward", "2"])
+    out = capsys.readouterr().out
+    print(out)
+    upward = int(out.split("upward imports: ")[1].split()[0])
+    assert code == 0 and upward <= 2 and "package cycles: 0" in out

@@ -1,4 +1,4 @@
-"""`fastlm train` after the config is valid: pick the trainer for the run, train, report.
+"""`fastlm train` after the config is valid: check the start, pick the trainer for the run, train, report.
 
 Under torchrun (RANK / WORLD_SIZE / LOCAL_RANK set) every rank runs this inside a process group
 (fastlm/engine/distributed.py); a rank that raises prints its traceback and exits non-zero. A clean error
@@ -18,14 +18,16 @@ from collections.abc import Sequence
 from fastlm.config.errors import ConfigError
 from fastlm.data.datasets import DataError
 from fastlm.engine.checkpoint import CheckpointError
+from fastlm.engine.distill import DistillationTrainer
 from fastlm.engine.distributed import run_distributed, torchrun_env
+from fastlm.engine.dpo import DPOTrainer
 from fastlm.engine.preflight import preflight_issues, run_dir_issues
-from fastlm.engine.run_dir import RunDirError
 from fastlm.engine.runtime import select_device
-from fastlm.engine.trainer import NonFiniteError, TrainSummary
+from fastlm.engine.trainer import NonFiniteError, Trainer, TrainSummary
 from fastlm.rl.rewards import RewardError
 from fastlm.run_config.schema import RunConfig
 from fastlm.system.disk_space import DiskFullError
+from fastlm.system.run_dir import RunDirError
 
 
 def run_training(config: RunConfig, resume: bool = False) -> int:
@@ -40,8 +42,6 @@ def run_training(config: RunConfig, resume: bool = False) -> int:
 
 
 def _train(config: RunConfig, resume: bool) -> int:
-    from fastlm.engine.select import trainer_class_for
-
     try:
         trainer = trainer_class_for(config)(config)
         summary = trainer.train(resume=resume)
@@ -54,6 +54,21 @@ def _train(config: RunConfig, resume: bool) -> int:
     if trainer.rank in (None, 0):
         print(describe_summary(summary), file=sys.stderr)
     return 0
+
+
+def trainer_class_for(config: RunConfig) -> type[Trainer]:
+    """RLTrainer for online RL (`rl:` set) or offline RL data; DPOTrainer for a dpo head; DistillationTrainer
+    for a distillation child with a teacher_path; the plain Trainer otherwise."""
+    if config.rl is not None or config.data.source.type == "offline_rl":
+        from fastlm.rl.trainer import RLTrainer  # lazy: the RL stack is only needed by RL runs
+
+        return RLTrainer
+    if config.model.head.is_dpo:
+        return DPOTrainer
+    distill = config.model.head.child_of_type("distillation")
+    if distill is not None and distill[1].teacher_path is not None:
+        return DistillationTrainer
+    return Trainer
 
 
 def _report(message: str) -> None:

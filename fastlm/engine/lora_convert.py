@@ -1,6 +1,6 @@
-"""`fastlm convert` for LoRA runs: `--merge-lora` (base + adapters as one fastlm or HF checkpoint), `--to-peft`
-(HF PEFT's adapter folder, on the base the run started from) and `--from-peft` (a PEFT adapter as a fastlm
-adapter folder that `model.lora.adapter_path` starts a run from).
+"""What `fastlm convert` does with LoRA runs: merge base + adapters into one model (`--merge-lora`, as a fastlm or
+HF checkpoint), write HF PEFT's adapter folder on the base the run started from (`--to-peft`), and read a PEFT
+adapter into a fastlm adapter folder that `model.lora.adapter_path` starts a run from (`--from-peft`).
 
 The base is rebuilt as the trainer built it (`run.seed`, then `run.init_path`'s weights) and must have the
 fingerprint the checkpoint recorded.
@@ -9,16 +9,15 @@ fingerprint the checkpoint recorded.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import yaml
 from safetensors.torch import save_file
 
 from fastlm.config.errors import ConfigError
-from fastlm.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerError
-from fastlm.engine.checkpoint import CheckpointError
+from fastlm.data.tokenizer import ByteTokenizer, Tokenizer
 from fastlm.engine.convert import save_fastlm
+from fastlm.engine.lora_training import checkpointed
 from fastlm.lora.attach import (
     Target,
     merged_weights,
@@ -28,16 +27,14 @@ from fastlm.lora.peft import (
     FASTLM_ADAPTER_FILE,
     PEFT_CONFIG_FILE,
     PEFT_WEIGHTS_FILE,
-    PeftFormatError,
     from_peft,
     hf_layout,
     lora_config_from_peft,
     read_peft,
     to_peft,
 )
-from fastlm.lora.training import checkpointed, load_lora_run
 from fastlm.models.decoder import DecoderLM, build_model
-from fastlm.models.hf import FASTLM_CONFIG_FILE, config_from_hf, read_hf_config, save_hf
+from fastlm.models.hf import FASTLM_CONFIG_FILE, config_from_hf, read_hf_config
 
 LORA_YAML = "lora.yaml"
 
@@ -92,28 +89,3 @@ def import_peft(adapter: str, base: str | None, directory: str) -> str:
     text = yaml.safe_dump({"run": {"init_path": str(Path(base).resolve())}, "model": {"lora": section}}, sort_keys=False)
     (out / LORA_YAML).write_text(text, encoding="utf-8")
     return text
-
-
-def lora_convert_command(source: str | None, to: str | None, to_hf: str | None, to_peft_dir: str | None,
-                         from_peft_dir: str | None, merge: bool) -> int:
-    """The LoRA branches of `fastlm convert` (see the module docstring); errors are one message, exit 2."""
-    try:
-        if from_peft_dir is not None:
-            if to is None or to_hf is not None or merge:
-                raise ConfigError("--from-peft ADAPTER needs --to DIR (and optionally --from BASE_HF_DIR)")
-            print(import_peft(from_peft_dir, source, to), end="")
-            return 0
-        if source is None or (to_peft_dir is None) == (not merge) or (merge and (to is None) == (to_hf is None)):
-            raise ConfigError("use --from RUN --to-peft DIR, or --from RUN --merge-lora with one of --to DIR / --to-hf DIR")
-        model, targets, init_path, tokenizer = load_lora_run(source)
-        if to_peft_dir is not None:
-            print(f"wrote {write_peft(model, targets, init_path, to_peft_dir)} (PEFT LoRA on {init_path})")
-        elif to_hf is not None:
-            plain = merged_model(model)
-            print(f"wrote {save_hf(plain.config, plain.state_dict(), to_hf, tokenizer)} (merged, HF)")
-        else:
-            print(f"wrote {save_merged_fastlm(merged_model(model), tokenizer, to)} (merged, fastlm)")
-        return 0
-    except (ConfigError, CheckpointError, PeftFormatError, TokenizerError) as error:
-        print(error.render() if isinstance(error, ConfigError) else f"fastlm convert: {error}", file=sys.stderr)
-        return 2

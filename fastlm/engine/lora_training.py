@@ -3,7 +3,7 @@ their base (`run.init_path` and the base weights' fingerprint), checked on resum
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import TypeAdapter, ValidationError
@@ -14,7 +14,7 @@ from fastlm.data.config import TokenizerConfig
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
 from fastlm.engine.checkpoint import CheckpointError, LoadedCheckpoint
 from fastlm.engine.frozen import find_checkpoint
-from fastlm.engine.runtime import seed_everything
+from fastlm.engine.runtime import autocast_dtype, seed_everything
 from fastlm.lora.attach import (
     Target,
     adapter_mismatches,
@@ -26,7 +26,9 @@ from fastlm.lora.attach import (
 from fastlm.lora.peft import read_adapter_folder
 from fastlm.models.config import ModelConfig
 from fastlm.models.decoder import DecoderLM, build_model
-from fastlm.run_config.schema import RunConfig
+
+if TYPE_CHECKING:
+    from fastlm.run_config.schema import RunConfig
 
 
 def setup_lora(model: nn.Module, config: RunConfig, device: torch.device) -> dict[str, Any] | None:
@@ -44,8 +46,6 @@ def setup_lora(model: nn.Module, config: RunConfig, device: torch.device) -> dic
 
 def lora_base_dtype(config: RunConfig, device: torch.device) -> torch.dtype | None:
     """The frozen base's linear weights: the run's autocast dtype, fp32 under FSDP (one dtype per block)."""
-    from fastlm.engine.runtime import autocast_dtype
-
     return None if config.distributed.data_parallel == "fsdp" else autocast_dtype(config.trainer, device)
 
 

@@ -28,6 +28,9 @@ from fastlm.data.chat import ChatError, check_messages, encode_chat_prompt
 from fastlm.data.datasets import DataError, jsonl_records
 from fastlm.data.tokenizer import Message, Tokenizer
 from fastlm.engine.checkpoint import LATEST_FILE, CheckpointError, read_manifest
+from fastlm.engine.config import TrainerConfig
+from fastlm.engine.convert import load_fastlm
+from fastlm.engine.lora_training import load_lora_run
 from fastlm.engine.preflight import resolve_step_dir
 from fastlm.engine.runtime import autocast_dtype, select_device
 from fastlm.generation import Generator, SamplingOptions
@@ -63,8 +66,6 @@ class LoadedModel:
 
 def load_model(source: Path, device: torch.device) -> LoadedModel:
     """The newest checkpoint's (or a `convert --to` folder's) model with its weights, in eval mode."""
-    from fastlm.engine.convert import load_fastlm
-
     if source.is_file() and source.name == LATEST_FILE:
         source = source.parent
     if not source.exists():
@@ -79,8 +80,6 @@ def load_model(source: Path, device: torch.device) -> LoadedModel:
             run = None
     model_config, state, tokenizer = load_fastlm(step_dir or source)
     if model_config.lora is not None:  # adapters only: the base comes from run.init_path / run.seed
-        from fastlm.lora.training import load_lora_run
-
         model = load_lora_run(str(step_dir or source), "source")[0]
         return LoadedModel(model.to(device).eval(), tokenizer, run, step_dir or source)
     model = build_model(model_config, device="cpu")
@@ -186,8 +185,6 @@ def _print_completions(args: argparse.Namespace, tokenizer: Tokenizer, prompts: 
 
 
 def select_device_for(name: str) -> torch.device:
-    from fastlm.engine.config import TrainerConfig
-
     try:
         return select_device(TrainerConfig(device=name))
     except RuntimeError as error:

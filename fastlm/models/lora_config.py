@@ -1,4 +1,5 @@
-"""`model.lora`: which linears get adapters, their rank, scale, dropout and initialisation."""
+"""`model.lora`: which linears get adapters, their rank, scale, dropout and initialisation. A field of every
+model config (`DecoderConfig.lora`), so it sits in the models package; the adapters themselves are fastlm/lora."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ import stat
 import time
 from pathlib import Path
 
-from fastlm.engine.signals import fault_point
+from fastlm.system.signals import fault_point
 
 LOCK_FILE = ".lock"
 LOCK_WAIT_S = 10.0  # a lock file replaced under us again and again: give up after this long
@@ -231,12 +231,11 @@ def _put_back(run_dir: Path) -> None:
     fsync_dir(run_dir)
 
 
-def recover_replaced(run_dir: Path, checkpoint_dir: Path) -> str | None:
+def recover_replaced(run_dir: Path, checkpointed: bool) -> str | None:
     """Finish what a killed `run.overwrite=true` left (called under the lock, before anything is read):
-    the earlier run goes back unless the new one reached a checkpoint. A line for the user, or None."""
-    from fastlm.engine.checkpoint import complete_checkpoints
-
-    if (run_dir / REPLACED_DIR).is_dir() and complete_checkpoints(checkpoint_dir):
+    the earlier run goes back unless the new one reached a checkpoint (`checkpointed`: the run directory
+    holds a complete one). A line for the user, or None."""
+    if (run_dir / REPLACED_DIR).is_dir() and checkpointed:
         ReplacedRun(run_dir).discard()
         return None
     if (run_dir / REPLACED_DIR).is_dir():

@@ -1,0 +1,108 @@
+"""Checks of an RL run (online `rl:` or offline_rl data) that need more than the `rl:` section: the loss head's
+policy child, the step budget, the prompt files, the reward functions' and environment's imports, the stop
+tokens against the run's tokenizer. `cross_check` (fastlm/run_config/checks.py) runs them with the rest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fastlm.config.errors import ConfigError, ConfigIssue
+from fastlm.data.tokenizer import TokenizerError, build_tokenizer
+from fastlm.losses.children.policy import PolicyConfig
+from fastlm.rl.environments.base import load_environment
+from fastlm.rl.prompts import stop_token_ids
+from fastlm.rl.rewards import load_reward_functions
+
+if TYPE_CHECKING:
+    from fastlm.run_config.schema import RunConfig
+
+
+def rl_issues(config: RunConfig) -> list[ConfigIssue]:
+    """Every problem of an RL run that its sections alone cannot show; none for other runs."""
+    return [*_run_issues(config), *_rollout_issues(config)]
+
+
+def _run_issues(config: RunConfig) -> list[ConfigIssue]:
+    """An RL run (online `rl:` or offline_rl data) needs one policy child and room for RL steps after warm-up."""
+    offline = config.data.source.type == "offline_rl"
+    if config.rl is None and not offline:
+        return []
+    issues: list[ConfigIssue] = []
+    kinds = [c.type for c in config.model.head.losses.values() if isinstance(c, PolicyConfig)]
+    if len(kinds) != 1:
+        issues.append(ConfigIssue("model.head.losses", f"an RL run needs exactly one policy child (grpo, gspo or cispo), found "
+                                  f"{kinds or 'none'}", sorted(config.model.head.losses),
+                                  hint="e.g. losses: {grpo: {type: grpo}, z_loss: {type: z_loss}}"))
+    warmup = config.rl.warmup_steps if config.rl is not None else 0
+    if offline and warmup:
+        issues.append(ConfigIssue("rl.warmup_steps", "the supervised warm-up needs the online task, not offline_rl data",
+                                  warmup, hint="set rl.warmup_steps: 0"))
+    if warmup >= config.trainer.steps:
+        issues.append(ConfigIssue("rl.warmup_steps", f"leaves no RL steps out of trainer.steps ({config.trainer.steps})",
+                                  warmup, hint="lower it or raise trainer.steps"))
+    every, updates = config.trainer.log_every, config.rl.updates_per_rollout if config.rl is not None else 1
+    if every > 1 and every % updates:  # log_every 1 shows every update; others must sample the same update of each rollout
+        issues.append(ConfigIssue(
+            "trainer.log_every", f"is not a multiple of rl.updates_per_rollout ({updates}): the logged steps would "
+            "alternate between a rollout's first update (ratio 1, kl_old 0) and later ones, so the KL and clip "
+            "panels zigzag", every, hint=f"set trainer.log_every: {updates * -(-every // updates)} (or 1)"))
+    return issues
+
+
+def _rollout_issues(config: RunConfig) -> list[ConfigIssue]:
+    """What a rollout would fail on: the completion budget, the prompt file, the reward functions' imports,
+    the stop tokens, the importance-sampling mode for the policy child."""
+    rl = config.rl
+    if rl is None:
+        return []
+    issues: list[ConfigIssue] = []
+    if rl.max_new_tokens >= config.model.max_seq_len:
+        issues.append(ConfigIssue("rl.max_new_tokens", f"leaves no room for a prompt in model.max_seq_len "
+                                  f"({config.model.max_seq_len})", rl.max_new_tokens, hint="lower it"))
+    if rl.prompts is not None and not Path(rl.prompts.path).is_file():
+        issues.append(ConfigIssue("rl.prompts.path", "no such file", rl.prompts.path))
+    if hasattr(rl.eval_prompts, "path") and not Path(rl.eval_prompts.path).is_file():
+        issues.append(ConfigIssue("rl.eval_prompts.path", "no such file", rl.eval_prompts.path))
+    gspo = any(c.type == "gspo" for c in config.model.head.losses.values())
+    if rl.importance_sampling.mode in ("token_truncate", "token_mask", "icepop") and gspo:
+        issues.append(ConfigIssue("rl.importance_sampling.mode", "GSPO weighs whole sequences; per-token weights would "
+                                  "be averaged into its sequence advantage", rl.importance_sampling.mode,
+                                  hint="use a sequence_* mode with gspo"))
+    if rl.importance_sampling.mismatch_kl_coeff > 0 and gspo:
+        issues.append(ConfigIssue("rl.importance_sampling.mismatch_kl_coeff", "is a per-token advantage shift, which "
+                                  "GSPO's sequence ratio would mix across tokens", rl.importance_sampling.mismatch_kl_coeff,
+                                  hint="use it with grpo or cispo, or set it to 0"))
+    try:
+        load_reward_functions(rl.rewards)
+    except ConfigError as error:
+        issues += error.issues
+    if rl.environment is not None:
+        issues += _environment_issues(config)
+    try:
+        stop_token_ids(rl, build_tokenizer(config.data.tokenizer, config.run.init_path))
+    except ConfigError as error:
+        issues += error.issues
+    except TokenizerError:
+        pass  # cross_check's tokenizer check reports it
+    return issues
+
+
+def _environment_issues(config: RunConfig) -> list[ConfigIssue]:
+    """The environment class imports and builds, can demonstrate for a warm-up, and an episode has room."""
+    rl = config.rl
+    assert rl is not None and rl.environment is not None
+    issues: list[ConfigIssue] = []
+    limit = min(config.data.seq_len + 1, config.model.max_seq_len - rl.max_new_tokens - 1)
+    if limit <= rl.max_new_tokens:
+        issues.append(ConfigIssue("rl.max_new_tokens", f"leaves no room for a multi-turn episode: an episode holds "
+                                  f"min(data.seq_len + 1, model.max_seq_len - max_new_tokens - 1) = {limit} tokens",
+                                  rl.max_new_tokens, hint="raise model.max_seq_len and data.seq_len, or lower it"))
+    try:
+        factory = load_environment(rl.environment, rl.format_reward)
+    except ConfigError as error:
+        return issues + error.issues
+    if rl.warmup_steps and not callable(getattr(factory.prototype, "demonstrations", None)):
+        issues.append(ConfigIssue("rl.warmup_steps", f"environment '{factory.path}' has no demonstrations(count, noise, "
+                                  "seed) for the supervised warm-up", rl.warmup_steps, hint="set rl.warmup_steps: 0"))
+    return issues
