@@ -17,13 +17,15 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from fastlm.data.chat import ChatError, check_messages, encode_chat
 from fastlm.data.config import DataSource, GeneratedSource, JsonlSource, RecordFields, TextSource
 from fastlm.data.corpus import generate_documents
+from fastlm.data.token_stream import StreamRows, TokenStream
 from fastlm.data.tokenizer import Tokenizer, TokenizerError
 
 
@@ -33,16 +35,27 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Document:
-    """Token ids and, per token, whether it may be a training target (False for SFT prompts)."""
+    """Token ids and, per token, whether it may be a training target (False for SFT prompts; None: every token
+    is). Plain text is a `TokenStream` (about one byte a token for bytes, however long the text)."""
 
-    tokens: list[int]
-    target_mask: list[bool]
+    tokens: list[int] | TokenStream
+    target_mask: list[bool] | None
     origin: str = ""  # "file line N", for errors found after loading (packing)
 
     @property
     def is_prompted(self) -> bool:
         """Part of it is never a target (an SFT prompt): it must fit one row to keep its context."""
-        return not all(self.target_mask)
+        return self.target_mask is not None and not all(self.target_mask)
+
+
+class Rows(Protocol):
+    """Packed rows of seq_len + 1 tokens as `BatchLoader` and the size checks read them."""
+
+    def __len__(self) -> int: ...
+
+    def take(self, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, document-piece ids, target flags) of rows `picks`, each (len(picks), seq_len + 1)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -61,9 +74,10 @@ class PackedRows:
         return self.tokens[picks], self.document_ids[picks], self.target_mask[picks]
 
 
-def _text_document(tokenizer: Tokenizer, text: str, origin: str = "") -> Document:
-    tokens = tokenizer.encode(text, bos=True, eos=True)
-    return Document(tokens, [True] * len(tokens), origin)
+def text_document(tokenizer: Tokenizer, text: str, origin: str = "") -> Document:
+    """BOS (if the tokenizer has one) + the text's ids + EOS, every token a target."""
+    head = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    return Document(TokenStream.framed(head, tokenizer.encode_array(text), [tokenizer.eos_id]), None, origin)
 
 
 def _prompt_document(tokenizer: Tokenizer, prompt: str, completion: str, origin: str = "") -> Document:
@@ -105,7 +119,7 @@ def _paragraphs(path: Path) -> Iterator[tuple[int, str]]:
 
 def _text_documents(source: TextSource, tokenizer: Tokenizer) -> list[Document]:
     path = Path(source.path)
-    documents = [_text_document(tokenizer, text, f"{path} line {line}") for line, text in _paragraphs(path)]
+    documents = [text_document(tokenizer, text, f"{path} line {line}") for line, text in _paragraphs(path)]
     if not documents:
         raise DataError(f"{path}: no documents (the file is empty or only whitespace)")
     return documents
@@ -165,7 +179,7 @@ def record_document(record: dict, fields: RecordFields, tokenizer: Tokenizer, wh
         prompt = string_field(record, fields.prompt_field, where, allow_empty=True)
         completion = string_field(record, fields.completion_field, where)
         return _prompt_document(tokenizer, prompt, completion, where)
-    return _text_document(tokenizer, string_field(record, fields.text_field, where), where)
+    return text_document(tokenizer, string_field(record, fields.text_field, where), where)
 
 
 def jsonl_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -203,7 +217,7 @@ def _jsonl_documents(source: JsonlSource, tokenizer: Tokenizer) -> list[Document
 def load_documents(source: DataSource, tokenizer: Tokenizer) -> list[Document]:
     """Every document of the source, tokenized, in file (or generation) order."""
     if isinstance(source, GeneratedSource):
-        return [_text_document(tokenizer, text) for text in generate_documents(source.num_documents, source.seed)]
+        return [text_document(tokenizer, text) for text in generate_documents(source.num_documents, source.seed)]
     if isinstance(source, TextSource):
         return _text_documents(source, tokenizer)
     if isinstance(source, JsonlSource):
@@ -223,10 +237,12 @@ def split_documents(documents: list[Item], eval_fraction: float, seed: int) -> t
     return shuffled[held_out:], shuffled[:held_out]
 
 
-def pack_documents(documents: list[Document], seq_len: int, pad_id: int) -> PackedRows:
+def pack_documents(documents: list[Document], seq_len: int, pad_id: int) -> StreamRows:
     """Lay documents end to end and cut rows of seq_len + 1 tokens; the last row is padded (never a target).
 
     Piece ids are global and increasing: a new id starts at every document start and every row start.
+    The tokens stay as compact as the documents hold them (`TokenStream`); a row becomes int64 when a batch
+    takes it, so packing adds nothing per token for plain text (a single document is not even copied).
     """
     if not documents:
         raise DataError("cannot pack an empty list of documents")
@@ -238,26 +254,11 @@ def pack_documents(documents: list[Document], seq_len: int, pad_id: int) -> Pack
                 f"(with BOS/EOS), more than one row of data.seq_len + 1 = {width}; splitting it would train the "
                 "completion without its prompt. Raise data.seq_len (and model.max_seq_len) or shorten the record"
             )
-    # Filled document by document into preallocated tensors: no corpus-sized Python lists (8 bytes a
-    # token each), so packing peaks at about 18 bytes a token on top of the documents themselves.
-    total = sum(len(doc.tokens) for doc in documents)
-    size = total + (-total % width)
-    tokens = torch.full((size,), pad_id, dtype=torch.int64)
-    targets = torch.zeros(size, dtype=torch.bool)
-    starts = torch.zeros(size, dtype=torch.bool)  # a new piece: every document start and every row start
-    offset = 0
-    for doc in documents:
-        end = offset + len(doc.tokens)
-        tokens[offset:end] = torch.tensor(doc.tokens, dtype=torch.int64)
-        targets[offset:end] = torch.tensor(doc.target_mask, dtype=torch.bool)
-        starts[offset:end][:1] = True
-        offset = end
-    if offset < size:
-        starts[offset] = True  # the padding is a piece of its own
-    starts[::width] = True
-    piece_ids = torch.cumsum(starts, dim=0) - 1
-    return PackedRows(
-        tokens=tokens.view(-1, width),
-        document_ids=piece_ids.view(-1, width),
-        target_mask=targets.view(-1, width),
-    )
+    streams = [doc.tokens if isinstance(doc.tokens, TokenStream) else TokenStream.of(doc.tokens) for doc in documents]
+    offsets = np.zeros(len(documents) + 1, dtype=np.int64)
+    np.cumsum([len(stream) for stream in streams], out=offsets[1:])
+    targets = None
+    if any(doc.is_prompted for doc in documents):
+        targets = np.concatenate([np.ones(len(stream), dtype=bool) if doc.target_mask is None
+                                  else np.asarray(doc.target_mask, dtype=bool) for doc, stream in zip(documents, streams)])
+    return StreamRows(TokenStream.concatenate(streams), offsets, targets, width, pad_id)
