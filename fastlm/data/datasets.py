@@ -11,13 +11,15 @@ completion without its prompt). Long plain-text documents are split across rows 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, BinaryIO, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -88,33 +90,46 @@ def _prompt_document(tokenizer: Tokenizer, prompt: str, completion: str, origin:
 
 
 def read_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, line with its newline) of a UTF-8 file, streamed: memory holds one line at a time.
-    Invalid UTF-8 is a `DataError` naming the line and byte."""
+    """(line number, line with its newline) of a UTF-8 file, streamed: memory holds one line at a time, as a str
+    only (neither the raw bytes nor a reference of this reader's own outlive the handing over, so a consumer that
+    drops the line frees it). Invalid UTF-8 is a `DataError` naming the line and byte."""
     if not path.is_file():
         raise DataError(f"{path}: data file not found")
-    offset = 0
     with path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            try:
-                yield number, raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise DataError(f"{path} line {number}: not valid UTF-8 at byte {offset + error.start}") from None
-            offset += len(raw)
+        number = 0
+        while handle.peek(1):
+            number += 1
+            yield number, _decoded_line(handle, path, number)
+
+
+def _decoded_line(handle: BinaryIO, path: Path, number: int) -> str:
+    raw = handle.readline()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        start = handle.tell() - len(raw)
+        raise DataError(f"{path} line {number}: not valid UTF-8 at byte {start + error.start}") from None
 
 
 def _paragraphs(path: Path) -> Iterator[tuple[int, str]]:
-    """(first line, text) of every blank-line-separated document, streamed."""
+    """(first line, text) of every blank-line-separated document, streamed; a paragraph is held once (its
+    lines are let go as it is joined)."""
     lines: list[str] = []
     first = 0
-    for number, line in read_lines(path):
-        if line.strip():
+    for number, line in itertools.chain(read_lines(path), [(0, "\n")]):  # a last blank line ends the last paragraph
+        if not line.isspace():
             first = first or number
             lines.append(line)
         elif lines:
-            yield first, "".join(lines).strip()
-            lines, first = [], 0
-    if lines:
-        yield first, "".join(lines).strip()
+            yield first, _joined(lines)
+            first = 0
+
+
+def _joined(lines: list[str]) -> str:
+    """The paragraph of `lines`, stripped; the list is emptied."""
+    text = "".join(lines)
+    lines.clear()
+    return text.strip()
 
 
 def _text_documents(source: TextSource, tokenizer: Tokenizer) -> list[Document]:
@@ -144,6 +159,8 @@ def string_field(record: dict, name: str, where: str, allow_empty: bool = False)
 def _holds_lone_surrogate(value: Any) -> bool:
     """JSON may escape half a UTF-16 pair (`"\\ud800"`); Python decodes it into a str no encoder accepts."""
     if isinstance(value, str):
+        if value.isascii():  # the common case, without encoding a copy of a long text
+            return False
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
@@ -182,16 +199,19 @@ def record_document(record: dict, fields: RecordFields, tokenizer: Tokenizer, wh
     return text_document(tokenizer, string_field(record, fields.text_field, where), where)
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # only such an escape can produce a lone surrogate
+
+
 def jsonl_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for every non-blank line, streamed; bad UTF-8, bad JSON, JSON nested too deeply
     to parse, a lone surrogate or a non-object line is a `DataError` naming the file and line. Shared by every
     JSONL reader (documents, pairs, offline RL)."""
     for line_number, line in read_lines(path):
-        if not line.strip():
+        if line.isspace():
             continue
         try:
             record = json.loads(line)
-            surrogate = "\\u" in line and _holds_lone_surrogate(record)  # only an escape can produce one
+            surrogate = _SURROGATE_ESCAPE.search(line) is not None and _holds_lone_surrogate(record)
         except json.JSONDecodeError as error:
             raise DataError(f"{path} line {line_number}: invalid JSON ({error.msg} at column {error.colno})") from None
         except RecursionError:
@@ -201,6 +221,7 @@ def jsonl_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         if surrogate:
             raise DataError(f"{path} line {line_number}: holds a lone surrogate (an unpaired \\ud800-\\udfff escape), "
                             "which is not text")
+        del line  # a long line is let go before its record is used
         yield line_number, record
 
 
