@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from numpy.typing import DTypeLike
 
 NARROW_SHARE = 16  # a list of ids is held one byte a token while at most one id in 16 is 256 or more
 
@@ -64,15 +65,18 @@ class TokenStream:
     def __len__(self) -> int:
         return len(self.narrow) + len(self.inserted)
 
-    def window(self, start: int, end: int) -> np.ndarray:
-        """The ids at stream positions start..end-1, as int64."""
+    def window(self, start: int, end: int, dtype: DTypeLike = np.int64) -> np.ndarray:
+        """The ids at stream positions start..end-1, as `dtype`."""
         first, last = np.searchsorted(self.inserted_at, [start, end])
-        out = np.empty(end - start, dtype=np.int64)
+        begin = start - int(first)  # narrow index of the first position at or after `start` that is not spliced in
+        narrow = self.narrow[begin : begin + end - start - int(last - first)]
+        if first == last:
+            return narrow.astype(dtype)
+        out = np.empty(end - start, dtype=dtype)
         spliced = self.inserted_at[first:last] - start
         kept = np.ones(end - start, dtype=bool)
         kept[spliced] = False
-        begin = start - int(first)  # narrow index of the first position at or after `start` that is not spliced in
-        out[kept] = self.narrow[begin : begin + end - start - int(last - first)]
+        out[kept] = narrow
         out[spliced] = self.inserted[first:last]
         return out
 
