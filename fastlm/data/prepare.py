@@ -78,7 +78,8 @@ class PrepareConfig(RecordFields):
     format: Literal["auto", "text", "json", "parquet", "csv"] = Field("auto", description="auto: by file suffix.")
     output_path: str = Field(description="The prepared data set's directory (written whole at the end).")
     num_proc: int = Field(1, ge=1, le=MAX_NUM_PROC, description="Tokenizer worker processes (at most the CPUs and "
-                          "the record batches there are).")
+                          "the record batches there are; a text or JSON Lines file with a record of 1 MiB or more is "
+                          "tokenized in this process, one record at a time).")
     batch_size: int = Field(1000, ge=1, description="Records per tokenizer call.")
     overwrite: bool = Field(False, description="Replace an existing output_path.")
 
