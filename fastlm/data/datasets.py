@@ -11,19 +11,23 @@ completion without its prompt). Long plain-text documents are split across rows 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from fastlm.data.chat import ChatError, check_messages, encode_chat
 from fastlm.data.config import DataSource, GeneratedSource, JsonlSource, RecordFields, TextSource
 from fastlm.data.corpus import generate_documents
+from fastlm.data.token_stream import StreamRows, TokenStream
 from fastlm.data.tokenizer import Tokenizer, TokenizerError
 
 
@@ -33,16 +37,27 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Document:
-    """Token ids and, per token, whether it may be a training target (False for SFT prompts)."""
+    """Token ids and, per token, whether it may be a training target (False for SFT prompts; None: every token
+    is). Plain text is a `TokenStream` (about one byte a token for bytes, however long the text)."""
 
-    tokens: list[int]
-    target_mask: list[bool]
+    tokens: list[int] | TokenStream
+    target_mask: list[bool] | None
     origin: str = ""  # "file line N", for errors found after loading (packing)
 
     @property
     def is_prompted(self) -> bool:
         """Part of it is never a target (an SFT prompt): it must fit one row to keep its context."""
-        return not all(self.target_mask)
+        return self.target_mask is not None and not all(self.target_mask)
+
+
+class Rows(Protocol):
+    """Packed rows of seq_len + 1 tokens as `BatchLoader` and the size checks read them."""
+
+    def __len__(self) -> int: ...
+
+    def take(self, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, document-piece ids, target flags) of rows `picks`, each (len(picks), seq_len + 1)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -61,9 +76,10 @@ class PackedRows:
         return self.tokens[picks], self.document_ids[picks], self.target_mask[picks]
 
 
-def _text_document(tokenizer: Tokenizer, text: str, origin: str = "") -> Document:
-    tokens = tokenizer.encode(text, bos=True, eos=True)
-    return Document(tokens, [True] * len(tokens), origin)
+def text_document(tokenizer: Tokenizer, text: str, origin: str = "") -> Document:
+    """BOS (if the tokenizer has one) + the text's ids + EOS, every token a target."""
+    head = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    return Document(TokenStream.framed(head, tokenizer.encode_array(text), [tokenizer.eos_id]), None, origin)
 
 
 def _prompt_document(tokenizer: Tokenizer, prompt: str, completion: str, origin: str = "") -> Document:
@@ -74,38 +90,51 @@ def _prompt_document(tokenizer: Tokenizer, prompt: str, completion: str, origin:
 
 
 def read_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, line with its newline) of a UTF-8 file, streamed: memory holds one line at a time.
-    Invalid UTF-8 is a `DataError` naming the line and byte."""
+    """(line number, line with its newline) of a UTF-8 file, streamed: memory holds one line at a time, as a str
+    only (neither the raw bytes nor a reference of this reader's own outlive the handing over, so a consumer that
+    drops the line frees it). Invalid UTF-8 is a `DataError` naming the line and byte."""
     if not path.is_file():
         raise DataError(f"{path}: data file not found")
-    offset = 0
     with path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            try:
-                yield number, raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise DataError(f"{path} line {number}: not valid UTF-8 at byte {offset + error.start}") from None
-            offset += len(raw)
+        number = 0
+        while handle.peek(1):
+            number += 1
+            yield number, _decoded_line(handle, path, number)
+
+
+def _decoded_line(handle: BinaryIO, path: Path, number: int) -> str:
+    raw = handle.readline()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        start = handle.tell() - len(raw)
+        raise DataError(f"{path} line {number}: not valid UTF-8 at byte {start + error.start}") from None
 
 
 def _paragraphs(path: Path) -> Iterator[tuple[int, str]]:
-    """(first line, text) of every blank-line-separated document, streamed."""
+    """(first line, text) of every blank-line-separated document, streamed; a paragraph is held once (its
+    lines are let go as it is joined)."""
     lines: list[str] = []
     first = 0
-    for number, line in read_lines(path):
-        if line.strip():
+    for number, line in itertools.chain(read_lines(path), [(0, "\n")]):  # a last blank line ends the last paragraph
+        if not line.isspace():
             first = first or number
             lines.append(line)
         elif lines:
-            yield first, "".join(lines).strip()
-            lines, first = [], 0
-    if lines:
-        yield first, "".join(lines).strip()
+            yield first, _joined(lines)
+            first = 0
+
+
+def _joined(lines: list[str]) -> str:
+    """The paragraph of `lines`, stripped; the list is emptied."""
+    text = "".join(lines)
+    lines.clear()
+    return text.strip()
 
 
 def _text_documents(source: TextSource, tokenizer: Tokenizer) -> list[Document]:
     path = Path(source.path)
-    documents = [_text_document(tokenizer, text, f"{path} line {line}") for line, text in _paragraphs(path)]
+    documents = [text_document(tokenizer, text, f"{path} line {line}") for line, text in _paragraphs(path)]
     if not documents:
         raise DataError(f"{path}: no documents (the file is empty or only whitespace)")
     return documents
@@ -122,7 +151,7 @@ def string_field(record: dict, name: str, where: str, allow_empty: bool = False)
     value = _field(record, name, where)
     if not isinstance(value, str):
         raise DataError(f"{where}: field '{name}' must be a string, got {type(value).__name__}")
-    if not allow_empty and not value.strip():
+    if not allow_empty and (not value or value.isspace()):  # (strip() would copy a long text)
         raise DataError(f"{where}: field '{name}' is empty (an empty document trains on nothing)")
     return value
 
@@ -130,6 +159,8 @@ def string_field(record: dict, name: str, where: str, allow_empty: bool = False)
 def _holds_lone_surrogate(value: Any) -> bool:
     """JSON may escape half a UTF-16 pair (`"\\ud800"`); Python decodes it into a str no encoder accepts."""
     if isinstance(value, str):
+        if value.isascii():  # the common case, without encoding a copy of a long text
+            return False
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
@@ -165,7 +196,10 @@ def record_document(record: dict, fields: RecordFields, tokenizer: Tokenizer, wh
         prompt = string_field(record, fields.prompt_field, where, allow_empty=True)
         completion = string_field(record, fields.completion_field, where)
         return _prompt_document(tokenizer, prompt, completion, where)
-    return _text_document(tokenizer, string_field(record, fields.text_field, where), where)
+    return text_document(tokenizer, string_field(record, fields.text_field, where), where)
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # only such an escape can produce a lone surrogate
 
 
 def jsonl_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -173,11 +207,11 @@ def jsonl_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     to parse, a lone surrogate or a non-object line is a `DataError` naming the file and line. Shared by every
     JSONL reader (documents, pairs, offline RL)."""
     for line_number, line in read_lines(path):
-        if not line.strip():
+        if line.isspace():
             continue
         try:
             record = json.loads(line)
-            surrogate = "\\u" in line and _holds_lone_surrogate(record)  # only an escape can produce one
+            surrogate = _SURROGATE_ESCAPE.search(line) is not None and _holds_lone_surrogate(record)
         except json.JSONDecodeError as error:
             raise DataError(f"{path} line {line_number}: invalid JSON ({error.msg} at column {error.colno})") from None
         except RecursionError:
@@ -187,6 +221,7 @@ def jsonl_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         if surrogate:
             raise DataError(f"{path} line {line_number}: holds a lone surrogate (an unpaired \\ud800-\\udfff escape), "
                             "which is not text")
+        del line  # a long line is let go before its record is used
         yield line_number, record
 
 
@@ -203,7 +238,7 @@ def _jsonl_documents(source: JsonlSource, tokenizer: Tokenizer) -> list[Document
 def load_documents(source: DataSource, tokenizer: Tokenizer) -> list[Document]:
     """Every document of the source, tokenized, in file (or generation) order."""
     if isinstance(source, GeneratedSource):
-        return [_text_document(tokenizer, text) for text in generate_documents(source.num_documents, source.seed)]
+        return [text_document(tokenizer, text) for text in generate_documents(source.num_documents, source.seed)]
     if isinstance(source, TextSource):
         return _text_documents(source, tokenizer)
     if isinstance(source, JsonlSource):
@@ -223,10 +258,12 @@ def split_documents(documents: list[Item], eval_fraction: float, seed: int) -> t
     return shuffled[held_out:], shuffled[:held_out]
 
 
-def pack_documents(documents: list[Document], seq_len: int, pad_id: int) -> PackedRows:
+def pack_documents(documents: list[Document], seq_len: int, pad_id: int) -> StreamRows:
     """Lay documents end to end and cut rows of seq_len + 1 tokens; the last row is padded (never a target).
 
     Piece ids are global and increasing: a new id starts at every document start and every row start.
+    The tokens stay as compact as the documents hold them (`TokenStream`); a row becomes int64 when a batch
+    takes it, so packing adds nothing per token for plain text (a single document is not even copied).
     """
     if not documents:
         raise DataError("cannot pack an empty list of documents")
@@ -238,26 +275,11 @@ def pack_documents(documents: list[Document], seq_len: int, pad_id: int) -> Pack
                 f"(with BOS/EOS), more than one row of data.seq_len + 1 = {width}; splitting it would train the "
                 "completion without its prompt. Raise data.seq_len (and model.max_seq_len) or shorten the record"
             )
-    # Filled document by document into preallocated tensors: no corpus-sized Python lists (8 bytes a
-    # token each), so packing peaks at about 18 bytes a token on top of the documents themselves.
-    total = sum(len(doc.tokens) for doc in documents)
-    size = total + (-total % width)
-    tokens = torch.full((size,), pad_id, dtype=torch.int64)
-    targets = torch.zeros(size, dtype=torch.bool)
-    starts = torch.zeros(size, dtype=torch.bool)  # a new piece: every document start and every row start
-    offset = 0
-    for doc in documents:
-        end = offset + len(doc.tokens)
-        tokens[offset:end] = torch.tensor(doc.tokens, dtype=torch.int64)
-        targets[offset:end] = torch.tensor(doc.target_mask, dtype=torch.bool)
-        starts[offset:end][:1] = True
-        offset = end
-    if offset < size:
-        starts[offset] = True  # the padding is a piece of its own
-    starts[::width] = True
-    piece_ids = torch.cumsum(starts, dim=0) - 1
-    return PackedRows(
-        tokens=tokens.view(-1, width),
-        document_ids=piece_ids.view(-1, width),
-        target_mask=targets.view(-1, width),
-    )
+    streams = [doc.tokens if isinstance(doc.tokens, TokenStream) else TokenStream.of(doc.tokens) for doc in documents]
+    offsets = np.zeros(len(documents) + 1, dtype=np.int64)
+    np.cumsum([len(stream) for stream in streams], out=offsets[1:])
+    targets = None
+    if any(doc.is_prompted for doc in documents):
+        targets = np.concatenate([np.ones(len(stream), dtype=bool) if doc.target_mask is None
+                                  else np.asarray(doc.target_mask, dtype=bool) for doc, stream in zip(documents, streams)])
+    return StreamRows(TokenStream.concatenate(streams), offsets, targets, width, pad_id)

@@ -12,8 +12,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from fastlm.data.chat_template import TemplateError, render_template
 from fastlm.data.config import HuggingFaceTokenizerConfig
+from fastlm.data.token_stream import smallest_unsigned
 from fastlm.data.tokenizer import HF_TOKENIZER_FILES, Message, TokenizerError
 
 _INSTALL_HINT = 'reinstall fastlm with its dependencies: pip install -e .'
@@ -99,6 +102,9 @@ class HuggingFaceTokenizer:
         ids = list(self.backend.encode(text, add_special_tokens=False))
         head = [self.bos_id] if bos and self.bos_id is not None else []
         return head + ids + ([self.eos_id] if eos else [])
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.backend.encode(text, add_special_tokens=False), dtype=smallest_unsigned(self.vocab_size - 1))
 
     def encode_batch(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
         head = [self.bos_id] if bos and self.bos_id is not None else []

@@ -11,7 +11,7 @@ import torch
 
 from fastlm.data.batch import Batch, batch_from_rows
 from fastlm.data.config import PREFERENCE_SOURCE_TYPES, PREPARED_SOURCE_TYPES, DataConfig
-from fastlm.data.datasets import PackedRows, load_documents, pack_documents, split_documents
+from fastlm.data.datasets import Rows, load_documents, pack_documents, split_documents
 from fastlm.data.preferences import preference_rows
 from fastlm.data.summary import check_batch_fits
 from fastlm.data.tokenizer import Tokenizer
@@ -20,7 +20,7 @@ from fastlm.data.tokenizer import Tokenizer
 class BatchLoader:
     """Yields `Batch`es of `batch_size` rows; `state_dict()` / `load_state_dict()` give exact resume."""
 
-    def __init__(self, rows: PackedRows, batch_size: int, seed: int, shuffle: bool = True):
+    def __init__(self, rows: Rows, batch_size: int, seed: int, shuffle: bool = True):
         if len(rows) == 0:
             raise ValueError("BatchLoader needs at least one packed row")
         self.rows = rows

@@ -2,8 +2,9 @@
 
 Files are read by the Hugging Face `datasets` library (local files only) and tokenized by `Dataset.map`
 with `num_proc` workers and its progress bar; every record becomes the same document the trainer would
-build from a JSONL source (`record_document`: text, prompt/completion or chat messages). Layout:
-fastlm/data/prepared.py.
+build from a JSONL source (`record_document`: text, prompt/completion or chat messages). A text or JSON
+Lines file with a record of 1 MiB or more is read and tokenized in this process one record at a time
+instead (fastlm/data/long_records.py: a 50 MB line in about twice its size). Layout: fastlm/data/prepared.py.
 
 The output is never lost or half-written: prepare holds a lock (`.<name>.lock` beside the output; a second
 prepare into it is refused), writes into a staging directory `.<name>.tmp-<pid>` beside it, and swaps it
@@ -16,6 +17,7 @@ removes staging directories whose process is gone, so a `kill -9` leaves nothing
 
 from __future__ import annotations
 
+import array
 import codecs
 import ctypes
 import errno
@@ -29,7 +31,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +41,8 @@ import numpy as np
 from pydantic import Field
 
 from fastlm.data.config import ByteTokenizerConfig, RecordFields, TokenizerConfig
-from fastlm.data.datasets import DataError, record_document, string_field
+from fastlm.data.datasets import DataError, Document, record_document, string_field
+from fastlm.data.long_records import RecordSpans, long_record_documents
 from fastlm.data.prepared import (
     FORMAT,
     METADATA_FILE,
@@ -51,6 +54,7 @@ from fastlm.data.prepared import (
     token_sample,
     tokenizer_metadata,
 )
+from fastlm.data.token_stream import TokenStream
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
 from fastlm.system.disk_space import raise_if_disk_full
 from fastlm.system.run_dir import RunDirLock, fsync_dir
@@ -58,6 +62,7 @@ from fastlm.system.signals import fault_point
 
 FileFormat = Literal["text", "json", "parquet", "csv"]
 MAX_NUM_PROC = 256
+WRITE_TOKENS = 1 << 20  # ids of a long document widened and written at a time
 _SUFFIXES: dict[str, FileFormat] = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
                                     ".parquet": "parquet", ".csv": "csv"}
 
@@ -71,7 +76,8 @@ class PrepareConfig(RecordFields):
     format: Literal["auto", "text", "json", "parquet", "csv"] = Field("auto", description="auto: by file suffix.")
     output_path: str = Field(description="The prepared data set's directory (written whole at the end).")
     num_proc: int = Field(1, ge=1, le=MAX_NUM_PROC, description="Tokenizer worker processes (at most the CPUs and "
-                          "the record batches there are).")
+                          "the record batches there are; a text or JSON Lines file with a record of 1 MiB or more is "
+                          "tokenized in this process, one record at a time).")
     batch_size: int = Field(1000, ge=1, description="Records per tokenizer call.")
     overwrite: bool = Field(False, description="Replace an existing output_path.")
 
@@ -109,9 +115,11 @@ def file_format(config: PrepareConfig, path: Path) -> FileFormat:
     return _SUFFIXES[path.suffix.lower()]
 
 
-def check_utf8(path: Path, chunk_bytes: int = 1 << 20) -> None:
-    """Stream the file once; invalid UTF-8 is a `DataError` naming the line (datasets would only say 'decode error')."""
+def check_utf8(path: Path, text: bool, chunk_bytes: int = 1 << 20) -> RecordSpans:
+    """Stream the file once; invalid UTF-8 is a `DataError` naming the line (datasets would only say 'decode error').
+    Returns its records' spans (`text`: blank-line separated; else lines), which say how to read it."""
     decoder = codecs.getincrementaldecoder("utf-8")()
+    spans = RecordSpans(text)
     lines_before = 0
     with path.open("rb") as handle:
         while chunk := handle.read(chunk_bytes):
@@ -121,10 +129,12 @@ def check_utf8(path: Path, chunk_bytes: int = 1 << 20) -> None:
                 line = lines_before + chunk.count(b"\n", 0, max(error.start, 0)) + 1
                 raise DataError(f"{path} line {line}: not valid UTF-8; re-encode the file as UTF-8") from None
             lines_before += chunk.count(b"\n")
+            spans.feed(chunk)
         try:
             decoder.decode(b"", final=True)
         except UnicodeDecodeError:
             raise DataError(f"{path} line {lines_before + 1}: ends inside a UTF-8 character (truncated?)") from None
+    return spans
 
 
 class _Tokenize:
@@ -181,6 +191,7 @@ class _Writer:
         self.digest = hashlib.sha256()
 
     def append(self, mapped: Any) -> None:
+        """The tokenized `Dataset`'s documents."""
         table = mapped.data.table
         for index, chunk in enumerate(table.column("input_ids").chunks):
             ids = chunk.flatten().to_numpy()
@@ -189,18 +200,37 @@ class _Writer:
                 flags = table.column("targets").chunks[index].flatten().to_numpy(zero_copy_only=False).astype(np.uint8)
             else:
                 flags = np.ones(len(ids), dtype=np.uint8)
-            data = ids.astype(self.dtype).tobytes()
-            self.tokens.write(data)
-            self.digest.update(data)
-            self.targets.write(flags.tobytes())
-            self.all_targets &= bool(flags.all())
+            self._write(ids, flags)
             if not flags.all() and len(lengths):  # per document: does it hold a prompt (a 0 flag)?
                 starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
                 prompted = np.minimum.reduceat(flags, starts) == 0
                 self.longest_prompted = max(self.longest_prompted, int(lengths[prompted].max(initial=0)))
-            self.max_id = max(self.max_id, int(ids.max()) if len(ids) else -1)
             self.lengths.append(lengths)
-            self.count += len(ids)
+
+    def append_documents(self, documents: Iterable[Document]) -> None:
+        """Documents one at a time (`long_records`), each written WRITE_TOKENS ids at a time: a long one is never
+        widened to the set's dtype whole."""
+        lengths = array.array("q")
+        for document in documents:
+            stream = document.tokens if isinstance(document.tokens, TokenStream) else TokenStream.of(document.tokens)
+            for start in range(0, len(stream), WRITE_TOKENS):
+                end = min(start + WRITE_TOKENS, len(stream))
+                flags = (np.ones(end - start, dtype=np.uint8) if document.target_mask is None
+                         else np.asarray(document.target_mask[start:end], dtype=np.uint8))
+                self._write(stream.window(start, end, self.dtype), flags)
+            if document.is_prompted:
+                self.longest_prompted = max(self.longest_prompted, len(stream))
+            lengths.append(len(stream))
+        self.lengths.append(np.frombuffer(lengths, dtype=np.int64))
+
+    def _write(self, ids: np.ndarray, flags: np.ndarray) -> None:
+        data = np.ascontiguousarray(ids, dtype=self.dtype)
+        self.tokens.write(data)
+        self.digest.update(data)
+        self.targets.write(np.ascontiguousarray(flags))
+        self.all_targets &= bool(flags.all())
+        self.max_id = max(self.max_id, int(ids.max()) if len(ids) else -1)
+        self.count += len(ids)
 
     def finish(self, metadata: dict[str, Any]) -> dict[str, Any]:
         for handle in (self.tokens, self.targets):
@@ -270,8 +300,11 @@ def _write_set(config: PrepareConfig, tokenizer: Tokenizer, files: list[Path], f
     for path, fmt in zip(files, formats):
         if path.stat().st_size == 0:  # nothing to read (datasets cannot even infer its columns)
             continue
-        if fmt != "parquet":
-            check_utf8(path)
+        if fmt != "parquet" and check_utf8(path, text=fmt == "text").holds_long_records():
+            if fmt == "text":  # (what a JSONL record lacks is found as it is read)
+                _check_columns(config, ["text"], path, fmt)
+            writer.append_documents(long_record_documents(path, fmt == "text", config, tokenizer))
+            continue
         dataset = _load(path, fmt, staging / "cache")
         _check_columns(config, dataset.column_names, path, fmt)
         mapped = dataset.map(_Tokenize(config, tokenizer, path, plain_text=_plain_text(config)), batched=True,

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from fastlm.config.errors import ConfigError, ConfigIssue
-from fastlm.data.datasets import PackedRows
+from fastlm.data.datasets import Rows
+
+COUNT_ROWS = 4096  # rows counted at a time
 
 
 @dataclass(frozen=True)
@@ -25,9 +29,15 @@ class SplitSize:
         return f"{documents}{self.tokens:,} tokens ({self.labels:,} targets) in {self.rows:,} rows"
 
 
-def split_size(rows: PackedRows, pad_id: int, bos_id: int | None) -> SplitSize:
-    documents = None if bos_id is None else int((rows.tokens == bos_id).sum())
-    return SplitSize(len(rows), int((rows.tokens != pad_id).sum()), int(rows.target_mask.sum()), documents)
+def split_size(rows: Rows, pad_id: int, bos_id: int | None) -> SplitSize:
+    """Counted COUNT_ROWS rows at a time (a row is int64 only while it is counted)."""
+    documents = tokens = labels = 0
+    for start in range(0, len(rows), COUNT_ROWS):
+        ids, _, targets = rows.take(torch.arange(start, min(start + COUNT_ROWS, len(rows))))
+        documents += int((ids == bos_id).sum()) if bos_id is not None else 0
+        tokens += int((ids != pad_id).sum())
+        labels += int(targets.sum())
+    return SplitSize(len(rows), tokens, labels, None if bos_id is None else documents)
 
 
 @dataclass(frozen=True)
@@ -53,7 +63,7 @@ class DataSummary:
         return "\n".join(lines)
 
 
-def check_batch_fits(train: PackedRows, evaluation: PackedRows | None, batch_rows: int,
+def check_batch_fits(train: Rows, evaluation: Rows | None, batch_rows: int,
                      eval_rows: int | None = None) -> str | None:
     """ConfigError when one micro-batch (`batch_rows`, all dp ranks) is larger than the train split. With
     `eval_rows` (what one evaluation reads; 0 = no eval), the note when the eval split is smaller (see
@@ -80,7 +90,7 @@ def eval_repeat_note(held_out_rows: int, eval_rows: int, batch_rows: int) -> str
             "more than once; raise data.eval_fraction or lower trainer.eval_batches")
 
 
-def summarize(train: PackedRows, evaluation: PackedRows | None, seq_len: int, batch_rows: int, grad_accumulation: int,
+def summarize(train: Rows, evaluation: Rows | None, seq_len: int, batch_rows: int, grad_accumulation: int,
               steps: int, pad_id: int, bos_id: int | None) -> DataSummary:
     return DataSummary(
         train=split_size(train, pad_id, bos_id),

@@ -11,6 +11,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
 if TYPE_CHECKING:
     from fastlm.data.config import TokenizerConfig
 
@@ -47,6 +49,11 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]: ...
 
+    def encode_array(self, text: str) -> np.ndarray:
+        """The text's ids (no BOS/EOS) as an array of the narrowest unsigned dtype holding the vocab: what a long
+        document is kept as (a list takes 8 bytes or more an id)."""
+        ...
+
     def encode_batch(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
         """`encode` of each text, in one call (a Hugging Face tokenizer encodes a batch in Rust)."""
         ...
@@ -81,6 +88,10 @@ class ByteTokenizer:
         """UTF-8 bytes of `text`, optionally framed by BOS/EOS."""
         ids = list(text.encode("utf-8"))
         return ([BOS] if bos else []) + ids + ([EOS] if eos else [])
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """The UTF-8 bytes of `text` as uint8, without a copy (a read-only view of the encoded bytes)."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
     def encode_batch(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
         return [self.encode(text, bos, eos) for text in texts]
