@@ -212,13 +212,18 @@ class RLTrainer(Trainer):
         return self.warmup_head if self.in_warmup else self.policy_head
 
     def micro_batches(self) -> list[Batch]:
-        """This step's batches: a fresh rollout first when the latest one is used up. With a reference, each
-        policy batch gets the reference's label log-probs once: the stream serves the same batch objects to
-        every update of a rollout, so once per rollout."""
+        """This step's batches, drawing a fresh rollout whenever the latest one is used up. With a reference,
+        each policy batch gets the reference's label log-probs once: the stream serves the same batch objects
+        to every update of a rollout, so once per rollout."""
         stream = self.train_loader
-        if isinstance(stream, RolloutStream) and stream.rollout_due:
-            self.next_rollout(stream)
-        batches = super().micro_batches()
+        if not isinstance(stream, RolloutStream):
+            batches = super().micro_batches()
+        else:
+            batches = []
+            for _ in range(self.config.trainer.grad_accumulation):
+                if stream.rollout_due:
+                    self.next_rollout(stream)
+                batches.append(stream.next_batch())
         if self.reference is None and not self.in_warmup and self._kl_child() is not None:
             self.reference = self._reference()  # the first RL step after a warm-up
         if self.reference is not None and not self.in_warmup:
