@@ -13,9 +13,9 @@ the 24 layers, the attention's block mask and the sampling tail); per token the 
 things, the noise draw and the replay. Attention in the captured step is FlexAttention decode, which
 reads only the cache blocks written so far. A `Generator` kept across calls reuses the graph while the
 batch size, cache length and sampling options stay the same and only copies the live weights into the
-replica (`sync_weights`, before each call unless built with `sync_on_generate=False`: a rollout backend
-(backend.py) syncs once per weight update itself). On CPU, or without the graph, the live model runs eagerly under the given
-autocast, through the same step.
+replica (`sync_weights`: before every call, or only when the caller says with `sync_on_generate=False`, as
+the rollout backend does, backend.py). On CPU, or without the graph, the live model runs eagerly under the
+given autocast, through the same step.
 
 Prompts are left-padded by default (every row writes the same cache column each step); `padding="right"`
 keeps each row at its own columns. Both give the same tokens.

@@ -177,22 +177,23 @@ def collect_rollout(model: DecoderLM, policy_head: LMHead, backend: GenerationBa
     """Sample, score, advantage and pack one rollout of the current policy (see the module docstring)."""
     config, shard = setup.config, setup.shard
     started = time.perf_counter()
-    records = draw_prompts(setup.prompts, prompt_rng, config.prompts_per_rollout, shard)
+    records = draw_prompts(setup.prompts, prompt_rng, config.prompts_per_rollout, shard)  # 1. prompts
     backend.sync_weights()
     if setup.environment is None:
         prompts, texts = group_prompts(records, setup.tokenizer, config.group_size)
-        completions = generate_checked(backend, prompts, texts, setup.options, generator)
-        scored = score_rollout(setup, records, prompts, completions)
-    else:  # generation and rewards alternate: the environment answers each turn
+        completions = generate_checked(backend, prompts, texts, setup.options, generator)  # 2. generation
+        scored = score_rollout(setup, records, prompts, completions)  # 3. rewards
+    else:  # 2. + 3. alternate: the environment answers (and rewards) each turn
         scored = play_episodes(backend, setup, records, generator)
-    gathered = shard.gather(scored.columns)  # every rank's completions: the global rollout's advantages
+    gathered = shard.gather(scored.columns)  # 4. advantages, over every rank's completions (the global rollout)
     total, lengths, stopped = gathered[:, 0], gathered[:, 1], gathered[:, 2]
     advantages = group_advantages(total, config.group_size, config.scale_rewards, config.advantage_eps)
     samples = [replace(s, advantage=a) for s, a in zip(scored.samples, shard.block(advantages.tolist()))]
     sampled = time.perf_counter()
-    rows = pack_policy_samples(samples, setup.seq_len, setup.tokenizer.pad_id)
+    rows = pack_policy_samples(samples, setup.seq_len, setup.tokenizer.pad_id)  # 5. pack
     batches = split_into_batches(rows, setup.micro_batches)
-    gaps = shard.gather(add_old_logprobs(batches, model, policy_head, config.importance_sampling, amp_dtype))
+    gaps = shard.gather(  # 6. old log-probs (and the sampler gap they reveal)
+        add_old_logprobs(batches, model, policy_head, config.importance_sampling, amp_dtype))
     finished = time.perf_counter()
     metrics = {**rollout_metrics(total, advantages, lengths, stopped.bool(), config.group_size),
                **(reward_metrics(gathered[:, 3:], setup.rewards) if setup.environment is None
