@@ -115,10 +115,10 @@ def run_fastlm(preset: str, args: argparse.Namespace, work: Path, device: str) -
         trainer.train_step()
     trainer.settle()
     hf_dir = export_hf(trainer.model, work / f"hf_{preset}", ByteTokenizer())
-    loader = trainer.train_loader
+    stream = trainer.train_loader
     pad = trainer.tokenizer.pad_id
     for _ in range(args.steps):
-        loader.phase_seconds = dict.fromkeys(loader.phase_seconds, 0.0)
+        trainer.phase_seconds = dict.fromkeys(trainer.phase_seconds, 0.0)
         _sync()
         started = time.perf_counter()
         trainer.train_step()
@@ -126,12 +126,12 @@ def run_fastlm(preset: str, args: argparse.Namespace, work: Path, device: str) -
         trainer.take_read_values()
         _sync()
         total = time.perf_counter() - started
-        phases = loader.phase_seconds
-        trained = sum(int((batch.input_ids != pad).sum()) for batch in loader.batches)
-        completion = sum(int((batch.labels != -100).sum()) for batch in loader.batches)
+        phases = trainer.phase_seconds
+        trained = sum(int((batch.input_ids != pad).sum()) for batch in stream.batches)
+        completion = sum(int((batch.labels != -100).sum()) for batch in stream.batches)
         side.steps.append({"rollout": phases["sampling"], "reward": phases["reward"],
                            "old_logprob": phases["old_logprob"], "train": total - sum(phases.values()),
-                           "completion_tokens": completion, "trained_tokens": trained, "mean_reward": loader.rewards[-1]})
+                           "completion_tokens": completion, "trained_tokens": trained, "mean_reward": stream.rewards[-1]})
         print(f"fastlm {preset} step {len(side.steps)}: {side.steps[-1]}", file=sys.stderr, flush=True)
     return side, hf_dir
 
@@ -170,7 +170,7 @@ def run_trl(preset: str, args: argparse.Namespace, hf_dir: Path, work: Path) -> 
     import random
 
     from fastlm.rl.config import RLConfig
-    from fastlm.rl.rollouts import rollout_task
+    from fastlm.rl.rollout import rollout_task
 
     task = rollout_task(RLConfig(task=TASK))
     source, rng = TaskPrompts(task), random.Random(2)

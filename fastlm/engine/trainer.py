@@ -1,8 +1,10 @@
 """The training loop: micro-batches -> one optimizer step with step-wide normalizers -> logs, eval, checkpoints.
 
 The step is split into overridable pieces so other engines (GRPO rollouts) can reuse the loop:
-`micro_batches()` decides what one step trains on, `forward_backward()` turns it into gradients and
-summed scalars, `optimizer_step()` clips, checks and applies them.
+`micro_batches()` decides what one step trains on, `loss_head` which head computes its loss,
+`forward_backward()` turns it into gradients and summed scalars, `optimizer_step()` clips, checks and
+applies them. What the loop logs is overridable too: `log_record()` every `trainer.log_every` steps,
+`eval_record()` every `trainer.eval_every` steps, each on its own schedule.
 
 The host never waits for the GPU inside a step: the step's scalars stay on the device and its checks
 decide on the device (fastlm/engine/step_scalars.py). They are read back in one transfer at the next
@@ -69,6 +71,7 @@ from fastlm.engine.runtime import (
 )
 from fastlm.engine.schedule_resume import DecayAnchor, anchor_for_resume, continue_decay
 from fastlm.engine.step_scalars import InFlightRead, PendingSteps, StepResult, StepValues, window_mean
+from fastlm.layers.lm_head import LMHead
 from fastlm.logging.jsonl import drop_records_after
 from fastlm.logging.logger import METRICS_FILE, MetricLogger
 from fastlm.losses.spec import LossNormalizers, LossResult
@@ -226,6 +229,11 @@ class Trainer:
         """What this step trains on: `grad_accumulation` batches from the packed corpus."""
         return [self.train_loader.next_batch() for _ in range(self.config.trainer.grad_accumulation)]
 
+    @property
+    def loss_head(self) -> LMHead:
+        """The head this step's loss runs through: the model's own (the RL trainer switches by phase)."""
+        return self.model.head
+
     def prepare(self, batch: Batch) -> Batch:
         """One micro-batch, on the device (an asynchronous copy), just before its forward: the hook for
         per-batch extras (a teacher's logits) so they live for one micro-batch, not the whole step."""
@@ -242,6 +250,7 @@ class Trainer:
         if normalizers.tokens == 0:
             raise ValueError("this step's micro-batches have no unmasked labels; check the data (all prompt?)")
         scale = float(self.parallel.dp_size)
+        head = self.loss_head
         loss_sum = torch.zeros((), device=self.device)
         losses: dict[str, torch.Tensor] = {}
         metrics: dict[str, torch.Tensor] = {}
@@ -253,7 +262,8 @@ class Trainer:
                 def micro_step(batch: Batch = batch, last: bool = index == len(batches) - 1) -> LossResult:
                     with gradient_sync(self.train_model, last):
                         with autocast(self.device, self.amp_dtype):
-                            result = self.train_model(batch.input_ids, batch.targets(), normalizers, batch.document_ids)
+                            result = self.train_model(batch.input_ids, batch.targets(), normalizers, batch.document_ids,
+                                                      head=head)
                         (result.loss * scale if scale != 1.0 else result.loss).backward()
                     return result
 
@@ -391,6 +401,11 @@ class Trainer:
                     total += self.model(batch.input_ids, batch.targets(), normalizers, batch.document_ids).loss.float()
         return float(sum_over({"loss": total}, self.parallel.dp_group)["loss"])
 
+    def eval_record(self) -> dict[str, float]:
+        """What an eval step (`trainer.eval_every`, whatever `log_every` is) logs: the held-out loss, if any."""
+        loss = self.evaluate()
+        return {} if loss is None else {"eval/loss": loss}
+
     def state(self) -> dict[str, Any]:
         return {
             "step": self.step,
@@ -499,8 +514,9 @@ class Trainer:
                   "of restarting", file=sys.stderr, flush=True)
 
     # --- the loop --------------------------------------------------------------------------------------
-    def _log_record(self, values: StepValues, tokens_per_second: float) -> dict[str, float]:
-        record = {
+    def log_record(self, values: StepValues, tokens_per_second: float) -> dict[str, Any]:
+        """The record of a log window ending at `values.step` (its means, see `window_mean`)."""
+        record: dict[str, Any] = {
             "train/loss": values.loss,
             **{f"train/loss/{name}": value for name, value in values.losses.items()},
             **{f"train/{name}": value for name, value in values.metrics.items()},
@@ -620,19 +636,20 @@ class Trainer:
                     total_tokens, total_seconds = total_tokens + tokens, total_seconds + seconds
                     window_tokens, window_seconds = window_tokens + tokens, window_seconds + seconds
                     losses.extend(values.loss for values in read)
-                records: dict[int, dict[str, float]] = {}  # a late read logs the step before this one
+                records: dict[int, dict[str, Any]] = {}  # a late read logs the step before this one
                 for values in read:
                     window.append(values)
                     if self.logs_at(values.step):
-                        records[values.step] = self._log_record(window_mean(window),
-                                                                window_tokens / max(window_seconds, 1e-9))
+                        records[values.step] = self.log_record(window_mean(window),
+                                                               window_tokens / max(window_seconds, 1e-9))
                         window = []
                 if read and self.logs_at(read[-1].step):
                     window_tokens, window_seconds = 0, 0.0
                 if self.evaluates_at(self.step):
-                    eval_loss = self.evaluate()
-                    if eval_loss is not None:
-                        records.setdefault(self.step, {})["eval/loss"] = eval_loss
+                    scores = self.eval_record()
+                    eval_loss = scores.get("eval/loss")
+                    if scores:
+                        records.setdefault(self.step, {}).update(scores)
                 for step, record in sorted(records.items()):
                     logger.log(step, record)
                 if self.checkpoints_at(self.step) or stopping:

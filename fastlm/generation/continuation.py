@@ -87,7 +87,7 @@ class Continuation:
             raise ValueError(f"prompt {too_long[0]} has {len(prompts[too_long[0]])} tokens, no room under the "
                              f"episode limit ({self.limit})")
         if engine.cuda_graph:
-            engine.sync_weights()
+            engine.sync_before_decoding()
         length = self.limit + options.max_new_tokens + 1
         with self._model() as (model, head_weight):
             self.step = engine._decode_step(model, head_weight, len(prompts), length, options)

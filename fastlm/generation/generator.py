@@ -13,8 +13,9 @@ the 24 layers, the attention's block mask and the sampling tail); per token the 
 things, the noise draw and the replay. Attention in the captured step is FlexAttention decode, which
 reads only the cache blocks written so far. A `Generator` kept across calls reuses the graph while the
 batch size, cache length and sampling options stay the same and only copies the live weights into the
-replica (`sync_weights`). On CPU, or without the graph, the live model runs eagerly under the given
-autocast, through the same step.
+replica (`sync_weights`: before every call, or only when the caller says with `sync_on_generate=False`, as
+the rollout backend does, backend.py). On CPU, or without the graph, the live model runs eagerly under the
+given autocast, through the same step.
 
 Prompts are left-padded by default (every row writes the same cache column each step); `padding="right"`
 keeps each row at its own columns. Both give the same tokens.
@@ -202,6 +203,7 @@ class Generator:
     (fastlm/layers/kv_cache.py; eager FlexAttention would be compiled on first use, a cost one-off calls skip).
     If building a compiled or FlexAttention step fails (a compiler error shows up in its warm-up), one line
     says so and the generator continues without compile and with SDPA, as the trainer does for its blocks.
+    `sync_on_generate=False`: the graph path's replica is refreshed only by `sync_weights` (the caller's).
     """
 
     def __init__(
@@ -214,6 +216,7 @@ class Generator:
         padding: Literal["left", "right"] = "left",
         check_every: int = 16,
         decode_attention: DecodeAttention | None = None,
+        sync_on_generate: bool = True,
     ) -> None:
         self.model = model
         self.device = model.output_weight.device
@@ -226,6 +229,7 @@ class Generator:
         self.compile = compile
         self.padding = padding
         self.check_every = check_every
+        self.sync_on_generate = sync_on_generate
         self.decode_attention: DecodeAttention = decode_attention or ("flex" if self.cuda_graph else "sdpa")
         self.replica: DecoderLM | None = None
         self.head_weight: torch.Tensor | None = None
@@ -253,6 +257,14 @@ class Generator:
             assert self.head_weight is not None
             self.head_weight.copy_(self.replica.output_weight)
 
+    def sync_before_decoding(self) -> None:
+        """Graph path, before a generation: the replica takes the live weights now, or (`sync_on_generate=False`)
+        holds what the caller's last `sync_weights` copied."""
+        if self.sync_on_generate:
+            self.sync_weights()
+        elif self.replica is None:
+            raise RuntimeError("this Generator was built with sync_on_generate=False: call sync_weights() first")
+
     # --- generation --------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], options: SamplingOptions,
@@ -263,7 +275,7 @@ class Generator:
         width = max(len(p) for p in prompts)
         length = width + options.max_new_tokens - 1
         if self.cuda_graph:
-            self.sync_weights()
+            self.sync_before_decoding()
             model, head_weight = self.replica, self.head_weight
             length = -(-length // CACHE_ROUNDING) * CACHE_ROUNDING
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,6 +24,9 @@ from fastlm.layers.vocab_parallel import gather_vocab, vocab_parallel_loss
 from fastlm.losses.spec import LossNormalizers, LossResult, LossTargets, ProcessGroup
 from fastlm.models.base import LayerAttention, Rope
 from fastlm.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from fastlm.layers.lm_head import LMHead
 
 Rotary = tuple[torch.Tensor, torch.Tensor]
 
@@ -152,13 +156,16 @@ class DecoderLM(nn.Module):
         targets: LossTargets,
         normalizers: LossNormalizers,
         document_ids: torch.Tensor | None = None,
+        head: LMHead | None = None,
     ) -> LossResult:
-        """Hidden states flattened to (B*S, H), then the LM head computes every configured loss."""
+        """Hidden states flattened to (B*S, H), then the LM head computes every configured loss: `head`, or
+        the model's own (a trainer that trains other losses on the same weights passes its own head)."""
+        head = self.head if head is None else head
         hidden = self.hidden_states(input_ids, document_ids).reshape(-1, self.config.hidden_size)
         if self.tp_group is not None:
-            result = vocab_parallel_loss(self.head, hidden, self.output_weight, targets, normalizers, self.tp_group)
+            result = vocab_parallel_loss(head, hidden, self.output_weight, targets, normalizers, self.tp_group)
         else:
-            result = self.head(hidden, self.output_weight, targets, normalizers)
+            result = head(hidden, self.output_weight, targets, normalizers)
         if self.training and self.moe_layers:  # the MoE layers' router losses join a training forward's loss
             result = add_router_losses(result, self.moe_layers, input_ids.numel(), normalizers.positions)
         return result

@@ -82,7 +82,7 @@ class RLConfig(ConfigModel):
     `updates_per_rollout` steps reuse it (TRL's num_iterations), so the ratio moves off 1 and clipping acts.
     The first `warmup_steps` optimizer steps are supervised (cross-entropy on task demonstrations).
     Data parallel: `prompts_per_rollout` is per dp rank (like data.micro_batch_size); a global rollout
-    holds prompts_per_rollout * dp prompts, each rank sampling its own (fastlm/rl/rollouts.py).
+    holds prompts_per_rollout * dp prompts, each rank sampling its own (fastlm/rl/rollout.py).
     """
 
     task: TaskConfig = Field(default_factory=AdditionTaskConfig)

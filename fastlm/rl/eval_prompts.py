@@ -1,25 +1,18 @@
-"""The greedy eval of a run on a prompt data set (`rl.prompts`, or an eval JSONL): which prompts, and their reward.
+"""Which prompts the greedy eval of a run on a prompt data set (`rl.prompts`, or an eval JSONL) decodes.
 
 `rl.eval_prompts` picks them: a JSONL of eval prompts, or prompts held out of `rl.prompts` (a fraction
 of the file, or a count, at most a tenth of it), chosen by the run's seed and removed from the training
-prompts before the first rollout. Each is decoded greedily and scored by the run's reward functions
-(the training rewards), so `eval/reward` is the same quantity as `train/reward` at temperature 0; a
-completion no function scored is left out of the mean, as in the advantages.
+prompts before the first rollout. rl/evaluation.py decodes them greedily and scores them by the run's
+reward functions.
 """
 
 from __future__ import annotations
 
-import math
 import random
 
-import torch
-
 from fastlm.data.tokenizer import Tokenizer
-from fastlm.generation import Generator, SamplingOptions
 from fastlm.rl.config import JsonlPromptsConfig, RLConfig
 from fastlm.rl.prompts import JsonlPrompts, PromptRecord, PromptSource
-from fastlm.rl.rewards import RewardFunction, reward_metrics, score_completions, total_reward
-from fastlm.rl.rollouts import encode_prompts, generate_checked, reward_arguments
 
 HELD_OUT_SHARE = 10  # a count of eval prompts takes at most 1/HELD_OUT_SHARE of rl.prompts
 
@@ -46,17 +39,3 @@ def eval_records(config: RLConfig, source: PromptSource, tokenizer: Tokenizer, m
     return [records[index] for index in sorted(held)], (
         f"rl: eval/reward on {count} prompts held out of {config.prompts.path} (rl.eval_prompts), "
         f"{len(source.records)} left to train on")
-
-
-@torch.no_grad()
-def evaluate_prompts(engine: Generator, tokenizer: Tokenizer, records: list[PromptRecord], options: SamplingOptions,
-                     functions: list[RewardFunction], nan_policy: str = "error") -> dict[str, float]:
-    """`reward` (mean total reward of the greedy completions) and each function's `rewards/<name>/...`."""
-    greedy = SamplingOptions(options.max_new_tokens, 0.0, stop_tokens=options.stop_tokens,
-                             logit_scale=options.logit_scale, softcap=options.softcap)
-    texts = [record.text for record in records]
-    completions = generate_checked(engine, encode_prompts(tokenizer, texts), texts, greedy, None)
-    per_function = score_completions(functions, reward_arguments(records, completions, tokenizer, 1), 1, nan_policy)
-    total = total_reward(per_function, functions)
-    scored = total[~total.isnan()]
-    return {"reward": float(scored.mean()) if scored.numel() else math.nan, **reward_metrics(per_function, functions)}

@@ -1,16 +1,28 @@
 """`RLTrainer`: the trainer loop with rollouts (or offline RL samples) as data and a supervised warm-up.
 
-Online (`rl:` set, any data source but offline_rl): the loader is a `RolloutLoader`; the first
-`rl.warmup_steps` steps train cross-entropy (+ the head's z_loss) on task demonstrations through a
-second head on the same weights, then the configured policy head (GRPO or GSPO) trains on rollouts.
+One online step (`rl:` set, any data source but offline_rl), top to bottom:
+
+1. `micro_batches`: the first `rl.warmup_steps` steps train on task demonstrations (rl/stream.py); after
+   them, when the latest rollout has been served `rl.updates_per_rollout` times, `next_rollout` draws a fresh
+   one with `collect_rollout` (rl/rollout.py: prompts -> generation backend -> rewards -> advantages -> pack
+   -> old log-probs) from this trainer's model, policy head and generation backend. A KL penalty's reference
+   log-probs join the batches once per rollout.
+2. `forward_backward` through `loss_head`: the warm-up head (cross-entropy + the head's z_loss) during the
+   warm-up, the policy head after. The trainer builds both once; the policy head is the configured head with
+   its logit transform divided by rl.temperature (it trains the sampling distribution, as TRL), and its
+   transform also scores the rollouts' old log-probs. The model's own head (the configured one) is what the
+   sampler and the greedy eval apply before the temperature.
+3. `optimizer_step`: RL steps run at `rl.lr_scale` times the scheduled lr (the warm-up's lr suits
+   cross-entropy, not the noisier policy gradient).
+4. Every `trainer.log_every` steps `log_record` adds the latest rollout's statistics, the time split and the
+   completions table; every `trainer.eval_every` steps `eval_record` runs the greedy eval (rl/evaluation.py:
+   the built-in task's fixed problems, or a prompt data set's eval prompts, rl/eval_prompts.py).
+
 Offline (`data.source.type: offline_rl`): the policy head trains on the file's samples, old_logp and
-advantages as given. Rollout statistics and the greedy eval reward join the trainer's log records (the
-built-in task's fixed problems, or a prompt data set's eval prompts: rl/eval_prompts.py). A KL penalty's
-frozen reference is the policy as RL starts: after a warm-up, a copy taken at the first RL step (of a
-LoRA policy: its adapters only, over the shared frozen base).
-RL steps run at `rl.lr_scale` times the scheduled lr (the warm-up's lr suits cross-entropy, not the
-noisier policy gradient). Data parallel: each dp rank samples its own share of the rollout
-(fastlm/rl/rollouts.py), warm-up and offline batches are rank-strided like the base trainer's.
+advantages as given. A KL penalty's frozen reference is the policy as RL starts: after a warm-up, a copy
+taken at the first RL step (of a LoRA policy: its adapters only, over the shared frozen base). Data
+parallel: each dp rank samples its own share of the rollout (rl/rollout.py), warm-up and offline batches
+are rank-strided like the base trainer's.
 """
 
 from __future__ import annotations
@@ -34,8 +46,9 @@ from fastlm.engine.checkpoint import CheckpointError, save_checkpoint
 from fastlm.engine.distributed import RankShardLoader
 from fastlm.engine.frozen import copy_frozen, load_frozen_copy, reference_model
 from fastlm.engine.optim import lr_multiplier
+from fastlm.engine.step_scalars import StepValues
 from fastlm.engine.trainer import StepResult, Trainer, TrainSummary
-from fastlm.generation import SamplingOptions
+from fastlm.generation import NativeBackend
 from fastlm.layers.lm_head import LMHead
 from fastlm.lora.attach import AdapterSnapshot
 from fastlm.lora.layer import full_tensor
@@ -45,11 +58,13 @@ from fastlm.losses.config import LMHeadConfig
 from fastlm.models.decoder import DecoderLM
 from fastlm.rl.config import RLConfig
 from fastlm.rl.consistency import tempered_transform
-from fastlm.rl.eval_prompts import eval_records, evaluate_prompts
+from fastlm.rl.eval_prompts import eval_records
+from fastlm.rl.evaluation import greedy_eval
 from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples, policy_logprobs
-from fastlm.rl.prompts import PromptRecord, stop_token_ids
+from fastlm.rl.prompts import PromptRecord
 from fastlm.rl.rewards import RewardError
-from fastlm.rl.rollouts import RolloutLoader, RolloutShard, rank_rows, rollout_task
+from fastlm.rl.rollout import RolloutSetup, RolloutShard, collect_rollout
+from fastlm.rl.stream import RolloutStream, rank_rows
 
 if TYPE_CHECKING:
     from fastlm.run_config.schema import RunConfig
@@ -73,17 +88,19 @@ def warmup_head_config(head: LMHeadConfig) -> LMHeadConfig:
     return head.model_copy(update={"losses": losses})
 
 
-def sampling_options(rl: RLConfig, head: LMHeadConfig, tokenizer: Tokenizer) -> SamplingOptions:
-    """The rollout sampler's settings: stop at `rl.stop_tokens` (default the tokenizer's EOS); the head's logit
-    transform so sampling sees the loss's softmax."""
-    return SamplingOptions(rl.max_new_tokens, rl.temperature, rl.top_p, rl.top_k, stop_token_ids(rl, tokenizer),
-                           logit_scale=head.logit_scale, softcap=head.softcap)
-
-
 def policy_head_config(head: LMHeadConfig, temperature: float) -> LMHeadConfig:
     """The RL head trains the sampling distribution: its logit transform divided by the temperature (TRL)."""
     scale, softcap = tempered_transform(head.logit_scale, head.softcap, temperature)
     return head.model_copy(update={"logit_scale": scale, "softcap": softcap})
+
+
+def rollout_backend(model: DecoderLM, tokenizer: Tokenizer, rl: RLConfig, amp_dtype: torch.dtype | None,
+                    multi_turn: bool) -> NativeBackend:
+    """The KV-cache generator on the trainer's model, kept across rollouts (its CUDA graphs too): graphs where
+    they run (CUDA, no vocab-parallel head); multi-turn episodes keep each row at its own cache columns."""
+    graphs = rl.cuda_graph and model.output_weight.device.type == "cuda" and model.tp_group is None
+    return NativeBackend(model, tokenizer, amp_dtype, cuda_graph=graphs, compile=rl.compile_decode and graphs,
+                         padding="right" if multi_turn else "left")
 
 
 def rl_scheduler(optimizer: torch.optim.Optimizer, config: RunConfig, rl: RLConfig) -> torch.optim.lr_scheduler.LambdaLR:
@@ -102,31 +119,33 @@ class RLTrainer(Trainer):
     def __init__(self, config: RunConfig, rank: int | None = None):
         self.rl = config.rl or RLConfig()
         self.offline = isinstance(config.data.source, OfflineRLSource)
+        self.setup: RolloutSetup | None = None  # what rollouts draw from (online runs; set by build_loaders)
         super().__init__(config, rank)
         # Replaces the base schedule before any step; base_lrs stay the optimizer's initial lr.
         self.scheduler = rl_scheduler(self.optimizer, config, self.rl)
-        self.options = sampling_options(self.rl, config.model.head, self.tokenizer)
         tempered = self.rl.temperature not in (0.0, 1.0) and not self.offline
-        self.policy_head = LMHead(policy_head_config(config.model.head, self.rl.temperature)) if tempered else self.model.head
         self.warmup_head = LMHead(warmup_head_config(config.model.head))
+        self.policy_head = LMHead(policy_head_config(config.model.head, self.rl.temperature)) if tempered else self.model.head
+        self.backend = None if self.setup is None else rollout_backend(
+            self.model, self.tokenizer, self.rl, self.amp_dtype, multi_turn=self.setup.environment is not None)
         self.eval_problems: list[Problem] = []  # the built-in task's
         self.eval_records: list[PromptRecord] = []  # a prompt data set's (rl/eval_prompts.py)
         self.timing = [0.0, 0.0, 0]  # rollout seconds, train seconds, steps since the last log record
+        self.rollout_seconds = 0.0  # drawing rollouts in the current step
+        self.phase_seconds = dict.fromkeys(("sampling", "reward", "old_logprob"), 0.0)  # the same, split, over the run
         chosen = self.rl.eval_prompts
-        if not self.offline and self.rl.prompts is None and isinstance(chosen, int) and chosen:
+        if self.setup is not None and self.rl.prompts is None and isinstance(chosen, int) and chosen:
             rng = random.Random(config.run.seed + 4)
-            task = rollout_task(self.rl)
-            self.eval_problems = [task.sample(rng) for _ in range(chosen)]
-        elif not self.offline and isinstance(self.train_loader, RolloutLoader):
+            self.eval_problems = [self.setup.task.sample(rng) for _ in range(chosen)]
+        elif self.setup is not None:
             limit = config.model.max_seq_len - self.rl.max_new_tokens
-            self.eval_records, line = eval_records(self.rl, self.train_loader.source, self.tokenizer, limit,
-                                                   config.run.seed + 4)
+            self.eval_records, line = eval_records(self.rl, self.setup.prompts, self.tokenizer, limit, config.run.seed + 4)
             if self.rank in (None, 0):
                 print(line, file=sys.stderr)
         self.eval_rewards: list[tuple[int, float]] = []
         self.logged_rollout = 0  # the last rollout whose completions table was logged
 
-    def build_loaders(self, tokenizer: Tokenizer) -> tuple[RolloutLoader | PolicyBatchLoader | RankShardLoader, None]:
+    def build_loaders(self, tokenizer: Tokenizer) -> tuple[RolloutStream | PolicyBatchLoader | RankShardLoader, None]:
         self.reference = None if self._reference_after_warmup() else self._reference()
         data, seed, parallel = self.config.data, self.config.run.seed, self.parallel
         shard = RolloutShard(parallel.dp_rank, parallel.dp_size, parallel.dp_group, self.device)
@@ -135,10 +154,9 @@ class RLTrainer(Trainer):
             rows = pack_policy_samples(samples, data.seq_len, tokenizer.pad_id)
             check_batch_fits(rows, None, data.micro_batch_size * shard.count)
             return rank_rows(PolicyBatchLoader(rows, data.micro_batch_size * shard.count, seed), shard), None
-        options = sampling_options(self.rl, self.config.model.head, tokenizer)
-        loader = RolloutLoader(self.model, self.rl, options, data.seq_len, data.micro_batch_size,
-                               self.config.trainer.grad_accumulation, seed, tokenizer, self.amp_dtype, shard)
-        return loader, None
+        self.setup = RolloutSetup.build(self.rl, self.config.model.head, tokenizer, self.config.model.max_seq_len,
+                                        data.seq_len, self.config.trainer.grad_accumulation, shard)
+        return RolloutStream(self.setup, data.micro_batch_size, seed, self.model.output_weight.device), None
 
     def _kl_child(self) -> tuple[str, PolicyConfig] | None:
         """(name, config) of the policy loss with a KL penalty (`beta` > 0), if any."""
@@ -186,10 +204,28 @@ class RLTrainer(Trainer):
             save_checkpoint(saved, self.step, state, {}, {"step": self.step}, self.config.model_dump(mode="json"), keep=1)
         return reference
 
+    @property
+    def in_warmup(self) -> bool:
+        return self.step < self.rl.warmup_steps and not self.offline
+
+    @property
+    def loss_head(self) -> LMHead:
+        """The warm-up head during the warm-up, the policy head after it (and offline)."""
+        return self.warmup_head if self.in_warmup else self.policy_head
+
     def micro_batches(self) -> list[Batch]:
-        """With a reference, each policy batch gets the reference's label log-probs once: the rollout
-        loader serves the same batch objects to every update of a rollout, so once per rollout."""
-        batches = super().micro_batches()
+        """This step's batches, drawing a fresh rollout whenever the latest one is used up. With a reference,
+        each policy batch gets the reference's label log-probs once: the stream serves the same batch objects
+        to every update of a rollout, so once per rollout."""
+        stream = self.train_loader
+        if not isinstance(stream, RolloutStream):
+            batches = super().micro_batches()
+        else:
+            batches = []
+            for _ in range(self.config.trainer.grad_accumulation):
+                if stream.rollout_due:
+                    self.next_rollout(stream)
+                batches.append(stream.next_batch())
         if self.reference is None and not self.in_warmup and self._kl_child() is not None:
             self.reference = self._reference()  # the first RL step after a warm-up
         if self.reference is not None and not self.in_warmup:
@@ -200,18 +236,23 @@ class RLTrainer(Trainer):
                     batch.ref_logp = policy_logprobs(self.reference, batch, scale, softcap, self.amp_dtype)
         return batches
 
-    @property
-    def in_warmup(self) -> bool:
-        return self.step < self.rl.warmup_steps and not self.offline
+    def next_rollout(self, stream: RolloutStream) -> None:
+        """Draw a rollout of the current policy (rl/rollout.py) and serve it from this step on. A failure leaves
+        the stream's prompt and sampling generators as they were."""
+        assert self.setup is not None and self.backend is not None
+        with stream.restored_on_failure():
+            rollout = collect_rollout(self.model, self.policy_head, self.backend, self.setup, stream.prompt_rng,
+                                      stream.generator, self.amp_dtype)
+        stream.start(rollout)
+        for phase, seconds in rollout.seconds.items():
+            self.phase_seconds[phase] += seconds
+        self.rollout_seconds += sum(rollout.seconds.values())
 
     def train_step(self) -> StepResult:
         """One step; its rollout and training seconds are summed for the next log record. A failing reward function
-        stops the run after a checkpoint of the last finished step (the loader is as before the rollout)."""
-        self.model.head = self.warmup_head if self.in_warmup else self.policy_head
-        loader = self.train_loader
+        stops the run after a checkpoint of the last finished step (the stream is as before the rollout)."""
         started = time.perf_counter()
-        if isinstance(loader, RolloutLoader):
-            loader.rollout_seconds = 0.0
+        self.rollout_seconds = 0.0
         try:
             result = super().train_step()
         except RewardError as error:
@@ -219,48 +260,39 @@ class RLTrainer(Trainer):
             raise RewardError(f"{error}; the run stopped before step {self.step + 1}, checkpoint of step {self.step} "
                               f"saved to {path}: fix the function and continue with --resume") from error
         total = time.perf_counter() - started
-        rollout = loader.rollout_seconds if isinstance(loader, RolloutLoader) else 0.0
+        rollout = self.rollout_seconds
         self.timing = [self.timing[0] + rollout, self.timing[1] + total - rollout, self.timing[2] + 1]
         return result
 
-    def evaluate(self) -> float | None:
-        """No held-out loss: an RL run is judged by its greedy eval reward (logged as eval/reward)."""
-        return None
+    def eval_record(self) -> dict[str, float]:
+        """The greedy eval (rl/evaluation.py: eval/reward and the task's accuracy or the reward functions'
+        statistics); an RL run has no held-out loss."""
+        if self.backend is None or self.setup is None or not (self.eval_problems or self.eval_records):
+            return {}
+        scores = greedy_eval(self.backend, self.setup, self.eval_problems, self.eval_records)
+        self.eval_rewards.append((self.step, scores["eval/reward"]))
+        return scores
 
-    def _eval_due(self) -> bool:
-        every, steps = self.config.trainer.eval_every, self.config.trainer.steps
-        return bool(self.eval_problems or self.eval_records) and bool(every) and (self.step % every == 0 or self.step == steps)
-
-    def _log_record(self, result: StepResult, tokens_per_second: float) -> dict[str, Any]:
-        record: dict[str, Any] = super()._log_record(result, tokens_per_second)
+    def log_record(self, values: StepValues, tokens_per_second: float) -> dict[str, Any]:
+        record = super().log_record(values, tokens_per_second)
         warmup = self.step <= self.rl.warmup_steps and not self.offline  # the step just taken
         record["train/rl/warmup"] = float(warmup)
-        loader = self.train_loader
         rollout, train, steps = self.timing  # per-step means over the steps since the last record
         record["train/timing/rollout_seconds"] = rollout / max(steps, 1)
         record["train/timing/train_seconds"] = train / max(steps, 1)
         self.timing = [0.0, 0.0, 0]
-        if isinstance(loader, RolloutLoader) and loader.metrics and not warmup:
-            record.update({f"train/{name}": value for name, value in loader.metrics.items()})
-            record["train/rl/rollouts"] = float(loader.rollouts)
-            if loader.rollouts != self.logged_rollout:  # each rollout's sample completions once (a table)
-                record[COMPLETIONS_KEY] = [{"rollout": loader.rollouts, **row} for row in loader.examples]
-                self.logged_rollout = loader.rollouts
-        if self._eval_due() and isinstance(loader, RolloutLoader):
-            if self.eval_problems:  # the built-in task's problems, single completions or whole episodes
-                scores = loader.evaluate(self.eval_problems, self.options)
-                record.update({f"eval/{name}": value for name, value in scores.items()})
-            else:
-                scores = evaluate_prompts(loader.engine, loader.tokenizer, self.eval_records, self.options,
-                                          loader.reward_functions, self.rl.nan_rewards)
-                record.update({f"eval/{name}": value for name, value in scores.items() if name.startswith("rewards/")})
-                record["eval/reward"] = scores["reward"]
-            self.eval_rewards.append((self.step, scores["reward"]))
+        stream = self.train_loader
+        if isinstance(stream, RolloutStream) and stream.metrics and not warmup:
+            record.update({f"train/{name}": value for name, value in stream.metrics.items()})
+            record["train/rl/rollouts"] = float(stream.rollouts)
+            if stream.rollouts != self.logged_rollout:  # each rollout's sample completions once (a table)
+                record[COMPLETIONS_KEY] = [{"rollout": stream.rollouts, **row} for row in stream.examples]
+                self.logged_rollout = stream.rollouts
         return record
 
     def train(self, resume: bool = False) -> RLSummary:
         summary = super().train(resume)
-        rewards = list(self.train_loader.rewards) if isinstance(self.train_loader, RolloutLoader) else []
+        rewards = list(self.train_loader.rewards) if isinstance(self.train_loader, RolloutStream) else []
         result = RLSummary(**vars(summary), rewards=rewards, eval_rewards=list(self.eval_rewards),
                            rl_start=0 if self.offline else self.rl.warmup_steps)
         if self.rank in (None, 0) and not summary.already_finished:

@@ -16,7 +16,7 @@ import torch
 from fastlm.config.errors import ConfigError
 from fastlm.data.chat import ChatError
 from fastlm.data.tokenizer import EOS, ByteTokenizer
-from fastlm.generation import Generator, SamplingOptions
+from fastlm.generation import Generator, NativeBackend, SamplingOptions
 from fastlm.generation.continuation import Continuation
 from fastlm.models.config import LlamaConfig
 from fastlm.models.decoder import build_model
@@ -214,10 +214,10 @@ def test_user_environment_episodes_on_a_real_model(user_module: str) -> None:
     mask, the summed reward, and the sampler's log-probs equal float64 on policy tokens."""
     model, tokenizer = _model(3), ByteTokenizer()
     factory = load_environment(EnvironmentConfig(name=f"{user_module}:Echo", max_turns=3), 0.1)
-    engine = Generator(model, tokenizer, padding="right")
+    backend = NativeBackend(model, tokenizer, padding="right")
     options = SamplingOptions(6, temperature=1.0, stop_tokens=(*range(128), EOS))
     records = [PromptRecord("a"), PromptRecord("bb")]
-    episodes, seconds = run_episodes(engine, tokenizer, factory, records, 2, options, torch.Generator().manual_seed(1), 80)
+    episodes, seconds = run_episodes(backend, tokenizer, factory, records, 2, options, torch.Generator().manual_seed(1), 80)
     assert seconds > 0
     assert len(episodes) == 4
     for episode in episodes:
@@ -239,12 +239,12 @@ def test_user_environment_episodes_on_a_real_model(user_module: str) -> None:
 
 def test_user_environment_errors_name_the_class_and_prompt(user_module: str) -> None:
     tokenizer = ByteTokenizer()
-    engine = Generator(_model(3), tokenizer, padding="right")
+    backend = NativeBackend(_model(3), tokenizer, padding="right")
     options = SamplingOptions(6, temperature=1.0, stop_tokens=(*range(128), EOS))
     factory = load_environment(EnvironmentConfig(name=f"{user_module}:Echo", options={"fail_at": "bb"}), 0.1)
     with pytest.raises(EnvironmentFailure, match=r"environment 'my_envs:Echo' step raised ZeroDivisionError: the "
                                                  r"checker divided by zero \(prompt index 1 of this rollout\)"):
-        run_episodes(engine, tokenizer, factory, [PromptRecord("a"), PromptRecord("bb")], 2, options,
+        run_episodes(backend, tokenizer, factory, [PromptRecord("a"), PromptRecord("bb")], 2, options,
                      torch.Generator().manual_seed(1), 80)
     assert issubclass(EnvironmentFailure, RewardError)  # the trainer checkpoints and stops on it
     with pytest.raises(ConfigError, match=r"rl.environment.name: 'my_envs:NoStep' has no method\(s\) \['step'\]"):

@@ -190,12 +190,12 @@ def test_importance_weights_token_and_sequence() -> None:
 
 
 def test_rollout_prompt_too_long_is_named() -> None:
-    from fastlm.generation import Generator, SamplingOptions
-    from fastlm.rl.rollouts import encode_prompts, generate_checked
+    from fastlm.generation import NativeBackend, SamplingOptions
+    from fastlm.rl.rollout import encode_prompts, generate_checked
     from tests.rl.rl_helpers import tiny_model
 
     tokenizer = ByteTokenizer()
     texts = ["1+1=", "x" * 60]
-    engine = Generator(tiny_model(), tokenizer)
+    backend = NativeBackend(tiny_model(), tokenizer)
     with pytest.raises(DataError, match=r"rollout prompt \('xxxx.*prompt 1 has 61 tokens, more than model.max_seq_len \(48\)"):
-        generate_checked(engine, encode_prompts(tokenizer, texts), texts, SamplingOptions(4), None)
+        generate_checked(backend, encode_prompts(tokenizer, texts), texts, SamplingOptions(4), None)

@@ -47,7 +47,7 @@ def _trainer(tmp_path: Path, eval_prompts: str) -> RLTrainer:
 def _greedy_reward(trainer: RLTrainer) -> float:
     """Greedy decoding by a plain argmax loop over full forwards, scored by the reward function by hand."""
     model, tokenizer = trainer.model, trainer.tokenizer
-    (eos,) = trainer.options.stop_tokens
+    (eos,) = trainer.setup.options.stop_tokens
     scores = []
     with torch.no_grad():
         for record in trainer.eval_records:
@@ -63,7 +63,7 @@ def _greedy_reward(trainer: RLTrainer) -> float:
 def test_held_out_fraction_is_scored_greedily_by_the_training_rewards(user_setup: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     trainer = _trainer(user_setup, "0.2")
-    train_texts = {record.text for record in trainer.train_loader.source.records}
+    train_texts = {record.text for record in trainer.setup.prompts.records}
     eval_texts = [record.text for record in trainer.eval_records]
     assert len(eval_texts) == 5 and len(train_texts) == 20 and not train_texts & set(eval_texts)
     assert "eval/reward on 5 prompts held out of" in capsys.readouterr().err
@@ -80,4 +80,4 @@ def test_held_out_fraction_is_scored_greedily_by_the_training_rewards(user_setup
 def test_eval_jsonl_or_a_count(user_setup: Path, eval_prompts: str, count: int) -> None:
     trainer = _trainer(user_setup, eval_prompts.replace("EVAL", str(user_setup / "eval.jsonl")))
     assert len(trainer.eval_records) == count  # a count holds out at most a tenth of the 25 prompts
-    assert len(trainer.train_loader.source.records) == 25 - (count if eval_prompts == "64" else 0)
+    assert len(trainer.setup.prompts.records) == 25 - (count if eval_prompts == "64" else 0)

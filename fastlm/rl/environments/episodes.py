@@ -1,11 +1,11 @@
 """Multi-turn rollouts: every episode of a rollout advances one policy turn at a time, all on one KV cache.
 
 The G episodes of each prompt record start from their environment's `reset`; the policy's turns are sampled
-for all live episodes at once (`Continuation`: the first turn from the prompts, later ones after a prefill
-of only the appended environment tokens); each turn goes to its environment's `step`, whose reply
-is appended through the chat template (`Transcript`). Episodes end independently (base.py lists when).
-An episode's tokens after its prompt interleave policy turns (targets, with the sampler's log-probs) and
-environment replies (masked, no log-probs).
+for all live episodes at once (the backend's `session`, natively a `Continuation`: the first turn from the
+prompts, later ones after a prefill of only the appended environment tokens); each turn goes to its
+environment's `step`, whose reply is appended through the chat template (`Transcript`). Episodes end
+independently (base.py lists when). An episode's tokens after its prompt interleave policy turns (targets,
+with the sampler's log-probs) and environment replies (masked, no log-probs).
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import torch
 from fastlm.data.chat import ChatError
 from fastlm.data.datasets import DataError
 from fastlm.data.tokenizer import Message, Tokenizer
-from fastlm.generation import Completion, Generator, SamplingOptions
-from fastlm.generation.continuation import Continuation
+from fastlm.generation import Completion, GenerationBackend, SamplingOptions
 from fastlm.rl.environments.base import EnvironmentFactory
 from fastlm.rl.environments.transcript import Transcript, completion_text
 from fastlm.rl.prompts import PromptRecord
@@ -55,7 +54,7 @@ class Episode:
         return sum(self.policy)
 
 
-def run_episodes(engine: Generator, tokenizer: Tokenizer, factory: EnvironmentFactory, records: list[PromptRecord],
+def run_episodes(backend: GenerationBackend, tokenizer: Tokenizer, factory: EnvironmentFactory, records: list[PromptRecord],
                  group: int, options: SamplingOptions, generator: torch.Generator | None,
                  limit: int) -> tuple[list[Episode], float]:
     """G episodes per record (record-major), each of at most `limit` tokens, prompt included, and the seconds
@@ -70,7 +69,7 @@ def run_episodes(engine: Generator, tokenizer: Tokenizer, factory: EnvironmentFa
         except ChatError as error:
             raise DataError(f"environment '{factory.path}' reset, prompt index {index}: {error}") from error
     episodes = [Episode(t.prompt) for t in transcripts]
-    session = Continuation(engine, options, limit)
+    session = backend.session(options, limit)
     try:
         completions: dict[int, Completion] = dict(enumerate(session.start([e.prompt for e in episodes], generator)))
     except ValueError as error:

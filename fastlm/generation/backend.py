@@ -1,0 +1,78 @@
+"""What RL rollouts and the greedy eval need from a sampler: the generation backend interface.
+
+A backend samples completions from the policy the trainer is training. The rollout (fastlm/rl/rollout.py)
+calls `sync_weights` once before it generates, so a backend that holds its own copy of the weights (a
+CUDA-graph replica, an inference server) samples the weights of the current step; `generate` returns
+token ids and the sampler's log-probs; `session` decodes a batch of multi-turn episodes turn by turn.
+
+`NativeBackend` is the one implementation: the in-process KV-cache `Generator` (generator.py) on the trainer's
+own model, and `Continuation` (continuation.py) for multi-turn. docs/rl.md says what a vLLM or SGLang server
+backend would implement instead (weight sync, the sampling options' mapping, what it must return).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+import torch
+
+from fastlm.generation.continuation import Continuation
+from fastlm.generation.generator import Completion, Generator, TokenizerLike
+from fastlm.generation.sampling import SamplingOptions
+from fastlm.models.decoder import DecoderLM
+
+
+class TurnSession(Protocol):
+    """One batch of rows decoded turn by turn; a row left out of `extend` is finished."""
+
+    def room(self, row: int, appended: int) -> bool:
+        """Whether `row` can take `appended` more tokens and then at least one sampled token."""
+        ...
+
+    def start(self, prompts: list[list[int]], generator: torch.Generator | None = None) -> list[Completion]:
+        """The first turn of every row (one completion per prompt)."""
+        ...
+
+    def extend(self, appended: dict[int, list[int]], generator: torch.Generator | None = None) -> dict[int, Completion]:
+        """Append tokens to the rows that go on and sample their next turn."""
+        ...
+
+
+class GenerationBackend(Protocol):
+    """A sampler of the trainer's policy (see the module docstring)."""
+
+    def sync_weights(self) -> None:
+        """Make the next generations sample the trainer's current weights."""
+        ...
+
+    def generate(self, prompts: list[list[int]], options: SamplingOptions,
+                 generator: torch.Generator | None = None) -> list[Completion]:
+        """One completion per prompt: its token ids (the stop token included) and their log-probs under the
+        sampling distribution; `generator` seeds the draws."""
+        ...
+
+    def session(self, options: SamplingOptions, limit: int) -> TurnSession:
+        """A multi-turn session whose rows hold at most `limit` tokens each, prompt included."""
+        ...
+
+
+class NativeBackend:
+    """The KV-cache generator on the trainer's model: eager decoding reads the live weights (nothing to sync);
+    the CUDA-graph path decodes a replica that `sync_weights` refreshes. Multi-turn sessions need
+    `padding="right"` (each row at its own cache columns)."""
+
+    def __init__(self, model: DecoderLM, tokenizer: TokenizerLike, amp_dtype: torch.dtype | None = None,
+                 cuda_graph: bool = False, compile: bool = False, padding: Literal["left", "right"] = "left") -> None:
+        self.generator = Generator(model, tokenizer, amp_dtype, cuda_graph=cuda_graph, compile=compile, padding=padding,
+                                   sync_on_generate=False)
+
+    def sync_weights(self) -> None:
+        if self.generator.cuda_graph:
+            self.generator.sync_weights()
+
+    def generate(self, prompts: list[list[int]], options: SamplingOptions,
+                 generator: torch.Generator | None = None) -> list[Completion]:
+        return self.generator.generate(prompts, options, generator)
+
+    def session(self, options: SamplingOptions, limit: int) -> Continuation:
+        return Continuation(self.generator, options, limit)
