@@ -29,7 +29,7 @@ torch.quantile) keep their policy-gradient term and entropy bonus; the KL term s
 the normalisers are unchanged (TRL multiplies the per-token loss by the mask before its aggregation).
 
 The fused Triton kernel has no slot for a call-wide quantile, the bias-corrected KL or a token-mean
-entropy weight that differs from w_t: a child with one of them (`torch_tail`) runs on the Triton path
+entropy weight that differs from w_t: a child with one of them (`past_kernel`: no `slot`) runs on the Triton path
 as under tensor parallelism (a stats launch, the torch tail below, a grad launch).
 
 Metrics (token means over the step's unmasked tokens, every loss_type): `new_logp`, `entropy`,
@@ -47,7 +47,7 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fastlm.losses.children.base import ChildConfig, LossChild, ReferenceInputs, Tail, TailInputs, metric_key
+from fastlm.losses.children.base import ChildConfig, KernelSlot, LossChild, ReferenceInputs, Tail, TailInputs
 from fastlm.losses.metrics import k3_kl
 from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets, safe_inverse
 
@@ -124,8 +124,14 @@ class PolicyChild(LossChild):
         return self.entropy_coeff > 0 and self.entropy_token_mean and self.loss_type in ("grpo", "dr_grpo")
 
     @property
-    def torch_tail(self) -> bool:
+    def past_kernel(self) -> bool:
+        """Whether an option is past the fused kernel's slot (then `slot` is None)."""
         return self.entropy_selected or (self.bias_corrected_kl and self.beta > 0) or self.entropy_weighted_apart
+
+    @property
+    def kernel_reads(self) -> tuple[str, ...]:
+        """The per-token targets the fused kernel loads for it."""
+        return POLICY_INPUTS + (("ref_logp",) if self.beta > 0 else ())
 
     @property
     def whole_call(self) -> bool:
@@ -348,36 +354,17 @@ class PolicyChild(LossChild):
             weights[tokens] = 1.0 / (int(tokens.sum()) * normalizers.documents)
         return weights
 
-    # -- the fused kernel's policy slot (GRPO, CISPO) ------------------------------------------
+    # -- the fused kernel's slot of a token-level child (GRPO, CISPO) ---------------------------
 
-    def policy_kernel_arguments(self, prefix: str, row: int) -> dict:
-        return {
-            f"ROW_{prefix.upper()}": row,
-            f"{prefix}_weight": float(self.weight),
-            f"{prefix}_beta": float(self.beta),
-            f"{prefix}_entropy": float(self.entropy_coeff),
-            f"{prefix.upper()}_TOKEN_WEIGHTS": self.loss_type != "dapo",
-            f"{prefix.upper()}_REF": int(self.beta > 0),
-            f"{prefix.upper()}_ENTROPY": self.entropy_coeff > 0,
-        }
-
-    def policy_kernel_tensors(self, prefix: str, targets: LossTargets, normalizers: LossNormalizers) -> dict:
-        """The per-token weights w_t of a loss_type other than dapo (dapo: the scalar token_scale)."""
-        if self.loss_type == "dapo":
-            return {}
-        return {f"{prefix}_token_weights_ptr": self.call_weights(targets, normalizers).contiguous()}
-
-    def kernel_x_term(self) -> bool:
-        return self.entropy_coeff > 0
-
-    @staticmethod
-    def policy_kernel_absent(prefix: str) -> dict:
-        return {f"ROW_{prefix.upper()}": -1, f"{prefix}_weight": 0.0, f"{prefix}_beta": 0.0, f"{prefix}_entropy": 0.0,
-                f"{prefix}_token_weights_ptr": None, f"{prefix.upper()}_TOKEN_WEIGHTS": False,
-                f"{prefix.upper()}_REF": 0, f"{prefix.upper()}_ENTROPY": False}
-
-    def fused_metric_keys(self, names: tuple[str, ...]) -> tuple[tuple[bool, str], ...]:
-        return ((True, self.name),) + tuple((False, metric_key(self.name, name)) for name in names)
+    def token_level_slot(self, scalars: dict[str, float]) -> KernelSlot | None:
+        """Its loss and metrics as rows, the shared numbers and switches (reference KL, entropy bonus)
+        plus its own `scalars`; None when an option is past the kernel."""
+        if self.past_kernel:
+            return None
+        numbers = {"weight": self.weight, "beta": self.beta, "entropy_coeff": self.entropy_coeff, **scalars}
+        return KernelSlot(self.kind, ("loss", *self.metric_names()), numbers,
+                          {"ref": self.beta > 0, "entropy": self.entropy_coeff > 0}, reads=self.kernel_reads,
+                          token_weights=self.loss_type != "dapo", entropy=True, x_term=self.entropy_coeff > 0)
 
 
 def dual_clip(delta: float | None) -> float:
