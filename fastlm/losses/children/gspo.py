@@ -4,7 +4,7 @@ GSPO needs every token's new log-prob before any coefficient (the ratio is per d
 the compiled and the Triton path stop after the statistics pass and run this child's tail (the
 "seam"), then write the gradient with a per-token coefficient that superposes with the others. The
 compiled and tensor-parallel paths run `tail` (torch); the fused Triton path runs the same formulas
-as one launch on the fused launch's term buffer (`kernel_seam`, triton/documents.py).
+as one launch on the fused launch's term buffer (its seam, triton/documents.py).
 
 With W_i = sum_{t in i} w_t (the loss_type weights of its tokens): loss = sum_i W_i * loss_i (+ the
 per-token regularisers), and token t of document i gets `c_t = W_i * s_i * A_i / |i|` where the

@@ -38,8 +38,6 @@ Metrics (token means over the step's unmasked tokens, every loss_type): `new_log
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -48,6 +46,7 @@ import torch
 from pydantic import Field, model_validator
 
 from fastlm.losses.children.base import ChildConfig, KernelSlot, LossChild, ReferenceInputs, Tail, TailInputs
+from fastlm.losses.document_weights import launched_document_means
 from fastlm.losses.metrics import k3_kl
 from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets, safe_inverse
 
@@ -171,16 +170,16 @@ class PolicyChild(LossChild):
     ) -> torch.Tensor | None:
         """w_t of `loss_type` for every token of the call as a (T,) vector (0 on masked tokens), or
         None for dapo (the scalar 1/N): computed once per call, so a caller that works in token chunks
-        slices it. No sort, no sync. loss_type grpo's document pass is one Triton launch on CUDA in
-        float32 (`triton/documents.py`, the same values bit for bit), torch ops otherwise; `slot`
-        (`document_slots`, when the caller has it) saves that pass."""
+        slices it. No sort, no sync. loss_type grpo's document pass in float32 is one launch where the
+        backend has one (`document_weights.launched_document_means`, the same values bit for bit), torch
+        ops otherwise; `slot` (`document_slots`, when the caller has it) saves that pass."""
         if self.loss_type == "dapo":
             return None
         sequences = safe_inverse(normalizers.documents)
-        if self.loss_type == "grpo" and slot is None and dtype == torch.float32 and _document_kernel(targets.labels):
-            from fastlm.losses.triton.documents import document_mean_weights
-
-            return document_mean_weights(targets.document_ids, targets.labels, sequences)
+        if self.loss_type == "grpo" and slot is None and dtype == torch.float32:
+            launched = launched_document_means(targets.document_ids, targets.labels, sequences)
+            if launched is not None:
+                return launched
         mask = targets.labels != IGNORE_INDEX
         weights = mask.to(dtype)
         if self.loss_type == "bnpo":
@@ -411,12 +410,3 @@ def high_entropy_tokens(entropy: torch.Tensor, mask: torch.Tensor, level: float)
     threshold = torch.lerp(ordered[low], ordered[high], position - low.to(entropy.dtype))
     return mask & (entropy >= threshold)
 
-
-@functools.cache
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def _document_kernel(labels: torch.Tensor) -> bool:
-    """Whether `token_weights` runs its document pass as one Triton launch (CUDA tensors)."""
-    return labels.is_cuda and _triton_importable()

@@ -259,7 +259,8 @@ def interface(spec: LossSpec) -> Interface:
     flags = FLAG_ROWS[:layout.summed - layout.flags]
     fused_rows = Rows(layout.rows, total=layout.total, **Rows.named(flags, layout.flags),
                       **Rows.named(layout.state_names, layout.state), x_term=x_term,
-                      reads_entropy=any(slot.entropy for slot in used), policy_inputs="old_logp" in reads,
+                      reads_entropy=any(slot.entropy for slot in used),
+                      policy_inputs="old_logp" in reads or "bad_old_logp" in flags,  # (counted like value_flags)
                       ref_input="ref_logp" in reads)
     if spec.teacher is not None:
         teacher = teacher._replace(loss_row=layout.row(spec.teacher.name, "loss"))

@@ -1,5 +1,9 @@
-"""The one Triton kernel of the monolithic loss: label-based children (CE, z-loss, GRPO, CISPO; GSPO
-through load mode) and distillation, in one vocab loop; each child has a constexpr slot (ROW_<KIND>).
+"""The one Triton kernel of the monolithic loss: the label-form children and distillation in one vocab
+loop. It names no child: each label-form child comes as a slot (SLOT0..SLOT3), a flat namedtuple
+constexpr built from the child's declared `KernelSlot` by interface.py, whose `terms` is the child's
+per-token @triton.jit function (terms.py), called once per row after the statistics pass; the
+children's numbers come from one fp32 buffer (`params_ptr`), the rows of every per-token buffer from
+LAYOUT (interface.Rows), the teacher's slot is TEACHER.
 
 Every label-based child has a gradient of the form `prob_coeff * p_j - label_coeff * d_jy`, so one
 loss-agnostic gradient loop serves them all (see docs/design/losses.md, "Superposition").
@@ -31,20 +35,20 @@ pass walks backwards with evict-first loads so the re-read mostly hits L2. The g
 out the label term; the label element is rewritten once at the end (after a barrier, from a logit
 read before any store, so in-place gradients are safe). Three constexpr modes share the body:
 
-- `MODE_FUSED`: online softmax stats, in-kernel coefficients (the children's slots: CE, z, GRPO and
-  CISPO with their loss_type weight, beta and entropy terms, distillation), gradient; writes every
-  per-token term the losses and metrics need into one (K, T) fp32 buffer, already scaled, so the
-  whole loss tail is one sum over T (`coefficients.fused_layout` gives the rows: each child's
-  `fused_keys`, the weighted total, then the unscaled value-check counts of validation.py: label out
-  of range, unmasked, non-finite old_logp / advantage). Out-of-range labels read no logit (masked
-  load) and only raise that count. With a per-document child (GSPO) it runs without the gradient and
-  also writes the per-token state its tail and the grad launch need (coefficients.STATE_ROWS).
+- `MODE_FUSED`: online softmax stats, in-kernel coefficients (each slot's function, then the
+  teacher's), gradient; writes every per-token term the losses and metrics need into one (K, T) fp32
+  buffer, already scaled, so the whole loss tail is one sum over T (interface.FusedLayout gives the
+  rows: each child's slot rows, the weighted total, then the unscaled value-check counts of
+  validation.py: label out of range, unmasked, non-finite old_logp / advantage). Out-of-range labels
+  read no logit (masked load) and only raise that count. With a per-document child it runs without
+  the gradient and also writes the per-token state its seam and the grad launch need
+  (interface.STATE_ROWS).
 - `MODE_STATS`: stats only, as mergeable pieces (max, sum-exp, label logit, shifted x-moment; teacher
   max, teacher sum-exp, cross sum; the tempered student's sum-exp) so a vocab-parallel group can
   all-reduce them; writes the label logit only where the label is in shard.
-- `MODE_GRAD`: loads lse, both coefficients (the entropy coefficient with X_TERM, the
-  distillation child's `grad_stats` with a teacher) per token, computed in torch (or by a fused launch plus a per-document child's
-  tail), and writes the gradient.
+- `MODE_GRAD`: loads lse, both coefficients (the entropy coefficient with X_TERM, the teacher's grad
+  stats) per token, computed in torch (or by a fused launch plus a per-document child's seam), and
+  writes the gradient.
 
 Masked rows (label -100) branch around the work and write a zero gradient; no early return.
 
@@ -369,7 +373,7 @@ def _store_common_terms(
     store_row(token_rows, LAYOUT.total, stride, total)
     store_row(token_rows, LAYOUT.bad_labels, stride, 1.0 - in_vocab.to(tl.float32))
     store_row(token_rows, LAYOUT.unmasked, stride, 1.0)
-    if LAYOUT.policy_inputs:
+    if LAYOUT.bad_old_logp >= 0:  # a policy child's inputs
         store_row(token_rows, LAYOUT.bad_old_logp, stride, non_finite(old_logp))
         store_row(token_rows, LAYOUT.bad_advantages, stride, non_finite(advantage))
     if LAYOUT.lse >= 0:  # the state rows (interface.STATE_ROWS, then the teacher's grad stats)
