@@ -169,3 +169,10 @@ def test_docs_state_the_places_a_new_child_touches() -> None:
     assert found, "docs/losses.md no longer states the count"
     words = {"two": 2, "three": 3, "four": 4}
     assert (words[found[1]], words[found[2]]) == (PLACES_FOR_TRITON, PLACES_FOR_FUSED)
+
+
+def test_children_hold_no_kernel_code() -> None:
+    """A child declares its slot as data: no child module imports Triton or the Triton backend."""
+    for path in sorted((ROOT / "fastlm/losses/children").glob("*.py")):
+        imports = [line for line in path.read_text().splitlines() if line.lstrip().startswith(("import ", "from "))]
+        assert not [line for line in imports if "triton" in line], path.name
