@@ -215,15 +215,13 @@ class _Launch:
         return torch.empty((count, self.logits.shape[0]), dtype=torch.float32, device=self.logits.device)
 
     def _inputs(self, fused: bool) -> tuple[torch.Tensor, ...]:
-        """old_logp, advantages, ref_logp and the slots' per-token weights as the FUSED launch reads them
-        (fp32, contiguous; the logits where nothing is read)."""
-        found = self.interface
-        rows = found.fused_rows if fused else None
-        names = (("old_logp", "advantages") if rows is not None and rows.policy_inputs else ()) + (
-            ("ref_logp",) if rows is not None and rows.ref_input else ())
-        inputs = [getattr(self.targets, name).float().contiguous() if name in names else self.logits
+        """old_logp, advantages, ref_logp and the slots' per-token weights w_t as the FUSED launch reads
+        them (fp32, contiguous); the logits where a launch reads nothing."""
+        rows = self.interface.fused_rows
+        read = {"old_logp": rows.policy_inputs, "advantages": rows.policy_inputs, "ref_logp": rows.ref_input} if fused else {}
+        inputs = [getattr(self.targets, name).float().contiguous() if read.get(name) else self.logits
                   for name in ("old_logp", "advantages", "ref_logp")]
-        weights = [child.call_weights(self.targets, self.normalizers) for child in found.weighted] if fused else []
+        weights = [child.call_weights(self.targets, self.normalizers) for child in self.interface.weighted] if fused else []
         if not weights:
             return (*inputs, self.logits)
         return (*inputs, weights[0].contiguous() if len(weights) == 1 else torch.stack(weights))
