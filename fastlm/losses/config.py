@@ -33,8 +33,9 @@ LossChild = Annotated[Union[(*CHILD_CONFIGS, DPOConfig)], Field(discriminator="t
 DEFAULT_LOGITS_MEMORY_MIB = 1408.0
 
 CHILD_TYPES: frozenset[str] = frozenset({*(child.kind for child in CHILD_CLASSES), "dpo"})
-# Children the fused Triton kernel covers (a constexpr slot in triton/kernel.py).
-TRITON_CHILD_TYPES: frozenset[str] = frozenset(child.kind for child in CHILD_CLASSES if child.kernel)
+# Children the Triton path runs: every shared-softmax child (fused where it has a slot, else its torch tail
+# between two launches).
+TRITON_CHILD_TYPES: frozenset[str] = frozenset(child.kind for child in CHILD_CLASSES)
 
 
 class MonolithicLossConfig(ConfigModel):

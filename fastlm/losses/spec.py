@@ -60,12 +60,6 @@ class LossSpec:
         return tuple(child for child in self.children if child.per_document)
 
     @cached_property
-    def torch_tail(self) -> bool:
-        """Whether a child's options are past the fused kernel (`LossChild.torch_tail`): the Triton path runs
-        the torch tail between a stats and a grad launch."""
-        return any(child.torch_tail for child in self.children)
-
-    @cached_property
     def whole_call(self) -> bool:
         """Whether a child needs every token's statistics of the call before its coefficients."""
         return any(child.whole_call for child in self.children)

@@ -22,9 +22,9 @@ import pytest
 from loss_cases import make_case, make_spec, rel_err, seed_of
 
 from fastlm.losses.children.policy import document_slots, reference_documents
-from fastlm.losses.coefficients import fused_layout
 from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets
 from fastlm.losses.triton.documents import document_mean_weights, gspo_seam
+from fastlm.losses.triton.interface import interface
 from fastlm.losses.triton.launcher import triton_stats
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -91,7 +91,7 @@ def test_gspo_seam_in_small_blocks_equals_one_block(loss_type: str) -> None:
     normalizers = LossNormalizers(float(mask.sum()), float(documents))
     logits, targets = logits.to(DEVICE), LossTargets(*(None if t is None else t.to(DEVICE)
                                                        for t in dataclasses.astuple(targets)))
-    layout, child = fused_layout(spec), spec.children[0]
+    layout, child = interface(spec).layout, spec.children[0]
     terms = triton_stats(logits, targets, normalizers, spec)["terms"]
     found = {}
     for block in (16, 512):

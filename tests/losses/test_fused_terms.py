@@ -21,9 +21,9 @@ if not torch.cuda.is_available():
 import pytest
 from loss_cases import make_case, make_spec, rel_err, seed_of
 
-from fastlm.losses.coefficients import fused_layout
 from fastlm.losses.compiled import compiled_loss
 from fastlm.losses.spec import LossNormalizers, LossTargets
+from fastlm.losses.triton.interface import interface
 from fastlm.losses.triton.launcher import fused_kernel_only, triton_loss
 from fastlm.losses.validation import value_flags
 
@@ -33,7 +33,7 @@ SPECS = {  # (kinds, numbers): every term group, with logit scaling and softcap
     "ce+z+grpo+kd": ("ce+z+grpo+kd", {"logit_scale": 1.3, "softcap": 4.0}),
     "grpo+z w0": ("grpo+z", {"logit_scale": 0.7}),
     "ce+kd_rev": ("ce+kd_rev", {}),
-    "gspo+z": ("gspo+z", {"softcap": 3.0}),  # the per-document child's rows from its `kernel_seam`
+    "gspo+z": ("gspo+z", {"softcap": 3.0}),  # the per-document child's rows from its seam
     "ce+gspo_len w0": ("ce+gspo_len", {}),
 }
 
@@ -66,19 +66,19 @@ def test_terms_match_the_torch_tail_in_fp32(name: str) -> None:
 def test_layout_rows() -> None:
     """Each child's rows from its start in child order, the total after them, then the counts; a
     per-document child (GSPO) has its token metrics (the fused launch's), then its loss and document
-    metrics (its `kernel_seam`'s), and the per-token state after the counts, outside the summed rows."""
-    layout = fused_layout(make_spec("ce+z+grpo+kd"))
+    metrics (its seam's), and the per-token state after the counts, outside the summed rows."""
+    layout = interface(make_spec("ce+z+grpo+kd")).layout
     assert layout.starts == {"ce": 0, "z": 1, "grpo": 3, "kd": 12}
     assert (layout.total, layout.flags, layout.rows) == (13, 14, 18)
     assert layout.keys[2] == (False, "z/lse") and layout.keys[3 + 3] == (False, "grpo/kl_old")
     assert (layout.state, layout.summed) == (-1, 18)
-    assert fused_layout(make_spec("ce")).rows == 4  # ce, total, 2 counts
-    gspo = fused_layout(make_spec("gspo+z+kd"))
+    assert interface(make_spec("ce")).layout.rows == 4  # ce, total, 2 counts
+    gspo = interface(make_spec("gspo+z+kd")).layout
     assert gspo.starts == {"gspo": 0, "z": 10, "kd": 12}
     assert gspo.keys[:3] == tuple((False, f"gspo/{name}") for name in ("new_logp", "entropy", "kl_old"))
     assert gspo.keys[3:5] == ((True, "gspo"), (False, "gspo/ratio")) and gspo.keys[9] == (False, "gspo/num_documents")
     assert (gspo.total, gspo.flags, gspo.summed, gspo.state, gspo.rows) == (13, 14, 18, 18, 25)
-    with_reference = fused_layout(make_spec("grpo", options={"grpo": {"beta": 0.1}}))
+    with_reference = interface(make_spec("grpo", options={"grpo": {"beta": 0.1}})).layout
     assert with_reference.keys[4] == (False, "grpo/kl") and with_reference.total == 10
 
 
@@ -100,7 +100,7 @@ BAD_INPUT_WARNING = pytest.mark.filterwarnings("ignore:invalid value encountered
 def test_kernel_counts_equal_value_flags() -> None:
     """The counts rows the fused kernel writes = value_flags' torch counts, on good and bad inputs."""
     spec, logits, targets, normalizers = _case("ce+z+grpo+kd")
-    layout = fused_layout(spec)
+    layout = interface(spec).layout
     for case in (targets, _spoil(targets)):
         grad = torch.empty_like(logits)
         terms = fused_kernel_only(logits, case, normalizers, spec, grad, max_block=16)

@@ -214,8 +214,8 @@ def test_config_names_reach_the_children() -> None:
     grpo = GRPOConfig(beta=0.1, use_bias_correction_kl=True, top_entropy_quantile=0.2, entropy_coeff=0.01,
                       entropy_aggregation="loss_type").to_child("g")
     assert (grpo.bias_corrected_kl, grpo.top_entropy_quantile, grpo.entropy_token_mean) == (True, 0.2, False)
-    assert grpo.torch_tail and grpo.whole_call and not GRPOConfig(entropy_coeff=0.01).to_child("g").torch_tail
-    assert GRPOConfig(loss_type="grpo", entropy_coeff=0.01).to_child("g").torch_tail  # token mean != w_t
+    assert grpo.slot() is None and grpo.whole_call and GRPOConfig(entropy_coeff=0.01).to_child("g").slot() is not None
+    assert GRPOConfig(loss_type="grpo", entropy_coeff=0.01).to_child("g").slot() is None  # token mean != w_t
     assert GSPOConfig(top_entropy_quantile=0.5).to_child("s").whole_call
     assert CISPOConfig().to_child("c").eps_high == 5.0  # TRL's recommended epsilon_high, the cap
     with pytest.raises(ValueError, match="use_bias_correction_kl corrects the KL penalty"):

@@ -1,8 +1,8 @@
 """The loss children of the shared softmax, one file each, registered here once.
 
 A new child adds its file (config class with `to_child`, child class with `tail`, `reference` and,
-for the fused kernel, `fused_keys` / `kernel_arguments` / `kernel_absent`), one line below, and (for
-the fused path) its constexpr slot in `triton/kernel.py`. docs/losses.md lists the places.
+for the fused kernel, its `slot`: data) and one line below; for the fused kernel a new kind of
+per-token math also adds one @triton.jit function (`triton/terms.py`). docs/losses.md lists the places.
 """
 
 from __future__ import annotations

@@ -5,11 +5,10 @@ Every path iterates `spec.children` and asks each child, never branches on a kin
 - the torch tail (`coefficients.tail`, used by the compiled path and the tensor-parallel Triton
   path) calls `child.tail(inputs, out)`: the child adds its loss and metric sums and its gradient
   coefficients to `out`;
-- the fused Triton launch asks `child.kernel_arguments(row)` for its constexpr slot (`ROW_<KIND>`,
-  the first row of its terms in the (K, T) buffer) and its numbers, `child.kernel_tensors(...)` for
-  per-call tensors; `kernel_absent()` gives the
-  values of an absent child; `fused_keys()` names the rows the kernel writes for it; a per-document
-  child (GSPO) runs its tail as `kernel_seam` on that buffer before the grad launch;
+- the fused Triton launch reads `child.slot()`, its `KernelSlot`: data (its numbers, its term rows,
+  its switches), which the Triton backend (losses/triton/interface.py) turns into the kernel's
+  arguments; the child holds no kernel code and picks no backend. A child without a slot runs its
+  `tail` on the Triton path too, between a stats and a grad launch;
 - the reference (`reference.reference_loss`) calls `child.reference(inputs)`: plain autograd.
 
 The gradient of every child with respect to the transformed logits x has the form
@@ -23,7 +22,7 @@ loss-agnostic (docs/design/losses.md, "Superposition").
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import ClassVar
 
 import torch
 from pydantic import Field
@@ -31,9 +30,6 @@ from pydantic import Field
 from fastlm.config.base import ConfigModel
 from fastlm.losses.metrics import Sums
 from fastlm.losses.spec import LossNormalizers, LossTargets, safe_inverse
-
-if TYPE_CHECKING:
-    from fastlm.losses.coefficients import FusedLayout
 
 
 class ChildConfig(ConfigModel):
@@ -130,6 +126,33 @@ class ReferenceInputs:
 
 
 @dataclass(frozen=True)
+class KernelSlot:
+    """A child's place in the fused Triton kernel, as data; the Triton backend (losses/triton/interface.py)
+    turns the slots of a spec into the kernel's arguments.
+
+    - `kind`: which per-token code of the backend serves it (losses/triton/terms.py `TERMS`; a
+      per-document child's seam, triton/documents.py `SEAMS`);
+    - `rows`: its rows of the kernel's (K, T) term buffer in order: "loss" is its loss, any other name
+      a metric ("<child>/<name>" in the result);
+    - `scalars`: its numbers, in one fp32 buffer the kernel reads once per row;
+    - `switches`: its compile-time options (a switched-off option compiles to nothing);
+    - `reads`: the per-token targets the kernel loads for it (old_logp, advantages, ref_logp);
+    - `token_weights`: it reads its per-token weights w_t (`LossChild.call_weights`), not 1/N;
+    - `entropy`: it reads the entropy (the vocab pass then keeps the moment sum);
+    - `x_term`: its gradient has the `p_j * x_j` term (the entropy bonus).
+    """
+
+    kind: str
+    rows: tuple[str, ...]
+    scalars: dict[str, float] = field(default_factory=dict)
+    switches: dict[str, bool] = field(default_factory=dict)
+    reads: tuple[str, ...] = ()
+    token_weights: bool = False
+    entropy: bool = False
+    x_term: bool = False
+
+
+@dataclass(frozen=True)
 class LossChild:
     """Base of the plain child objects. Subclasses set `kind` (the config `type:`) and override what they compute."""
 
@@ -140,13 +163,6 @@ class LossChild:
     reads: ClassVar[tuple[str, ...]] = ()  # LossTargets fields besides labels (validation checks them)
     uses_teacher: ClassVar[bool] = False  # reads teacher logits in the vocab pass
     per_document: ClassVar[bool] = False  # needs every token's log-prob before its coefficients (seam)
-    kernel: ClassVar[bool] = True  # the fused Triton kernel has a slot for it
-
-    @property
-    def torch_tail(self) -> bool:
-        """Whether its options are past the fused kernel's slot: the Triton path then runs its `tail` between a
-        stats launch and a grad launch (as under tensor parallelism)."""
-        return False
 
     @property
     def whole_call(self) -> bool:
@@ -160,39 +176,15 @@ class LossChild:
         """This call's unweighted share of the step-wide loss, by plain autograd."""
         raise NotImplementedError
 
-    def fused_keys(self) -> tuple[tuple[bool, str], ...]:
-        """(is a loss, result key) of each (K, T) row the fused kernel writes for this child, in kernel order."""
-        return ()
+    def slot(self) -> KernelSlot | None:
+        """Its slot of the fused Triton kernel; None where the kernel has none for it (or for these
+        options): the Triton path then runs its `tail` between a stats and a grad launch."""
+        return None
 
-    def kernel_arguments(self, row: int) -> dict[str, Any]:
-        """This child's slot of the fused kernel: `ROW_<KIND>` (its first term row), its numbers and
-        constexprs (the same every call of a spec: the launcher caches them)."""
-        return {}
-
-    def kernel_tensors(self, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
-        """Per-call tensors of this child's slot (e.g. per-token weights); none by default."""
-        return {}
-
-    def grad_stats(self) -> tuple[str, ...]:
-        """Per-token vocab-pass statistics (TailInputs.stats keys) the kernel's gradient launch reads
-        for this child besides lse (the teacher's pointers kd0, kd1, ... in order); none by default."""
-        return ()
-
-    def kernel_x_term(self) -> bool:
-        """Whether the fused kernel's coefficients of this child include a `p_j * x_j` term."""
-        return False
-
-    @classmethod
-    def kernel_absent(cls) -> dict[str, Any]:
-        """The kernel arguments of this child when it is absent (slot -1, neutral numbers)."""
-        return {}
-
-    def kernel_seam(self, terms: torch.Tensor, layout: FusedLayout, targets: LossTargets,
-                    normalizers: LossNormalizers) -> None:
-        """A per-document child's tail on the fused Triton path, between the fused launch (no gradient)
-        and the grad launch: fill its `fused_keys` rows the fused launch leaves to it and add its
-        coefficients to the state rows of `terms` (`layout`), sync-free."""
-        raise NotImplementedError(f"{self.kind} has no Triton seam")
+    def call_weights(self, targets: LossTargets, normalizers: LossNormalizers, dtype: torch.dtype = torch.float32,
+                     slot: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Its per-token aggregation weights w_t of this call, or None where every token weighs 1/N."""
+        return None
 
     def prepare(self, targets: LossTargets, normalizers: LossNormalizers, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Per-token tensors (in `dtype`) that depend on the whole call rather than on one token (e.g. a

@@ -10,14 +10,13 @@ the cap and A > 0 (TRL's).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field
 
-from fastlm.losses.children.base import ReferenceInputs, Tail, TailInputs
+from fastlm.losses.children.base import KernelSlot, ReferenceInputs, Tail, TailInputs
 from fastlm.losses.children.policy import PolicyChild, PolicyConfig
-from fastlm.losses.spec import LossNormalizers, LossTargets
 
 RATIO_METRICS = ("ratio", "advantage", "cispo_clip_ratio")
 
@@ -59,15 +58,5 @@ class CISPO(PolicyChild):
         token_loss = -weight * advantage * inputs.new_logp * selected
         return (token_loss * weights).sum() + self.reference_regularizers(inputs, weights, selected)
 
-    def fused_keys(self) -> tuple[tuple[bool, str], ...]:
-        return self.fused_metric_keys(self.metric_names())
-
-    def kernel_arguments(self, row: int) -> dict[str, Any]:
-        return {**self.policy_kernel_arguments("cispo", row), "cispo_cap": float(self.eps_high)}
-
-    def kernel_tensors(self, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
-        return self.policy_kernel_tensors("cispo", targets, normalizers)
-
-    @classmethod
-    def kernel_absent(cls) -> dict[str, Any]:
-        return {**cls.policy_kernel_absent("cispo"), "cispo_cap": 0.0}
+    def slot(self) -> KernelSlot | None:
+        return self.token_level_slot({"cap": self.eps_high})

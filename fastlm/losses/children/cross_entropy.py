@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from fastlm.losses.children.base import ChildConfig, LossChild, ReferenceInputs, Tail, TailInputs
+from fastlm.losses.children.base import ChildConfig, KernelSlot, LossChild, ReferenceInputs, Tail, TailInputs
 from fastlm.losses.spec import safe_inverse
 
 
@@ -32,12 +32,5 @@ class CrossEntropy(LossChild):
         total = F.cross_entropy(inputs.x, inputs.targets.labels, ignore_index=-100, reduction="sum")
         return total * safe_inverse(inputs.normalizers.tokens)
 
-    def fused_keys(self) -> tuple[tuple[bool, str], ...]:
-        return ((True, self.name),)
-
-    def kernel_arguments(self, row: int) -> dict[str, Any]:
-        return {"ROW_CE": row, "ce_weight": float(self.weight)}
-
-    @classmethod
-    def kernel_absent(cls) -> dict[str, Any]:
-        return {"ROW_CE": -1, "ce_weight": 0.0}
+    def slot(self) -> KernelSlot:
+        return KernelSlot(self.kind, ("loss",), {"weight": self.weight})

@@ -21,12 +21,12 @@ this child turns them into its loss and coefficients.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field
 
-from fastlm.losses.children.base import ChildConfig, LossChild, ReferenceInputs, Tail, TailInputs
+from fastlm.losses.children.base import ChildConfig, KernelSlot, LossChild, ReferenceInputs, Tail, TailInputs
 from fastlm.losses.spec import LossTargets, safe_inverse
 
 
@@ -109,26 +109,12 @@ class Distillation(LossChild):
             per_token = (teacher.exp() * (teacher - student)).sum(-1)
         return (per_token * inputs.mask).sum() * safe_inverse(inputs.normalizers.tokens) * self.loss_scale
 
-    def fused_keys(self) -> tuple[tuple[bool, str], ...]:
-        return ((True, self.name),)
-
-    def kernel_arguments(self, row: int) -> dict[str, Any]:
-        return {"ROW_KD": row, "kd_weight": float(self.weight), "inv_temperature": 1.0 / self.temperature,
-                "kd_scale": float(self.loss_scale), "KD_REVERSE": self.reverse,
-                "KD_TEMPERED": self.student_inv_temperature != 1.0}
-
-    @classmethod
-    def kernel_absent(cls) -> dict[str, Any]:
-        return {"ROW_KD": -1, "kd_weight": 0.0, "inv_temperature": 1.0, "kd_scale": 1.0, "KD_REVERSE": False,
-                "KD_TEMPERED": False}
-
-    def grad_stats(self) -> tuple[str, ...]:
-        """The per-token statistics the kernel's gradient launch reads for this child, in its order
-        (kd0, kd1, kd2): the teacher's log-partition, and with a tempered student its log-partition
-        at x/T and E_pT[x/T - u] (the tail's `teacher_gap`)."""
-        if self.student_inv_temperature == 1.0:
-            return ("teacher_lse",)
-        return ("teacher_lse", "student_lse", "teacher_gap")
+    def slot(self) -> KernelSlot:
+        """The teacher's slot: its statistics and gradient term live in the kernel's vocab loop
+        (`tempered`: the student at x/T there too)."""
+        return KernelSlot(self.kind, ("loss",), {"weight": self.weight, "inv_temperature": 1.0 / self.temperature,
+                                                 "kd_scale": self.loss_scale},
+                          {"reverse": self.reverse, "tempered": self.student_inv_temperature != 1.0})
 
     def check_targets(self, targets: LossTargets, tokens: int) -> None:
         if targets.teacher_logits is None:

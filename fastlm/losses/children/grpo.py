@@ -10,15 +10,14 @@ for A > 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
 
-from fastlm.losses.children.base import ReferenceInputs, Tail, TailInputs
+from fastlm.losses.children.base import KernelSlot, ReferenceInputs, Tail, TailInputs
 from fastlm.losses.children.policy import PolicyChild, PolicyConfig, dual_clip
 from fastlm.losses.metrics import clip_fractions
-from fastlm.losses.spec import LossNormalizers, LossTargets
 
 RATIO_METRICS = ("ratio", "advantage", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
@@ -91,19 +90,9 @@ class GRPO(PolicyChild):
         token_loss = -torch.min(capped * advantage, clipped * advantage) * selected
         return (token_loss * weights).sum() + self.reference_regularizers(inputs, weights, selected)
 
-    def fused_keys(self) -> tuple[tuple[bool, str], ...]:
-        return self.fused_metric_keys(self.metric_names())
-
-    def kernel_arguments(self, row: int) -> dict[str, Any]:
-        return {**self.policy_kernel_arguments("grpo", row), "eps_low": float(self.eps_low),
-                "eps_high": float(self.eps_high), "grpo_delta": min(float(self.delta), 3.0e38)}
-
-    def kernel_tensors(self, targets: LossTargets, normalizers: LossNormalizers) -> dict[str, Any]:
-        return self.policy_kernel_tensors("grpo", targets, normalizers)
-
-    @classmethod
-    def kernel_absent(cls) -> dict[str, Any]:
-        return {**cls.policy_kernel_absent("grpo"), "eps_low": 0.0, "eps_high": 0.0, "grpo_delta": 3.0e38}
+    def slot(self) -> KernelSlot | None:
+        return self.token_level_slot({"eps_low": self.eps_low, "eps_high": self.eps_high,
+                                      "delta": min(self.delta, 3.0e38)})
 
 
 

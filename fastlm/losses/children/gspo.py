@@ -4,7 +4,7 @@ GSPO needs every token's new log-prob before any coefficient (the ratio is per d
 the compiled and the Triton path stop after the statistics pass and run this child's tail (the
 "seam"), then write the gradient with a per-token coefficient that superposes with the others. The
 compiled and tensor-parallel paths run `tail` (torch); the fused Triton path runs the same formulas
-as one launch on the fused launch's term buffer (`kernel_seam`, triton/documents.py).
+as one launch on the fused launch's term buffer (its seam, triton/documents.py).
 
 With W_i = sum_{t in i} w_t (the loss_type weights of its tokens): loss = sum_i W_i * loss_i (+ the
 per-token regularisers), and token t of document i gets `c_t = W_i * s_i * A_i / |i|` where the
@@ -22,19 +22,16 @@ empty ones hold exact zeros.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field
 
-from fastlm.losses.children.base import ReferenceInputs, Tail, TailInputs, metric_key
+from fastlm.losses.children.base import KernelSlot, ReferenceInputs, Tail, TailInputs
 from fastlm.losses.children.grpo import RATIO_METRICS, ClippedPolicyConfig, clipped_surrogate
 from fastlm.losses.children.policy import LossType, PolicyChild, document_slots, dual_clip, reference_documents
 from fastlm.losses.metrics import clip_fractions
-from fastlm.losses.spec import LossNormalizers, LossTargets, safe_inverse
-
-if TYPE_CHECKING:
-    from fastlm.losses.coefficients import FusedLayout
+from fastlm.losses.spec import safe_inverse
 
 
 class GSPOConfig(ClippedPolicyConfig):
@@ -118,25 +115,14 @@ class GSPO(PolicyChild):
             total = total + loss * (weights[tokens] * selected[tokens]).sum()
         return total + self.reference_regularizers(inputs, weights, selected, ratios)
 
-    def fused_keys(self) -> tuple[tuple[bool, str], ...]:
-        """The token metrics (the fused launch writes them), then the loss and the document metrics
-        (`kernel_seam` writes them after that launch)."""
-        document = ((True, self.name),) + tuple((False, metric_key(self.name, name))
-                                                for name in RATIO_METRICS + ("num_documents",))
-        return tuple((False, metric_key(self.name, name)) for name in self.token_metric_names()) + document
-
-    def kernel_seam(self, terms: torch.Tensor, layout: FusedLayout, targets: LossTargets,
-                    normalizers: LossNormalizers) -> None:
-        from fastlm.losses.triton.documents import gspo_seam
-
-        gspo_seam(self, terms, layout, targets, normalizers)
-
-    def kernel_arguments(self, row: int) -> dict[str, Any]:
-        return {"ROW_GSPO": row, "GSPO_REF": int(self.beta > 0)}
-
-    @classmethod
-    def kernel_absent(cls) -> dict[str, Any]:
-        return {"ROW_GSPO": -1, "GSPO_REF": 0}
+    def slot(self) -> KernelSlot | None:
+        """The token metrics (the fused launch writes them), then the loss and the document metrics (its
+        seam, triton/documents.py, writes them after that launch, and adds its coefficients)."""
+        if self.past_kernel:
+            return None
+        rows = (*self.token_metric_names(), "loss", *RATIO_METRICS, "num_documents")
+        return KernelSlot(self.kind, rows, switches={"ref": self.beta > 0}, reads=self.kernel_reads, entropy=True,
+                          x_term=self.entropy_coeff > 0)
 
 
 

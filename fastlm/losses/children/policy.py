@@ -29,7 +29,7 @@ torch.quantile) keep their policy-gradient term and entropy bonus; the KL term s
 the normalisers are unchanged (TRL multiplies the per-token loss by the mask before its aggregation).
 
 The fused Triton kernel has no slot for a call-wide quantile, the bias-corrected KL or a token-mean
-entropy weight that differs from w_t: a child with one of them (`torch_tail`) runs on the Triton path
+entropy weight that differs from w_t: a child with one of them (`past_kernel`: no `slot`) runs on the Triton path
 as under tensor parallelism (a stats launch, the torch tail below, a grad launch).
 
 Metrics (token means over the step's unmasked tokens, every loss_type): `new_logp`, `entropy`,
@@ -38,8 +38,6 @@ Metrics (token means over the step's unmasked tokens, every loss_type): `new_log
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -47,7 +45,8 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from fastlm.losses.children.base import ChildConfig, LossChild, ReferenceInputs, Tail, TailInputs, metric_key
+from fastlm.losses.children.base import ChildConfig, KernelSlot, LossChild, ReferenceInputs, Tail, TailInputs
+from fastlm.losses.document_weights import launched_document_means
 from fastlm.losses.metrics import k3_kl
 from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets, safe_inverse
 
@@ -124,8 +123,14 @@ class PolicyChild(LossChild):
         return self.entropy_coeff > 0 and self.entropy_token_mean and self.loss_type in ("grpo", "dr_grpo")
 
     @property
-    def torch_tail(self) -> bool:
+    def past_kernel(self) -> bool:
+        """Whether an option is past the fused kernel's slot (then `slot` is None)."""
         return self.entropy_selected or (self.bias_corrected_kl and self.beta > 0) or self.entropy_weighted_apart
+
+    @property
+    def kernel_reads(self) -> tuple[str, ...]:
+        """The per-token targets the fused kernel loads for it."""
+        return POLICY_INPUTS + (("ref_logp",) if self.beta > 0 else ())
 
     @property
     def whole_call(self) -> bool:
@@ -165,16 +170,16 @@ class PolicyChild(LossChild):
     ) -> torch.Tensor | None:
         """w_t of `loss_type` for every token of the call as a (T,) vector (0 on masked tokens), or
         None for dapo (the scalar 1/N): computed once per call, so a caller that works in token chunks
-        slices it. No sort, no sync. loss_type grpo's document pass is one Triton launch on CUDA in
-        float32 (`triton/documents.py`, the same values bit for bit), torch ops otherwise; `slot`
-        (`document_slots`, when the caller has it) saves that pass."""
+        slices it. No sort, no sync. loss_type grpo's document pass in float32 is one launch where the
+        backend has one (`document_weights.launched_document_means`, the same values bit for bit), torch
+        ops otherwise; `slot` (`document_slots`, when the caller has it) saves that pass."""
         if self.loss_type == "dapo":
             return None
         sequences = safe_inverse(normalizers.documents)
-        if self.loss_type == "grpo" and slot is None and dtype == torch.float32 and _document_kernel(targets.labels):
-            from fastlm.losses.triton.documents import document_mean_weights
-
-            return document_mean_weights(targets.document_ids, targets.labels, sequences)
+        if self.loss_type == "grpo" and slot is None and dtype == torch.float32:
+            launched = launched_document_means(targets.document_ids, targets.labels, sequences)
+            if launched is not None:
+                return launched
         mask = targets.labels != IGNORE_INDEX
         weights = mask.to(dtype)
         if self.loss_type == "bnpo":
@@ -348,36 +353,17 @@ class PolicyChild(LossChild):
             weights[tokens] = 1.0 / (int(tokens.sum()) * normalizers.documents)
         return weights
 
-    # -- the fused kernel's policy slot (GRPO, CISPO) ------------------------------------------
+    # -- the fused kernel's slot of a token-level child (GRPO, CISPO) ---------------------------
 
-    def policy_kernel_arguments(self, prefix: str, row: int) -> dict:
-        return {
-            f"ROW_{prefix.upper()}": row,
-            f"{prefix}_weight": float(self.weight),
-            f"{prefix}_beta": float(self.beta),
-            f"{prefix}_entropy": float(self.entropy_coeff),
-            f"{prefix.upper()}_TOKEN_WEIGHTS": self.loss_type != "dapo",
-            f"{prefix.upper()}_REF": int(self.beta > 0),
-            f"{prefix.upper()}_ENTROPY": self.entropy_coeff > 0,
-        }
-
-    def policy_kernel_tensors(self, prefix: str, targets: LossTargets, normalizers: LossNormalizers) -> dict:
-        """The per-token weights w_t of a loss_type other than dapo (dapo: the scalar token_scale)."""
-        if self.loss_type == "dapo":
-            return {}
-        return {f"{prefix}_token_weights_ptr": self.call_weights(targets, normalizers).contiguous()}
-
-    def kernel_x_term(self) -> bool:
-        return self.entropy_coeff > 0
-
-    @staticmethod
-    def policy_kernel_absent(prefix: str) -> dict:
-        return {f"ROW_{prefix.upper()}": -1, f"{prefix}_weight": 0.0, f"{prefix}_beta": 0.0, f"{prefix}_entropy": 0.0,
-                f"{prefix}_token_weights_ptr": None, f"{prefix.upper()}_TOKEN_WEIGHTS": False,
-                f"{prefix.upper()}_REF": 0, f"{prefix.upper()}_ENTROPY": False}
-
-    def fused_metric_keys(self, names: tuple[str, ...]) -> tuple[tuple[bool, str], ...]:
-        return ((True, self.name),) + tuple((False, metric_key(self.name, name)) for name in names)
+    def token_level_slot(self, scalars: dict[str, float]) -> KernelSlot | None:
+        """Its loss and metrics as rows, the shared numbers and switches (reference KL, entropy bonus)
+        plus its own `scalars`; None when an option is past the kernel."""
+        if self.past_kernel:
+            return None
+        numbers = {"weight": self.weight, "beta": self.beta, "entropy_coeff": self.entropy_coeff, **scalars}
+        return KernelSlot(self.kind, ("loss", *self.metric_names()), numbers,
+                          {"ref": self.beta > 0, "entropy": self.entropy_coeff > 0}, reads=self.kernel_reads,
+                          token_weights=self.loss_type != "dapo", entropy=True, x_term=self.entropy_coeff > 0)
 
 
 def dual_clip(delta: float | None) -> float:
@@ -424,12 +410,3 @@ def high_entropy_tokens(entropy: torch.Tensor, mask: torch.Tensor, level: float)
     threshold = torch.lerp(ordered[low], ordered[high], position - low.to(entropy.dtype))
     return mask & (entropy >= threshold)
 
-
-@functools.cache
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def _document_kernel(labels: torch.Tensor) -> bool:
-    """Whether `token_weights` runs its document pass as one Triton launch (CUDA tensors)."""
-    return labels.is_cuda and _triton_importable()

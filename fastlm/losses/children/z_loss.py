@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field
 
-from fastlm.losses.children.base import ChildConfig, LossChild, ReferenceInputs, Tail, TailInputs, metric_key
+from fastlm.losses.children.base import ChildConfig, KernelSlot, LossChild, ReferenceInputs, Tail, TailInputs
 from fastlm.losses.spec import safe_inverse
 
 
@@ -35,12 +35,5 @@ class ZLoss(LossChild):
         lse = torch.logsumexp(inputs.x, dim=-1)
         return (lse.square() * inputs.mask).sum() * safe_inverse(inputs.normalizers.tokens)
 
-    def fused_keys(self) -> tuple[tuple[bool, str], ...]:
-        return ((True, self.name), (False, metric_key(self.name, "lse")))
-
-    def kernel_arguments(self, row: int) -> dict[str, Any]:
-        return {"ROW_Z": row, "z_weight": float(self.weight)}
-
-    @classmethod
-    def kernel_absent(cls) -> dict[str, Any]:
-        return {"ROW_Z": -1, "z_weight": 0.0}
+    def slot(self) -> KernelSlot:
+        return KernelSlot(self.kind, ("loss", *self.metrics), {"weight": self.weight})

@@ -35,11 +35,11 @@ import triton
 import triton.language as tl
 
 from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets, safe_inverse
-from fastlm.losses.triton.kernel import _expm1
+from fastlm.losses.triton.terms import expm1
 
 if TYPE_CHECKING:
     from fastlm.losses.children.gspo import GSPO
-    from fastlm.losses.coefficients import FusedLayout
+    from fastlm.losses.triton.interface import FusedLayout
 
 MAX_BLOCK = 1024  # tokens per program (one 16k-token call: 16 programs)
 WARPS = 4
@@ -206,7 +206,7 @@ def _gspo_seam_kernel(
     IGNORE: tl.constexpr,
 ):
     """GSPO's tail on the fused launch's (K, T) term buffer: rows `first_row`.. (loss, ratio, advantage,
-    low, high, region, num_documents: `GSPO.fused_keys` after the token metrics) for every token, the
+    low, high, region, num_documents: `GSPO.slot` rows after the token metrics) for every token, the
     document's values at its first unmasked token and 0 elsewhere; with GRAD the coefficients added to
     the state rows prob/label (and x with ENTROPY) in place."""
     t, unmasked, count, log_ratio, advantage_sum, document_w, prefix = _run_sums(
@@ -234,8 +234,8 @@ def _gspo_seam_kernel(
     new_logp = tl.load(terms_ptr + new_logp_row * n + t, mask=inside, other=0.0)
     if REF:
         gap = tl.where(unmasked, tl.load(ref_logp_ptr + t, mask=unmasked, other=0.0).to(tl.float32) - new_logp, 0.0)
-        loss += beta * (_expm1(gap) - gap) * w
-        coefficient += _expm1(gap) * (w * beta * weight)
+        loss += beta * (expm1(gap) - gap) * w
+        coefficient += expm1(gap) * (w * beta * weight)
     if ENTROPY:
         entropy = tl.load(terms_ptr + entropy_row * n + t, mask=inside, other=0.0)
         loss -= entropy_coeff * entropy * w
@@ -281,8 +281,12 @@ def gspo_seam(child: GSPO, terms: torch.Tensor, layout: FusedLayout, targets: Lo
         terms if weights is None else weights.contiguous(), tokens, w_scale, safe_inverse(normalizers.documents),
         float(child.weight), float(child.eps_low), float(child.eps_high),
         min(float(child.delta), 3.0e38), float(child.beta), float(child.entropy_coeff),
-        layout.starts[child.name] + len(child.token_metric_names()), state["lse"], state["new_logp"],
+        layout.row(child.name, "loss"), state["lse"], state["new_logp"],
         state["entropy"], state["prob_coeff"], state["label_coeff"], state["x_coeff"],
         WEIGHTS=mode, REF=child.beta > 0, ENTROPY=child.entropy_coeff > 0,
         GRAD=child.weight != 0, BLOCK=block, IGNORE=IGNORE_INDEX, num_warps=WARPS,
     )
+
+
+# Slot kind (`KernelSlot.kind`) of a per-document child -> its tail on the fused launch's term buffer.
+SEAMS = {"gspo": gspo_seam}

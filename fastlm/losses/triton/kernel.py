@@ -1,5 +1,9 @@
-"""The one Triton kernel of the monolithic loss: label-based children (CE, z-loss, GRPO, CISPO; GSPO
-through load mode) and distillation, in one vocab loop; each child has a constexpr slot (ROW_<KIND>).
+"""The one Triton kernel of the monolithic loss: the label-form children and distillation in one vocab
+loop. It names no child: each label-form child comes as a slot (SLOT0..SLOT3), a flat namedtuple
+constexpr built from the child's declared `KernelSlot` by interface.py, whose `terms` is the child's
+per-token @triton.jit function (terms.py), called once per row after the statistics pass; the
+children's numbers come from one fp32 buffer (`params_ptr`), the rows of every per-token buffer from
+LAYOUT (interface.Rows), the teacher's slot is TEACHER.
 
 Every label-based child has a gradient of the form `prob_coeff * p_j - label_coeff * d_jy`, so one
 loss-agnostic gradient loop serves them all (see docs/design/losses.md, "Superposition").
@@ -31,20 +35,20 @@ pass walks backwards with evict-first loads so the re-read mostly hits L2. The g
 out the label term; the label element is rewritten once at the end (after a barrier, from a logit
 read before any store, so in-place gradients are safe). Three constexpr modes share the body:
 
-- `MODE_FUSED`: online softmax stats, in-kernel coefficients (the children's slots: CE, z, GRPO and
-  CISPO with their loss_type weight, beta and entropy terms, distillation), gradient; writes every
-  per-token term the losses and metrics need into one (K, T) fp32 buffer, already scaled, so the
-  whole loss tail is one sum over T (`coefficients.fused_layout` gives the rows: each child's
-  `fused_keys`, the weighted total, then the unscaled value-check counts of validation.py: label out
-  of range, unmasked, non-finite old_logp / advantage). Out-of-range labels read no logit (masked
-  load) and only raise that count. With a per-document child (GSPO) it runs without the gradient and
-  also writes the per-token state its tail and the grad launch need (coefficients.STATE_ROWS).
+- `MODE_FUSED`: online softmax stats, in-kernel coefficients (each slot's function, then the
+  teacher's), gradient; writes every per-token term the losses and metrics need into one (K, T) fp32
+  buffer, already scaled, so the whole loss tail is one sum over T (interface.FusedLayout gives the
+  rows: each child's slot rows, the weighted total, then the unscaled value-check counts of
+  validation.py: label out of range, unmasked, non-finite old_logp / advantage). Out-of-range labels
+  read no logit (masked load) and only raise that count. With a per-document child it runs without
+  the gradient and also writes the per-token state its seam and the grad launch need
+  (interface.STATE_ROWS).
 - `MODE_STATS`: stats only, as mergeable pieces (max, sum-exp, label logit, shifted x-moment; teacher
   max, teacher sum-exp, cross sum; the tempered student's sum-exp) so a vocab-parallel group can
   all-reduce them; writes the label logit only where the label is in shard.
-- `MODE_GRAD`: loads lse, both coefficients (the entropy coefficient with X_TERM, the
-  distillation child's `grad_stats` with a teacher) per token, computed in torch (or by a fused launch plus a per-document child's
-  tail), and writes the gradient.
+- `MODE_GRAD`: loads lse, both coefficients (the entropy coefficient with X_TERM, the teacher's grad
+  stats) per token, computed in torch (or by a fused launch plus a per-document child's seam), and
+  writes the gradient.
 
 Masked rows (label -100) branch around the work and write a zero gradient; no early return.
 
@@ -63,6 +67,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from fastlm.losses.triton.terms import non_finite, store_row
 
 # Globals a @triton.jit function reads must be constexpr; the launcher passes `.value`.
 MODE_FUSED = tl.constexpr(0)
@@ -223,138 +229,6 @@ def _merge_block(
 
 
 @triton.jit
-def _expm1(d):
-    """exp(d) - 1 without cancellation near 0 (Kahan: (u - 1) * d / log u with u = exp(d))."""
-    u = tl.exp(d)
-    near = (u - 1.0) * d / tl.log(tl.where(u == 1.0, 2.0, u))
-    return tl.where(u == 1.0, d, tl.where(tl.abs(d) < 0.5, near, u - 1.0))
-
-
-@triton.jit
-def _non_finite(v):
-    return ((v != v) | (tl.abs(v) == float("inf"))).to(tl.float32)
-
-
-@triton.jit
-def _policy_coefficients(slope, weight, w, ref_gap, beta, entropy_coeff, lse, entropy, prob_coeff, label_coeff,
-                         x_coeff, REF: tl.constexpr, ENTROPY: tl.constexpr):
-    """A token-level policy child's (GRPO, CISPO) share of the coefficients, times its weight and
-    w_t: `slope` (d token loss / d new_logp) plus the reference KL's in the label form
-    c*(p_j - d_jy); the entropy bonus e as the x term, with -e*E_p[x] = -e*(lse - H) in prob_coeff."""
-    if REF:
-        slope += beta * _expm1(ref_gap)
-    policy = weight * w * slope
-    prob_coeff += policy
-    label_coeff += policy
-    if ENTROPY:
-        bonus = weight * w * entropy_coeff
-        x_coeff += bonus
-        prob_coeff -= bonus * (lse - entropy)
-    return prob_coeff, label_coeff, x_coeff
-
-
-@triton.jit
-def _store_term(terms_ptr, index, n_tokens, row, value):
-    """Row `index` of the (K, T) term buffer at token `row`."""
-    tl.store(terms_ptr + index * n_tokens + row, value)
-
-
-@triton.jit
-def _policy_terms(terms_ptr, n_tokens, row, ROW: tl.constexpr, REF: tl.constexpr, token_loss, new_logp, entropy,
-                  old_logp, ref_gap, beta, entropy_coeff, w, token_scale):
-    """A policy child's loss row (times its weight w_t) and its token metrics (`_token_metrics`).
-    Returns its loss term for the weighted total."""
-    token_loss -= entropy_coeff * entropy
-    if REF:
-        token_loss += beta * (_expm1(ref_gap) - ref_gap)
-    _store_term(terms_ptr, ROW, n_tokens, row, token_loss * w)
-    _token_metrics(terms_ptr, n_tokens, row, ROW, REF, new_logp, entropy, old_logp, ref_gap, token_scale)
-    return token_loss * w
-
-
-@triton.jit
-def _token_metrics(terms_ptr, n_tokens, row, ROW: tl.constexpr, REF: tl.constexpr, new_logp, entropy, old_logp,
-                   ref_gap, token_scale):
-    """Rows ROW+1.. : new_logp, entropy, kl_old[, kl] (children/policy.py `token_metric_names`)."""
-    delta = old_logp - new_logp
-    _store_term(terms_ptr, ROW + 1, n_tokens, row, new_logp * token_scale)
-    _store_term(terms_ptr, ROW + 2, n_tokens, row, entropy * token_scale)
-    _store_term(terms_ptr, ROW + 3, n_tokens, row, (_expm1(delta) - delta) * token_scale)
-    if REF:
-        _store_term(terms_ptr, ROW + 4, n_tokens, row, (_expm1(ref_gap) - ref_gap) * token_scale)
-
-
-@triton.jit
-def _store_terms(
-    terms_ptr, row, n_tokens, lse, new_logp, entropy, in_vocab, old_logp, advantage, ratio, ref_gap, kl_kd,
-    prob_coeff, label_coeff, x_coeff, teacher_lse, student_lse, kd_gap, token_scale, ce_weight, z_weight, kd_weight,
-    grpo_weight, grpo_beta, grpo_entropy, w_grpo, eps_low, eps_high, grpo_delta, cispo_weight, cispo_beta,
-    cispo_entropy, w_cispo, cispo_cap, ROW_CE: tl.constexpr, ROW_Z: tl.constexpr, ROW_GRPO: tl.constexpr,
-    ROW_GSPO: tl.constexpr, ROW_CISPO: tl.constexpr, ROW_KD: tl.constexpr, GRPO_REF: tl.constexpr,
-    CISPO_REF: tl.constexpr, GSPO_REF: tl.constexpr, KD_TEMPERED: tl.constexpr, ROW_TOTAL: tl.constexpr,
-    ROW_FLAGS: tl.constexpr, ROW_STATE: tl.constexpr,
-):
-    """The per-token terms of an unmasked row (order: each child's `fused_keys`), scaled by
-    `token_scale` (policy losses by their w_t); the weighted total (scaled); the value-check counts,
-    unscaled; then (per-document children) the per-token state, unscaled (coefficients.STATE_ROWS)."""
-    total = 0.0
-    if ROW_CE >= 0:
-        _store_term(terms_ptr, ROW_CE, n_tokens, row, -new_logp * token_scale)
-        total -= ce_weight * new_logp * token_scale
-    if ROW_Z >= 0:
-        _store_term(terms_ptr, ROW_Z, n_tokens, row, lse * lse * token_scale)
-        _store_term(terms_ptr, ROW_Z + 1, n_tokens, row, lse * token_scale)
-        total += z_weight * lse * lse * token_scale
-    if ROW_GRPO >= 0 or ROW_GSPO >= 0 or ROW_CISPO >= 0:
-        _store_term(terms_ptr, ROW_FLAGS + 2, n_tokens, row, _non_finite(old_logp))
-        _store_term(terms_ptr, ROW_FLAGS + 3, n_tokens, row, _non_finite(advantage))
-    if ROW_GRPO >= 0:
-        clipped = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
-        capped = tl.minimum(ratio, grpo_delta)
-        token_loss = -tl.minimum(capped * advantage, clipped * advantage)
-        total += grpo_weight * _policy_terms(terms_ptr, n_tokens, row, ROW_GRPO, GRPO_REF, token_loss, new_logp,
-                                             entropy, old_logp, ref_gap, grpo_beta, grpo_entropy, w_grpo, token_scale)
-        low = ((ratio < 1.0 - eps_low) & (advantage < 0.0)).to(tl.float32)
-        high = ((ratio > 1.0 + eps_high) & (advantage > 0.0)).to(tl.float32)
-        first = ROW_GRPO + 4 + GRPO_REF
-        _store_term(terms_ptr, first, n_tokens, row, ratio * token_scale)
-        _store_term(terms_ptr, first + 1, n_tokens, row, advantage * token_scale)
-        _store_term(terms_ptr, first + 2, n_tokens, row, low * token_scale)
-        _store_term(terms_ptr, first + 3, n_tokens, row, high * token_scale)
-        _store_term(terms_ptr, first + 4, n_tokens, row, tl.maximum(low, high) * token_scale)
-    if ROW_CISPO >= 0:
-        token_loss = -tl.minimum(ratio, cispo_cap) * advantage * new_logp
-        total += cispo_weight * _policy_terms(terms_ptr, n_tokens, row, ROW_CISPO, CISPO_REF, token_loss, new_logp,
-                                              entropy, old_logp, ref_gap, cispo_beta, cispo_entropy, w_cispo,
-                                              token_scale)
-        first = ROW_CISPO + 4 + CISPO_REF
-        _store_term(terms_ptr, first, n_tokens, row, ratio * token_scale)
-        _store_term(terms_ptr, first + 1, n_tokens, row, advantage * token_scale)
-        _store_term(terms_ptr, first + 2, n_tokens, row, ((ratio > cispo_cap) & (advantage > 0.0)).to(tl.float32) * token_scale)
-    if ROW_GSPO >= 0:  # token metrics; its loss is per document (its tail, after the launch)
-        _token_metrics(terms_ptr, n_tokens, row, ROW_GSPO - 1, GSPO_REF, new_logp, entropy, old_logp, ref_gap,
-                       token_scale)
-    if ROW_KD >= 0:
-        _store_term(terms_ptr, ROW_KD, n_tokens, row, kl_kd * token_scale)
-        total += kd_weight * kl_kd * token_scale
-    _store_term(terms_ptr, ROW_TOTAL, n_tokens, row, total)
-    _store_term(terms_ptr, ROW_FLAGS, n_tokens, row, 1.0 - in_vocab.to(tl.float32))
-    _store_term(terms_ptr, ROW_FLAGS + 1, n_tokens, row, 1.0)
-    if ROW_STATE >= 0:
-        _store_term(terms_ptr, ROW_STATE, n_tokens, row, lse)
-        _store_term(terms_ptr, ROW_STATE + 1, n_tokens, row, new_logp)
-        _store_term(terms_ptr, ROW_STATE + 2, n_tokens, row, entropy)
-        _store_term(terms_ptr, ROW_STATE + 3, n_tokens, row, prob_coeff)
-        _store_term(terms_ptr, ROW_STATE + 4, n_tokens, row, label_coeff)
-        _store_term(terms_ptr, ROW_STATE + 5, n_tokens, row, x_coeff)
-        if ROW_KD >= 0:  # the distillation child's `grad_stats`
-            _store_term(terms_ptr, ROW_STATE + 6, n_tokens, row, teacher_lse)
-            if KD_TEMPERED:
-                _store_term(terms_ptr, ROW_STATE + 7, n_tokens, row, student_lse)
-                _store_term(terms_ptr, ROW_STATE + 8, n_tokens, row, kd_gap)
-
-
-@triton.jit
 def _grad(p, x2, u2, prob_coeff, kd_coeff, x_coeff, teacher_lse2, inv_t, student_lse2, kd_gap2, label_term,
           inv_softcap2, HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr,
           KD_TEMPERED: tl.constexpr, X_TERM: tl.constexpr):
@@ -474,6 +348,50 @@ def _exchange_stats(
 
 
 @triton.jit
+def _teacher_numbers(params_ptr, TEACHER: tl.constexpr):
+    """The teacher slot's weight and kd_scale (the KL's multiplier with KD_TEMPERED: T^2 for Hinton's, 1 for
+    GKD), loaded where they are used rather than held in registers across the vocab loops."""
+    kd_weight = 0.0
+    kd_scale = 1.0
+    if TEACHER.present:
+        kd_weight = tl.load(params_ptr + TEACHER.weight)
+        kd_scale = tl.load(params_ptr + TEACHER.kd_scale)
+    return kd_weight, kd_scale
+
+
+@triton.jit
+def _store_common_terms(
+    token_rows, stride, lse, new_logp, entropy, in_vocab, old_logp, advantage, kl_kd, prob_coeff, label_coeff, x_coeff,
+    teacher_lse, student_lse, kd_gap, token_scale, kd_weight, total, LAYOUT: tl.constexpr, TEACHER: tl.constexpr,
+):
+    """What a FUSED launch writes besides the slots' terms (segment 0, unmasked rows): the teacher's KL
+    (scaled) and the weighted total; the value-check counts, unscaled (validation.value_flags' order);
+    with a per-document child the per-token state its seam and the grad launch read, unscaled."""
+    if TEACHER.loss_row >= 0:
+        store_row(token_rows, TEACHER.loss_row, stride, kl_kd * token_scale)
+        total += kd_weight * kl_kd * token_scale
+    store_row(token_rows, LAYOUT.total, stride, total)
+    store_row(token_rows, LAYOUT.bad_labels, stride, 1.0 - in_vocab.to(tl.float32))
+    store_row(token_rows, LAYOUT.unmasked, stride, 1.0)
+    if LAYOUT.bad_old_logp >= 0:  # a policy child's inputs
+        store_row(token_rows, LAYOUT.bad_old_logp, stride, non_finite(old_logp))
+        store_row(token_rows, LAYOUT.bad_advantages, stride, non_finite(advantage))
+    if LAYOUT.lse >= 0:  # the state rows (interface.STATE_ROWS, then the teacher's grad stats)
+        store_row(token_rows, LAYOUT.lse, stride, lse)
+        store_row(token_rows, LAYOUT.new_logp, stride, new_logp)
+        store_row(token_rows, LAYOUT.entropy, stride, entropy)
+        store_row(token_rows, LAYOUT.prob_coeff, stride, prob_coeff)
+        store_row(token_rows, LAYOUT.label_coeff, stride, label_coeff)
+        store_row(token_rows, LAYOUT.x_coeff, stride, x_coeff)
+        if LAYOUT.teacher_lse >= 0:
+            store_row(token_rows, LAYOUT.teacher_lse, stride, teacher_lse)
+        if LAYOUT.student_lse >= 0:
+            store_row(token_rows, LAYOUT.student_lse, stride, student_lse)
+        if LAYOUT.teacher_gap >= 0:
+            store_row(token_rows, LAYOUT.teacher_gap, stride, kd_gap)
+
+
+@triton.jit
 def lm_loss_kernel(
     logits_ptr,
     logits_stride,
@@ -485,72 +403,42 @@ def lm_loss_kernel(
     n_cols,
     vocab_start,
     logit_scale,
-    softcap,
-    out0_ptr,  # FUSED: the (K, T) term buffer; STATS: max; GRAD: lse (read)
-    out1_ptr,  # STATS: sum-exp; GRAD: prob_coeff (read); unused in FUSED
-    out2_ptr,  # STATS: label logit (0 off shard); GRAD: label_coeff (read); unused in FUSED
-    out3_ptr,  # STATS: sum exp(x-max)*(x-max); GRAD: x_coeff (read, X_TERM); unused in FUSED
-    kd0_ptr,  # STATS: teacher max; GRAD: teacher lse (read); unused in FUSED
-    kd1_ptr,  # STATS: teacher sum-exp (KD_TEMPERED: then the tempered student's at kd1 + T); GRAD: tempered lse
-    kd2_ptr,  # STATS: cross sum; GRAD (KD_TEMPERED, reverse): E_pT[x/T - u] (read); unused in FUSED
-    old_logp_ptr,
-    advantages_ptr,
-    ref_logp_ptr,  # policy children with beta > 0: the frozen reference's label log-prob
+    softcap,  # 1 without a softcap
+    inv_temperature,  # the teacher's 1/T (1 without one): the vocab loop's only number of a child, so an argument
+    rows_ptr,  # the per-token (K, T) fp32 rows, laid out by LAYOUT: FUSED the terms; STATS the pieces; GRAD (read) coefficients
+    rows_stride,
+    params_ptr,  # fp32: every other number of the children's slots (interface.py), each read once per program
     token_scale,  # 1 / tokens of the step (0 when none)
     grad_scale,
-    # Child slots (children/*.py `kernel_arguments`): ROW_<KIND> is the first term row of the child in
-    # FUSED mode, -1 when absent (coefficients.fused_layout), then its numbers.
-    ce_weight,
-    z_weight,
-    kd_weight,
-    inv_temperature,
-    kd_scale,  # KD_TEMPERED: the KL's multiplier (T^2 for Hinton's, 1 for GKD)
-    grpo_weight,
-    grpo_beta,
-    grpo_entropy,
-    grpo_token_weights_ptr,  # loss_type != dapo: per-token aggregation weight w_t (else token_scale)
-    eps_low,
-    eps_high,
-    grpo_delta,
-    cispo_weight,
-    cispo_beta,
-    cispo_entropy,
-    cispo_token_weights_ptr,
-    cispo_cap,
+    old_logp_ptr,  # FUSED, LAYOUT.policy_inputs: the per-token inputs of the policy slots
+    advantages_ptr,
+    ref_logp_ptr,  # LAYOUT.ref_input: the frozen reference's label log-prob
+    weights_ptr,  # FUSED: per-token aggregation weights w_t, row `token_weights` of a slot that reads them
     split_ptr,  # SPLIT > 1: (T, SPLIT, N_PIECES) fp32, each segment's published stats
     sync_ptr,  # SPLIT > 1 and EXCHANGE: T arrival counters, then the ticket counter (int32, zeroed)
-    MODE: tl.constexpr,
-    ROW_CE: tl.constexpr,
-    ROW_Z: tl.constexpr,
-    ROW_GRPO: tl.constexpr,
-    ROW_GSPO: tl.constexpr,  # token metrics only; a per-document child also gets the per-token state (ROW_STATE)
-    ROW_CISPO: tl.constexpr,
-    ROW_KD: tl.constexpr,
-    GRPO_TOKEN_WEIGHTS: tl.constexpr,
-    GRPO_REF: tl.constexpr,  # 1 when grpo_beta > 0 (its `kl` row), else 0
-    GRPO_ENTROPY: tl.constexpr,
-    CISPO_TOKEN_WEIGHTS: tl.constexpr,
-    CISPO_REF: tl.constexpr,
-    CISPO_ENTROPY: tl.constexpr,
-    GSPO_REF: tl.constexpr,
-    ROW_TOTAL: tl.constexpr,
-    ROW_FLAGS: tl.constexpr,
-    ROW_STATE: tl.constexpr,  # per-document children: per-token state for their tail and the grad launch
-    N_TERMS: tl.constexpr,  # K, rows of the term buffer
-    HAS_KD: tl.constexpr,  # teacher statistics in this launch (FUSED, STATS)
-    KD_GRAD: tl.constexpr,  # distillation term in the gradient (FUSED, GRAD; weight != 0)
-    KD_REVERSE: tl.constexpr,
-    KD_TEMPERED: tl.constexpr,  # temperature_mode both at T != 1: the KL's student at x/T (inv_temperature)
-    X_TERM: tl.constexpr,  # entropy bonus p_j * x_j in the gradient (FUSED: from the children; GRAD: out3 read)
-    HAS_SOFTCAP: tl.constexpr,
-    COMPUTE_GRAD: tl.constexpr,
-    SINGLE_PASS: tl.constexpr,
-    PREFETCH: tl.constexpr,  # looped rows: load block b+1 before block b's math
-    BLOCK: tl.constexpr,
-    ACC: tl.constexpr,  # lanes of the running sums (one per thread)
-    SPLIT: tl.constexpr,  # programs per row (FUSED, looped rows), one vocab segment of whole blocks each
-    SPLIT_PHASE: tl.constexpr,  # SPLIT > 1: SPLIT_EXCHANGE, or SPLIT_PUBLISH then SPLIT_READ (two launches)
+    LAUNCH: tl.constexpr,  # what this launch does and how it walks a row (interface.LaunchConfig)
+    LAYOUT: tl.constexpr,  # this launch's rows of `rows_ptr` and its per-token switches (interface.Rows)
+    TEACHER: tl.constexpr,  # the distillation slot (interface.Teacher); `present` False without one
+    SLOT0: tl.constexpr,  # the label-form children's slots (interface.py), in spec order: `terms` is the
+    SLOT1: tl.constexpr,  # child's per-token @triton.jit function (terms.py), the other fields its rows,
+    SLOT2: tl.constexpr,  # scalar offsets into params_ptr and switches; an unused slot runs `no_terms`
+    SLOT3: tl.constexpr,
 ):
+    MODE: tl.constexpr = LAUNCH.mode
+    COMPUTE_GRAD: tl.constexpr = LAUNCH.grad
+    HAS_SOFTCAP: tl.constexpr = LAUNCH.softcap
+    BLOCK: tl.constexpr = LAUNCH.block
+    ACC: tl.constexpr = LAUNCH.acc  # lanes of the running sums (one per thread)
+    SPLIT: tl.constexpr = LAUNCH.split  # programs per row (FUSED, looped rows), one vocab segment of whole blocks each
+    SPLIT_PHASE: tl.constexpr = LAUNCH.split_phase  # SPLIT > 1: SPLIT_EXCHANGE, or SPLIT_PUBLISH then SPLIT_READ
+    SINGLE_PASS: tl.constexpr = LAUNCH.single_pass
+    PREFETCH: tl.constexpr = LAUNCH.prefetch  # looped rows: load block b+1 before block b's math
+    HAS_KD: tl.constexpr = TEACHER.stats  # teacher statistics in this launch (FUSED, STATS)
+    KD_GRAD: tl.constexpr = TEACHER.grad  # distillation term in the gradient (FUSED, GRAD; weight != 0)
+    KD_REVERSE: tl.constexpr = TEACHER.reverse
+    KD_TEMPERED: tl.constexpr = TEACHER.tempered  # temperature_mode both at T != 1: the KL's student at x/T
+    X_TERM: tl.constexpr = LAYOUT.x_term  # entropy bonus p_j * x_j in the gradient
+    N_ROWS: tl.constexpr = LAYOUT.n_rows  # rows of the per-token buffer
     # Base-2 units inside (exp2 is one instruction); natural units in and out.
     x_scale = logit_scale / softcap if HAS_SOFTCAP else logit_scale * LOG2E
     u_scale = inv_temperature * LOG2E
@@ -558,7 +446,6 @@ def lm_loss_kernel(
     offsets = tl.arange(0, BLOCK)
     n_full = n_cols // BLOCK  # blocks without a bounds check
     has_tail = n_full * BLOCK < n_cols
-    kd_coeff = kd_weight * token_scale
     grad_coeff = grad_scale * logit_scale  # d(loss)/dx -> d(loss)/dz (times 1 - (x/c)^2 with a softcap)
     n_rows = (tl.num_programs(0) // SPLIT).to(tl.int64)
     if SPLIT > 1 and SPLIT_PHASE == SPLIT_EXCHANGE:
@@ -594,17 +481,18 @@ def lm_loss_kernel(
         kd_gap2 = 0.0
         x_coeff = 0.0
         if MODE == MODE_GRAD:
-            lse = tl.load(out0_ptr + row)
-            prob_coeff = tl.load(out1_ptr + row)
-            label_coeff = tl.load(out2_ptr + row)
+            token_rows = rows_ptr + row  # this token's column of the per-token rows
+            lse = tl.load(token_rows + LAYOUT.lse * rows_stride)
+            prob_coeff = tl.load(token_rows + LAYOUT.prob_coeff * rows_stride)
+            label_coeff = tl.load(token_rows + LAYOUT.label_coeff * rows_stride)
             if X_TERM:
-                x_coeff = tl.load(out3_ptr + row)
+                x_coeff = tl.load(token_rows + LAYOUT.x_coeff * rows_stride)
             if KD_GRAD:
-                teacher_lse2 = tl.load(kd0_ptr + row) * LOG2E
+                teacher_lse2 = tl.load(token_rows + LAYOUT.teacher_lse * rows_stride) * LOG2E
                 if KD_TEMPERED:
-                    student_lse2 = tl.load(kd1_ptr + row) * LOG2E
+                    student_lse2 = tl.load(token_rows + LAYOUT.student_lse * rows_stride) * LOG2E
                     if KD_REVERSE:
-                        kd_gap2 = tl.load(kd2_ptr + row) * LOG2E
+                        kd_gap2 = tl.load(token_rows + LAYOUT.teacher_gap * rows_stride) * LOG2E
         else:
             m = float("-inf")
             s = tl.zeros([ACC], dtype=tl.float32)
@@ -613,7 +501,7 @@ def lm_loss_kernel(
             su = tl.zeros([ACC], dtype=tl.float32)
             cross = tl.zeros([ACC], dtype=tl.float32)
             ss = tl.zeros([ACC], dtype=tl.float32)
-            need_moment = MODE == MODE_STATS or ROW_GRPO >= 0 or ROW_GSPO >= 0 or ROW_CISPO >= 0
+            need_moment = MODE == MODE_STATS or LAYOUT.reads_entropy
             if SINGLE_PASS:
                 m, s, t, mu, su, cross, ss, e = _block_stats(
                     x2, u2, m, s, t, mu, su, cross, ss, inv_temperature, True, need_moment, HAS_KD, KD_REVERSE,
@@ -656,59 +544,57 @@ def lm_loss_kernel(
             t = t * LN2  # natural units from here on
             m = m * LN2
             x_label = x2_label * LN2
+            token_rows = rows_ptr + row  # this token's column of the per-token rows
             if SPLIT_PHASE == SPLIT_PUBLISH:
                 pass  # the second launch does the rest
             elif MODE == MODE_STATS:
-                tl.store(out0_ptr + row, m)
-                tl.store(out1_ptr + row, s)
-                tl.store(out2_ptr + row, x_label)
-                tl.store(out3_ptr + row, t)
+                store_row(token_rows, LAYOUT.max, rows_stride, m)
+                store_row(token_rows, LAYOUT.sum_exp, rows_stride, s)
+                store_row(token_rows, LAYOUT.label_logit, rows_stride, x_label)
+                store_row(token_rows, LAYOUT.moment, rows_stride, t)
                 if HAS_KD:
-                    tl.store(kd0_ptr + row, mu * LN2)
-                    tl.store(kd1_ptr + row, su)
-                    tl.store(kd2_ptr + row, cross * LN2)
+                    store_row(token_rows, LAYOUT.teacher_max, rows_stride, mu * LN2)
+                    store_row(token_rows, LAYOUT.teacher_sum_exp, rows_stride, su)
+                    store_row(token_rows, LAYOUT.cross, rows_stride, cross * LN2)
                     if KD_TEMPERED:  # its max is the student's over T
-                        tl.store(kd1_ptr + n_rows + row, ss)
+                        store_row(token_rows, LAYOUT.tempered_sum_exp, rows_stride, ss)
             else:
                 log_s = tl.log(s)
                 lse = m + log_s
                 new_logp = x_label - lse
                 entropy = log_s - t / s
-                # In-kernel coefficients: the minimal copy of the children's tails that fusion forces.
+                # In-kernel coefficients and terms: each slot's per-token function (terms.py), then the
+                # teacher's; only segment 0 writes the terms.
                 prob_coeff = 0.0
                 label_coeff = 0.0
-                if ROW_CE >= 0:
-                    prob_coeff += ce_weight * token_scale
-                    label_coeff += ce_weight * token_scale
-                if ROW_Z >= 0:
-                    prob_coeff += 2.0 * z_weight * token_scale * lse
                 old_logp = 0.0
                 advantage = 0.0
                 ratio = 1.0
                 ref_gap = 0.0
-                w_grpo = token_scale
-                w_cispo = token_scale
-                if ROW_GRPO >= 0 or ROW_CISPO >= 0 or ROW_GSPO >= 0:
+                if LAYOUT.policy_inputs:
                     old_logp = tl.load(old_logp_ptr + row).to(tl.float32)
                     advantage = tl.load(advantages_ptr + row).to(tl.float32)
                     ratio = tl.exp(new_logp - old_logp)
-                    if GRPO_REF or CISPO_REF or GSPO_REF:
+                    if LAYOUT.ref_input:
                         ref_gap = tl.load(ref_logp_ptr + row).to(tl.float32) - new_logp
-                if ROW_GRPO >= 0:
-                    if GRPO_TOKEN_WEIGHTS:
-                        w_grpo = tl.load(grpo_token_weights_ptr + row)
-                    gain = tl.where(ratio <= 1.0 + eps_high, tl.maximum(advantage, 0.0), 0.0)
-                    loss_side = tl.where((ratio >= 1.0 - eps_low) & (ratio <= grpo_delta), tl.minimum(advantage, 0.0), 0.0)
-                    prob_coeff, label_coeff, x_coeff = _policy_coefficients(
-                        ratio * (gain + loss_side), grpo_weight, w_grpo, ref_gap, grpo_beta, grpo_entropy, lse, entropy,
-                        prob_coeff, label_coeff, x_coeff, GRPO_REF, GRPO_ENTROPY)
-                if ROW_CISPO >= 0:
-                    if CISPO_TOKEN_WEIGHTS:
-                        w_cispo = tl.load(cispo_token_weights_ptr + row)
-                    prob_coeff, label_coeff, x_coeff = _policy_coefficients(
-                        tl.minimum(ratio, cispo_cap) * advantage, cispo_weight, w_cispo, ref_gap, cispo_beta,
-                        cispo_entropy, lse, entropy, prob_coeff, label_coeff, x_coeff, CISPO_REF, CISPO_ENTROPY)
+                write = part == 0
+                total = 0.0
+                token_weights = weights_ptr + row
+                prob_coeff, label_coeff, x_coeff, total = SLOT0.terms(
+                    token_rows, rows_stride, write, params_ptr, token_weights, lse, new_logp, entropy, old_logp,
+                    advantage, ratio, ref_gap, token_scale, prob_coeff, label_coeff, x_coeff, total, SLOT0)
+                prob_coeff, label_coeff, x_coeff, total = SLOT1.terms(
+                    token_rows, rows_stride, write, params_ptr, token_weights, lse, new_logp, entropy, old_logp,
+                    advantage, ratio, ref_gap, token_scale, prob_coeff, label_coeff, x_coeff, total, SLOT1)
+                prob_coeff, label_coeff, x_coeff, total = SLOT2.terms(
+                    token_rows, rows_stride, write, params_ptr, token_weights, lse, new_logp, entropy, old_logp,
+                    advantage, ratio, ref_gap, token_scale, prob_coeff, label_coeff, x_coeff, total, SLOT2)
+                prob_coeff, label_coeff, x_coeff, total = SLOT3.terms(
+                    token_rows, rows_stride, write, params_ptr, token_weights, lse, new_logp, entropy, old_logp,
+                    advantage, ratio, ref_gap, token_scale, prob_coeff, label_coeff, x_coeff, total, SLOT3)
                 kl_kd = 0.0
+                kd_weight, kd_scale = _teacher_numbers(params_ptr, TEACHER)
+                kd_coeff = kd_weight * token_scale
                 if HAS_KD:
                     teacher_sum = su
                     teacher_lse2 = mu + tl.log2(teacher_sum)
@@ -731,20 +617,17 @@ def lm_loss_kernel(
                     else:
                         kl_kd = cross_sum / teacher_sum - teacher_lse2 * LN2 + lse
                         prob_coeff += kd_coeff
-                if part == 0:
-                    _store_terms(
-                        out0_ptr, row, n_rows, lse, new_logp, entropy, in_shard, old_logp, advantage, ratio,
-                        ref_gap, kl_kd, prob_coeff, label_coeff, x_coeff, teacher_lse2 * LN2, student_lse2 * LN2,
-                        kd_gap2 * LN2, token_scale, ce_weight, z_weight, kd_weight, grpo_weight, grpo_beta,
-                        grpo_entropy, w_grpo, eps_low, eps_high, grpo_delta, cispo_weight, cispo_beta, cispo_entropy,
-                        w_cispo, cispo_cap, ROW_CE, ROW_Z, ROW_GRPO, ROW_GSPO, ROW_CISPO, ROW_KD, GRPO_REF, CISPO_REF,
-                        GSPO_REF, KD_TEMPERED, ROW_TOTAL, ROW_FLAGS, ROW_STATE,
-                    )
+                if write:
+                    _store_common_terms(
+                        token_rows, rows_stride, lse, new_logp, entropy, in_shard, old_logp, advantage, kl_kd,
+                        prob_coeff, label_coeff, x_coeff, teacher_lse2 * LN2, student_lse2 * LN2, kd_gap2 * LN2,
+                        token_scale, kd_weight, total, LAYOUT, TEACHER)
         if COMPUTE_GRAD and SPLIT_PHASE != SPLIT_PUBLISH:
             lse2 = lse * LOG2E
             prob_coeff = prob_coeff * grad_coeff
             label_coeff = label_coeff * grad_coeff
-            kd_grad_coeff = kd_coeff * grad_coeff * (LN2 if KD_REVERSE else 1.0)
+            kd_weight, kd_scale = _teacher_numbers(params_ptr, TEACHER)
+            kd_grad_coeff = kd_weight * token_scale * grad_coeff * (LN2 if KD_REVERSE else 1.0)
             if KD_TEMPERED:  # kd_scale * d/dx of a KL of x/T
                 kd_grad_coeff = kd_grad_coeff * (kd_scale * inv_temperature)
             x_coeff = x_coeff * grad_coeff * LN2
@@ -798,21 +681,22 @@ def lm_loss_kernel(
                 tl.store(grad_row + local_label, label_grad.to(grad_ptr.dtype.element_ty))
     else:
         # Neutral, finite values: a masked row contributes nothing and never makes a NaN.
+        token_rows = rows_ptr + row
         if MODE == MODE_STATS:
-            tl.store(out0_ptr + row, 0.0)
-            tl.store(out1_ptr + row, 1.0)
-            tl.store(out2_ptr + row, 0.0)
-            tl.store(out3_ptr + row, 0.0)
+            store_row(token_rows, LAYOUT.max, rows_stride, 0.0)
+            store_row(token_rows, LAYOUT.sum_exp, rows_stride, 1.0)
+            store_row(token_rows, LAYOUT.label_logit, rows_stride, 0.0)
+            store_row(token_rows, LAYOUT.moment, rows_stride, 0.0)
             if HAS_KD:
-                tl.store(kd0_ptr + row, 0.0)
-                tl.store(kd1_ptr + row, 1.0)
-                tl.store(kd2_ptr + row, 0.0)
+                store_row(token_rows, LAYOUT.teacher_max, rows_stride, 0.0)
+                store_row(token_rows, LAYOUT.teacher_sum_exp, rows_stride, 1.0)
+                store_row(token_rows, LAYOUT.cross, rows_stride, 0.0)
                 if KD_TEMPERED:
-                    tl.store(kd1_ptr + n_rows + row, 1.0)
+                    store_row(token_rows, LAYOUT.tempered_sum_exp, rows_stride, 1.0)
         if MODE == MODE_FUSED and SPLIT_PHASE != SPLIT_PUBLISH:
             if part == 0:
-                for index in tl.static_range(N_TERMS):
-                    _store_term(out0_ptr, index, n_rows, row, 0.0)
+                for index in tl.static_range(N_ROWS):
+                    store_row(token_rows, index, rows_stride, 0.0)
         if COMPUTE_GRAD and SPLIT_PHASE != SPLIT_PUBLISH:
             zeros = tl.zeros([BLOCK], dtype=grad_ptr.dtype.element_ty)
             for block in range(first, end_full):

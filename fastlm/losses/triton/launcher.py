@@ -1,23 +1,24 @@
-"""Launch the fused loss kernel: argument assembly, the three modes, the TP all-reduce.
+"""Launch the fused loss kernel: the three modes, the TP all-reduce.
 
 - no tensor parallelism, no per-document child: one fused forward+backward launch (every child's
   coefficients in-kernel);
-- tensor parallelism (`group`), or a child whose options the fused kernel has no slot for
-  (`LossSpec.torch_tail`: a call-wide entropy quantile, the bias-corrected KL, a token-mean entropy
-  weight apart from the loss_type's): stats launch, all-reduce of the mergeable pieces (student and
-  teacher; none without a group), every child's tail in torch (`coefficients.tail`), grad launch;
+- tensor parallelism (`group`), or a child the fused kernel has no slot for (`interface.fused` false:
+  no `slot`, e.g. a call-wide entropy quantile, the bias-corrected KL, a token-mean entropy weight
+  apart from the loss_type's; or no per-token function in terms.py): stats launch, all-reduce of the
+  mergeable pieces (student and teacher; none without a group), every child's tail in torch
+  (`coefficients.tail`), grad launch;
 - a per-document child (GSPO) without tensor parallelism: the fused launch without the gradient
-  (which also writes the per-token state), that child's `kernel_seam` launch on the term buffer (the
+  (which also writes the per-token state), that child's seam launch on the term buffer (the
   sync-free seam: its loss and document metrics rows, its coefficients added to the state), then the
   row sums and the grad launch.
 The last two are three phases (`_stats_phase` and `_grad_launch`, public as `triton_stats` and
 `triton_grad`, around `triton_finish`) so the chunked head (losses/chunked_head.py) can run
 the stats and grad phases per token chunk and the middle once on the whole call.
-Argument assembly asks the children (`kernel_arguments`, cached per spec in `_slot_arguments`;
-`kernel_tensors` per call), never branches on a kind. The fused launch writes every per-token
-loss/metric term into one buffer laid out by `coefficients.fused_layout` (the same keys as the
-children's tails), so its whole tail is one row-sum launch (`row_sums_kernel`);
-`spec.assemble_result` builds the result of every mode.
+Every argument that depends on the children comes from interface.py (the children's slots as data,
+cached per spec), so nothing here branches on a kind. The fused launch writes every per-token
+loss/metric term into one buffer laid out by `interface.FusedLayout` (the same keys as the children's
+tails), so its whole tail is one row-sum launch (`row_sums_kernel`); `spec.assemble_result` builds
+the result of every mode.
 
 Validation: host checks before any launch; the value checks (validation.py) are counted on the device
 (by the fused kernel itself, else (tensor parallel) by `value_flags`) and read back once, after
@@ -29,15 +30,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from functools import lru_cache, partial
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import triton
 
-from fastlm.losses.children import CHILD_CLASSES
-from fastlm.losses.coefficients import FusedLayout, fused_layout, fused_result, tail
+from fastlm.losses.coefficients import tail
 from fastlm.losses.spec import (
     LossNormalizers,
     LossResult,
@@ -46,6 +45,17 @@ from fastlm.losses.spec import (
     ProcessGroup,
     assemble_result,
     safe_inverse,
+)
+from fastlm.losses.triton.interface import (
+    FusedLayout,
+    LaunchConfig,
+    Rows,
+    fused_result,
+    interface,
+    launch_constexprs,
+    params_on,
+    stats_rows,
+    teacher_grad_stats,
 )
 from fastlm.losses.triton.kernel import (
     MODE_FUSED,
@@ -143,9 +153,6 @@ def _check_supported(logits: torch.Tensor, targets: LossTargets, spec: LossSpec,
     """What this kernel cannot run, named; the shared checks live in validation.py."""
     if not spec.children:
         raise ValueError("the loss spec has no children; nothing for the Triton kernel to compute")
-    unsupported = [child.name for child in spec.children if not child.kernel]
-    if unsupported:
-        raise ValueError(f"the Triton kernel has no slot for {unsupported}; use the compiled path")
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps}")
     if split is not None and split not in (1, 2, 4, 8, 16, 32, 64):
@@ -193,9 +200,9 @@ class _Launch:
         self.targets = targets
         self.normalizers = normalizers
         self.spec = spec
+        self.interface = interface(spec)
         self.teacher = targets.teacher_logits if spec.teacher is not None else None
         self.vocab_start = vocab_start
-        self.kd_grad = spec.teacher is not None and spec.teacher.weight != 0
         self.block, self.num_warps, self.prefetch, self.split = schedule(
             logits.shape[1], spec.teacher is not None, max_block, num_warps, prefetch, split)
         # On the GPU a split row's programs exchange their stats inside one launch; the interpreter runs
@@ -203,46 +210,28 @@ class _Launch:
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # (tools/profile/kernel_report.py: CPU tensors, compiled)
         self.split_phases = (SPLIT_PUBLISH.value, SPLIT_READ.value) if interpreted else (SPLIT_EXCHANGE.value,)
 
-    def vector(self, rows: int = 1) -> torch.Tensor:
-        """An fp32 output of `rows` x tokens for a stats launch."""
-        return torch.empty(rows * self.logits.shape[0], dtype=torch.float32, device=self.logits.device)
+    def rows(self, count: int) -> torch.Tensor:
+        """A (count, tokens) fp32 per-token buffer."""
+        return torch.empty((count, self.logits.shape[0]), dtype=torch.float32, device=self.logits.device)
 
-    def _per_token(self, name: str) -> torch.Tensor:
-        tensor = getattr(self.targets, name)
-        return self.logits if tensor is None else tensor.float().contiguous()
+    def _inputs(self, fused: bool) -> tuple[torch.Tensor, ...]:
+        """old_logp, advantages, ref_logp and the slots' per-token weights w_t as the FUSED launch reads
+        them (fp32, contiguous); the logits where a launch reads nothing."""
+        rows = self.interface.fused_rows
+        read = {"old_logp": rows.policy_inputs, "advantages": rows.policy_inputs, "ref_logp": rows.ref_input} if fused else {}
+        inputs = [getattr(self.targets, name).float().contiguous() if read.get(name) else self.logits
+                  for name in ("old_logp", "advantages", "ref_logp")]
+        weights = [child.call_weights(self.targets, self.normalizers) for child in self.interface.weighted] if fused else []
+        if not weights:
+            return (*inputs, self.logits)
+        return (*inputs, weights[0].contiguous() if len(weights) == 1 else torch.stack(weights))
 
-    def child_arguments(self, fused: bool) -> dict[str, object]:
-        """Every child slot of the kernel (`_slot_arguments`, cached per spec) with the children's
-        per-call tensors (FUSED); absent tensors point at the logits (never read)."""
-        arguments = dict(_slot_arguments(self.spec, fused))
-        if fused:
-            for child in self.spec.children:
-                arguments.update(child.kernel_tensors(self.targets, self.normalizers))
-        del arguments["X_TERM"]  # the launch sets it per mode
-        return {name: self.logits if value is None else value for name, value in arguments.items()}
-
-    def run(
-        self,
-        mode: int,
-        outputs: tuple[torch.Tensor, ...],
-        grad: torch.Tensor | None,
-        kd_outputs: tuple[torch.Tensor, ...] = (),
-        token_scale: float = 0.0,
-        grad_scale: float = 1.0,
-        layout: FusedLayout | None = None,
-        x_term: bool = False,
-    ) -> None:
-        """`layout` (FUSED only) places the per-token terms; the children's numbers and `token_scale`
-        (1/tokens) make the in-kernel coefficients (FUSED) and the distillation one (GRAD); `x_term`
-        (GRAD) reads the entropy-bonus coefficient from `outputs[3]`."""
-        out = outputs + (outputs[0],) * (4 - len(outputs))
-        kd_out = kd_outputs + (outputs[0],) * (3 - len(kd_outputs))
+    def run(self, mode: int, rows: torch.Tensor, layout: Rows, grad: torch.Tensor | None, token_scale: float = 0.0,
+            grad_scale: float = 1.0) -> None:
+        """One launch of `mode` on the per-token `rows` laid out by `layout`; `token_scale` (1/tokens) makes
+        the in-kernel coefficients (FUSED) and the distillation one (GRAD)."""
         fused = mode == MODE_FUSED.value
-        distill = self.spec.teacher
         teacher = self.teacher if self.teacher is not None else self.logits
-        rows = (layout.total, layout.flags, layout.state, layout.rows) if layout else (-1,) * 4
-        if fused:
-            x_term = _slot_arguments(self.spec, True)["X_TERM"]
         tokens = self.logits.shape[0]
         split = self.split if fused else 1
         phases, pieces, sync = (SPLIT_EXCHANGE.value,), self.logits, self.logits  # (never read unsplit)
@@ -251,6 +240,11 @@ class _Launch:
             pieces = torch.empty(tokens * split * N_PIECES.value, dtype=torch.float32, device=self.logits.device)
             if phases == (SPLIT_EXCHANGE.value,):
                 sync = torch.zeros(tokens + 1, dtype=torch.int32, device=self.logits.device)
+        inputs = self._inputs(fused)
+        params = params_on(self.spec, self.logits.device)
+        constexprs = launch_constexprs(self.spec, mode, grad is not None)
+        acc = min(self.block, 32 * self.num_warps * (16 // self.logits.element_size()))
+        single_pass = self.logits.shape[1] <= self.block
         for phase in phases:  # one launch, or publish then read (the interpreter)
             lm_loss_kernel[(tokens * split,)](
                 self.logits,
@@ -264,55 +258,31 @@ class _Launch:
                 self.vocab_start,
                 float(self.spec.logit_scale),
                 float(self.spec.softcap) if self.spec.softcap is not None else 1.0,
-                *out,
-                *kd_out,
-                *(self._per_token(name) if fused else self.logits for name in ("old_logp", "advantages", "ref_logp")),
+                self.interface.inv_temperature,
+                rows,
+                rows.stride(0),
+                params,
                 float(token_scale),
                 float(grad_scale),
-                **self.child_arguments(fused),
-                split_ptr=pieces,
-                sync_ptr=sync,
-                MODE=mode,
-                **dict(zip(("ROW_TOTAL", "ROW_FLAGS", "ROW_STATE", "N_TERMS"), rows)),
-                HAS_KD=mode != MODE_GRAD.value and distill is not None,
-                KD_GRAD=mode != MODE_STATS.value and grad is not None and self.kd_grad,
-                X_TERM=x_term,
-                HAS_SOFTCAP=self.spec.softcap is not None,
-                COMPUTE_GRAD=grad is not None,
-                SINGLE_PASS=self.logits.shape[1] <= self.block,
-                PREFETCH=self.prefetch and self.logits.shape[1] > self.block,
-                BLOCK=self.block,
-                ACC=min(self.block, 32 * self.num_warps * (16 // self.logits.element_size())),
-                SPLIT=split,
-                SPLIT_PHASE=phase,
+                *inputs,
+                pieces,
+                sync,
+                LAUNCH=LaunchConfig(mode, grad is not None, self.spec.softcap is not None, self.block, acc, split, phase,
+                                    single_pass, self.prefetch and not single_pass),
+                LAYOUT=layout,
+                **constexprs,
                 num_warps=self.num_warps,
                 enable_fp_fusion=True,  # the fused multiply-adds the kernel is costed with; Triton 3.10 turns the default off
             )
 
 
-@lru_cache(maxsize=256)
-def _slot_arguments(spec: LossSpec, fused: bool) -> dict[str, object]:
-    """Every child slot of the kernel: absent children neutral, present ones from the children (all of
-    them in FUSED mode, at their `fused_layout` rows; else the teacher's numbers only), and X_TERM."""
-    arguments: dict[str, object] = {}
-    for child_class in CHILD_CLASSES:
-        if child_class.kernel:
-            arguments.update(child_class.kernel_absent())
-    layout = fused_layout(spec)
-    present = spec.children if fused else (spec.teacher,) if spec.teacher else ()
-    for child in present:
-        arguments.update(child.kernel_arguments(layout.starts[child.name] if fused else -1))
-    arguments["X_TERM"] = any(child.kernel_x_term() for child in spec.children)
-    return arguments
-
-
 def _fused_terms(launch: _Launch, grad: torch.Tensor | None, grad_scale: float) -> tuple[torch.Tensor, FusedLayout]:
     """One launch: stats, in-kernel coefficients, the gradient (unless None) and the (K, T) per-token
     term buffer."""
-    layout = fused_layout(launch.spec)
-    terms = torch.empty((layout.rows, launch.logits.shape[0]), dtype=torch.float32, device=launch.logits.device)
-    launch.run(MODE_FUSED.value, (terms,), grad, (), safe_inverse(launch.normalizers.tokens), grad_scale, layout)
-    return terms, layout
+    found = launch.interface
+    terms = launch.rows(found.layout.rows)
+    launch.run(MODE_FUSED.value, terms, found.fused_rows, grad, safe_inverse(launch.normalizers.tokens), grad_scale)
+    return terms, found.layout
 
 
 def _reduce_fused(
@@ -327,42 +297,36 @@ def _reduce_fused(
 
 @dataclass(frozen=True)
 class GradCoefficients:
-    """What the grad launch reads per token (fp32, contiguous): the log-partition, both coefficients, the
-    entropy-bonus coefficient (read when `x_term`) and the teacher child's `grad_stats` (with a teacher);
+    """What the grad launch reads per token: the fp32 rows of `values` named by `layout` (the log-partition,
+    both coefficients, the entropy-bonus one when `layout.x_term`, the teacher's `teacher_grad_stats`);
     unscaled: the launch applies `grad_scale`."""
 
-    lse: torch.Tensor
-    prob: torch.Tensor
-    label: torch.Tensor
-    x: torch.Tensor
-    teacher: tuple[torch.Tensor, ...]
-    x_term: bool
+    values: torch.Tensor  # (R, T)
+    layout: Rows
     grad_scale: float
 
     def rows(self, rows: slice) -> GradCoefficients:
-        """The coefficients of one token chunk (contiguous views)."""
-        return replace(self, lse=self.lse[rows], prob=self.prob[rows], label=self.label[rows], x=self.x[rows],
-                       teacher=tuple(stat[rows] for stat in self.teacher))
+        """The coefficients of one token chunk (a view)."""
+        return replace(self, values=self.values[:, rows])
 
 
 def _grad_launch(launch: _Launch, coefficients: GradCoefficients, grad: torch.Tensor) -> None:
     """The grad launch from per-token coefficients computed outside the kernel (the seam, or the torch tail)."""
-    c = coefficients
-    launch.run(MODE_GRAD.value, (c.lse, c.prob, c.label, c.x), grad, c.teacher,
-               token_scale=safe_inverse(launch.normalizers.tokens), grad_scale=c.grad_scale, x_term=c.x_term)
+    launch.run(MODE_GRAD.value, coefficients.values, coefficients.layout, grad,
+               safe_inverse(launch.normalizers.tokens), coefficients.grad_scale)
 
 
 # Two launches around a middle: a per-document child (the seam: the fused launch without the
-# gradient, that child's `kernel_seam` launch on its term buffer) or tensor parallelism (stats launch,
-# all-reduce, every child's torch tail). `triton_loss` runs the phases on one call; the chunked head
-# runs the stats and grad phases per token chunk and the middle once on the whole call
-# (losses/chunked_head.py).
+# gradient, that child's seam launch on its term buffer) or tensor parallelism, or a child without a
+# fused slot (stats launch, all-reduce under a group, every child's torch tail). `triton_loss` runs
+# the phases on one call; the chunked head runs the stats and grad phases per token chunk and the
+# middle once on the whole call (losses/chunked_head.py).
 
 
 def _stats_phase(launch: _Launch, group: ProcessGroup | None) -> dict[str, torch.Tensor]:
     """Per-token state (tokens on the last dim): the fused launch's (K, T) term buffer without a group
     (no gradient, so no grad_scale), else the merged statistics of `_reduce_stats`."""
-    if group is None and not launch.spec.torch_tail:
+    if group is None and launch.interface.fused:
         return {"terms": _fused_terms(launch, None, 1.0)[0]}
     return _reduce_stats(launch, group)
 
@@ -370,18 +334,16 @@ def _stats_phase(launch: _Launch, group: ProcessGroup | None) -> dict[str, torch
 def _seam_finish(
     terms: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec, grad_scale: float
 ) -> tuple[LossResult, GradCoefficients, torch.Tensor]:
-    """The per-document children's tails on the fused launch's terms (`kernel_seam`: their rows and
+    """The per-document children's tails on the fused launch's terms (their seams: their rows and
     coefficients, one launch each, sync-free), the terms reduced, and the grad launch's coefficients
     (the state rows)."""
-    layout = fused_layout(spec)
-    for child in spec.per_document:
-        child.kernel_seam(terms, layout, targets, normalizers)
+    found = interface(spec)
+    layout = found.layout
+    for child, seam in found.seams:
+        seam(child, terms, layout, targets, normalizers)
     losses, metrics, kernel_total, counts = _reduce_fused(terms, layout)
-    state = partial(layout.state_row, terms)
-    x_term = any(child.kernel_x_term() for child in spec.children)
-    teacher = tuple(state(name) for name in spec.teacher.grad_stats()) if spec.teacher is not None else ()
-    coefficients = GradCoefficients(state("lse"), state("prob_coeff"), state("label_coeff"), state("x_coeff"),
-                                    teacher, x_term, grad_scale)
+    coefficients = GradCoefficients(terms[layout.state:layout.rows], Rows.of(layout.state_names, x_term=found.x_term),
+                                    grad_scale)
     return assemble_result(spec, losses, metrics, kernel_total), coefficients, counts
 
 
@@ -389,15 +351,18 @@ def _tp_finish(
     stats: dict[str, torch.Tensor], logits: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers,
     spec: LossSpec, grad_scale: float, group: ProcessGroup | None,
 ) -> tuple[LossResult, GradCoefficients, torch.Tensor]:
-    """Every child's tail on the merged statistics (tensor parallelism, or a `torch_tail` child), and the
-    grad launch's coefficients."""
+    """Every child's tail on the merged statistics (tensor parallelism, or a child without a fused slot),
+    and the grad launch's coefficients."""
     mask, counts = value_flags(logits, targets, spec, group)
     out = tail(stats, mask, targets, normalizers, spec)
-    x_coeff = out.prob if out.x is None else out.x.float()
-    teacher = tuple(stats[name].float().contiguous() for name in spec.teacher.grad_stats()) if spec.teacher else ()
-    coefficients = GradCoefficients(stats["lse"], out.prob.float(), out.label.float(), x_coeff, teacher,
-                                    out.x is not None, grad_scale)
-    return assemble_result(spec, out.losses, out.metrics), coefficients, counts
+    coefficients = {"lse": stats["lse"], "prob_coeff": out.prob, "label_coeff": out.label}
+    if out.x is not None:
+        coefficients["x_coeff"] = out.x
+    if spec.teacher is not None:
+        coefficients.update({name: stats[name] for name in teacher_grad_stats(spec.teacher.slot())})
+    values = torch.stack([value.float() for value in coefficients.values()])
+    layout = Rows.of(tuple(coefficients), x_term=out.x is not None)
+    return assemble_result(spec, out.losses, out.metrics), GradCoefficients(values, layout, grad_scale), counts
 
 
 def _reduce_stats(launch: _Launch, group: ProcessGroup | None) -> dict[str, torch.Tensor]:
@@ -406,18 +371,13 @@ def _reduce_stats(launch: _Launch, group: ProcessGroup | None) -> dict[str, torc
     (temperature_mode both) its sum-exp at x/T, whose max is the student's over T. Returns the tail's
     statistics, with the teacher's and the tempered student's log-partitions."""
     distill = launch.spec.teacher
-    maximum, sum_exp, label_logit, moment = (launch.vector() for _ in range(4))
-    kd: tuple[torch.Tensor, ...] = ()
-    inv_t = 1.0
-    if distill is not None:
-        inv_t = distill.student_inv_temperature
-        teacher_sums = launch.vector() if inv_t == 1.0 else launch.vector(2)  # (and the tempered student's)
-        kd = (launch.vector(), teacher_sums, launch.vector())
-    launch.run(MODE_STATS.value, (maximum, sum_exp, label_logit, moment), None, kd)
-    maxima = torch.stack([maximum, *kd[:1]])
-    kd_sums = [*kd[1].view(-1, maximum.numel()), kd[2]] if kd else []  # teacher sum-exp[, tempered], cross
-    sums = torch.stack([sum_exp, label_logit, moment, *kd_sums])
+    names = stats_rows(launch.spec)
+    pieces = launch.rows(len(names))
+    launch.run(MODE_STATS.value, pieces, Rows.of(names), None)
+    maxima, sums = pieces.split([names.index("sum_exp"), len(names) - names.index("sum_exp")])
+    inv_t = 1.0 if distill is None else distill.student_inv_temperature
     if group is not None:
+        sum_exp, label_logit, moment, *kd_sums = sums.unbind()  # teacher sum-exp[, tempered], cross
         local = maxima.clone()
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
         shift = local - maxima
@@ -467,7 +427,7 @@ def triton_loss(
     grad = None
     if compute_grad:
         grad = logits if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
-    if group is None and not spec.per_document and not spec.torch_tail:
+    if group is None and not spec.per_document and launch.interface.fused:
         losses, metrics, kernel_total, counts = _reduce_fused(*_fused_terms(launch, grad, grad_scale))
         result = assemble_result(spec, losses, metrics, kernel_total)
     else:
@@ -510,7 +470,7 @@ def triton_finish(
     coefficients and the value-check counts (for `raise_on_bad_values`)."""
     merged = states[0] if len(states) == 1 else {name: torch.cat([state[name] for state in states], dim=-1)
                                                   for name in states[0]}
-    if group is None and not spec.torch_tail:
+    if group is None and interface(spec).fused:
         return _seam_finish(merged["terms"], targets, normalizers, spec, grad_scale)
     return _tp_finish(merged, logits, targets, normalizers, spec, grad_scale, group)
 
@@ -541,6 +501,8 @@ def fused_kernel_only(
     without GSPO: the benchmark times it next to `triton_loss` to split kernel time from host-side
     work. Returns the (K, T) per-token term buffer."""
     _check_supported(logits, targets, spec, num_warps, split)
+    if not interface(spec).fused:
+        raise ValueError("fused_kernel_only: a child of this spec has no fused slot (it runs its torch tail)")
     launch = _Launch(logits, targets, normalizers, spec, 0, max_block, num_warps, prefetch, split)
     terms, _ = _fused_terms(launch, grad, 1.0)
     return terms
