@@ -8,6 +8,8 @@
 #       (`kernel-file`), interleaved, for ce, ce+z+grpo, ce+kd at 16384 and 65536 tokens, then a kernel-time
 #       profile of both, in what is left.
 #   KERNEL_FILE=.ab/kernel_before.py bash tools/gpu/kernel_ab.sh [BUDGET_S]    # default 580 s
+#   KERNEL_FILE must take this tree's kernel signature (a body change); across a signature change compare trees:
+#   tools/bench/make_baseline.sh + tools/gpu/losses.sh (bench_losses --baseline).
 #   KERNEL_SPECS, KERNEL_ROUNDS: head_chunks' specs and rounds.
 BUDGET=${1:-580}; OUT=${OUT:-/tmp/kernel-ab-out}
 source "$(dirname "$0")/common.sh"

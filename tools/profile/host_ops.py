@@ -77,8 +77,11 @@ def stub_launches(package: str) -> list[str]:
             if type(value).__name__ in ("JITFunction", "InterpretedFunction"):
                 setattr(module, name, StubbedLaunch(name, launches))
     policy = importlib.import_module(f"{package}.losses.children.policy")
-    if hasattr(policy, "_document_kernel"):
-        policy._document_kernel = lambda labels: True  # the CUDA branch: one (stubbed) launch
+    if hasattr(policy, "launched_document_means"):  # the CUDA branch: one (stubbed) launch
+        documents = importlib.import_module(f"{package}.losses.triton.documents")
+        policy.launched_document_means = documents.document_mean_weights
+    elif hasattr(policy, "_document_kernel"):  # a baseline tree from before losses/document_weights.py
+        policy._document_kernel = lambda labels: True
     return launches
 
 

@@ -121,12 +121,12 @@ def main(argv: list[str] | None = None) -> int:
                     prefetch = None if args.prefetch is None else bool(args.prefetch)
                     call_args, kwargs = recorded_launch(spec_name, vocab, block, warps, prefetch)
                     found = resources(compile_variant(call_args, kwargs, args.capability).asm["cubin"])
-                    print(f"| {spec_name} | {vocab} | {kwargs['BLOCK']} | {kwargs['num_warps']} "
-                          f"| {kwargs['PREFETCH']} | {found.get('REG')} | {found.get('STACK')} "
+                    print(f"| {spec_name} | {vocab} | {kwargs['LAUNCH'].block} | {kwargs['num_warps']} "
+                          f"| {kwargs['LAUNCH'].prefetch} | {found.get('REG')} | {found.get('STACK')} "
                           f"| {found.get('LOCAL')} | {found['sass_instructions']} |", flush=True)
                     if args.sass_dir:
                         args.sass_dir.mkdir(parents=True, exist_ok=True)
-                        schedule = f"{kwargs['BLOCK']}_{kwargs['num_warps']}_{int(kwargs['PREFETCH'])}"
+                        schedule = f"{kwargs['LAUNCH'].block}_{kwargs['num_warps']}_{int(kwargs['LAUNCH'].prefetch)}"
                         name = f"{spec_name}_{vocab}_{schedule}.sass"
                         (args.sass_dir / name).write_text(found["sass"])
     return 0
