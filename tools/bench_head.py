@@ -16,6 +16,8 @@ grad, gradients by `torch.autograd.grad` (no accumulation into .grad). Columns:
   dW summed in the weight's dtype (bf16 here); chunked+fp32dW: the same with an fp32 dW buffer;
 - chunked split=N (`--splits`): the chunked column with the fused kernel's `split=N` programs per row
   (docs/tuning-log.md entry 19), to compare splits against the default in one run;
+- baseline (`--baseline .baseline`, from tools/bench/make_baseline.sh): the chunked column with another
+  commit's fastlm (`fastlm_base`), for a before/after of a head or kernel change in one run;
 - full: fastlm's LMHead with logits_memory_mib 0 (full logits; skipped where it would not fit);
 - liger: Liger-Kernel's fused linear cross entropy (CE; CE+z through lse_square_scale);
 - cce: Cut Cross-Entropy's linear_cross_entropy (CE only, shipped defaults);
@@ -32,6 +34,7 @@ print "-". The last lines are a markdown table; the rows go to `$OUT/bench_head.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -39,8 +42,9 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +74,8 @@ SMOKE_SHAPE = {"tokens": [40], "hidden": 16, "vocab": 96}
 COLUMNS = ("floor", "chunked", "chunked+fp32dW", "full", "liger", "cce", "eager")  # display order
 FASTLM = ("chunked", "chunked+fp32dW", "full")  # the columns whose gradients are checked (and the split ones)
 LIGER_Z_WEIGHT = {"ce": 0.0, "ce+z": 1e-4}  # the rows Liger's fused linear CE computes (z-loss: lse_square_scale)
+BASELINE_PACKAGE = "fastlm_base"  # tools/bench/make_baseline.sh's copy of another commit, when --baseline is given
+baseline_loaded = False
 MEMORY_HEADROOM = 0.85  # a column runs when its estimated bytes fit in this share of the free memory
 
 
@@ -140,11 +146,36 @@ def split_column(split: int) -> str:
 
 def columns(splits: tuple[int, ...]) -> tuple[str, ...]:
     """Display order: the split columns right after the default chunked one."""
-    return (*COLUMNS[:2], *(split_column(s) for s in splits), *COLUMNS[2:])
+    return (*COLUMNS[:2], *(split_column(s) for s in splits), *(("baseline",) if baseline_loaded else ()), *COLUMNS[2:])
 
 
 def fastlm_columns(splits: tuple[int, ...]) -> tuple[str, ...]:
-    return (*FASTLM, *(split_column(s) for s in splits))
+    return (*FASTLM, *(split_column(s) for s in splits), *(("baseline",) if baseline_loaded else ()))
+
+
+def in_package(value: object, spec_module: ModuleType) -> object:
+    """A fastlm.losses.spec dataclass (targets, normalizers, teacher head) as `spec_module`'s own class of that
+    name, field by field; a field the other class lacks must be unset."""
+    if not is_dataclass(value) or isinstance(value, type):
+        return value
+    other = getattr(spec_module, type(value).__name__)
+    known = {f.name for f in fields(other)}
+    unset = [f.name for f in fields(value) if f.name not in known and getattr(value, f.name) is not None]
+    if unset:
+        raise ValueError(f"{spec_module.__name__}.{other.__name__} has no {unset}")
+    return other(**{f.name: in_package(getattr(value, f.name), spec_module) for f in fields(value) if f.name in known})
+
+
+def baseline_call(spec_name: str, inputs: Inputs, device: torch.device) -> Callable[[], tuple]:
+    """The chunked column on the baseline's fastlm: its own head, config and spec classes, the same tensors."""
+    lm_head = importlib.import_module(f"{BASELINE_PACKAGE}.layers.lm_head")
+    config = importlib.import_module(f"{BASELINE_PACKAGE}.losses.config")
+    spec_module = importlib.import_module(f"{BASELINE_PACKAGE}.losses.spec")
+    head = lm_head.LMHead(config.LMHeadConfig(losses=SPECS[spec_name],
+                                              logits_memory_mib=config.DEFAULT_LOGITS_MEMORY_MIB), device)
+    targets, normalizers = in_package(inputs.targets, spec_module), in_package(inputs.normalizers, spec_module)
+    leaves = (inputs.hidden, inputs.weight)
+    return lambda: torch.autograd.grad(head(inputs.hidden, inputs.weight, targets, normalizers).loss, leaves)
 
 
 def column_calls(spec_name: str, inputs: Inputs, device: torch.device,
@@ -177,6 +208,8 @@ def column_calls(spec_name: str, inputs: Inputs, device: torch.device,
 
     calls: dict[str, Callable[[], tuple]] = {"chunked": fastlm(chunked), "chunked+fp32dW": chunked_with(True)}
     calls.update({split_column(split): chunked_with(split=split) for split in splits})
+    if baseline_loaded:
+        calls["baseline"] = baseline_call(spec_name, inputs, device)
     if fits("floor", tokens, vocab, teacher, device):
         calls["floor"] = floor_call(inputs, spec)
     if fits("full", tokens, vocab, teacher, device):
@@ -347,6 +380,10 @@ def table(rows: list[dict], device_name: str, splits: tuple[int, ...] = ()) -> s
         errs = [f"{e['dH']:.1e}/{e['dW']:.1e}" if (e := row["err"].get(column)) else "-" for column in checked]
         lines.append(f"| {row['spec']} | {row['tokens']} x {row['hidden']} x {row['vocab']} | " + " | ".join(cells)
                      + " | " + " | ".join(errs) + " |")
+    ratios = [f"{row['spec']} {row['tokens']}: {row['ms']['chunked'] / row['ms']['baseline']:.3f}"
+              for row in rows if "chunked" in row["ms"] and "baseline" in row["ms"]]
+    if ratios:
+        lines.append("chunked / baseline (this tree's time over the baseline's): " + ", ".join(ratios))
     return "\n".join(lines)
 
 
@@ -360,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring time per column (ms)")
     parser.add_argument("--splits", type=int, nargs="+", default=[],
                         help="extra chunked columns at these programs per row of the fused kernel (CUDA)")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a folder from tools/bench/make_baseline.sh: a `baseline` column (its fastlm's chunked head)")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
         os.environ.setdefault("FASTLM_COMPILE", "0")
@@ -371,6 +410,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.splits and device.type != "cuda":
         parser.error("--splits tunes the Triton kernel: it needs a CUDA device")
     splits = tuple(args.splits)
+    if args.baseline is not None:
+        global baseline_loaded
+        sys.path.insert(0, str(args.baseline.resolve()))
+        baseline_loaded = True
+        commit = args.baseline / "COMMIT"
+        print(f"baseline: {BASELINE_PACKAGE} {commit.read_text().strip() if commit.exists() else '?'}", flush=True)
     tokens = args.tokens or shape["tokens"]
     hidden, vocab = args.hidden or shape["hidden"], args.vocab or shape["vocab"]
     rows = []

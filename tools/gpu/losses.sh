@@ -9,13 +9,15 @@
 #   tests of the document passes and GSPO, -k "gspo or document or seam or seq", then the bench).
 # LOSSES_SPECS: the bench's specs (default "grpo+z grpo(seq)+z gspo+z", ~1 min with compiles; "all": every spec,
 #   ~3-4 min); LOSSES_SHAPES: TOKENSxVOCAB shapes (default "16384x32000 16384x131072 4096x32000").
+# HEAD_LIMIT=SECONDS (default 0: off): then (c) the whole head before/after (tools/bench_head.py --baseline, at
+#   16384 x 2048 x 131072; HEAD_SPECS, default "ce ce+z+grpo ce+kd"), inside the bench's share of the budget.
 # SMOKE=1: a CPU try-out (Triton interpreted, a few tests, tiny bench shapes) to catch script errors.
 BUDGET=${1:-570}; OUT=${OUT:-/tmp/losses-out}; LOG="$OUT/losses.log"
 source "$(dirname "$0")/common.sh"
 MODE=${LOSSES_MODE:-all}
 SMOKE=${SMOKE:-0}
 case $MODE in
-  all|check) BENCH_LIMIT=240; TEST_LIMIT=$(( BUDGET - BENCH_LIMIT )) ;;
+  all|check) BENCH_LIMIT=240; TEST_LIMIT=$(( BUDGET - BENCH_LIMIT - ${HEAD_LIMIT:-0} )) ;;
   *) TEST_LIMIT=$BUDGET; BENCH_LIMIT=$BUDGET ;;
 esac
 SPECS=${LOSSES_SPECS:-"grpo+z grpo(seq)+z gspo+z"}
@@ -38,7 +40,8 @@ fi
     XDIST=(); python3 -c "import xdist" 2>/dev/null && [ "$SMOKE" != 1 ] && XDIST=(-n 8)  # Triton compiles in parallel
     timeout "$TEST_LIMIT" python3 -m pytest -q -p no:cacheprovider -W error::RuntimeWarning -rfEs "${XDIST[@]}" \
       tests/losses/test_triton.py tests/losses/test_triton_distillation.py tests/losses/test_fused_terms.py \
-      tests/losses/test_matrix.py tests/losses/test_document_weights.py "${SELECT[@]}" > /tmp/losses-pytest.txt 2>&1
+      tests/losses/test_matrix.py tests/losses/test_document_weights.py tests/losses/test_kernel_interface.py \
+      tests/losses/test_chunked_head.py "${SELECT[@]}" > /tmp/losses-pytest.txt 2>&1
     echo "pytest exit status: $? (124: timed out)" >> /tmp/losses-pytest.txt
     tail -80 /tmp/losses-pytest.txt
   fi
@@ -47,6 +50,13 @@ fi
     section "(b) before (.baseline) / after, tools/bench_losses.py --baseline .baseline"
     timeout "$BENCH_LIMIT" python3 tools/bench_losses.py --baseline .baseline --rep-ms 100 "${BENCH_MODE[@]}"
     echo "bench exit status: $?"
+    if [ "$SMOKE" != 1 ] && [ "${HEAD_LIMIT:-0}" -gt 0 ]; then
+      section "(c) the whole head before/after: tools/bench_head.py --baseline .baseline (${HEAD_SPECS:-ce ce+z+grpo ce+kd})"
+      read -ra HEAD_SPEC_LIST <<< "${HEAD_SPECS:-ce ce+z+grpo ce+kd}"
+      timeout "$HEAD_LIMIT" python3 tools/bench_head.py --baseline .baseline --tokens 16384 --specs "${HEAD_SPEC_LIST[@]}" \
+        | grep -v '^{'
+      echo "head bench exit status: ${PIPESTATUS[0]}"
+    fi
   fi
   section "summary"
   [ -f /tmp/losses-pytest.txt ] && grep -E "passed|failed|error|exit status" /tmp/losses-pytest.txt | tail -3
