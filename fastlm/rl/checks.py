@@ -57,6 +57,12 @@ def _rollout_issues(config: RunConfig) -> list[ConfigIssue]:
     if rl is None:
         return []
     issues: list[ConfigIssue] = []
+    samples, micro_batches = rl.prompts_per_rollout * rl.group_size, config.trainer.grad_accumulation
+    if samples < micro_batches:
+        issues.append(ConfigIssue("rl.prompts_per_rollout", f"x rl.group_size ({rl.group_size}) = {samples} completions "
+                                  f"per rollout cannot fill trainer.grad_accumulation = {micro_batches} micro-batches",
+                                  rl.prompts_per_rollout, hint=f"raise it to at least {-(-micro_batches // rl.group_size)}, "
+                                  "or lower trainer.grad_accumulation"))
     if rl.max_new_tokens >= config.model.max_seq_len:
         issues.append(ConfigIssue("rl.max_new_tokens", f"leaves no room for a prompt in model.max_seq_len "
                                   f"({config.model.max_seq_len})", rl.max_new_tokens, hint="lower it"))

@@ -51,12 +51,26 @@ def _first_fit_rows(lengths: list[int], width: int) -> list[list[int]]:
     return rows
 
 
-def pack_policy_samples(samples: list[PolicySample], seq_len: int, pad_id: int) -> PolicyRows:
-    """Pack whole documents into rows of seq_len + 1 tokens; padding is its own document, never a target."""
+def _spread(layout: list[list[int]], rows: int) -> list[list[int]]:
+    """At least `rows` rows (at most one per sample): the fullest row's last sample moves to a row of its own
+    until there are enough, so short completions still fill every micro-batch of the step."""
+    layout = [list(members) for members in layout]
+    while len(layout) < rows:
+        fullest = max(range(len(layout)), key=lambda r: len(layout[r]))
+        if len(layout[fullest]) < 2:
+            break
+        layout.append([layout[fullest].pop()])
+    return layout
+
+
+def pack_policy_samples(samples: list[PolicySample], seq_len: int, pad_id: int, min_rows: int = 1) -> PolicyRows:
+    """Pack whole documents into rows of seq_len + 1 tokens, at least `min_rows` of them while there are samples
+    to spread; padding is its own document, never a target."""
     if not samples:
         raise ValueError("pack_policy_samples needs at least one sample")
     width = seq_len + 1
-    layout = _first_fit_rows([len(s.prompt_tokens) + len(s.completion_tokens) for s in samples], width)
+    layout = _spread(_first_fit_rows([len(s.prompt_tokens) + len(s.completion_tokens) for s in samples], width),
+                     min_rows)
     shape = (len(layout), width)
     tokens = torch.full(shape, pad_id, dtype=torch.int64)
     document_ids = torch.zeros(shape, dtype=torch.int64)
@@ -91,11 +105,8 @@ def rows_to_batch(rows: PolicyRows, picks: torch.Tensor) -> Batch:
 
 def split_into_batches(rows: PolicyRows, parts: int) -> list[Batch]:
     """All rows in order, as `parts` micro-batches of near-equal row counts (one optimizer step's worth)."""
-    if len(rows) < parts:
-        raise ValueError(
-            f"the rollout packed into {len(rows)} rows, fewer than trainer.grad_accumulation = {parts} "
-            "micro-batches; raise rl.prompts_per_rollout or rl.group_size, or lower trainer.grad_accumulation"
-        )
+    if len(rows) < parts:  # pack_policy_samples(min_rows=parts) and rl_issues' sample count rule this out
+        raise ValueError(f"{len(rows)} rows cannot fill {parts} micro-batches")
     return [rows_to_batch(rows, picks) for picks in torch.arange(len(rows)).tensor_split(parts)]
 
 

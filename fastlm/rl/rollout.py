@@ -190,7 +190,7 @@ def collect_rollout(model: DecoderLM, policy_head: LMHead, backend: GenerationBa
     advantages = group_advantages(total, config.group_size, config.scale_rewards, config.advantage_eps)
     samples = [replace(s, advantage=a) for s, a in zip(scored.samples, shard.block(advantages.tolist()))]
     sampled = time.perf_counter()
-    rows = pack_policy_samples(samples, setup.seq_len, setup.tokenizer.pad_id)  # 5. pack
+    rows = pack_policy_samples(samples, setup.seq_len, setup.tokenizer.pad_id, setup.micro_batches)  # 5. pack
     batches = split_into_batches(rows, setup.micro_batches)
     gaps = shard.gather(  # 6. old log-probs (and the sampler gap they reveal)
         add_old_logprobs(batches, model, policy_head, config.importance_sampling, amp_dtype))

@@ -48,3 +48,14 @@ def test_eval_prompts_that_is_neither_a_count_nor_a_fraction_is_one_line(value: 
         load_config(CONFIGS / "grpo.yaml", [f"rl.eval_prompts={value}"])
     (issue,) = caught.value.issues
     assert issue.path == "rl.eval_prompts" and "a fraction of rl.prompts below 1" in str(issue)
+
+
+def test_a_rollout_with_fewer_completions_than_micro_batches_is_refused_before_any_work() -> None:
+    overrides = ["rl.prompts_per_rollout=1", "rl.group_size=2", "trainer.grad_accumulation=8"]
+    with pytest.raises(ConfigError) as caught:
+        load_config(CONFIGS / "grpo.yaml", overrides)
+    (line,) = [str(issue) for issue in caught.value.issues]
+    print(line)
+    assert line.startswith("rl.prompts_per_rollout: x rl.group_size (2) = 2 completions per rollout cannot fill")
+    assert "raise it to at least 4" in line
+    load_config(CONFIGS / "grpo.yaml", ["rl.prompts_per_rollout=4", "rl.group_size=2", "trainer.grad_accumulation=8"])

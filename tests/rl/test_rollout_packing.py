@@ -59,7 +59,7 @@ def test_split_and_loader() -> None:
     parts = split_into_batches(rows, 3)
     assert sum(b.labels.shape[0] for b in parts) == len(rows) and len(parts) == 3
     assert sum(b.num_documents for b in parts) == 20
-    with pytest.raises(ValueError, match="fewer than trainer.grad_accumulation"):
+    with pytest.raises(ValueError, match="rows cannot fill 11 micro-batches"):
         split_into_batches(rows, len(rows) + 1)
     loader = PolicyBatchLoader(rows, batch_size=2, seed=0)
     state = loader.state_dict()
@@ -97,3 +97,19 @@ def test_policy_logprobs_match_float64_unpacked_forward(scale: float, softcap: f
     print(f"packed old_logp (scale {scale}, softcap {softcap}) vs float64 unpacked forward: max rel err {worst:.2e}")
     assert checked == len(samples)
     assert worst < 1e-4
+
+
+def test_short_completions_still_fill_every_micro_batch() -> None:
+    """Eight short samples fit in one row of 64; asked for 8 micro-batches, packing spreads them (whole documents,
+    same tokens and advantages), and the step's batches hold every completion token once."""
+    samples = _samples(8, seed=3)
+    assert len(pack_policy_samples(samples, seq_len=63, pad_id=PAD)) == 1
+    rows = pack_policy_samples(samples, seq_len=63, pad_id=PAD, min_rows=8)
+    assert len(rows) == 8
+    batches = split_into_batches(rows, 8)
+    labelled = sum(int((b.labels != IGNORE_INDEX).sum()) for b in batches)
+    assert labelled == sum(len(s.completion_tokens) for s in samples)
+    advantages = sorted(float(b.advantages[b.labels != IGNORE_INDEX].sum()) for b in batches)
+    expected = sorted(s.advantage * len(s.completion_tokens) for s in samples)
+    assert advantages == pytest.approx(expected)
+    assert len(pack_policy_samples(samples, seq_len=63, pad_id=PAD, min_rows=20)) == 8  # at most one row per sample
