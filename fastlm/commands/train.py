@@ -32,7 +32,11 @@ from fastlm.system.run_dir import RunDirError
 
 def run_training(config: RunConfig, resume: bool = False) -> int:
     """Train to the end and print a one-line summary; the exit status for the CLI (2: the run cannot start)."""
-    issues = [*preflight_issues(config), *run_dir_issues(config, resume)]  # before any device or process group
+    try:
+        issues = [*preflight_issues(config), *run_dir_issues(config, resume)]  # before any device or process group
+    except RunDirError as error:  # a planted lock: the trainer's own line and status
+        _report(f"fastlm: {error}")
+        return 1
     if issues:
         _report(ConfigError(issues).render())
         return 2
@@ -85,7 +89,11 @@ def launch_processes(config: RunConfig, processes: int, argv: Sequence[str]) -> 
     from torch.distributed.run import get_args_parser, run
 
     resume = "--resume" in argv
-    issues = [*preflight_issues(config), *run_dir_issues(config, resume)]
+    try:
+        issues = [*preflight_issues(config), *run_dir_issues(config, resume)]
+    except RunDirError as error:
+        _report(f"fastlm: {error}")
+        return 1
     if issues:
         _report(ConfigError(issues).render())
         return 2

@@ -22,6 +22,7 @@ from fastlm.engine.runtime import describe_head
 from fastlm.lora.checks import describe_lora
 from fastlm.models import active_parameters, build_model, count_parameters, estimate_memory
 from fastlm.run_config.loader import dump_config
+from fastlm.system.run_dir import RunDirError
 
 if TYPE_CHECKING:
     from fastlm.data.tokenizer import Tokenizer
@@ -38,7 +39,7 @@ def validate_command(config: RunConfig, dry_run: bool, resume: bool) -> int:
     except ConfigError as error:
         print(error.render(), file=sys.stderr)
         return 2
-    except DataError as error:
+    except (DataError, RunDirError) as error:
         print(f"fastlm: {error}", file=sys.stderr)
         return 2
     print(dump_config(config), end="")

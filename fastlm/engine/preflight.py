@@ -242,10 +242,10 @@ def run_dir_issues(config: RunConfig, resume: bool) -> list[ConfigIssue]:
 def _locked(path: Path) -> bool:
     """Whether another process holds the run directory's lock (a shared probe, released at once). A lock that is
     not a regular file (a link, a FIFO, a folder) is opened as the trainer opens it, without following or
-    blocking, and left to the trainer, which refuses it in one line."""
+    blocking: a `RunDirError` naming it and the fix, as the trainer would raise."""
     try:
         fd = open_run_file(path, os.O_RDONLY)
-    except (OSError, RunDirError):
+    except OSError:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

@@ -244,3 +244,18 @@ def test_generate_into_a_closed_stdout_ends_quietly(trained: Path) -> None:
         os.close(write_end)
     assert process.returncode == 0 and "Traceback" not in process.stderr and "BrokenPipe" not in process.stderr, \
         process.stderr
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory", "fifo"])
+def test_validate_flags_a_planted_lock_as_train_would(trained: Path, tmp_path: Path, kind: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    config, directory = _copy(trained, tmp_path)
+    target = _outside(tmp_path)
+    lock = directory / ".lock"
+    lock.unlink(missing_ok=True)
+    {"symlink": lambda: lock.symlink_to(target), "directory": lock.mkdir, "fifo": lambda: os.mkfifo(lock)}[kind]()
+    assert main(["validate", str(config), "--resume"]) == 2
+    _one_line_error(capsys, str(lock), "not a regular file")
+    assert main(["train", str(config), "--resume", "--dry-run"]) == 2
+    _one_line_error(capsys, str(lock), "not a regular file")
+    assert target.read_bytes() == OUTSIDE
