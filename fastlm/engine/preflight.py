@@ -26,7 +26,7 @@ from fastlm.data.prepared import prepared_source_issues
 from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, complete_checkpoints, latest_pointer
 from fastlm.logging.logger import METRICS_FILE
 from fastlm.models.config import ModelConfig
-from fastlm.system.run_dir import ASIDE_DIR, LOCK_FILE, REPLACED_DIR, RunDirError, open_run_file
+from fastlm.system.run_dir import ASIDE_DIR, LOCK_FILE, REPLACED_DIR, open_run_file
 
 if TYPE_CHECKING:
     from fastlm.run_config.schema import RunConfig
