@@ -232,7 +232,8 @@ class HFLoop:
         parts = parse_variant(variant)
         self.packed = "packed" in parts
         hf = config_to_hf(model.config, ByteTokenizer())
-        config = transformers.AutoConfig.for_model(**{k: v for k, v in hf.items() if k not in ("architectures", "dtype")})
+        config = transformers.AutoConfig.for_model(**{k: v for k, v in hf.items() if k not in ("architectures", "dtype")},
+                                                   use_cache=False)  # training: no KV cache built in the forward
         with torch.device(device):
             self.model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         missing, unexpected = self.model.load_state_dict(to_hf_state(model.state_dict(), model.config), strict=False)
