@@ -18,14 +18,16 @@ A step is what the trainer does: bf16 autocast forward with the fused loss, back
 variants add packed documents (the trainer's real rows: FlexAttention on CUDA), compiled blocks
 (`trainer.compile`, the LM head opaque) and activation checkpointing (`trainer.activation_checkpointing`).
 
-MFU = model_flops_per_token(config, seq_len) * tokens/s / peak, with the peak measured in the same
-run as an 8192^3 bf16 matmul (so the ratio does not depend on a datasheet number).
+MFU = model_flops_per_token(config, span) * tokens/s / peak, with the peak measured in the same
+run as an 8192^3 bf16 matmul (so the ratio does not depend on a datasheet number); span is the row
+(seq_len) for plain rows and, for packed rows, the token-weighted document length sum(L^2) / sum(L): the
+attention a document mask leaves is the useful work, for fastlm's rows and transformers' alike.
 
 `--hf` times, after each fastlm row and on the same weights (copied through the HF export's weight
 rules), transformers' own model class for the family (`AutoModelForCausalLM` from the exported
 config.json, SDPA attention): the same bf16 autocast over fp32 weights and fused AdamW, the same rows
-(packed rows get per-document position_ids; SDPA then attends over the whole row, which is no more work
-than fastlm's document masks), decoder layers compiled one by one for +compile and non-reentrant
+(packed rows get per-document position_ids; SDPA then attends over the whole row, more work than fastlm's
+document masks, which MFU does not count), decoder layers compiled one by one for +compile and non-reentrant
 gradient checkpointing for +ac. Its loss is Liger's fused linear cross-entropy on the final hidden states
 when `liger_kernel` imports, else transformers' own (full logits); the row's loss column says which. The
 fastlm rows then train cross-entropy only (no z-loss), as the transformers rows do. A transformers row
@@ -172,6 +174,18 @@ def synthetic_batches(vocab: int, batch: int, seq_len: int, packed: bool, device
     return batches
 
 
+def attention_span(batch: StepBatch, seq_len: int) -> float:
+    """The keys a token's attention covers, token-weighted: seq_len for plain rows; sum(L^2) / sum(L) over
+    the packed documents (each row's runs of one document id)."""
+    if batch.documents is None:
+        return float(seq_len)
+    squares = 0
+    for row in batch.documents.cpu():
+        _, lengths = torch.unique_consecutive(row, return_counts=True)
+        squares += int((lengths.long() ** 2).sum())
+    return squares / batch.documents.numel()
+
+
 class Loop:
     """What a step of this benchmark is, on one model: bf16 autocast forward with the fused loss, backward,
     fused AdamW (as the trainer builds it); no clipping, schedule or checks, and no read-back of its own
@@ -300,7 +314,7 @@ def bench(preset: str, loss: str, variant: str, batch: int, seq_len: int, steps:
     loop = Loop(preset, loss, variant, device, vocab_override, logits_memory_mib, z_loss=not hf)
     config = loop.config
     batches = synthetic_batches(config.model.vocab_size, batch, seq_len, loop.packed, device)
-    flops = model_flops_per_token(config.model, seq_len)
+    flops = model_flops_per_token(config.model, attention_span(batches[0], seq_len))
     parameters = count_parameters(loop.model)
 
     def row(name: str, attention: str, seconds: float, memory: float, note: str, head: str) -> Row:
