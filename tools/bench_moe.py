@@ -14,6 +14,10 @@ against a dense model of equal active size, tokens/s and MFU counted on active p
 
 Each layer row also prints its largest error against fastlm's loop (relative to the output's largest
 value, and the same for the input gradient): on the GPU, the check that every path agrees within bf16.
+0.0e+00 is bitwise equality, which two GEMMs reach when each dot product accumulates its K chunks in the
+same order (one CPU thread at the smoke shape; on the GPU, tensor-core GEMMs that all walk K in order),
+so each fastlm row first checks on its autograd graph that its own GEMMs ran: a row whose backend did
+not run says so instead of an error.
 """
 
 from __future__ import annotations
@@ -99,6 +103,23 @@ def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
 
+EXPERT_GEMM_NODES = {"GroupedLinearBackward": "triton", "GroupedMmBackward0": "grouped"}
+"""The autograd node each grouped path leaves in the graph (the loop leaves per-expert `MmBackward0`s)."""
+
+
+def expert_gemm_path(out: torch.Tensor) -> str:
+    """Which experts' GEMMs produced `out`: the grouped backend whose node is in its autograd graph, else the loop."""
+    seen, pending, found = set(), [out.grad_fn], set()
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        found.add(EXPERT_GEMM_NODES.get(type(node).__name__, "loop"))
+        pending.extend(parent for parent, _ in node.next_functions)
+    return " + ".join(sorted(found - {"loop"})) or "loop"
+
+
 def bench_layer(shape: LayerShape, device: torch.device, dtype: torch.dtype, repeats: int, warmup: int) -> list[str]:
     torch.manual_seed(0)
     layer = MoEMLP(shape.hidden, shape.ffn, shape.experts, shape.top_k, True).to(device=device, dtype=dtype)
@@ -111,24 +132,31 @@ def bench_layer(shape: LayerShape, device: torch.device, dtype: torch.dtype, rep
             x.grad = None
             out = module(x.unsqueeze(0)).squeeze(0)
             out.backward(grad)
-            return out.detach(), x.grad
+            return out, x.grad
 
         return run
 
-    results, times = {}, {}
+    results: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    times: dict[str, float | None] = {}
+    ran_instead: dict[str, str] = {}  # a fastlm row whose forward took other GEMMs than its backend's
     for backend in ("grouped", "triton", "loop"):
         if backend == "triton" and not triton_grouped_mm_supported(device, dtype):
             print(f"{shape}: fastlm triton skipped (no Triton for {dtype} on {device.type}; on the CPU it runs "
                   "under TRITON_INTERPRET=1, which --cpu-smoke sets)")
             continue
-        layer.backend = backend
-        results[f"fastlm {backend}"] = fwd_bwd(layer)()
-        times[f"fastlm {backend}"] = time_ms(fwd_bwd(layer), device, repeats, warmup)
+        layer.backend, name = backend, f"fastlm {backend}"
+        out, dx = fwd_bwd(layer)()
+        if (path := expert_gemm_path(out)) != backend:
+            ran_instead[name], times[name] = path, None  # None keeps the row's place in the table
+            continue
+        results[name] = out.detach(), dx
+        times[name] = time_ms(fwd_bwd(layer), device, repeats, warmup)
     for implementation in (None, "grouped_mm") if device.type == "cuda" else (None,):
         name = f"transformers {implementation or 'eager'}"
         try:
             block = transformers_block(shape, implementation, layer)
-            results[name] = fwd_bwd(block)()
+            out, dx = fwd_bwd(block)()
+            results[name] = out.detach(), dx
             times[name] = time_ms(fwd_bwd(block), device, repeats, warmup)
         except Exception as error:  # noqa: BLE001 - a peer the installed transformers cannot run here
             print(f"{shape}: {name} did not run ({type(error).__name__}: {str(error)[:120]})")
@@ -136,6 +164,9 @@ def bench_layer(shape: LayerShape, device: torch.device, dtype: torch.dtype, rep
     reference = times.get("transformers eager")
     rows = []
     for name, ms in times.items():
+        if ms is None:
+            rows.append(f"| {shape} | {name} | - | - | did not run (its forward took the {ran_instead[name]} GEMMs) |")
+            continue
         speedup = f"{reference / ms:.2f}x" if reference else "-"
         out, dx = results[name]
         rows.append(f"| {shape} | {name} | {ms:.2f} | {speedup} | {_max_rel(out, out_loop):.1e} / {_max_rel(dx, dx_loop):.1e} |")

@@ -1,6 +1,8 @@
 """The MoE benchmark's CPU mode runs end to end: layer rows for fastlm's grouped, Triton (interpreted) and loop
 paths and transformers' block, each one's error against the loop, and whole-model rows beside the dense twin
-(timings not asserted)."""
+(timings not asserted). A row's error may be exactly 0 (one CPU thread: the Triton interpreter's and torch's
+GEMMs sum each small dot product in the same order), so the benchmark's check that each backend's own GEMMs
+ran is tested too."""
 
 from __future__ import annotations
 
@@ -8,7 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import bench_moe  # noqa: E402 - after tools/ joins the path
+
+from fastlm.layers.moe import MoEMLP, triton_grouped_mm_supported  # noqa: E402
 
 
 def test_bench_moe_cpu_smoke() -> None:
@@ -19,6 +29,7 @@ def test_bench_moe_cpu_smoke() -> None:
     rows = [line.split("|") for line in result.stdout.splitlines() if line.startswith("| ")]
     layer = {row[2].strip(): row for row in rows if row[1].strip().startswith("E8 k2")}
     assert {"fastlm grouped", "fastlm triton", "fastlm loop", "transformers eager"} <= set(layer), result.stdout
+    assert "did not run" not in result.stdout, result.stdout  # each fastlm row's own GEMMs produced its output
     assert all(float(row[3]) > 0 for row in layer.values())
     for name in ("fastlm grouped", "fastlm triton", "transformers eager"):
         out_error, dx_error = (float(value) for value in layer[name][5].split("/"))
@@ -29,3 +40,17 @@ def test_bench_moe_cpu_smoke() -> None:
     total, active = millions["mixtral-tiny grouped"]
     assert active < total and abs(millions["mixtral-tiny dense twin"][0] - active) <= 0.1  # twin: the active size
     assert all(float(row[4].replace(",", "")) > 0 for row in models.values())
+
+
+@pytest.mark.skipif(not triton_grouped_mm_supported(torch.device("cpu"), torch.float32),
+                    reason="the Triton interpreter needs TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)")
+def test_expert_gemm_path_names_the_gemms_that_ran() -> None:
+    """The check behind a layer row: each backend's output graph names its own GEMMs, so a backend that fell back
+    to another path (or an error of 0 that is not bitwise agreement) cannot pass as a measurement."""
+    torch.manual_seed(0)
+    layer = MoEMLP(16, 8, 4, 2, True)
+    layer.reset_parameters(0.02, 0.02)
+    x = torch.randn(12, 16, requires_grad=True)
+    for backend in ("grouped", "triton", "loop"):
+        layer.backend = backend
+        assert bench_moe.expert_gemm_path(layer(x)) == backend
