@@ -8,6 +8,8 @@ against a dense model of equal active size, tokens/s and MFU counted on active p
     python tools/bench_moe.py --models olmoe-1b-7b --num-layers 4 --batch 4 --seq-len 2048
                                                       # + whole models: the preset on grouped GEMMs, on the
                                                       #   Triton GEMMs, on the loop, and its dense twin
+    python tools/bench_moe.py --models olmoe-1b-7b --num-layers 4 --batch 4 --grad-accumulation 4
+                                                      # the same at 4 micro-batches an optimizer step
     python tools/bench_moe.py --triton-sweep          # + the Triton kernels' tile choices per layer shape
     python tools/bench_moe.py --cpu-smoke --models mixtral-tiny   # CPU: tiny shapes, float32 (CI smoke test;
                                                       #   the Triton layer row under TRITON_INTERPRET=1)
@@ -235,9 +237,11 @@ class ModelRow:
     peak_memory_gib: float
 
 
-def time_model(name: str, config: Any, batch: int, seq_len: int, steps: int, device: torch.device, peak: float) -> ModelRow:
+def time_model(name: str, config: Any, batch: int, seq_len: int, steps: int, device: torch.device, peak: float,
+               accumulation: int = 1) -> ModelRow:
     """tools/bench_train.py's step (bf16 autocast on CUDA, the chunked head's CE + z-loss, fused AdamW) on
-    synthetic rows; MFU on the active parameters' FLOPs (`model_flops_per_token`)."""
+    synthetic rows, `accumulation` micro-batches per optimizer step (the optimizer's cost grows with the total
+    parameters, the micro-batches' with the active ones); MFU on the active parameters' FLOPs."""
     from bench_train import synthetic_batches
 
     from fastlm.engine.optim import build_optimizer
@@ -259,25 +263,27 @@ def time_model(name: str, config: Any, batch: int, seq_len: int, steps: int, dev
     batches = synthetic_batches(config.vocab_size, batch, seq_len, False, device)
 
     def step(index: int) -> None:
-        rows = batches[index % len(batches)]
-        with autocast(device, amp):
-            result = model(rows.input_ids, LossTargets(labels=rows.labels),
-                           LossNormalizers(tokens=rows.tokens, positions=float(rows.input_ids.numel())))
-        result.loss.backward()
+        for micro in range(accumulation):
+            rows = batches[(index + micro) % len(batches)]
+            with autocast(device, amp):
+                result = model(rows.input_ids, LossTargets(labels=rows.labels),
+                               LossNormalizers(tokens=rows.tokens * accumulation, micro_batches=accumulation,
+                                               positions=float(rows.input_ids.numel() * accumulation)))
+            result.loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     ms = time_ms(lambda: step(0), device, steps, 2)
-    tokens_per_second = batch * seq_len / (ms / 1e3)
+    tokens_per_second = accumulation * batch * seq_len / (ms / 1e3)
     mfu = model_flops_per_token(run.model, seq_len) * tokens_per_second / peak
     memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     return ModelRow(name, num_parameters(run.model), active_parameters(run.model), tokens_per_second, mfu, memory)
 
 
 def bench_models(presets: list[str], batch: int, seq_len: int, steps: int, device: torch.device,
-                 num_layers: int | None = None) -> list[str]:
+                 num_layers: int | None = None, accumulation: int = 1) -> list[str]:
     """Each MoE preset on grouped GEMMs, on the Triton GEMMs (GPU) and on the loop, and its dense twin, in one run; `num_layers`
     shortens the presets (OLMoE-1B-7B whole needs ~110 GB for fp32 weights, gradients and AdamW)."""
     import yaml
@@ -286,7 +292,7 @@ def bench_models(presets: list[str], batch: int, seq_len: int, steps: int, devic
     from fastlm.run_config.schema import RunConfig
 
     peak = measured_peak_flops(device)
-    lines = [f"matmul peak {peak / 1e12:.1f} TFLOP/s; batch {batch} x seq {seq_len}",
+    lines = [f"matmul peak {peak / 1e12:.1f} TFLOP/s; batch {batch} x seq {seq_len}, {accumulation} micro-batches a step",
              "| model | params | active | tokens/s | MFU (active) | peak mem GiB | MFU / dense twin's |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for preset in presets:
@@ -295,11 +301,11 @@ def bench_models(presets: list[str], batch: int, seq_len: int, steps: int, devic
             document["model"]["num_layers"] = num_layers
         config = RunConfig.model_validate(document).model
         backends = ("grouped", "triton", "loop") if device.type == "cuda" else ("grouped", "loop")
-        rows = [time_model(f"{preset} dense twin", dense_twin(config), batch, seq_len, steps, device, peak)]
+        rows = [time_model(f"{preset} dense twin", dense_twin(config), batch, seq_len, steps, device, peak, accumulation)]
         for backend in backends:  # the interpreted Triton path would take minutes on the CPU: GPU only
             moe = config.moe.model_copy(update={"backend": backend})
             rows.append(time_model(f"{preset} {backend}", config.model_copy(update={"moe": moe}), batch, seq_len,
-                                   steps, device, peak))
+                                   steps, device, peak, accumulation))
         if device.type == "cuda":
             torch.cuda.empty_cache()
         for row in rows:
@@ -318,6 +324,7 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--num-layers", type=int, default=None, help="--models: override the presets' layer count")
+    parser.add_argument("--grad-accumulation", type=int, default=1, help="--models: micro-batches per optimizer step")
     parser.add_argument("--triton-sweep", action="store_true", help="time the Triton GEMMs' tilings per layer shape")
     args = parser.parse_args()
     device = torch.device("cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda")
@@ -339,7 +346,7 @@ def main() -> int:
                 print(row)
     if args.models:
         batch, seq_len, steps = (2, 32, 1) if args.cpu_smoke else (args.batch, args.seq_len, args.steps)
-        for line in bench_models(args.models, batch, seq_len, steps, device, args.num_layers):
+        for line in bench_models(args.models, batch, seq_len, steps, device, args.num_layers, args.grad_accumulation):
             print(line)
     return 0
 
