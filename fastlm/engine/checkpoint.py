@@ -212,6 +212,13 @@ def _remove_leftovers(directory: Path, step: int) -> None:
             _discard(path)
 
 
+def changed_model_keys(stored: dict[str, Any], current: dict[str, Any], init: bool = False) -> list[str]:
+    """The model-config keys where a checkpoint's model is not this run's. The loss head and the init scale may
+    change on resume; a run started from a checkpoint without adapters (`init`) may also add `lora`."""
+    free = {"head", "init_std"} | ({"lora"} if init and stored.get("lora") is None else set())
+    return sorted(key for key in set(stored) | set(current) if key not in free and stored.get(key) != current.get(key))
+
+
 @dataclass
 class LoadedCheckpoint:
     """A verified checkpoint: states are already read; the model is loaded on request into a built model."""
@@ -231,13 +238,12 @@ class LoadedCheckpoint:
         with safe_open(str(self.path / MODEL_FILE), framework="pt") as handle:
             return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
 
-    def check_fits(self, expected: dict[str, tuple[int, ...]], model_config: dict[str, Any]) -> None:
-        """The stored tensors have the shapes of the model being resumed (`expected`: name -> full shape),
-        and the stored model config is this run's (but for the loss head): else `CheckpointError`."""
+    def check_fits(self, expected: dict[str, tuple[int, ...]], model_config: dict[str, Any], init: bool = False) -> None:
+        """The stored tensors have the shapes of the model being resumed or started from (`expected`: name ->
+        full shape, `init`: a new run's `run.init_path`), and the stored model config is this run's as
+        `changed_model_keys` compares them: else `CheckpointError`."""
         stored = self.config.get("model") if isinstance(self.config.get("model"), dict) else {}
-        ignored = {"head", "init_std"}  # the loss head and the init scale may change on resume
-        changed = sorted(key for key in set(stored) | set(model_config)
-                         if key not in ignored and stored.get(key) != model_config.get(key))
+        changed = changed_model_keys(stored, model_config, init)
         shapes = self.tensor_shapes()
         wrong = [f"{name} {shapes[name]} vs {expected[name]}" for name in sorted(set(shapes) & set(expected))
                  if shapes[name] != expected[name]]

@@ -23,7 +23,14 @@ from safetensors import safe_open
 from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.data.config import PREPARED_SOURCE_TYPES
 from fastlm.data.prepared import prepared_source_issues
-from fastlm.engine.checkpoint import LATEST_FILE, MANIFEST_FILE, MODEL_FILE, complete_checkpoints, latest_pointer
+from fastlm.engine.checkpoint import (
+    LATEST_FILE,
+    MANIFEST_FILE,
+    MODEL_FILE,
+    changed_model_keys,
+    complete_checkpoints,
+    latest_pointer,
+)
 from fastlm.logging.logger import METRICS_FILE
 from fastlm.models.config import ModelConfig
 from fastlm.system.run_dir import ASIDE_DIR, LOCK_FILE, REPLACED_DIR, open_run_file
@@ -102,15 +109,14 @@ def _checkpoint_issues(config: RunConfig) -> list[ConfigIssue]:
 
 
 def init_checkpoint_problem(step_dir: Path, config: RunConfig) -> str | None:
-    """Why a fastlm checkpoint cannot start this run: it is not loadable, or its model (the loss head aside) is
-    not this run's model section."""
+    """Why a fastlm checkpoint cannot start this run: it is not loadable, or its model is not this run's model
+    section (`changed_model_keys`: adapters may be added on a base that has none)."""
     problem = fastlm_checkpoint_problem(step_dir, config)
     if problem is not None:
         return problem
     stored = json.loads((step_dir / MANIFEST_FILE).read_text(encoding="utf-8"))["config"]["model"]
     current = config.model.model_dump(mode="json")
-    changed = sorted(key for key in set(stored) | set(current)
-                     if key not in ("head", "init_std") and stored.get(key) != current.get(key))
+    changed = changed_model_keys(stored, current, init=True)
     if not changed:
         return None
     shown = "; ".join(f"model.{key}: checkpoint {stored.get(key)!r}, this run {current.get(key)!r}" for key in changed[:4])

@@ -190,7 +190,7 @@ class Trainer:
 
         loaded = find_checkpoint(path, "run.init_path")
         expected = {name: tuple(value.shape) for name, value in self.model.state_dict().items()}
-        loaded.check_fits(expected, self.config.model.model_dump(mode="json"))
+        loaded.check_fits(expected, self.config.model.model_dump(mode="json"), init=True)
         loaded.load_model(self.model, self.device)
 
     def build_loaders(self, tokenizer: Tokenizer) -> tuple[Any, BatchLoader | None]:

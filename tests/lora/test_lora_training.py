@@ -18,6 +18,8 @@ from dist_helpers import final_weights, run_config, spawn, train_run
 
 from fastlm.commands.train import trainer_class_for
 from fastlm.engine.checkpoint import CheckpointError
+from fastlm.engine.init_path import resolve_init_path
+from fastlm.engine.preflight import preflight_issues
 from fastlm.engine.frozen import frozen_logits
 from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
@@ -181,3 +183,24 @@ def test_validate_names_bad_lora_fields(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["train", config, "--dry-run", f"run.output_dir={tmp_path}/run"]) == 0
     out = capsys.readouterr().out  # 2 layers x 7 slices of rank 16 (38,912 values) + the untied head 260 x 64
     assert "LoRA: 55,552 trainable of 170,816 parameters (32.52%)" in out and "(full fine-tune: 0.002 GiB)" in out
+
+
+def test_adapters_start_on_a_fastlm_checkpoint_without_adapters(tmp_path: Path) -> None:
+    """`run.init_path` to a full fine-tune's checkpoint with `model.lora` set: the base loads (the adapters start
+    at B = 0, so the first loss is the base's), only adapters train; the other way round is still refused."""
+    base = run_config(tmp_path, "base", trainer={"steps": 2, "checkpoint_every": 2})
+    train_run(base)
+    base_dir = str(resolve_init_path(RunConfig.model_validate(base).run.directory).path)  # as the loader resolves it
+    plain = run_config(tmp_path, "plain", run={"init_path": base_dir}, trainer={"steps": 1})
+    adapted = run_config(tmp_path, "adapted", model=LORA, run={"init_path": base_dir}, trainer={"steps": 2})
+    assert not preflight_issues(RunConfig.model_validate(adapted))
+    first = train_run(plain)["losses"][0]
+    losses = train_run(adapted)["losses"]
+    print("base's first loss", first, "adapted run's", losses)
+    assert losses[0] == pytest.approx(first, rel=1e-6)
+    assert all(".lora_" in name for name in final_weights(adapted))
+    adapted_dir = str(resolve_init_path(RunConfig.model_validate(adapted).run.directory).path)
+    back = run_config(tmp_path, "back", run={"init_path": adapted_dir})
+    (issue,) = preflight_issues(RunConfig.model_validate(back))  # adapter-only weights are no base
+    print(issue)
+    assert issue.path == "run.init_path" and "adapted/checkpoints" in str(issue)
