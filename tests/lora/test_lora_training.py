@@ -18,9 +18,9 @@ from dist_helpers import final_weights, run_config, spawn, train_run
 
 from fastlm.commands.train import trainer_class_for
 from fastlm.engine.checkpoint import CheckpointError
+from fastlm.engine.frozen import frozen_logits
 from fastlm.engine.init_path import resolve_init_path
 from fastlm.engine.preflight import preflight_issues
-from fastlm.engine.frozen import frozen_logits
 from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
 from fastlm.lora.attach import AdapterSnapshot, BaseView, lora_layers
