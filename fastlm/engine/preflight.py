@@ -152,6 +152,9 @@ def fastlm_checkpoint_problem(path: Path, config: RunConfig) -> str | None:
         model_config = TypeAdapter(ModelConfig).validate_python(section)
     except (OSError, ValueError, KeyError, TypeError, ValidationError, RecursionError) as error:
         return f"{step_dir / MANIFEST_FILE} holds no valid model config ({type(error).__name__})"
+    if model_config.lora is not None:
+        return (f"{step_dir} holds a LoRA run's adapters, not a whole model: start from its base, or merge them "
+                f"first (fastlm convert --from {step_dir.parent.parent} --merge-lora --to-hf DIR)")
     if model_config.vocab_size != config.model.vocab_size:
         return f"its model.vocab_size is {model_config.vocab_size}, this run's is {config.model.vocab_size}"
     if model_config.max_seq_len < config.data.seq_len:

@@ -203,4 +203,4 @@ def test_adapters_start_on_a_fastlm_checkpoint_without_adapters(tmp_path: Path) 
     back = run_config(tmp_path, "back", run={"init_path": adapted_dir})
     (issue,) = preflight_issues(RunConfig.model_validate(back))  # adapter-only weights are no base
     print(issue)
-    assert issue.path == "run.init_path" and "adapted/checkpoints" in str(issue)
+    assert issue.path == "run.init_path" and "holds a LoRA run's adapters, not a whole model" in str(issue)
