@@ -32,17 +32,26 @@ from fastlm.system.run_dir import RunDirError
 
 def run_training(config: RunConfig, resume: bool = False) -> int:
     """Train to the end and print a one-line summary; the exit status for the CLI (2: the run cannot start)."""
+    status = _start_checks(config, resume)  # before any device or process group
+    if status is not None:
+        return status
+    if torchrun_env():
+        return run_distributed(lambda: _train(config, resume), config.distributed, select_device(config.trainer))
+    return _train(config, resume)
+
+
+def _start_checks(config: RunConfig, resume: bool) -> int | None:
+    """The start's checks of the machine, files and run directory, reported: None to go on, else the exit
+    status (2: a config problem; 1: a planted lock, the trainer's own line and status)."""
     try:
-        issues = [*preflight_issues(config), *run_dir_issues(config, resume)]  # before any device or process group
-    except RunDirError as error:  # a planted lock: the trainer's own line and status
+        issues = [*preflight_issues(config), *run_dir_issues(config, resume)]
+    except RunDirError as error:
         _report(f"fastlm: {error}")
         return 1
     if issues:
         _report(ConfigError(issues).render())
         return 2
-    if torchrun_env():
-        return run_distributed(lambda: _train(config, resume), config.distributed, select_device(config.trainer))
-    return _train(config, resume)
+    return None
 
 
 def _train(config: RunConfig, resume: bool) -> int:
@@ -89,14 +98,9 @@ def launch_processes(config: RunConfig, processes: int, argv: Sequence[str]) -> 
     from torch.distributed.run import get_args_parser, run
 
     resume = "--resume" in argv
-    try:
-        issues = [*preflight_issues(config), *run_dir_issues(config, resume)]
-    except RunDirError as error:
-        _report(f"fastlm: {error}")
-        return 1
-    if issues:
-        _report(ConfigError(issues).render())
-        return 2
+    status = _start_checks(config, resume)
+    if status is not None:
+        return status
     worker = _without_option(list(argv), "--nproc-per-node")
     launcher = get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(processes), "-m", "fastlm", *worker])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
