@@ -47,7 +47,7 @@ from bench_train import DOC_MAX, DOC_MIN, Loop, StepBatch, measured_peak_flops, 
 from torch._dynamo.utils import counters
 
 from fastlm.data.batch import Batch
-from fastlm.data.loader import build_loaders
+from fastlm.data.eval_source import build_loaders
 from fastlm.data.tokenizer import build_tokenizer
 from fastlm.engine.optim import fused_update
 from fastlm.engine.trainer import Trainer

@@ -10,11 +10,7 @@ from __future__ import annotations
 import torch
 
 from fastlm.data.batch import Batch, batch_from_rows
-from fastlm.data.config import PREFERENCE_SOURCE_TYPES, PREPARED_SOURCE_TYPES, DataConfig
-from fastlm.data.datasets import Rows, load_documents, pack_documents, split_documents
-from fastlm.data.preferences import preference_rows
-from fastlm.data.summary import check_batch_fits
-from fastlm.data.tokenizer import Tokenizer
+from fastlm.data.datasets import Rows
 
 
 class BatchLoader:
@@ -64,20 +60,3 @@ class BatchLoader:
         self.position = int(state["position"])
         self._order = self._permutation(self.epoch)
 
-
-def build_loaders(config: DataConfig, seed: int, tokenizer: Tokenizer) -> tuple[BatchLoader, BatchLoader | None]:
-    """Train loader (shuffled) and eval loader (fixed order), or None for eval when nothing is held out."""
-    if config.source.type in PREPARED_SOURCE_TYPES:  # prepared data sets on disk, read row by row
-        from fastlm.data.memmap import memmap_loaders
-
-        return memmap_loaders(config, seed, tokenizer)
-    if config.source.type in PREFERENCE_SOURCE_TYPES:  # DPO: whole pairs per row, not a document stream
-        train_rows, eval_rows = preference_rows(config, seed, tokenizer)
-    else:
-        train_docs, eval_docs = split_documents(load_documents(config.source, tokenizer), config.eval_fraction, seed)
-        train_rows = pack_documents(train_docs, config.seq_len, tokenizer.pad_id)
-        eval_rows = pack_documents(eval_docs, config.seq_len, tokenizer.pad_id) if eval_docs else None
-    check_batch_fits(train_rows, eval_rows, config.micro_batch_size)
-    train = BatchLoader(train_rows, config.micro_batch_size, seed)
-    evaluation = BatchLoader(eval_rows, config.micro_batch_size, seed, shuffle=False) if eval_rows is not None else None
-    return train, evaluation

@@ -8,7 +8,8 @@ from fastlm.data.batch import batch_from_rows
 from fastlm.data.config import DataConfig, GeneratedSource
 from fastlm.data.corpus import generate_documents
 from fastlm.data.datasets import Document, pack_documents, split_documents
-from fastlm.data.loader import BatchLoader, build_loaders
+from fastlm.data.eval_source import build_loaders
+from fastlm.data.loader import BatchLoader
 from fastlm.data.tokenizer import BOS, EOS, PAD, ByteTokenizer
 from fastlm.losses.spec import IGNORE_INDEX
 

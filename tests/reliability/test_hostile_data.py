@@ -14,7 +14,7 @@ from crash_harness import ROOT, write_config
 from fastlm.data.batch import Batch
 from fastlm.data.config import DataConfig, JsonlSource
 from fastlm.data.datasets import DataError
-from fastlm.data.loader import build_loaders
+from fastlm.data.eval_source import build_loaders
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.trainer import Trainer

@@ -11,7 +11,7 @@ import pytest
 
 from fastlm.data.config import DataConfig, JsonlSource, TextSource
 from fastlm.data.datasets import DataError, _paragraphs, jsonl_records
-from fastlm.data.loader import build_loaders
+from fastlm.data.eval_source import build_loaders
 from fastlm.data.tokenizer import ByteTokenizer
 
 LINE_BYTES = 1 << 20
