@@ -60,9 +60,8 @@ def _outside(tmp_path: Path) -> Path:
     return target
 
 
-@pytest.mark.parametrize("kind", ["symlink", "dangling", "directory", "fifo"])
-def test_a_planted_lock_is_refused_in_one_line(trained: Path, tmp_path: Path, kind: str,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def _planted_lock(trained: Path, tmp_path: Path, kind: str) -> tuple[Path, Path, Path]:
+    """(config, lock, outside file) of a copy of the trained run whose `.lock` is a `kind` in place of a file."""
     config, directory = _copy(trained, tmp_path)
     target = _outside(tmp_path)
     lock = directory / ".lock"
@@ -75,6 +74,13 @@ def test_a_planted_lock_is_refused_in_one_line(trained: Path, tmp_path: Path, ki
         lock.mkdir()
     else:
         os.mkfifo(lock)
+    return config, lock, target
+
+
+@pytest.mark.parametrize("kind", ["symlink", "dangling", "directory", "fifo"])
+def test_a_planted_lock_is_refused_in_one_line(trained: Path, tmp_path: Path, kind: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    config, lock, target = _planted_lock(trained, tmp_path, kind)
     started = time.monotonic()
     assert main(["train", str(config), "--resume"]) == 1
     assert time.monotonic() - started < 10  # no spin, no wait on a FIFO
@@ -249,11 +255,7 @@ def test_generate_into_a_closed_stdout_ends_quietly(trained: Path) -> None:
 @pytest.mark.parametrize("kind", ["symlink", "directory", "fifo"])
 def test_validate_flags_a_planted_lock_as_train_would(trained: Path, tmp_path: Path, kind: str,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    config, directory = _copy(trained, tmp_path)
-    target = _outside(tmp_path)
-    lock = directory / ".lock"
-    lock.unlink(missing_ok=True)
-    {"symlink": lambda: lock.symlink_to(target), "directory": lock.mkdir, "fifo": lambda: os.mkfifo(lock)}[kind]()
+    config, lock, target = _planted_lock(trained, tmp_path, kind)
     assert main(["validate", str(config), "--resume"]) == 2
     _one_line_error(capsys, str(lock), "not a regular file")
     assert main(["train", str(config), "--resume", "--dry-run"]) == 2
