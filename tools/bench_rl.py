@@ -234,6 +234,11 @@ def run_trl(preset: str, args: argparse.Namespace, hf_dir: Path, work: Path) -> 
     return side
 
 
+def save(summaries: list[dict[str, Any]], path: Path | None) -> None:
+    if path is not None:
+        path.write_text(json.dumps(summaries, indent=2) + "\n")
+
+
 def plot(sides: list[dict[str, Any]], path: Path) -> None:
     try:
         import matplotlib
@@ -289,8 +294,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for preset in presets:
             fastlm_side, hf_dir = run_fastlm(preset, args, work, device)
             summaries.append(fastlm_side.summary(args.skip))
+            save(summaries, args.out)  # after each side: a time-boxed run keeps what finished
             if not args.no_trl:
                 summaries.append(run_trl(preset, args, hf_dir, work).summary(args.skip))
+                save(summaries, args.out)
             torch.cuda.empty_cache() if device == "cuda" else None
     print(f"{'framework':9} {'preset':11} {'rollout s':>9} {'reward s':>8} {'oldlogp s':>9} {'train s':>8} "
           f"{'step s':>8} {'rollout tok/s':>13} {'train tok/s':>11} {'episode tok/s':>13}")
@@ -307,8 +314,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if ("fastlm", preset) in pairs and ("trl", preset) in pairs:
             ratio = pairs["fastlm", preset]["episode_tokens_per_second"] / pairs["trl", preset]["episode_tokens_per_second"]
             print(f"{preset}: fastlm / TRL end-to-end episode tokens/s = {ratio:.1f}x")
-    if args.out is not None:
-        args.out.write_text(json.dumps(summaries, indent=2) + "\n")
     if args.plot is not None:
         plot(summaries, args.plot)
     return summaries
