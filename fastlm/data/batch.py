@@ -17,6 +17,7 @@ class Batch:
     input_ids: torch.Tensor
     labels: torch.Tensor
     document_ids: torch.Tensor
+    padding: torch.Tensor | None = None  # bool, True where a row is padded past its data (None: no padding)
     old_logp: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     teacher_logits: torch.Tensor | None = None  # (B, S, V)
@@ -46,6 +47,11 @@ class Batch:
     def num_tokens(self) -> int:
         """Unmasked labels: the share of the step's token normaliser this batch brings."""
         return int((self.labels != IGNORE_INDEX).sum())
+
+    @property
+    def num_positions(self) -> int:
+        """Input positions that are not padding: the tokens the MoE router losses average over."""
+        return self.input_ids.numel() - (0 if self.padding is None else int(self.padding.sum()))
 
     @property
     def num_documents(self) -> int:
@@ -85,12 +91,14 @@ def _moved(tensor: torch.Tensor | TeacherHead, device: torch.device) -> torch.Te
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def batch_from_rows(tokens: torch.Tensor, document_ids: torch.Tensor, target_mask: torch.Tensor) -> Batch:
+def batch_from_rows(tokens: torch.Tensor, document_ids: torch.Tensor, target_mask: torch.Tensor,
+                    padding: torch.Tensor | None = None) -> Batch:
     """Shift packed rows of S+1 tokens into a Batch.
 
     A label is kept only where token t+1 may be a target (not a prompt or padding token) and t, t+1 belong
     to the same document piece. Document ids are renumbered 0..n-1 across the whole batch so a row drawn
-    twice (epoch wrap) never merges with itself in per-document losses.
+    twice (epoch wrap) never merges with itself in per-document losses. `padding` flags the tokens past a
+    row's data (None: there are none).
     """
     if tokens.shape != document_ids.shape or tokens.shape != target_mask.shape or tokens.dim() != 2:
         raise ValueError(
@@ -102,4 +110,5 @@ def batch_from_rows(tokens: torch.Tensor, document_ids: torch.Tensor, target_mas
     labels = torch.where(keep, tokens[:, 1:], torch.full_like(tokens[:, 1:], IGNORE_INDEX))
     row_offset = torch.arange(tokens.shape[0]).unsqueeze(1) * (int(document_ids.max()) + 1)
     _, renumbered = torch.unique(document_ids[:, :-1] + row_offset, return_inverse=True)
-    return Batch(input_ids=tokens[:, :-1].contiguous(), labels=labels, document_ids=renumbered.reshape(labels.shape))
+    return Batch(input_ids=tokens[:, :-1].contiguous(), labels=labels, document_ids=renumbered.reshape(labels.shape),
+                 padding=None if padding is None else padding[:, :-1].contiguous())

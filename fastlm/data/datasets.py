@@ -55,25 +55,28 @@ class Rows(Protocol):
 
     def __len__(self) -> int: ...
 
-    def take(self, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tokens, document-piece ids, target flags) of rows `picks`, each (len(picks), seq_len + 1)."""
+    def take(self, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, document-piece ids, target flags, padding flags) of rows `picks`, each (len(picks), seq_len + 1)."""
         ...
 
 
 @dataclass(frozen=True)
 class PackedRows:
-    """(rows, seq_len + 1) tensors: tokens, document-piece ids, and target flags (False = never a label)."""
+    """(rows, seq_len + 1) tensors: tokens, document-piece ids, target flags (False = never a label) and
+    padding flags (True past a row's data)."""
 
     tokens: torch.Tensor
     document_ids: torch.Tensor
     target_mask: torch.Tensor
+    padding: torch.Tensor
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
-    def take(self, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tokens, document ids, target flags) of rows `picks` (the interface `BatchLoader` reads rows through)."""
-        return self.tokens[picks], self.document_ids[picks], self.target_mask[picks]
+    def take(self, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, document ids, target flags, padding flags) of rows `picks` (the interface `BatchLoader` reads
+        rows through)."""
+        return self.tokens[picks], self.document_ids[picks], self.target_mask[picks], self.padding[picks]
 
 
 def text_document(tokenizer: Tokenizer, text: str, origin: str = "") -> Document:

@@ -34,12 +34,13 @@ class MemmapRows:
     def __len__(self) -> int:
         return len(self.row_ids)
 
-    def take(self, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tokens, document ids, target flags) of rows `picks`, each (len(picks), seq_len + 1)."""
+    def take(self, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, document ids, target flags, padding flags) of rows `picks`, each (len(picks), seq_len + 1)."""
         data, width = self.dataset, self.width
         tokens = np.full((len(picks), width), self.pad_id, dtype=np.int64)
         documents = np.full((len(picks), width), data.num_documents, dtype=np.int64)  # padding: its own id
         targets = np.zeros((len(picks), width), dtype=bool)
+        padding = np.ones((len(picks), width), dtype=bool)
         for out, pick in enumerate(picks.tolist()):
             start = int(self.row_ids[pick]) * width
             end = min(start + width, data.num_tokens)
@@ -47,7 +48,8 @@ class MemmapRows:
             tokens[out, :count] = data.tokens[start:end]
             documents[out, :count] = np.searchsorted(data.offsets, np.arange(start, end), side="right") - 1
             targets[out, :count] = True if data.targets is None else data.targets[start:end].astype(bool)
-        return torch.from_numpy(tokens), torch.from_numpy(documents), torch.from_numpy(targets)
+            padding[out, :count] = False
+        return torch.from_numpy(tokens), torch.from_numpy(documents), torch.from_numpy(targets), torch.from_numpy(padding)
 
 
 def stream_rows(dataset: PreparedDataset, seq_len: int) -> int:
@@ -109,7 +111,7 @@ class BlendLoader:
     def next_batch(self) -> Batch:
         sources = [self._choose() for _ in range(self.batch_size)]
         rows = [self.loaders[s].rows.take(torch.tensor([self.loaders[s].next_index()])) for s in sources]
-        return batch_from_rows(*(torch.cat([row[part] for row in rows]) for part in range(3)))
+        return batch_from_rows(*(torch.cat(parts) for parts in zip(*rows)))
 
     def state_dict(self) -> dict[str, Any]:
         return {"drawn": list(self.drawn), "sources": [loader.state_dict() for loader in self.loaders]}

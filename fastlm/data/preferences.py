@@ -87,7 +87,7 @@ def pack_pairs(pairs: list[PreferencePair], seq_len: int, pad_id: int) -> Packed
     if not pairs:
         raise DataError("cannot pack an empty list of preference pairs")
     width = seq_len + 1
-    rows: list[tuple[list[int], list[int], list[bool]]] = []
+    rows: list[tuple[list[int], list[int], list[bool], list[bool]]] = []
     tokens: list[int] = []
     ids: list[int] = []
     targets: list[bool] = []
@@ -95,7 +95,8 @@ def pack_pairs(pairs: list[PreferencePair], seq_len: int, pad_id: int) -> Packed
 
     def close_row() -> None:
         padding = width - len(tokens)
-        rows.append((tokens + [pad_id] * padding, ids + [ids[-1]] * padding, targets + [False] * padding))
+        rows.append((tokens + [pad_id] * padding, ids + [ids[-1]] * padding, targets + [False] * padding,
+                     [False] * len(tokens) + [True] * padding))
 
     for pair in pairs:
         if len(pair) > width:
@@ -116,6 +117,7 @@ def pack_pairs(pairs: list[PreferencePair], seq_len: int, pad_id: int) -> Packed
         tokens=torch.tensor([row[0] for row in rows], dtype=torch.int64),
         document_ids=torch.tensor([row[1] for row in rows], dtype=torch.int64),
         target_mask=torch.tensor([row[2] for row in rows], dtype=torch.bool),
+        padding=torch.tensor([row[3] for row in rows], dtype=torch.bool),
     )
 
 

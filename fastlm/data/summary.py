@@ -33,7 +33,7 @@ def split_size(rows: Rows, pad_id: int, bos_id: int | None) -> SplitSize:
     """Counted COUNT_ROWS rows at a time (a row is int64 only while it is counted)."""
     documents = tokens = labels = 0
     for start in range(0, len(rows), COUNT_ROWS):
-        ids, _, targets = rows.take(torch.arange(start, min(start + COUNT_ROWS, len(rows))))
+        ids, _, targets, _ = rows.take(torch.arange(start, min(start + COUNT_ROWS, len(rows))))
         documents += int((ids == bos_id).sum()) if bos_id is not None else 0
         tokens += int((ids != pad_id).sum())
         labels += int(targets.sum())

@@ -108,20 +108,21 @@ class StreamRows:
     def __len__(self) -> int:
         return self.rows
 
-    def take(self, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tokens, piece ids, target flags) of rows `picks`, each (len(picks), width)."""
+    def take(self, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, piece ids, target flags, padding flags) of rows `picks`, each (len(picks), width)."""
         rows = picks.numpy().astype(np.int64)
         width, total = self.width, len(self.stream)
         positions = rows[:, None] * width + np.arange(width)
         tokens = np.full(positions.shape, self.pad_id, dtype=np.int64)
         targets = np.zeros(positions.shape, dtype=bool)
+        padding = positions >= total
         for out, row in enumerate(rows.tolist()):
             start, end = row * width, min(row * width + width, total)
             tokens[out, : end - start] = self.stream.window(start, end)
             targets[out, : end - start] = True if self.targets is None else self.targets[start:end]
         pieces = (np.searchsorted(self.piece_starts, positions, side="right") + rows[:, None]
                   - np.searchsorted(self.aligned, rows * width, side="right")[:, None])
-        return torch.from_numpy(tokens), torch.from_numpy(pieces), torch.from_numpy(targets)
+        return torch.from_numpy(tokens), torch.from_numpy(pieces), torch.from_numpy(targets), torch.from_numpy(padding)
 
     @property
     def tokens(self) -> torch.Tensor:

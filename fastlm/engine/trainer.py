@@ -107,13 +107,14 @@ class TrainSummary:
 
 
 def step_normalizers(batches: Iterable[Batch]) -> LossNormalizers:
-    """Unmasked labels, documents and loss calls over every micro-batch of the step, counted before any forward."""
+    """Unmasked labels, documents, loss calls and input positions other than padding (the MoE router losses'
+    tokens) over every micro-batch of the step, counted before any forward."""
     batches = list(batches)
     return LossNormalizers(
         tokens=float(sum(b.num_tokens for b in batches)),
         documents=float(sum(b.num_documents for b in batches)),
         micro_batches=float(len(batches)),
-        positions=float(sum(b.input_ids.numel() for b in batches)),
+        positions=float(sum(b.num_positions for b in batches)),
     )
 
 
@@ -263,7 +264,7 @@ class Trainer:
                     with gradient_sync(self.train_model, last):
                         with autocast(self.device, self.amp_dtype):
                             result = self.train_model(batch.input_ids, batch.targets(), normalizers, batch.document_ids,
-                                                      head=head)
+                                                      head=head, padding=batch.padding)
                         (result.loss * scale if scale != 1.0 else result.loss).backward()
                     return result
 

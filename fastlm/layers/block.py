@@ -9,6 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fastlm.layers.attention import Attention, Rotary
 from fastlm.layers.kv_cache import LayerCache
+from fastlm.layers.moe import MoEMLP
 from fastlm.layers.packed_attention import AttentionLayout
 
 
@@ -29,20 +30,22 @@ class DecoderBlock(nn.Module):
         self.activation_checkpointing = False  # set by DecoderLM.set_activation_checkpointing
 
     def forward(self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None,
-                cache: LayerCache | None = None) -> torch.Tensor:
+                cache: LayerCache | None = None, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """With activation checkpointing (and grad on), only x is kept; backward recomputes the block.
-        Generation passes a `cache` (and no layout)."""
+        Generation passes a `cache` (and no layout). `real_tokens` (B, S), 1 real and 0 padding, reaches an
+        MoE MLP (its router losses leave padding out); a dense MLP has nothing to count."""
         if self.activation_checkpointing and torch.is_grad_enabled() and cache is None:
-            return checkpoint(self._forward, x, rotary, layout, use_reentrant=False)
-        return self._forward(x, rotary, layout, cache)
+            return checkpoint(self._forward, x, rotary, layout, None, real_tokens, use_reentrant=False)
+        return self._forward(x, rotary, layout, cache, real_tokens)
 
     def _forward(self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None,
-                 cache: LayerCache | None = None) -> torch.Tensor:
+                 cache: LayerCache | None = None, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
         attended = self.attn(self.attn_norm(x), rotary, layout, cache)
         if self.post_attn_norm is not None:
             attended = self.post_attn_norm(attended)
         x = x + self.dropout(attended)
-        mixed = self.mlp(self.mlp_norm(x))
+        normed = self.mlp_norm(x)
+        mixed = self.mlp(normed, real_tokens) if isinstance(self.mlp, MoEMLP) else self.mlp(normed)
         if self.post_mlp_norm is not None:
             mixed = self.post_mlp_norm(mixed)
         return x + self.dropout(mixed)

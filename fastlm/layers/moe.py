@@ -7,7 +7,9 @@ per-expert loop is the reference. `dispatch` (sort, permute, expert MLP, unpermu
 that an all-to-all can later wrap it.
 
 The router's losses (Switch/Mixtral load balancing, ST-MoE z-loss) need sums over every MoE layer of a
-forward, so each layer keeps its `RouterSums` of the last forward and `router_losses` combines them.
+forward, so each layer keeps its `RouterSums` of the last forward and `router_losses` combines them. Padding
+is routed like any token (fixed shapes) but left out of the sums: the forward's `real_tokens` weights
+(1 real, 0 padding) multiply each token's terms, as transformers' `attention_mask` does.
 """
 
 from __future__ import annotations
@@ -47,12 +49,27 @@ class Routing:
 
 @dataclass
 class RouterSums:
-    """A layer's sufficient statistics for the router losses: sums over its T routed tokens."""
+    """A layer's sufficient statistics for the router losses: sums over its routed real (non-padding) tokens."""
 
     counts: torch.Tensor  # (E,) fp32 assignments per expert (no gradient)
     probs: torch.Tensor  # (E,) sum over tokens of the router probabilities (differentiable)
     z: torch.Tensor  # () sum over tokens of logsumexp(logits)^2 (differentiable)
-    tokens: int
+    tokens: int | torch.Tensor  # the real tokens summed over: a count, or a device scalar under a padding mask
+
+
+def router_sums(routing: Routing, counts: torch.Tensor, real_tokens: torch.Tensor | None = None) -> RouterSums:
+    """The sums of one routing: over every token (`counts` its (E,) assignments), or weighted by
+    `real_tokens` (T,) (1 real, 0 padding): multiplies, not indexing, so shapes stay fixed and nothing
+    is read to the host."""
+    z = torch.logsumexp(routing.logits, dim=-1).float().square()
+    probs = routing.probs.float()
+    if real_tokens is None:
+        return RouterSums(counts.float(), probs.sum(dim=0), z.sum(), probs.shape[0])
+    weights = real_tokens.reshape(-1).to(probs.dtype)
+    top_k = routing.experts.shape[1]
+    real_counts = probs.new_zeros(probs.shape[1]).scatter_add_(0, routing.experts.reshape(-1),
+                                                                 weights.repeat_interleave(top_k))
+    return RouterSums(real_counts, (probs * weights.unsqueeze(-1)).sum(dim=0), (z * weights).sum(), weights.sum())
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool) -> Routing:
@@ -220,26 +237,22 @@ class MoEMLP(nn.Module):
         self.shared_expert_gate = None if shared_ffn_size is None else nn.Linear(hidden_size, 1, bias=False)
         self.router_sums: RouterSums | None = None  # the last forward's, for `router_losses`
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Training runs eagerly under torch.compile (`_eager`: data-dependent routing, and grouped GEMMs
-        have no fp32 meta kernel); without grad (the generator's compiled decode step) the forward traces
-        into one graph on fixed shapes."""
-        return self._eager(x) if torch.is_grad_enabled() else self._forward(x)
+    def forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., H) tokens [+ (...) `real_tokens`, 1 real, 0 padding: what the router sums count; None:
+        every token]. Training runs eagerly under torch.compile (`_eager`: data-dependent routing, and
+        grouped GEMMs have no fp32 meta kernel); without grad (the generator's compiled decode step) the
+        forward traces into one graph on fixed shapes."""
+        return self._eager(x, real_tokens) if torch.is_grad_enabled() else self._forward(x, real_tokens)
 
     @torch.compiler.disable
-    def _eager(self, x: torch.Tensor) -> torch.Tensor:
-        return self._forward(x)
+    def _eager(self, x: torch.Tensor, real_tokens: torch.Tensor | None) -> torch.Tensor:
+        return self._forward(x, real_tokens)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         routing = route(flat, self.router.weight, self.top_k, self.normalize_top_k)
         counts = expert_counts(routing.experts, self.num_experts)
-        self.router_sums = RouterSums(
-            counts=counts.float(),
-            probs=routing.probs.float().sum(dim=0),
-            z=torch.logsumexp(routing.logits, dim=-1).float().square().sum(),
-            tokens=flat.shape[0],
-        )
+        self.router_sums = router_sums(routing, counts, real_tokens)
         out = dispatch(flat, routing, *self.expert_weights(), self.backend, counts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
@@ -267,7 +280,8 @@ class MoEMLP(nn.Module):
 def load_balancing_loss(sums: list[RouterSums]) -> torch.Tensor:
     """Switch/Mixtral balance loss over the layers, as transformers' `load_balancing_loss_func`:
     E * sum_e f_e P_e, with f_e the share of top-k assignments and P_e the mean router probability of
-    expert e, both averaged over every layer's tokens (so a perfectly even router gives k)."""
+    expert e, both averaged over every layer's real tokens (so a perfectly even router gives k); with
+    padding, transformers given the `attention_mask`."""
     rows = sum(s.tokens for s in sums)
     counts = torch.stack([s.counts for s in sums]).sum(0)
     probs = torch.stack([s.probs for s in sums]).sum(0)
@@ -275,13 +289,13 @@ def load_balancing_loss(sums: list[RouterSums]) -> torch.Tensor:
 
 
 def router_z_loss(sums: list[RouterSums]) -> torch.Tensor:
-    """ST-MoE router z-loss: the mean over every layer's tokens of logsumexp(router logits)^2."""
+    """ST-MoE router z-loss: the mean over every layer's real tokens of logsumexp(router logits)^2."""
     return torch.stack([s.z for s in sums]).sum() / sum(s.tokens for s in sums)
 
 
 def expert_load_metrics(sums: list[RouterSums], top_k: int) -> dict[str, torch.Tensor]:
-    """Per layer (device scalars, no host read): the busiest expert's tokens over the mean (1 is even)
-    and the fraction of experts that got no token."""
+    """Per layer (device scalars, no host read): the busiest expert's real tokens over the mean (1 is
+    even) and the fraction of experts that got no real token."""
     metrics = {}
     for index, layer in enumerate(sums):
         mean = layer.tokens * top_k / layer.counts.numel()
@@ -291,12 +305,12 @@ def expert_load_metrics(sums: list[RouterSums], top_k: int) -> dict[str, torch.T
 
 
 def router_losses(
-    sums: list[RouterSums], top_k: int, aux_coef: float, z_coef: float, share: float = 1.0
+    sums: list[RouterSums], top_k: int, aux_coef: float, z_coef: float, share: float | torch.Tensor = 1.0
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The weighted router loss to add to the step's loss, the unweighted losses (`moe_aux`,
-    `moe_router_z`) and the load metrics, each times `share`, this forward's fraction of the step's
-    routed tokens, so that summing over micro-batches and ranks gives the step's token-weighted mean
-    (the z-loss is then exactly the big batch's; the balance loss, a product of two batch means, is
+    `moe_router_z`) and the load metrics, each times `share`, this forward's fraction of the step's real
+    (non-padding) routed tokens, so that summing over micro-batches and ranks gives the step's token-weighted
+    mean (the z-loss is then exactly the big batch's; the balance loss, a product of two batch means, is
     each micro-batch's own, weighted: Megatron's micro-batch balancing, as transformers on one batch)."""
     aux, z = load_balancing_loss(sums), router_z_loss(sums)
     losses = {"moe_aux": aux.detach() * share, "moe_router_z": z.detach() * share}
@@ -304,15 +318,16 @@ def router_losses(
     return (aux_coef * aux + z_coef * z) * share, losses, metrics
 
 
-def add_router_losses(result: Any, layers: list[MoEMLP], positions: int, step_positions: float) -> Any:
+def add_router_losses(result: Any, layers: list[MoEMLP], step_positions: float) -> Any:
     """A training forward's `LossResult` with the router losses and load metrics of its MoE `layers` added
-    (unchanged when none has run a forward): `positions` routed here of the step's `step_positions`
-    (`LossNormalizers.positions`; 0: this call is the whole step)."""
+    (unchanged when none has run a forward): the real tokens routed here (`RouterSums.tokens`, the same in
+    every layer) of the step's `step_positions` (`LossNormalizers.positions`, counted alike; 0: this call
+    is the whole step)."""
     sums = [layer.router_sums for layer in layers if layer.router_sums is not None]
     if not sums:
         return result
     first = layers[0]
-    share = positions / step_positions if step_positions else 1.0
+    share = sums[0].tokens / step_positions if step_positions else 1.0
     total, losses, metrics = router_losses(sums, first.top_k, first.aux_loss_coef, first.z_loss_coef, share)
     return replace(result, loss=result.loss + total, losses={**result.losses, **losses},
                    metrics={**result.metrics, **metrics})

@@ -154,7 +154,7 @@ class LossNormalizers:
     tokens: float  # unmasked labels
     documents: float = 1.0  # documents (sequences) with at least one unmasked token
     micro_batches: float = 1.0  # loss calls of the step over all ranks (loss_type bnpo averages their means)
-    positions: float = 0.0  # input positions (routed tokens of MoE layers); 0: unknown, the call is the step
+    positions: float = 0.0  # input positions other than padding (the MoE router losses' tokens); 0: unknown, the call is the step
 
 
 @dataclass

@@ -102,8 +102,10 @@ class DecoderLM(nn.Module):
         for block in self.blocks:
             block.activation_checkpointing = enabled
 
-    def hidden_states(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, S) token ids [+ (B, S) document ids of packed rows] -> (B, S, H) after the final norm."""
+    def hidden_states(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None,
+                      padding: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, S) token ids [+ (B, S) document ids of packed rows] [+ (B, S) bool `padding`, True where a row
+        is padded: computed like any token, left out of the MoE router losses] -> (B, S, H) after the final norm."""
         _check_inputs(input_ids, document_ids, self.config.vocab_size)
         batch, seq_len = input_ids.shape
         doc_positions = None if document_ids is None else document_positions(document_ids)
@@ -114,11 +116,12 @@ class DecoderLM(nn.Module):
         layouts = [attention_layout(batch, seq_len, doc_positions, window, input_ids.device, dropout_active,
                                     self.attention_kind) for window in self.windows]
         rotaries = self._rotaries(positions)
+        real_tokens = None if padding is None or not self.moe_layers else padding.logical_not().float()
         hidden = self.embeddings(input_ids, positions)
         # Compiled blocks serve the training forward only: evaluation and sampling (no grad, other shapes) stay eager.
         training_forward = self._compiled_blocks is not None and torch.is_grad_enabled()
         for block, (window, rope) in zip(self._compiled_blocks if training_forward else self.blocks, self.layer_kinds):
-            hidden = block(hidden, rotaries[rope], layouts[window])
+            hidden = block(hidden, rotaries[rope], layouts[window], real_tokens=real_tokens)
         return self.final_norm(hidden)
 
     def _rotaries(self, positions: torch.Tensor) -> list[Rotary | None]:
@@ -157,17 +160,20 @@ class DecoderLM(nn.Module):
         normalizers: LossNormalizers,
         document_ids: torch.Tensor | None = None,
         head: LMHead | None = None,
+        padding: torch.Tensor | None = None,
     ) -> LossResult:
         """Hidden states flattened to (B*S, H), then the LM head computes every configured loss: `head`, or
-        the model's own (a trainer that trains other losses on the same weights passes its own head)."""
+        the model's own (a trainer that trains other losses on the same weights passes its own head).
+        `padding` (B, S) marks padded positions, left out of the router losses (`normalizers.positions`
+        counts the step's other positions)."""
         head = self.head if head is None else head
-        hidden = self.hidden_states(input_ids, document_ids).reshape(-1, self.config.hidden_size)
+        hidden = self.hidden_states(input_ids, document_ids, padding).reshape(-1, self.config.hidden_size)
         if self.tp_group is not None:
             result = vocab_parallel_loss(head, hidden, self.output_weight, targets, normalizers, self.tp_group)
         else:
             result = head(hidden, self.output_weight, targets, normalizers)
         if self.training and self.moe_layers:  # the MoE layers' router losses join a training forward's loss
-            result = add_router_losses(result, self.moe_layers, input_ids.numel(), normalizers.positions)
+            result = add_router_losses(result, self.moe_layers, normalizers.positions)
         return result
 
 

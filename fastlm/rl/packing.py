@@ -75,6 +75,7 @@ def pack_policy_samples(samples: list[PolicySample], seq_len: int, pad_id: int, 
     tokens = torch.full(shape, pad_id, dtype=torch.int64)
     document_ids = torch.zeros(shape, dtype=torch.int64)
     target_mask = torch.zeros(shape, dtype=torch.bool)
+    padding = torch.zeros(shape, dtype=torch.bool)
     old_logp = torch.zeros(shape, dtype=torch.float32)
     advantages = torch.zeros(shape, dtype=torch.float32)
     for row, members in enumerate(layout):
@@ -91,12 +92,13 @@ def pack_policy_samples(samples: list[PolicySample], seq_len: int, pad_id: int, 
                 old_logp[row, begin:end] = torch.tensor(sample.old_logp)
             start = end
         document_ids[row, start:] = len(members)  # padding
-    return PolicyRows(tokens, document_ids, target_mask, old_logp, advantages)
+        padding[row, start:] = True
+    return PolicyRows(tokens, document_ids, target_mask, padding, old_logp, advantages)
 
 
 def rows_to_batch(rows: PolicyRows, picks: torch.Tensor) -> Batch:
     """The Batch of the picked rows; the floats shift with the labels (label t is token t+1)."""
-    batch = batch_from_rows(rows.tokens[picks], rows.document_ids[picks], rows.target_mask[picks])
+    batch = batch_from_rows(*rows.take(picks))
     masked = batch.labels == IGNORE_INDEX
     batch.old_logp = rows.old_logp[picks][:, 1:].masked_fill(masked, 0.0).contiguous()
     batch.advantages = rows.advantages[picks][:, 1:].masked_fill(masked, 0.0).contiguous()

@@ -21,7 +21,7 @@ def _docs(*texts: str) -> list[Document]:
 
 def _rows_batch(documents: list[Document], seq_len: int):
     rows = pack_documents(documents, seq_len, PAD)
-    return rows, batch_from_rows(rows.tokens, rows.document_ids, rows.target_mask)
+    return rows, batch_from_rows(*rows.take(torch.arange(len(rows))))
 
 
 def test_boundaries_split_and_padding() -> None:
@@ -33,10 +33,12 @@ def test_boundaries_split_and_padding() -> None:
     # EOS of doc 0 must not predict doc 1's BOS; the last token of a row predicts the row's extra token
     assert batch.labels.tolist() == [[97, 98, EOS, IGNORE_INDEX, 99], [101, 102, 103, 104, EOS]]
     assert batch.num_tokens == 9 and batch.num_documents == 3
+    assert not batch.padding.any() and batch.num_positions == 10
 
     rows, batch = _rows_batch(_docs("abc"), seq_len=7)  # 5 tokens padded to 8
     assert rows.tokens[0, 5:].tolist() == [PAD] * 3
     assert batch.labels[0].tolist() == [97, 98, 99, EOS] + [IGNORE_INDEX] * 3
+    assert batch.padding.tolist() == [[False] * 5 + [True] * 2] and batch.num_positions == 5  # flags of the inputs
 
 
 def test_prompt_tokens_are_never_labels() -> None:

@@ -49,8 +49,9 @@ def test_prepared_rows_equal_the_in_memory_packing(tmp_path: Path) -> None:
     assert held_out is None and len(rows) == len(expected)
     picks = torch.arange(len(rows))
     ours, theirs = batch_from_rows(*rows.take(picks)), batch_from_rows(*expected.take(picks))
-    for name in ("input_ids", "labels", "document_ids"):
+    for name in ("input_ids", "labels", "document_ids", "padding"):
         assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    assert ours.padding.any() and torch.equal(ours.padding, ours.input_ids == tokenizer.pad_id)  # the last row's tail
 
 
 def test_parquet_csv_and_jsonl_give_the_same_tokens(tmp_path: Path) -> None:

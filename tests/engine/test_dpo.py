@@ -139,8 +139,9 @@ def test_preference_jsonl_packs_pairs_in_loss_order(tmp_path: Path) -> None:
     rows = pack_pairs(
         read_preference_jsonl(PreferencesJsonlSource(path=str(path)), tokenizer), seq_len=40, pad_id=tokenizer.pad_id
     )
-    batch = batch_from_rows(rows.tokens, rows.document_ids, rows.target_mask)
+    batch = batch_from_rows(*rows.take(torch.arange(len(rows))))
     assert len(rows) > 1  # pairs spill over rows, whole
+    assert batch.padding.any() and torch.equal(batch.padding, batch.input_ids == tokenizer.pad_id)  # the rows' tails
     assert batch.num_documents == 2 * len(pairs)  # padding joins a document, never one of its own
     labels, documents = batch.labels.reshape(-1), batch.document_ids.reshape(-1)
     answers = [tokenizer.decode(labels[(documents == d) & (labels != IGNORE_INDEX)].tolist(), skip_special=False)

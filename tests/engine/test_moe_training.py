@@ -16,7 +16,9 @@ import transformers
 import yaml
 
 from fastlm.commands.train import trainer_class_for
+from fastlm.data.batch import Batch
 from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.engine.trainer import step_normalizers
 from fastlm.layers.moe import MoEMLP
 from fastlm.logging.jsonl import read_metrics
 from fastlm.losses.spec import LossNormalizers, LossTargets
@@ -37,12 +39,21 @@ def _model(seed: int = 0, **moe: Any) -> torch.nn.Module:
     return build_model(config).train()
 
 
-def _targets(ids: torch.Tensor) -> tuple[LossTargets, float]:
+def _targets(ids: torch.Tensor, padding: torch.Tensor | None = None) -> tuple[LossTargets, float]:
     labels = torch.roll(ids, -1, dims=1)
     labels[:, -1] = -100
     labels[:, :3] = -100  # a masked prompt
+    if padding is not None:  # nothing predicts padding, nothing is predicted from it
+        labels[torch.roll(padding, -1, dims=1) | padding] = -100
     flat = labels.reshape(-1)
     return LossTargets(labels=flat), float((flat != -100).sum())
+
+
+def _right_padded(ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """(B, S) padding flags of rows holding `lengths` real tokens each; `ids` gets the byte tokenizer's PAD there."""
+    padding = torch.arange(ids.shape[1])[None] >= torch.tensor(lengths)[:, None]
+    ids[padding] = ByteTokenizer().pad_id
+    return padding
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -54,21 +65,25 @@ def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)) for k in a)
 
 
-def test_step_loss_equals_transformers_with_router_logits(tmp_path: Path) -> None:
+@pytest.mark.parametrize("padded", [False, True])
+def test_step_loss_equals_transformers_with_router_logits(tmp_path: Path, padded: bool) -> None:
     """Cross-entropy + aux_loss_coef * balance loss, as MixtralForCausalLM(labels, output_router_logits=True)
     on the exported weights; the gradients of the routers, experts and embeddings too (fp32). The z-loss
-    is off for the comparison (transformers has none)."""
+    is off for the comparison (transformers has none). Right-padded rows: transformers given the attention
+    mask (padding out of its balance loss), fastlm the padding flags."""
     model = _model(z_loss_coef=0.0)
     directory = export_hf(model, tmp_path / "hf", ByteTokenizer())
     reference = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").train()
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
-    targets, tokens = _targets(ids)
-    result = model(ids, targets, LossNormalizers(tokens=tokens))
+    padding = _right_padded(ids, [12, 7]) if padded else None
+    targets, tokens = _targets(ids, padding)
+    result = model(ids, targets, LossNormalizers(tokens=tokens), padding=padding)
     result.loss.backward()
     labels = targets.labels.view(2, 12)
     # transformers shifts the labels itself: hand it the unshifted ones (the first column is never a label)
     unshifted = torch.cat([torch.full((2, 1), -100), labels[:, :-1]], dim=1)
-    expected = reference(ids, labels=unshifted, output_router_logits=True)
+    mask = None if padding is None else (~padding).long()
+    expected = reference(ids, attention_mask=mask, labels=unshifted, output_router_logits=True)
     expected.loss.backward()
     print(f"loss {float(result.loss.detach()):.6f} vs transformers {float(expected.loss.detach()):.6f}; "
           f"moe_aux {float(result.losses['moe_aux'].detach()):.6f} vs {float(expected.aux_loss):.6f}")
@@ -89,32 +104,51 @@ def test_step_loss_equals_transformers_with_router_logits(tmp_path: Path) -> Non
 
 
 def test_accumulation_gives_one_big_batch() -> None:
-    """Two micro-batches against step-wide normalizers (tokens, routed positions): the cross-entropy and z-loss
-    gradient is the big batch's; the balance loss is the micro-batches' token-weighted mean (documented)."""
+    """Two micro-batches of right-padded rows against step-wide normalizers (the trainer's: tokens, real routed
+    positions): the cross-entropy and z-loss gradient is the big batch's; the balance loss is the micro-batches'
+    mean weighted by their real tokens (documented)."""
     ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(2))
-    targets, tokens = _targets(ids)
-    normalizers = LossNormalizers(tokens=tokens, positions=float(ids.numel()))
+    padding = _right_padded(ids, [12, 9, 5, 11])
+    batches = [Batch(ids[r], _targets(ids[r], padding[r])[0].labels.view(-1, 12), torch.zeros_like(ids[r]), padding[r])
+               for r in (slice(0, 1), slice(1, 4))]  # uneven micro-batches
+    normalizers = step_normalizers(batches)
+    targets, tokens = _targets(ids, padding)
+    assert normalizers.positions == 12 + 9 + 5 + 11 and normalizers.tokens == tokens
     big, accumulated = _model(aux_loss_coef=0.0), _model(aux_loss_coef=0.0)
-    big(ids, targets, LossNormalizers(tokens=tokens)).loss.backward()
+    big(ids, targets, LossNormalizers(tokens=tokens), padding=padding).loss.backward()
     z = 0.0
-    for rows in (slice(0, 1), slice(1, 4)):  # uneven micro-batches
-        part = ids[rows]
-        part_targets, _ = _targets(part)
-        result = accumulated(part, part_targets, normalizers)
+    for batch in batches:
+        result = accumulated(batch.input_ids, batch.targets(), normalizers, padding=batch.padding)
         result.loss.backward()
         z += float(result.losses["moe_router_z"])
     with torch.no_grad():
-        whole = big(ids, targets, LossNormalizers(tokens=tokens))
+        whole = big(ids, targets, LossNormalizers(tokens=tokens), padding=padding)
     gap = _max_rel(_grads(accumulated), _grads(big))
     print(f"accumulated vs big batch: max rel gradient gap {gap:.2e}; z {z:.6f} vs {float(whole.losses['moe_router_z']):.6f}")
     assert gap < 1e-5 and abs(z - float(whole.losses["moe_router_z"])) < 1e-6 * abs(z)
     model = _model()
-    total = sum(float(model(ids[r], _targets(ids[r])[0], normalizers).losses["moe_aux"]) for r in (slice(0, 1), slice(1, 4)))
-    alone = [
-        float(model(ids[r], _targets(ids[r])[0], LossNormalizers(tokens=1.0)).losses["moe_aux"])
-        for r in (slice(0, 1), slice(1, 4))
-    ]
-    assert math.isclose(total, 0.25 * alone[0] + 0.75 * alone[1], rel_tol=1e-6)
+    total = sum(float(model(b.input_ids, b.targets(), normalizers, padding=b.padding).losses["moe_aux"]) for b in batches)
+    alone = [float(model(b.input_ids, b.targets(), LossNormalizers(tokens=1.0), padding=b.padding).losses["moe_aux"])
+             for b in batches]
+    assert math.isclose(total, (12 * alone[0] + 25 * alone[1]) / 37, rel_tol=1e-6)
+
+
+def test_appended_padding_leaves_a_rows_router_losses_alone() -> None:
+    """A row's router losses and expert loads are the same alone and with padding appended (flagged); unflagged,
+    the padding would count."""
+    model = _model()
+    row = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(5))
+    padded = torch.cat([row, torch.full((1, 5), ByteTokenizer().pad_id)], dim=1)
+    padding = torch.arange(14)[None] >= 9
+    alone = model(row, _targets(row)[0], LossNormalizers(tokens=1.0))
+    flagged = model(padded, _targets(padded, padding)[0], LossNormalizers(tokens=1.0), padding=padding)
+    unflagged = model(padded, _targets(padded, padding)[0], LossNormalizers(tokens=1.0))
+    router_values = [name for name in [*alone.losses, *alone.metrics] if name.startswith("moe")]
+    assert len(router_values) == 2 + 2 * 2  # both losses, two metrics for each of the two layers
+    for name in router_values:
+        want = {**alone.losses, **alone.metrics}[name]
+        torch.testing.assert_close({**flagged.losses, **flagged.metrics}[name], want, rtol=1e-6, atol=1e-7, msg=name)
+    assert abs(float(unflagged.losses["moe_router_z"]) - float(alone.losses["moe_router_z"])) > 1e-4
 
 
 def test_packed_checkpointed_and_full_logits_agree() -> None:

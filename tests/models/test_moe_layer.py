@@ -189,6 +189,41 @@ def test_router_losses_equal_transformers() -> None:
     assert layers[0].router.weight.grad.abs().sum() > 0  # the router learns from its losses
 
 
+def test_padded_router_losses_equal_transformers_with_an_attention_mask() -> None:
+    """Right-padded rows (float32): padding is routed, but the balance loss equals `load_balancing_loss_func`
+    given the attention mask, the z-loss and the load metrics count the real tokens alone, and the expert
+    outputs of every token are those of the unmasked forward."""
+    torch.manual_seed(6)
+    layers = [_random_layer(torch.float32) for _ in range(2)]
+    mask = torch.tensor([[1] * 5, [1] * 3 + [0] * 2, [1] + [0] * 4, [1] * 4 + [0]])
+    logits, outputs = [], []
+    for layer in layers:
+        x = torch.randn(4, 5, HIDDEN)
+        outputs.append((layer(x), layer(x, real_tokens=mask.float())))  # the last forward's sums are the masked ones
+        logits.append(layer.router(x.reshape(-1, HIDDEN)))
+    sums = [layer.router_sums for layer in layers]
+    expected = load_balancing_loss_func(tuple(logits), EXPERTS, TOP_K, attention_mask=mask)
+    unmasked = load_balancing_loss_func(tuple(logits), EXPERTS, TOP_K)
+    print(f"aux {float(load_balancing_loss(sums).detach()):.6f} vs transformers masked {float(expected.detach()):.6f}, "
+          f"unmasked {float(unmasked.detach()):.6f}")
+    torch.testing.assert_close(load_balancing_loss(sums), expected, rtol=1e-6, atol=0)
+    assert abs(float(expected.detach()) - float(unmasked.detach())) > 1e-3  # the mask matters for these rows
+    real = mask.reshape(-1).bool()
+    z = torch.logsumexp(torch.cat([layer_logits[real] for layer_logits in logits]), dim=-1).square().mean()
+    torch.testing.assert_close(router_z_loss(sums), z, rtol=1e-6, atol=0)
+    _, _, metrics = router_losses(sums, TOP_K, aux_coef=0.01, z_coef=0.001)
+    chosen = logits[0][real].topk(TOP_K, dim=-1).indices.reshape(-1)
+    counts = torch.zeros(EXPERTS).scatter_add_(0, chosen, torch.ones(chosen.numel()))
+    torch.testing.assert_close(sums[0].counts, counts)
+    torch.testing.assert_close(metrics["moe/layer0/max_over_mean_load"], counts.max() / (real.sum() * TOP_K / EXPERTS))
+    for plain_out, masked_out in outputs:
+        torch.testing.assert_close(masked_out, plain_out, rtol=0, atol=0)
+    with torch.no_grad():  # the masked sums trace whole too (fixed shapes, no host read)
+        torch.compile(layers[1], fullgraph=True, backend="eager")(x, mask.float())
+    torch._dynamo.reset()
+    torch.testing.assert_close(layers[1].router_sums.z, sums[1].z.detach(), rtol=1e-6, atol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (grouped GEMMs in bf16)")
 def test_grouped_equals_the_loop_in_bf16_on_cuda() -> None:

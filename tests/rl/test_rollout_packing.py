@@ -52,6 +52,7 @@ def test_packed_batch_layout() -> None:
     per_row = [set(r.tolist()) for r in batch.document_ids]
     assert all(not (a & b) for i, a in enumerate(per_row) for b in per_row[i + 1 :])
     assert batch.num_documents == len(samples)
+    assert batch.padding.any() and torch.equal(batch.padding, batch.input_ids == PAD)  # the rows' tails, flagged
 
 
 def test_split_and_loader() -> None:
