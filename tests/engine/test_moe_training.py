@@ -153,7 +153,7 @@ def test_appended_padding_leaves_a_rows_router_losses_alone() -> None:
 
 def test_packed_checkpointed_and_full_logits_agree() -> None:
     """One packed row of two documents equals the documents alone (logits); activation checkpointing and the
-    full-logits head give the same loss and gradients as the plain chunked-head forward."""
+    full-logits head give the same loss and gradients as the plain chunked-head forward (padded rows)."""
     model = _model()
     first, second = torch.randint(0, VOCAB, (1, 5)), torch.randint(0, VOCAB, (1, 7))
     packed = torch.cat([first, second], dim=1)
@@ -163,9 +163,10 @@ def test_packed_checkpointed_and_full_logits_agree() -> None:
         apart = torch.cat([model.logits(first), model.logits(second)], dim=1)
     assert float((together - apart).abs().max()) < 1e-5
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
-    targets, tokens = _targets(ids)
+    padding = _right_padded(ids, [12, 8])
+    targets, tokens = _targets(ids, padding)
     normalizers = LossNormalizers(tokens=tokens)
-    model(ids, targets, normalizers).loss.backward()
+    model(ids, targets, normalizers, padding=padding).loss.backward()
     reference = _grads(model)
     variants = {"checkpointing": lambda m: m.set_activation_checkpointing(True),
                 "full logits": None}
@@ -179,7 +180,7 @@ def test_packed_checkpointed_and_full_logits_agree() -> None:
             other = copy.deepcopy(model)
             other.zero_grad()
             change(other)
-        other(ids, targets, normalizers).loss.backward()
+        other(ids, targets, normalizers, padding=padding).loss.backward()
         gap = _max_rel(_grads(other), reference)
         print(f"{name}: max rel gradient gap {gap:.2e}")
         assert gap < 1e-5, name
@@ -187,16 +188,17 @@ def test_packed_checkpointed_and_full_logits_agree() -> None:
 
 def test_compiled_blocks_keep_the_moe_layer_eager() -> None:
     """Compiled blocks (dynamo; the MoE forward is `torch.compiler.disable`d, so each block's graph breaks
-    around it) give the eager loss and gradients, router losses included."""
+    around it) give the eager loss and gradients, router losses included (padded rows)."""
     model = _model()
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
-    targets, tokens = _targets(ids)
-    eager = model(ids, targets, LossNormalizers(tokens=tokens))
+    padding = _right_padded(ids, [10, 12])
+    targets, tokens = _targets(ids, padding)
+    eager = model(ids, targets, LossNormalizers(tokens=tokens), padding=padding)
     eager.loss.backward()
     compiled = copy.deepcopy(model)
     compiled.zero_grad()
     compiled.compile_blocks(backend="eager")
-    result = compiled(ids, targets, LossNormalizers(tokens=tokens))
+    result = compiled(ids, targets, LossNormalizers(tokens=tokens), padding=padding)
     result.loss.backward()
     assert torch.allclose(result.loss, eager.loss) and _max_rel(_grads(compiled), _grads(model)) < 1e-6
     assert "moe_aux" in result.losses
