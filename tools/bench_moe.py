@@ -402,7 +402,8 @@ def profile_lines(preset: str, dense: StepProfile, moe: StepProfile) -> list[str
 
 
 def bench_models(presets: list[str], batch: int, seq_len: int, steps: int, device: torch.device,
-                 num_layers: int | None = None, accumulation: int = 1, profile: bool = False) -> list[str]:
+                 num_layers: int | None = None, accumulation: int = 1, profile: bool = False,
+                 backends: tuple[str, ...] = ("grouped", "triton", "loop")) -> list[str]:
     """Each MoE preset on grouped GEMMs, on the Triton GEMMs (GPU) and on the loop, and its dense twin, in one run; `num_layers`
     shortens the presets (OLMoE-1B-7B whole needs ~110 GB for fp32 weights, gradients and AdamW). `profile`:
     after each preset's rows, where the dense twin's and the grouped model's steps spend their time."""
@@ -426,9 +427,9 @@ def bench_models(presets: list[str], batch: int, seq_len: int, steps: int, devic
         def on_backend(backend: str, config: Any = config) -> Any:
             return config.model_copy(update={"moe": config.moe.model_copy(update={"backend": backend})})
 
-        backends = ("grouped", "triton", "loop") if device.type == "cuda" else ("grouped", "loop")
         rows = [time_model(f"{preset} dense twin", dense_twin(config), batch, seq_len, steps, device, peak, accumulation)]
-        for backend in backends:  # the interpreted Triton path would take minutes on the CPU: GPU only
+        # the interpreted Triton path would take minutes on the CPU: GPU only
+        for backend in (b for b in backends if device.type == "cuda" or b != "triton"):
             rows.append(time_model(f"{preset} {backend}", on_backend(backend), batch, seq_len, steps, device, peak,
                                    accumulation))
         if device.type == "cuda":
@@ -456,6 +457,8 @@ def main() -> int:
     parser.add_argument("--grad-accumulation", type=int, default=1, help="--models: micro-batches per optimizer step")
     parser.add_argument("--profile", action="store_true",
                         help="--models: where the dense twin's and the grouped model's training steps spend their time")
+    parser.add_argument("--backends", default="grouped,triton,loop", help="--models: the MoE rows' expert backends")
+    parser.add_argument("--models-only", action="store_true", help="--models without the layer table")
     parser.add_argument("--triton-sweep", action="store_true", help="time the Triton GEMMs' tilings per layer shape")
     args = parser.parse_args()
     device = torch.device("cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda")
@@ -465,11 +468,12 @@ def main() -> int:
     shapes = CPU_SHAPES if device.type == "cpu" else GPU_SHAPES
     repeats, warmup = (2, 1) if args.cpu_smoke else (args.repeats, 3)
     print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}; {dtype}")
-    print("| shape | implementation | fwd+bwd ms | vs transformers eager | vs fastlm loop: out / dx max rel err |")
-    print("| --- | --- | --- | --- | --- |")
-    for shape in shapes:
-        for row in bench_layer(shape, device, dtype, repeats, warmup):
-            print(row)
+    if not args.models_only:
+        print("| shape | implementation | fwd+bwd ms | vs transformers eager | vs fastlm loop: out / dx max rel err |")
+        print("| --- | --- | --- | --- | --- |")
+        for shape in shapes:
+            for row in bench_layer(shape, device, dtype, repeats, warmup):
+                print(row)
     if args.triton_sweep:
         print("| shape | experts' GEMMs | fwd+bwd ms | vs torch._grouped_mm |\n| --- | --- | --- | --- |")
         for shape in shapes:
@@ -478,7 +482,7 @@ def main() -> int:
     if args.models:
         batch, seq_len, steps = (2, 32, 1) if args.cpu_smoke else (args.batch, args.seq_len, args.steps)
         for line in bench_models(args.models, batch, seq_len, steps, device, args.num_layers, args.grad_accumulation,
-                                 args.profile):
+                                 args.profile, tuple(args.backends.split(","))):
             print(line)
     return 0
 
