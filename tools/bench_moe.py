@@ -10,9 +10,17 @@ against a dense model of equal active size, tokens/s and MFU counted on active p
                                                       #   Triton GEMMs, on the loop, and its dense twin
     python tools/bench_moe.py --models olmoe-1b-7b --num-layers 4 --batch 4 --grad-accumulation 4
                                                       # the same at 4 micro-batches an optimizer step
+    python tools/bench_moe.py --models olmoe-1b-7b --num-layers 4 --batch 4 --seq-len 2048 --profile
+                                                      # + where a step's device time goes (torch.profiler, a few
+                                                      #   steps after a warm-up), the dense twin and the grouped
+                                                      #   model: per category (optimizer, casts/copies, grouped
+                                                      #   GEMMs, other GEMMs, attention, routing & permutation,
+                                                      #   other), the top-12 kernels, and the MoE step's extra
+                                                      #   per category
     python tools/bench_moe.py --triton-sweep          # + the Triton kernels' tile choices per layer shape
     python tools/bench_moe.py --cpu-smoke --models mixtral-tiny   # CPU: tiny shapes, float32 (CI smoke test;
-                                                      #   the Triton layer row under TRITON_INTERPRET=1)
+                                                      #   the Triton layer row under TRITON_INTERPRET=1;
+                                                      #   --profile: the CPU ops' self time by aten op name)
 
 Each layer row also prints its largest error against fastlm's loop (relative to the output's largest
 value, and the same for the input gradient): on the GPU, the check that every path agrees within bf16.
@@ -28,6 +36,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -237,21 +246,23 @@ class ModelRow:
     peak_memory_gib: float
 
 
-def time_model(name: str, config: Any, batch: int, seq_len: int, steps: int, device: torch.device, peak: float,
-               accumulation: int = 1) -> ModelRow:
+@dataclass
+class TrainingStep:
+    """One optimizer step of a built model and optimizer on synthetic rows: what the timer and the profiler run."""
+
+    model_config: Any  # the validated model section (for the FLOP and parameter counts)
+    run: Callable[[], None]
+
+
+def training_step(config: Any, batch: int, seq_len: int, device: torch.device, accumulation: int) -> TrainingStep:
     """tools/bench_train.py's step (bf16 autocast on CUDA, the chunked head's CE + z-loss, fused AdamW) on
     synthetic rows, `accumulation` micro-batches per optimizer step (the optimizer's cost grows with the total
-    parameters, the micro-batches' with the active ones); MFU on the active parameters' FLOPs."""
+    parameters, the micro-batches' with the active ones)."""
     from bench_train import synthetic_batches
 
     from fastlm.engine.optim import build_optimizer
     from fastlm.losses.spec import LossNormalizers, LossTargets
-    from fastlm.models import (
-        active_parameters,
-        build_model,
-        model_flops_per_token,
-        num_parameters,
-    )
+    from fastlm.models import build_model
     from fastlm.run_config.schema import RunConfig
     from fastlm.system.device import autocast
 
@@ -262,9 +273,9 @@ def time_model(name: str, config: Any, batch: int, seq_len: int, steps: int, dev
     amp = torch.bfloat16 if device.type == "cuda" else None
     batches = synthetic_batches(config.vocab_size, batch, seq_len, False, device)
 
-    def step(index: int) -> None:
+    def step() -> None:
         for micro in range(accumulation):
-            rows = batches[(index + micro) % len(batches)]
+            rows = batches[micro % len(batches)]
             with autocast(device, amp):
                 result = model(rows.input_ids, LossTargets(labels=rows.labels),
                                LossNormalizers(tokens=rows.tokens * accumulation, micro_batches=accumulation,
@@ -273,45 +284,164 @@ def time_model(name: str, config: Any, batch: int, seq_len: int, steps: int, dev
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    return TrainingStep(run.model, step)
+
+
+def time_model(name: str, config: Any, batch: int, seq_len: int, steps: int, device: torch.device, peak: float,
+               accumulation: int = 1) -> ModelRow:
+    """`training_step`'s tokens/s, peak memory and MFU on the active parameters' FLOPs."""
+    from fastlm.models import active_parameters, model_flops_per_token, num_parameters
+
+    step = training_step(config, batch, seq_len, device, accumulation)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    ms = time_ms(lambda: step(0), device, steps, 2)
+    ms = time_ms(step.run, device, steps, 2)
     tokens_per_second = accumulation * batch * seq_len / (ms / 1e3)
-    mfu = model_flops_per_token(run.model, seq_len) * tokens_per_second / peak
+    mfu = model_flops_per_token(step.model_config, seq_len) * tokens_per_second / peak
     memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
-    return ModelRow(name, num_parameters(run.model), active_parameters(run.model), tokens_per_second, mfu, memory)
+    return ModelRow(name, num_parameters(step.model_config), active_parameters(step.model_config), tokens_per_second,
+                    mfu, memory)
+
+
+PROFILE_STEPS = 3
+OTHER_CATEGORY = "elementwise/norm/other"
+CATEGORY_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("optimizer", ("adam", "multi_tensor_apply")),
+    ("grouped GEMMs", ("grouped", "groupproblemshape")),
+    ("attention", ("flash", "sdpa", "fmha", "attention")),
+    ("other GEMMs", ("gemm", "gemv", "matmul", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm",
+                     "aten::bmm", "aten::linear", "mmbackward")),
+    ("routing & permutation", ("topk", "sort", "gather", "scatter", "index", "cumsum", "scan", "histc", "histogram",
+                               "bincount")),
+    ("casts/copies", ("copy", "withcast", "memcpy", "aten::to", "_add<float>", "aten::add_", "accumulategrad")),
+)
+"""A CUDA kernel's or (CPU) an aten op's lower-cased name goes to the first category holding one of its
+substrings, else OTHER_CATEGORY. The order decides overlaps: cutlass's grouped GEMM and fmha before the other
+cutlass GEMMs, topk before aten::to. fp32 adds (`_add<float>`, CPU aten::add_) count as copies: they are the
+fp32 gradients' accumulation (residual adds run in bf16). The embedding's lookup and its backward's sort land in
+routing for the dense twin too, so the MoE model's extra there is its own routing. On the CPU (a smoke test)
+torch._grouped_mm runs a per-expert aten::mm, which counts as other GEMMs."""
+
+
+def category_of(name: str) -> str:
+    lowered = name.lower()
+    return next((category for category, parts in CATEGORY_RULES if any(part in lowered for part in parts)),
+                OTHER_CATEGORY)
+
+
+@dataclass
+class StepProfile:
+    """Where one training step spends device time (CPU: the ops' self time), per step."""
+
+    kernels: dict[str, tuple[float, float]]  # kernel (CPU: op) name -> (calls, ms)
+    busy_ms: float  # the union of the kernels' (CPU: outermost ops') intervals: the step's busy time
+    wall_ms: float
+
+    def categories(self) -> dict[str, float]:
+        totals = dict.fromkeys([category for category, _ in CATEGORY_RULES] + [OTHER_CATEGORY], 0.0)
+        for name, (_, ms) in self.kernels.items():
+            totals[category_of(name)] += ms
+        return totals
+
+
+def profile_step(step: Callable[[], None], device: torch.device, steps: int = PROFILE_STEPS) -> StepProfile:
+    """`steps` steps under torch.profiler after a warm-up step: CUDA kernels (not the annotations spanning them)
+    on the GPU; on the CPU each op's self time, which adds up to its outermost ops' time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    _synchronize(device)
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as profiler:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _synchronize(device)
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    if cuda:
+        events = [e for e in profiler.events() if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+        spans = [e.time_range for e in events]
+    else:
+        events = [e for e in profiler.events() if e.device_type == DeviceType.CPU and not e.is_async]
+        spans = [e.time_range for e in events if e.cpu_parent is None]
+    kernels: dict[str, tuple[float, float]] = {}
+    for event in events:
+        calls, ms = kernels.get(event.name, (0.0, 0.0))
+        us = event.time_range.elapsed_us() if cuda else event.self_cpu_time_total
+        kernels[event.name] = calls + 1 / steps, ms + us / 1e3 / steps
+    busy_us, covered_to = 0.0, float("-inf")
+    for span in sorted(spans, key=lambda span: span.start):
+        busy_us += max(0.0, span.end - max(span.start, covered_to))
+        covered_to = max(covered_to, span.end)
+    return StepProfile(kernels, busy_us / 1e3 / steps, wall_ms)
+
+
+def profile_lines(preset: str, dense: StepProfile, moe: StepProfile) -> list[str]:
+    """Per model the categories' and the top-12 kernels' ms a step, then the MoE step's extra per category."""
+    lines: list[str] = []
+    for name, profile in ((f"{preset} dense twin", dense), (f"{preset} grouped", moe)):
+        lines += ["", f"profile of {name}: {profile.busy_ms:.2f} ms busy a step ({profile.wall_ms:.2f} ms wall under "
+                  f"the profiler), {PROFILE_STEPS} steps after a warm-up",
+                  "| category | ms / step | % of step |", "| --- | --- | --- |"]
+        lines += [f"| {category} | {ms:.3f} | {ms / profile.busy_ms:.1%} |" for category, ms in profile.categories().items()]
+        lines += [f"| total (busy) | {profile.busy_ms:.3f} | 100.0% |", "",
+                  "| top kernel | category | calls / step | ms / step | % of step |", "| --- | --- | --- | --- | --- |"]
+        for kernel, (calls, ms) in sorted(profile.kernels.items(), key=lambda item: -item[1][1])[:12]:
+            lines.append(f"| {kernel[:70].replace('|', '/')} | {category_of(kernel)} | {calls:g} | {ms:.3f} | "
+                         f"{ms / profile.busy_ms:.1%} |")
+    extra = moe.busy_ms - dense.busy_ms
+    lines += ["", f"where the extra time goes: {preset} grouped minus its dense twin, {extra:.2f} ms a step",
+              "| category | dense twin ms | grouped ms | extra ms | share of extra |", "| --- | --- | --- | --- | --- |"]
+    dense_categories = dense.categories()
+    for category, ms in moe.categories().items():
+        share = f"{(ms - dense_categories[category]) / extra:.1%}" if extra > 0 else "-"
+        lines.append(f"| {category} | {dense_categories[category]:.3f} | {ms:.3f} | "
+                     f"{ms - dense_categories[category]:+.3f} | {share} |")
+    return lines
 
 
 def bench_models(presets: list[str], batch: int, seq_len: int, steps: int, device: torch.device,
-                 num_layers: int | None = None, accumulation: int = 1) -> list[str]:
+                 num_layers: int | None = None, accumulation: int = 1, profile: bool = False,
+                 backends: tuple[str, ...] = ("grouped", "triton", "loop")) -> list[str]:
     """Each MoE preset on grouped GEMMs, on the Triton GEMMs (GPU) and on the loop, and its dense twin, in one run; `num_layers`
-    shortens the presets (OLMoE-1B-7B whole needs ~110 GB for fp32 weights, gradients and AdamW)."""
+    shortens the presets (OLMoE-1B-7B whole needs ~110 GB for fp32 weights, gradients and AdamW). `profile`:
+    after each preset's rows, where the dense twin's and the grouped model's steps spend their time."""
     import yaml
     from bench_train import measured_peak_flops
 
     from fastlm.run_config.schema import RunConfig
 
     peak = measured_peak_flops(device)
-    lines = [f"matmul peak {peak / 1e12:.1f} TFLOP/s; batch {batch} x seq {seq_len}, {accumulation} micro-batches a step",
-             "| model | params | active | tokens/s | MFU (active) | peak mem GiB | MFU / dense twin's |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for preset in presets:
+    table_head = ["| model | params | active | tokens/s | MFU (active) | peak mem GiB | MFU / dense twin's |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [f"matmul peak {peak / 1e12:.1f} TFLOP/s; batch {batch} x seq {seq_len}, {accumulation} micro-batches a step"]
+    for index, preset in enumerate(presets):
+        if index == 0 or profile:  # a profile's tables end the previous preset's table
+            lines += table_head
         document = yaml.safe_load((ROOT / "configs" / "presets" / f"{preset}.yaml").read_text())
         if num_layers:
             document["model"]["num_layers"] = num_layers
         config = RunConfig.model_validate(document).model
-        backends = ("grouped", "triton", "loop") if device.type == "cuda" else ("grouped", "loop")
+
+        def on_backend(backend: str, config: Any = config) -> Any:
+            return config.model_copy(update={"moe": config.moe.model_copy(update={"backend": backend})})
+
         rows = [time_model(f"{preset} dense twin", dense_twin(config), batch, seq_len, steps, device, peak, accumulation)]
-        for backend in backends:  # the interpreted Triton path would take minutes on the CPU: GPU only
-            moe = config.moe.model_copy(update={"backend": backend})
-            rows.append(time_model(f"{preset} {backend}", config.model_copy(update={"moe": moe}), batch, seq_len,
-                                   steps, device, peak, accumulation))
+        # the interpreted Triton path would take minutes on the CPU: GPU only
+        for backend in (b for b in backends if device.type == "cuda" or b != "triton"):
+            rows.append(time_model(f"{preset} {backend}", on_backend(backend), batch, seq_len, steps, device, peak,
+                                   accumulation))
         if device.type == "cuda":
             torch.cuda.empty_cache()
         for row in rows:
             lines.append(f"| {row.name} | {row.parameters / 1e6:.1f}M | {row.active / 1e6:.1f}M | "
                          f"{row.tokens_per_second:,.0f} | {row.mfu:.1%} | {row.peak_memory_gib:.1f} | "
                          f"{row.mfu / rows[0].mfu:.2f} |")
+        if profile:
+            dense, moe = (profile_step(training_step(model, batch, seq_len, device, accumulation).run, device)
+                          for model in (dense_twin(config), on_backend("grouped")))
+            lines += [*profile_lines(preset, dense, moe), ""]
     return lines
 
 
@@ -325,6 +455,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--num-layers", type=int, default=None, help="--models: override the presets' layer count")
     parser.add_argument("--grad-accumulation", type=int, default=1, help="--models: micro-batches per optimizer step")
+    parser.add_argument("--profile", action="store_true",
+                        help="--models: where the dense twin's and the grouped model's training steps spend their time")
+    parser.add_argument("--backends", default="grouped,triton,loop", help="--models: the MoE rows' expert backends")
+    parser.add_argument("--models-only", action="store_true", help="--models without the layer table")
     parser.add_argument("--triton-sweep", action="store_true", help="time the Triton GEMMs' tilings per layer shape")
     args = parser.parse_args()
     device = torch.device("cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda")
@@ -334,11 +468,12 @@ def main() -> int:
     shapes = CPU_SHAPES if device.type == "cpu" else GPU_SHAPES
     repeats, warmup = (2, 1) if args.cpu_smoke else (args.repeats, 3)
     print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}; {dtype}")
-    print("| shape | implementation | fwd+bwd ms | vs transformers eager | vs fastlm loop: out / dx max rel err |")
-    print("| --- | --- | --- | --- | --- |")
-    for shape in shapes:
-        for row in bench_layer(shape, device, dtype, repeats, warmup):
-            print(row)
+    if not args.models_only:
+        print("| shape | implementation | fwd+bwd ms | vs transformers eager | vs fastlm loop: out / dx max rel err |")
+        print("| --- | --- | --- | --- | --- |")
+        for shape in shapes:
+            for row in bench_layer(shape, device, dtype, repeats, warmup):
+                print(row)
     if args.triton_sweep:
         print("| shape | experts' GEMMs | fwd+bwd ms | vs torch._grouped_mm |\n| --- | --- | --- | --- |")
         for shape in shapes:
@@ -346,7 +481,8 @@ def main() -> int:
                 print(row)
     if args.models:
         batch, seq_len, steps = (2, 32, 1) if args.cpu_smoke else (args.batch, args.seq_len, args.steps)
-        for line in bench_models(args.models, batch, seq_len, steps, device, args.num_layers, args.grad_accumulation):
+        for line in bench_models(args.models, batch, seq_len, steps, device, args.num_layers, args.grad_accumulation,
+                                 args.profile, tuple(args.backends.split(","))):
             print(line)
     return 0
 

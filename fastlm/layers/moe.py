@@ -181,6 +181,25 @@ def triton_expert_mlp(rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.T
     return grouped_linear(F.silu(gate) * up, down, groups)
 
 
+class SortedRows(torch.autograd.Function):
+    """x (T, H) -> the rows of the expert-sorted assignments, x[order // k], already in the experts' dtype
+    (T rows cast, not T * k). The backward puts each assignment's gradient back in (token, slot) order (a
+    permutation) and sums a token's k slots in fp32 (fp64 for fp64): no atomics, no k roundings in bf16."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, order: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(order)
+        ctx.top_k, ctx.x_dtype = top_k, x.dtype
+        return x.to(dtype)[order // top_k]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (order,) = ctx.saved_tensors
+        by_slot = torch.empty_like(grad).index_copy_(0, order, grad).view(-1, ctx.top_k, grad.shape[-1])
+        summed = by_slot.sum(dim=1, dtype=torch.promote_types(grad.dtype, torch.float32))
+        return summed.to(ctx.x_dtype), None, None, None
+
+
 def dispatch(
     x: torch.Tensor,
     routing: Routing,
@@ -198,7 +217,8 @@ def dispatch(
     order = flat.argsort(stable=True)  # assignments grouped by expert, token order inside a group
     if counts is None:
         counts = expert_counts(flat, gate_up.shape[0])
-    expert_out = expert_mlp(x[order // top_k], flat[order], counts, gate_up, down, backend)
+    rows = SortedRows.apply(x, order, top_k, _compute_dtype(x))
+    expert_out = expert_mlp(rows, flat[order], counts, gate_up, down, backend)
     unsorted = torch.empty_like(expert_out).index_copy_(0, order, expert_out)  # a permutation: no atomics
     weights = routing.weights.to(unsorted.dtype).unsqueeze(-1)
     return (unsorted.view(tokens, top_k, -1) * weights).sum(dim=1)

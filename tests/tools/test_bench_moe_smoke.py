@@ -1,6 +1,7 @@
 """The MoE benchmark's CPU mode runs end to end: layer rows for fastlm's grouped, Triton (interpreted) and loop
 paths and transformers' block, each one's error against the loop, and whole-model rows beside the dense twin
-(timings not asserted). A row's error may be exactly 0 (one CPU thread: the Triton interpreter's and torch's
+(timings not asserted), and --profile's tables: each model's step split into categories that add up to its
+busy time. A row's error may be exactly 0 (one CPU thread: the Triton interpreter's and torch's
 GEMMs sum each small dot product in the same order), so the benchmark's check that each backend's own GEMMs
 ran is tested too."""
 
@@ -21,11 +22,16 @@ import bench_moe  # noqa: E402 - after tools/ joins the path
 from fastlm.layers.moe import MoEMLP, triton_grouped_mm_supported  # noqa: E402
 
 
-def test_bench_moe_cpu_smoke() -> None:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench_moe.py"), "--cpu-smoke", "--models", "mixtral-tiny"],
+@pytest.fixture(scope="module")
+def result() -> subprocess.CompletedProcess[str]:
+    """One CPU smoke run with --profile for the tests below (the interpreted Triton row takes seconds)."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_moe.py"), "--cpu-smoke", "--models", "mixtral-tiny", "--profile"],
         capture_output=True, text=True, timeout=300, check=True,
     )
+
+
+def test_bench_moe_cpu_smoke(result: subprocess.CompletedProcess[str]) -> None:
     rows = [line.split("|") for line in result.stdout.splitlines() if line.startswith("| ")]
     layer = {row[2].strip(): row for row in rows if row[1].strip().startswith("E8 k2")}
     assert {"fastlm grouped", "fastlm triton", "fastlm loop", "transformers eager"} <= set(layer), result.stdout
@@ -40,6 +46,31 @@ def test_bench_moe_cpu_smoke() -> None:
     total, active = millions["mixtral-tiny grouped"]
     assert active < total and abs(millions["mixtral-tiny dense twin"][0] - active) <= 0.1  # twin: the active size
     assert all(float(row[4].replace(",", "")) > 0 for row in models.values())
+
+
+def test_bench_moe_profile_tables(result: subprocess.CompletedProcess[str]) -> None:
+    """Each profiled model's categories are all listed and sum to its busy time within 5%; the grouped GEMMs'
+    row holds the MoE model's torch._grouped_mm and nothing of the dense twin's; the extra table subtracts them."""
+    categories = [category for category, _ in bench_moe.CATEGORY_RULES] + [bench_moe.OTHER_CATEGORY]
+    tables: dict[str, dict[str, float]] = {}
+    section = ""
+    for line in result.stdout.splitlines():
+        if line.startswith(("profile of ", "where the extra time goes")):
+            section = line.split(":")[0].removeprefix("profile of ")
+            tables[section] = {}
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        if section and cells and cells[0] in [*categories, "total (busy)"]:
+            tables[section][cells[0]] = float(cells[3] if section.startswith("where") else cells[1])
+    extra = tables.pop("where the extra time goes")
+    assert set(tables) == {"mixtral-tiny dense twin", "mixtral-tiny grouped"}, result.stdout
+    for name, table in tables.items():
+        assert list(table) == [*categories, "total (busy)"], name
+        total = table.pop("total (busy)")
+        assert total > 0 and abs(sum(table.values()) - total) <= 0.05 * total, (name, table, total)
+    dense, moe = tables["mixtral-tiny dense twin"], tables["mixtral-tiny grouped"]
+    assert dense["grouped GEMMs"] == 0 < moe["grouped GEMMs"]
+    assert list(extra) == categories
+    assert all(abs(extra[category] - (moe[category] - dense[category])) <= 2e-3 for category in categories)
 
 
 @pytest.mark.skipif(not triton_grouped_mm_supported(torch.device("cpu"), torch.float32),
