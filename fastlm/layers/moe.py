@@ -297,12 +297,18 @@ class MoEMLP(nn.Module):
             init_linear(self.shared_expert_gate, std)
 
 
+def _at_least_one(tokens: int | torch.Tensor) -> int | torch.Tensor:
+    """A token count as a divisor: a forward of padding alone sums zeros over zero tokens, and its losses
+    and loads are then 0, not NaN (its share of the step is 0 too)."""
+    return tokens.clamp(min=1) if isinstance(tokens, torch.Tensor) else max(tokens, 1)
+
+
 def load_balancing_loss(sums: list[RouterSums]) -> torch.Tensor:
     """Switch/Mixtral balance loss over the layers, as transformers' `load_balancing_loss_func`:
     E * sum_e f_e P_e, with f_e the share of top-k assignments and P_e the mean router probability of
     expert e, both averaged over every layer's real tokens (so a perfectly even router gives k); with
     padding, transformers given the `attention_mask`."""
-    rows = sum(s.tokens for s in sums)
+    rows = _at_least_one(sum(s.tokens for s in sums))
     counts = torch.stack([s.counts for s in sums]).sum(0)
     probs = torch.stack([s.probs for s in sums]).sum(0)
     return counts.numel() * ((counts / rows) * (probs / rows)).sum()
@@ -310,7 +316,7 @@ def load_balancing_loss(sums: list[RouterSums]) -> torch.Tensor:
 
 def router_z_loss(sums: list[RouterSums]) -> torch.Tensor:
     """ST-MoE router z-loss: the mean over every layer's real tokens of logsumexp(router logits)^2."""
-    return torch.stack([s.z for s in sums]).sum() / sum(s.tokens for s in sums)
+    return torch.stack([s.z for s in sums]).sum() / _at_least_one(sum(s.tokens for s in sums))
 
 
 def expert_load_metrics(sums: list[RouterSums], top_k: int) -> dict[str, torch.Tensor]:
@@ -318,7 +324,7 @@ def expert_load_metrics(sums: list[RouterSums], top_k: int) -> dict[str, torch.T
     even) and the fraction of experts that got no real token."""
     metrics = {}
     for index, layer in enumerate(sums):
-        mean = layer.tokens * top_k / layer.counts.numel()
+        mean = _at_least_one(layer.tokens) * top_k / layer.counts.numel()
         metrics[f"moe/layer{index}/max_over_mean_load"] = layer.counts.max() / mean
         metrics[f"moe/layer{index}/idle_experts"] = (layer.counts == 0).float().mean()
     return metrics

@@ -224,6 +224,20 @@ def test_padded_router_losses_equal_transformers_with_an_attention_mask() -> Non
     torch.testing.assert_close(layers[1].router_sums.z, sums[1].z.detach(), rtol=1e-6, atol=0)
 
 
+def test_a_forward_of_padding_alone_adds_zero_losses_not_nan() -> None:
+    """A micro-batch whose rows are all padding: its router losses, loads and router gradient are 0."""
+    torch.manual_seed(7)
+    layer = _random_layer(torch.float32)
+    x = torch.randn(2, 5, HIDDEN)
+    layer(x, real_tokens=torch.zeros(2, 5))
+    total, losses, metrics = router_losses([layer.router_sums], TOP_K, aux_coef=0.01, z_coef=0.001, share=0.0)
+    print(f"total {float(total.detach())}, losses {[float(v) for v in losses.values()]}")
+    assert float(total.detach()) == 0.0 and all(float(v) == 0.0 for v in losses.values())
+    assert all(torch.isfinite(v).all() for v in metrics.values())
+    total.backward()
+    assert float(layer.router.weight.grad.abs().sum()) == 0.0
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA (grouped GEMMs in bf16)")])])
 def test_grouped_equals_the_loop_in_bf16(device: str) -> None:
