@@ -104,7 +104,7 @@ def _describe_data(config: RunConfig) -> str:
         train, evaluation = loaders[0].rows, loaders[1].rows if loaders[1] is not None else None
     note = check_batch_fits(train, evaluation, batch_rows, trainer.eval_batches * batch_rows if trainer.eval_every else 0)
     summary = summarize(train, evaluation, data.seq_len, batch_rows, trainer.grad_accumulation, trainer.steps,
-                        tokenizer.pad_id, tokenizer.bos_id)
+                        tokenizer.bos_id)
     return summary.describe() + (f"\n{note}" if note else "")
 
 

@@ -29,13 +29,14 @@ class SplitSize:
         return f"{documents}{self.tokens:,} tokens ({self.labels:,} targets) in {self.rows:,} rows"
 
 
-def split_size(rows: Rows, pad_id: int, bos_id: int | None) -> SplitSize:
-    """Counted COUNT_ROWS rows at a time (a row is int64 only while it is counted)."""
+def split_size(rows: Rows, bos_id: int | None) -> SplitSize:
+    """Counted COUNT_ROWS rows at a time (a row is int64 only while it is counted); real tokens by the rows'
+    padding flags, not by the pad id (which tokenizers such as Qwen's share with a real end-of-text token)."""
     documents = tokens = labels = 0
     for start in range(0, len(rows), COUNT_ROWS):
-        ids, _, targets, _ = rows.take(torch.arange(start, min(start + COUNT_ROWS, len(rows))))
+        ids, _, targets, padding = rows.take(torch.arange(start, min(start + COUNT_ROWS, len(rows))))
         documents += int((ids == bos_id).sum()) if bos_id is not None else 0
-        tokens += int((ids != pad_id).sum())
+        tokens += int((~padding).sum())
         labels += int(targets.sum())
     return SplitSize(len(rows), tokens, labels, None if bos_id is None else documents)
 
@@ -91,10 +92,10 @@ def eval_repeat_note(held_out_rows: int, eval_rows: int, batch_rows: int) -> str
 
 
 def summarize(train: Rows, evaluation: Rows | None, seq_len: int, batch_rows: int, grad_accumulation: int,
-              steps: int, pad_id: int, bos_id: int | None) -> DataSummary:
+              steps: int, bos_id: int | None) -> DataSummary:
     return DataSummary(
-        train=split_size(train, pad_id, bos_id),
-        eval=split_size(evaluation, pad_id, bos_id) if evaluation is not None else None,
+        train=split_size(train, bos_id),
+        eval=split_size(evaluation, bos_id) if evaluation is not None else None,
         seq_len=seq_len, batch_rows=batch_rows, rows_per_step=batch_rows * grad_accumulation, steps=steps,
     )
 

@@ -10,6 +10,7 @@ from fastlm.data.corpus import generate_documents
 from fastlm.data.datasets import Document, pack_documents, split_documents
 from fastlm.data.eval_source import build_loaders
 from fastlm.data.loader import BatchLoader
+from fastlm.data.summary import split_size
 from fastlm.data.tokenizer import BOS, EOS, PAD, ByteTokenizer
 from fastlm.losses.spec import IGNORE_INDEX
 
@@ -78,3 +79,13 @@ def test_loader_resume_continues_exactly() -> None:
     resumed.load_state_dict(state)
     for want in expected:
         assert torch.equal(resumed.next_batch().input_ids, want)
+
+
+def test_data_summary_counts_real_tokens_by_padding_not_by_pad_id() -> None:
+    """A tokenizer whose pad id is also a real token (Qwen's end-of-text): the dry run's summary counts the
+    real occurrences and leaves out only the row's padding."""
+    documents = [Document([BOS, 97, EOS, 98, EOS], [True] * 5)]
+    rows = pack_documents(documents, seq_len=7, pad_id=EOS)  # 5 tokens, then 3 of padding that are EOS too
+    size = split_size(rows, bos_id=BOS)
+    print(size.describe())
+    assert (size.rows, size.tokens, size.documents) == (1, 5, 1)
