@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -116,6 +117,32 @@ def triton_grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> boo
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and dtype in (torch.float32, torch.float64)
 
 
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """(N, 2F) gate then up -> (N, F) silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def combine(unsorted: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(T * k, H) expert outputs in (token, slot) order, (T, k) routing weights -> (T, H) their weighted sum."""
+    tokens, top_k = weights.shape
+    return (unsorted.view(tokens, top_k, -1) * weights.to(unsorted.dtype).unsqueeze(-1)).sum(dim=1)
+
+
+FUSED = {swiglu: torch.compile(swiglu), combine: torch.compile(combine)}
+"""The dispatch's elementwise steps compiled, each into one kernel forward and one backward: eager, each
+is 2-4 passes over (T * k) rows (the MoE layer runs outside the blocks' torch.compile in training)."""
+
+
+def _elementwise(fn: Callable[..., torch.Tensor], x: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """`fn`, compiled (`FUSED`) in a CUDA training forward; eager elsewhere: on the CPU (no compile per
+    new shape in tests and laptop runs), inside an outer trace and in the generator (no grad: its decode
+    step is traced whole or captured in a CUDA graph, where a first compile must not run)."""
+    if x.is_cuda and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        return FUSED[fn]
+    return fn
+
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the experts' GEMMs run in: autocast's when it is on (grouped GEMMs are not autocast ops)."""
     return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
@@ -151,8 +178,8 @@ def expert_mlp(
                              f"hidden {down.shape[1]} and expert width {down.shape[2]}; use backend auto")
         rows, gate_up, down = rows.to(dtype), gate_up.to(dtype), down.to(dtype)
         offsets = counts.cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
+        hidden = _elementwise(swiglu, rows)(torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets))
+        return torch._grouped_mm(hidden, down.transpose(1, 2), offs=offsets)
     if backend == "triton":
         return triton_expert_mlp(rows.to(dtype), counts, gate_up.to(dtype), down.to(dtype))
     if backend == "gather":
@@ -177,8 +204,7 @@ def triton_expert_mlp(rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.T
 
     blocks = blocks or default_blocks(rows.shape[0], counts.shape[0], rows.device)
     groups = row_groups(counts.cumsum(0).to(torch.int32), rows.shape[0], blocks)
-    gate, up = grouped_linear(rows, gate_up, groups).chunk(2, dim=-1)
-    return grouped_linear(F.silu(gate) * up, down, groups)
+    return grouped_linear(_elementwise(swiglu, rows)(grouped_linear(rows, gate_up, groups)), down, groups)
 
 
 class SortedRows(torch.autograd.Function):
@@ -212,7 +238,7 @@ def dispatch(
     assignments by expert, gather their rows, run the experts, put the rows back in (token, slot) order
     and add the slots. Fixed shapes and device-side offsets: nothing is read to the host (the loop
     backend aside), so a CUDA graph can hold it. This is the piece an expert-parallel all-to-all wraps."""
-    tokens, top_k = routing.experts.shape
+    top_k = routing.experts.shape[1]
     flat = routing.experts.reshape(-1)
     order = flat.argsort(stable=True)  # assignments grouped by expert, token order inside a group
     if counts is None:
@@ -220,8 +246,7 @@ def dispatch(
     rows = SortedRows.apply(x, order, top_k, _compute_dtype(x))
     expert_out = expert_mlp(rows, flat[order], counts, gate_up, down, backend)
     unsorted = torch.empty_like(expert_out).index_copy_(0, order, expert_out)  # a permutation: no atomics
-    weights = routing.weights.to(unsorted.dtype).unsqueeze(-1)
-    return (unsorted.view(tokens, top_k, -1) * weights).sum(dim=1)
+    return _elementwise(combine, unsorted)(unsorted, routing.weights)
 
 
 class MoEMLP(nn.Module):

@@ -15,7 +15,9 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 )
 
 from fastlm.layers.moe import (
+    FUSED,
     MoEMLP,
+    combine,
     dispatch,
     expert_counts,
     grouped_mm_supported,
@@ -23,6 +25,7 @@ from fastlm.layers.moe import (
     route,
     router_losses,
     router_z_loss,
+    swiglu,
 )
 
 HIDDEN, FFN, EXPERTS, TOP_K = 16, 12, 8, 2
@@ -222,6 +225,25 @@ def test_padded_router_losses_equal_transformers_with_an_attention_mask() -> Non
         torch.compile(layers[1], fullgraph=True, backend="eager")(x, mask.float())
     torch._dynamo.reset()
     torch.testing.assert_close(layers[1].router_sums.z, sums[1].z.detach(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("fn", [swiglu, combine])
+def test_fused_elementwise_steps_equal_eager_in_float64(fn) -> None:
+    """The compiled SwiGLU and weighted slot sum (what a CUDA training forward runs) against eager float64,
+    forward and gradients, on fresh random inputs."""
+    torch.manual_seed(8)
+    inputs = ([torch.randn(40, 2 * FFN, dtype=torch.float64)] if fn is swiglu else
+              [torch.randn(40, HIDDEN, dtype=torch.float64), torch.rand(20, 2, dtype=torch.float64)])
+    runs = {}
+    for name, function in (("eager", fn), ("fused", FUSED[fn])):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = function(*leaves)
+        out.backward(torch.ones_like(out) + out.detach())
+        runs[name] = (out.detach(), *(t.grad for t in leaves))
+    torch._dynamo.reset()
+    for eager, fused in zip(runs["eager"], runs["fused"], strict=True):
+        print(f"{fn.__name__}: relative error {float((fused - eager).norm() / eager.norm()):.2e}")
+        torch.testing.assert_close(fused, eager, rtol=1e-12, atol=1e-12)
 
 
 def test_a_forward_of_padding_alone_adds_zero_losses_not_nan() -> None:
