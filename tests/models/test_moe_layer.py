@@ -263,9 +263,9 @@ def test_a_forward_of_padding_alone_adds_zero_losses_not_nan() -> None:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA (grouped GEMMs in bf16)")])])
 def test_grouped_equals_the_loop_in_bf16(device: str) -> None:
-    """The grouped GEMMs against the per-expert loop under bf16 autocast, forward and gradients, uneven groups
-    and idle experts included, against a float64 loop as the reference for both (the token rows are gathered
-    in bf16; their gradient sums a token's k slots in fp32)."""
+    """The grouped GEMMs (and on CUDA fastlm's Triton ones) against the per-expert loop under bf16 autocast,
+    forward and gradients, uneven groups and idle experts included, against a float64 loop as the reference
+    for all (the token rows are gathered in bf16; their gradient sums a token's k slots in fp32)."""
     torch.manual_seed(5)
     layer = MoEMLP(256, 128, 32, 4, True).to(device)
     layer.reset_parameters(0.05, 0.05)
@@ -273,7 +273,7 @@ def test_grouped_equals_the_loop_in_bf16(device: str) -> None:
     grad = torch.randn_like(x)
     reference = _outputs_and_grads(layer.double(), x.double(), grad.double(), "loop")
     layer.float()
-    for backend in ("grouped", "loop"):
+    for backend in ("grouped", "loop") + (("triton",) if device == "cuda" else ()):
         with torch.autocast(device, torch.bfloat16):
             got = _outputs_and_grads(layer, x, grad, backend)
         errors = [_rel(g.double(), r) for g, r in zip(got, reference)]
