@@ -78,7 +78,7 @@ class Side:
 
 def fastlm_config(preset: str, args: argparse.Namespace, run_dir: Path, device: str) -> Any:
     """The benchmark's run config: the preset's shape, byte vocab, the task, G, lengths and batch."""
-    budget = max(args.new_tokens, 64) + 64  # prompts are < 64 byte tokens, demonstrated answers < 64 too
+    budget = max(args.new_tokens, 64) + 128  # prompts up to ~100 byte tokens (chains of 4 steps), answers < 64
     body = {
         "base": str(PRESETS / f"{preset}.yaml"),
         "run": {"name": f"bench_rl_{preset}", "seed": 0, "output_dir": str(run_dir)},
