@@ -183,13 +183,12 @@ def expert_mlp(
     if backend == "triton":
         return triton_expert_mlp(rows.to(dtype), counts, gate_up.to(dtype), down.to(dtype))
     if backend == "gather":
-        gate, up = torch.bmm(gate_up[row_experts].to(dtype), rows.to(dtype).unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
-        return torch.bmm(down[row_experts].to(dtype), (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        hidden = swiglu(torch.bmm(gate_up[row_experts].to(dtype), rows.to(dtype).unsqueeze(-1)).squeeze(-1))
+        return torch.bmm(down[row_experts].to(dtype), hidden.unsqueeze(-1)).squeeze(-1)
     outputs = []
     for expert, chunk in enumerate(rows.split(counts.tolist())):
         if chunk.shape[0]:
-            gate, up = F.linear(chunk, gate_up[expert]).chunk(2, dim=-1)
-            outputs.append(F.linear(F.silu(gate) * up, down[expert]))
+            outputs.append(F.linear(swiglu(F.linear(chunk, gate_up[expert])), down[expert]))
     return torch.cat(outputs) if outputs else rows.new_zeros(0, down.shape[1], dtype=dtype)
 
 
