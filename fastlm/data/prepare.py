@@ -145,7 +145,6 @@ class _Tokenize:
         self.dtype = token_dtype(tokenizer.vocab_size)
 
     def __call__(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
-        _die_with_parent()
         names = list(batch)
         records = [{name: batch[name][row] for name in names} for row in range(len(indices))]
         if self.plain_text:  # one tokenizer call for the batch: the fast path for pretraining text
@@ -307,10 +306,11 @@ def _write_set(config: PrepareConfig, tokenizer: Tokenizer, files: list[Path], f
             continue
         dataset = _load(path, fmt, staging / "cache")
         _check_columns(config, dataset.column_names, path, fmt)
-        mapped = dataset.map(_Tokenize(config, tokenizer, path, plain_text=_plain_text(config)), batched=True,
-                             with_indices=True, batch_size=config.batch_size,
-                             num_proc=worker_count(config.num_proc, len(dataset), config.batch_size),
-                             remove_columns=dataset.column_names, desc=f"tokenizing {path.name}")
+        with _workers_die_with_parent():
+            mapped = dataset.map(_Tokenize(config, tokenizer, path, plain_text=_plain_text(config)), batched=True,
+                                 with_indices=True, batch_size=config.batch_size,
+                                 num_proc=worker_count(config.num_proc, len(dataset), config.batch_size),
+                                 remove_columns=dataset.column_names, desc=f"tokenizing {path.name}")
         writer.append(mapped)
     if not writer.count:
         raise DataError(f"{config.input_path}: no documents (the input files are empty)")
@@ -419,24 +419,34 @@ def _stopped_by_signals() -> Iterator[None]:
 
 
 _PR_SET_PDEATHSIG = 1
-_parent_bound = False
+_forking_parent: int | None = None  # the prepare process while its tokenizer workers may be forked
 
 
-def _die_with_parent() -> None:
-    """In a tokenizer worker: have the kernel SIGKILL it when its parent dies (a `kill -9` of prepare would
-    otherwise leave workers tokenizing for nobody). Once per process; Linux only."""
-    global _parent_bound
-    if _parent_bound or os.getpid() == _OWNER_PID:
+def _bind_to_parent_after_fork() -> None:
+    """In a child forked while `_workers_die_with_parent` is active: have the kernel SIGKILL it when its parent
+    dies (a `kill -9` of prepare would otherwise leave workers tokenizing, or idle, for nobody). Set at the
+    fork itself, so no window is left between the worker's start and its first batch. Linux only."""
+    if _forking_parent is None:
         return
-    _parent_bound = True
     prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
     if prctl is not None:
         prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() == 1:  # the parent died before the call
+        if os.getppid() != _forking_parent:  # the parent died before the call
             os._exit(1)
 
 
-_OWNER_PID = os.getpid()
+os.register_at_fork(after_in_child=_bind_to_parent_after_fork)
+
+
+@contextmanager
+def _workers_die_with_parent() -> Iterator[None]:
+    """Children forked inside this block (the `Dataset.map` workers) die with this process."""
+    global _forking_parent
+    _forking_parent = os.getpid()
+    try:
+        yield
+    finally:
+        _forking_parent = None
 
 
 def _plain_text(fields: RecordFields) -> bool:

@@ -136,6 +136,38 @@ def test_sigterm_removes_staging_and_workers(tmp_path: Path) -> None:
     assert _processes_running(config) == []
 
 
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status  # a zombie waits for its reaper only
+
+
+@pytest.mark.parametrize("bound", [True, False])
+def test_a_worker_forked_for_prepare_dies_with_it_before_any_batch(tmp_path: Path, bound: bool) -> None:
+    """The kill lands between a worker's fork and its first batch (the CI flake): the worker is bound at the
+    fork itself. The unbound control (a child forked outside the block) shows the check can fail."""
+    code = ("import os, signal, sys, time\nimport fastlm.data.prepare as p\nfrom contextlib import nullcontext\n"
+            "with (p._workers_die_with_parent() if sys.argv[1] == 'bound' else nullcontext()):\n"
+            "    child = os.fork()\n"
+            "    if child == 0:\n        time.sleep(60)\n        os._exit(0)\n"
+            "print(child, flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    out = tmp_path / "child.pid"
+    with out.open("w") as stdout:
+        parent = subprocess.run([sys.executable, "-c", code, "bound" if bound else "free"], cwd=ROOT, stdout=stdout,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert parent.returncode == -signal.SIGKILL
+    child = int(out.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    survived = _alive(child)
+    if survived:
+        os.kill(child, signal.SIGKILL)
+    assert survived is not bound
+
+
 def test_kills_at_random_points_leave_the_old_set_or_the_new_one(tmp_path: Path) -> None:
     """SIGKILL (seeded random delays after staging began, then inside the swap) with 2 tokenizer workers:
     after every kill the output opens and holds the old set or the new one, and the workers die with their
