@@ -8,18 +8,25 @@ built-in `generate`, no vLLM), same weights, task, reward, G, lengths and batch,
 The setup: the preset's shape with the byte tokenizer (vocab 260), the built-in arithmetic-chain task and its
 reward (`task_reward`: 1 right, 0.1 well-formed, 0 else), G = --group completions of up to --new-tokens
 tokens for each of --prompts prompts per step, temperature 1, one optimizer step per rollout (TRL's
-num_iterations 1, steps_per_generation 1), GRPO with eps 0.2, same lr. fastlm first trains --warmup-steps
+num_iterations 1, steps_per_generation 1), GRPO with eps 0.2, same lr. Neither side recomputes old log-probs:
+TRL uses the training forward's own (detached), fastlm the sampler's (`rl.old_logprobs: sampler`;
+`--old-logprobs trainer` times the recomputing forward). fastlm first trains --warmup-steps
 supervised steps on task demonstrations (so completions stop and rewards vary); those weights are exported
 to a Hugging Face folder (fastlm/models/hf.py) that TRL loads, and both sides then run RL steps from them.
 TRL is optional: if `trl` does not import, its rows say so and fastlm still runs.
 
 Reported per side and step (medians over the timed steps; the first --skip steps warm up graphs/compile):
-seconds per step split into rollout (sampling), reward, old log-prob (the training forward that recomputes
-the sampler's log-probs; TRL skips it when steps are aligned, as here) and train (forward, backward,
-optimizer); rollout tokens/s = completion tokens sampled / rollout seconds; training tokens/s = prompt +
+seconds per step split into rollout (sampling), reward, old log-prob (the forward that recomputes the
+sampler's log-probs, with `--old-logprobs trainer` only) and train (forward, backward, optimizer);
+rollout tokens/s = completion tokens sampled / rollout seconds; training tokens/s = prompt +
 completion tokens trained / train seconds; episode tokens/s = completion tokens / whole step seconds (the
 end-to-end number). Rewards per step go into the JSON (`--out`) for the two reward curves
 (`--plot FILE.png` draws them when matplotlib imports).
+
+Completion lengths follow each policy, so the two sides may sample very different amounts (a batch's
+generation lasts as long as its longest completion). `--ignore-eos` fixes the work instead: after the
+warm-up every completion runs to --new-tokens on both sides (TRL: `min_new_tokens`; fastlm: no stop
+token), the equal-work throughput a generation benchmark reports; rewards are then meaningless.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +76,7 @@ class Side:
         return {
             "framework": self.framework, "preset": self.preset, "timed_steps": len(timed), "note": self.note,
             **{f"{phase}_seconds": median[phase] for phase in PHASES}, "step_seconds": total,
+            "completion_tokens_per_step": median["completion_tokens"],
             "rollout_tokens_per_second": median["completion_tokens"] / max(median["rollout"], 1e-9),
             "training_tokens_per_second": median["trained_tokens"] / max(median["train"], 1e-9),
             "episode_tokens_per_second": median["completion_tokens"] / max(total, 1e-9),
@@ -92,7 +100,7 @@ def fastlm_config(preset: str, args: argparse.Namespace, run_dir: Path, device: 
         "rl": {"task": TASK, "group_size": args.group, "prompts_per_rollout": args.prompts, "updates_per_rollout": 1,
                "temperature": 1.0, "max_new_tokens": args.new_tokens, "scale_rewards": "group",
                "warmup_steps": args.warmup_steps, "warmup_noise": 0.3, "eval_prompts": 0, "log_completions": 0,
-               "cuda_graph": device == "cuda"},
+               "cuda_graph": device == "cuda", "old_logprobs": args.old_logprobs},
         "logging": {"wandb": {"enabled": False}, "progress": False, "jsonl": False},
     }
     path = run_dir / "bench_rl.yaml"
@@ -115,6 +123,10 @@ def run_fastlm(preset: str, args: argparse.Namespace, work: Path, device: str) -
         trainer.train_step()
     trainer.settle()
     hf_dir = export_hf(trainer.model, work / f"hf_{preset}", ByteTokenizer())
+    if args.ignore_eos:  # the warm-up's demonstrations end in EOS; the timed rollouts sample the whole budget
+        setup = trainer.setup
+        assert setup is not None
+        trainer.setup = replace(setup, options=replace(setup.options, stop_tokens=()))
     stream = trainer.train_loader
     pad = trainer.tokenizer.pad_id
     for _ in range(args.steps):
@@ -199,6 +211,7 @@ def run_trl(preset: str, args: argparse.Namespace, hf_dir: Path, work: Path) -> 
         max_steps=args.trl_steps, logging_steps=1, save_strategy="no", report_to=[], bf16=torch.cuda.is_available(),
         use_vllm=False, loss_type="dapo", scale_rewards="group", use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0, seed=0, gradient_checkpointing=False,  # fastlm does not checkpoint either
+        generation_kwargs={"min_new_tokens": args.new_tokens} if args.ignore_eos else None,
     )
     trainer = trl.GRPOTrainer(model=model, reward_funcs=task_reward_function, args=config, train_dataset=dataset,
                               processing_class=tokenizer)
@@ -271,6 +284,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--trl-steps", type=int, default=4, help="timed TRL steps (each is slow)")
     parser.add_argument("--skip", type=int, default=1, help="first steps left out of the medians (warm-up)")
     parser.add_argument("--no-trl", action="store_true")
+    parser.add_argument("--old-logprobs", choices=("sampler", "trainer"), default="sampler",
+                        help="fastlm's rl.old_logprobs (sampler: no recomputing forward, as TRL here)")
+    parser.add_argument("--ignore-eos", action="store_true", help="every completion runs to --new-tokens (equal work)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny preset on CPU, a few short steps")
     parser.add_argument("--out", type=Path, default=None, help="write the summaries (and reward curves) as JSON")
     parser.add_argument("--plot", type=Path, default=None, help="draw both reward curves into this PNG")

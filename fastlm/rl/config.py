@@ -103,6 +103,11 @@ class RLConfig(ConfigModel):
         "default: the tokenizer's EOS."
     )
     importance_sampling: ImportanceSamplingConfig = Field(default_factory=ImportanceSamplingConfig)
+    old_logprobs: Literal["trainer", "sampler"] = Field(
+        "trainer", description="The old log-probs of a rollout: 'trainer' recomputes them with a forward of the "
+        "packed rollout (the first update's ratio is 1; the sampler gap is measured and corrected); 'sampler' "
+        "takes the generator's own and skips that forward (verl's bypass mode): the ratio then holds the "
+        "sampler-vs-trainer gap and the clip bounds it.")
     cuda_graph: bool = Field(True, description="Capture the decode step in a CUDA graph (CUDA only).")
     compile_decode: bool = Field(False, description="torch.compile the decode step before capturing it (CUDA).")
     group_size: int = Field(8, ge=2, description="Completions per prompt (G).")
@@ -178,4 +183,14 @@ class RLConfig(ConfigModel):
         if self.importance_sampling.mismatch_kl_coeff > 0 and self.updates_per_rollout != 1:
             raise ValueError("rl.importance_sampling.mismatch_kl_coeff is folded into the advantages, which is exact on "
                              "the first update of a rollout only (fastlm/rl/consistency.py); set rl.updates_per_rollout: 1")
+        return self
+
+    @model_validator(mode="after")
+    def _check_old_logprobs(self) -> RLConfig:
+        correction = self.importance_sampling
+        if self.old_logprobs == "sampler" and (correction.mode != "none" or correction.mismatch_kl_coeff > 0):
+            raise ValueError("rl.old_logprobs: sampler skips the trainer's forward that rl.importance_sampling "
+                             "weighs against the sampler's log-probs; set importance_sampling.mode: none and "
+                             "mismatch_kl_coeff: 0 (the policy ratio itself then carries the gap), or old_logprobs: "
+                             "trainer")
         return self

@@ -18,7 +18,8 @@ function below, in the order the rollout runs them:
 6. old log-probs: the training forward of the packed batch under the policy head's transform (logits / T,
    the distribution the RL head trains), so the first update's ratio is 1 up to rounding. The sampler's
    log-probs they replace give the sampler-vs-trainer gap metrics and, optionally, the truncated importance
-   sampling weights folded into the advantages (fastlm/rl/consistency.py).
+   sampling weights folded into the advantages (fastlm/rl/consistency.py). With `rl.old_logprobs: sampler`
+   this forward is skipped and the sampler's log-probs stay the old ones (verl's bypass mode).
 
 Data parallel (`RolloutShard`): `rl.prompts_per_rollout` is per dp rank, like `data.micro_batch_size`, so a
 global rollout holds `prompts_per_rollout * dp` prompts. Every rank draws the whole global prompt list from
@@ -192,13 +193,13 @@ def collect_rollout(model: DecoderLM, policy_head: LMHead, backend: GenerationBa
     sampled = time.perf_counter()
     rows = pack_policy_samples(samples, setup.seq_len, setup.tokenizer.pad_id, setup.micro_batches)  # 5. pack
     batches = split_into_batches(rows, setup.micro_batches)
-    gaps = shard.gather(  # 6. old log-probs (and the sampler gap they reveal)
-        add_old_logprobs(batches, model, policy_head, config.importance_sampling, amp_dtype))
-    finished = time.perf_counter()
     metrics = {**rollout_metrics(total, advantages, lengths, stopped.bool(), config.group_size),
                **(reward_metrics(gathered[:, 3:], setup.rewards) if setup.environment is None
-                  else episode_metrics(gathered[:, 3:])),
-               **gap_metrics(gaps, config.importance_sampling.mode != "none")}
+                  else episode_metrics(gathered[:, 3:]))}
+    if config.old_logprobs == "trainer":  # 6. old log-probs (and the sampler gap they reveal); else the sampler's
+        gaps = shard.gather(add_old_logprobs(batches, model, policy_head, config.importance_sampling, amp_dtype))
+        metrics.update(gap_metrics(gaps, config.importance_sampling.mode != "none"))
+    finished = time.perf_counter()
     examples = [{"prompt": prompt, "completion": completion, "reward": float(scored.columns[i, 0]),
                  "advantage": samples[i].advantage} for i, (prompt, completion) in enumerate(scored.shown)]
     seconds = {"sampling": sampled - started - scored.reward_seconds, "reward": scored.reward_seconds,

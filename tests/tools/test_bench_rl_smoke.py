@@ -22,3 +22,10 @@ def test_bench_rl_cpu_smoke(tmp_path: Path) -> None:
         assert row[rate] > 0
     assert row["episode_tokens_per_second"] < row["rollout_tokens_per_second"]
     assert len(row["rewards"]) == 2 and json.loads(out.read_text())[0]["preset"] == "tiny-llama"
+
+
+def test_bench_rl_ignore_eos_samples_the_whole_budget() -> None:
+    """--ignore-eos: after the warm-up (whose demonstrations stop) every completion runs to --new-tokens."""
+    (row,) = bench.main(["--cpu-smoke", "--no-trl", "--ignore-eos"])
+    group, prompts, new_tokens = 2, 2, 16  # the smoke shape
+    assert row["completion_tokens_per_step"] == group * prompts * new_tokens
