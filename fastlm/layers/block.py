@@ -9,13 +9,13 @@ from torch.utils.checkpoint import checkpoint
 
 from fastlm.layers.attention import Attention, Rotary
 from fastlm.layers.kv_cache import LayerCache
-from fastlm.layers.moe import MoEMLP
 from fastlm.layers.packed_attention import AttentionLayout
 
 
 class DecoderBlock(nn.Module):
     """x + post_attn_norm(attn(attn_norm(x))), then x + post_mlp_norm(mlp(mlp_norm(x))); the post norms are
-    optional (None: plain pre-norm). Norms and the MLP are any modules with `reset_parameters`."""
+    optional (None: plain pre-norm). Norms and the MLP are any modules with `reset_parameters`; the MLP is
+called as `mlp(x, real_tokens)` (fastlm/layers/mlp.py)."""
 
     def __init__(self, attn_norm: nn.Module, attn: Attention, mlp_norm: nn.Module, mlp: nn.Module, dropout: float,
                  post_attn_norm: nn.Module | None = None, post_mlp_norm: nn.Module | None = None) -> None:
@@ -45,7 +45,7 @@ class DecoderBlock(nn.Module):
             attended = self.post_attn_norm(attended)
         x = x + self.dropout(attended)
         normed = self.mlp_norm(x)
-        mixed = self.mlp(normed, real_tokens) if isinstance(self.mlp, MoEMLP) else self.mlp(normed)
+        mixed = self.mlp(normed, real_tokens)
         if self.post_mlp_norm is not None:
             mixed = self.post_mlp_norm(mixed)
         return x + self.dropout(mixed)

@@ -1,4 +1,7 @@
-"""Feed-forward blocks: GELU (GPT-2, with biases) and the gated MLPs SwiGLU (Llama) and GeGLU (Gemma)."""
+"""Feed-forward blocks: GELU (GPT-2, with biases) and the gated MLPs SwiGLU (Llama) and GeGLU (Gemma).
+
+Every feed-forward block (these and the MoE MLP, fastlm/layers/moe.py) is called as `mlp(x, real_tokens)`:
+`real_tokens` (B, S), 1 real and 0 padding, is what a router's statistics count; a dense MLP ignores it."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ class GeluMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, ffn_size, bias=True)
         self.down_proj = nn.Linear(ffn_size, hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
 
     def reset_parameters(self, std: float, residual_std: float) -> None:
@@ -39,7 +42,7 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * ffn_size, bias=False)
         self.down_proj = nn.Linear(ffn_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         gate = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
         return self.down_proj(gate * up)
