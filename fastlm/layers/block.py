@@ -15,7 +15,7 @@ from fastlm.layers.packed_attention import AttentionLayout
 class DecoderBlock(nn.Module):
     """x + post_attn_norm(attn(attn_norm(x))), then x + post_mlp_norm(mlp(mlp_norm(x))); the post norms are
     optional (None: plain pre-norm). Norms and the MLP are any modules with `reset_parameters`; the MLP is
-called as `mlp(x, real_tokens)` (fastlm/layers/mlp.py)."""
+    called as `mlp(x, real_tokens)` (fastlm/layers/mlp.py)."""
 
     def __init__(self, attn_norm: nn.Module, attn: Attention, mlp_norm: nn.Module, mlp: nn.Module, dropout: float,
                  post_attn_norm: nn.Module | None = None, post_mlp_norm: nn.Module | None = None) -> None:
