@@ -210,9 +210,17 @@ class BaseView:
         finally:
             self.model.train(training)
 
-    def logits(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         with self._base():
-            return self.model.head_logits(self.model.hidden_states(input_ids, document_ids), self.output_weight)
+            return self.model.hidden_states(input_ids, document_ids)
+
+    def head_logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """The head through this view's output weight (a plain linear: no adapter sits on it)."""
+        with torch.no_grad():
+            return self.model.head_logits(hidden, self.output_weight if weight is None else weight)
+
+    def logits(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head_logits(self.hidden_states(input_ids, document_ids))
 
 
 class AdapterSnapshot(BaseView):

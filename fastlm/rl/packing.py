@@ -18,6 +18,8 @@ from fastlm.data.batch import Batch, batch_from_rows
 from fastlm.data.datasets import PackedRows
 from fastlm.data.loader import BatchLoader
 from fastlm.data.offline_rl import PolicySample
+from fastlm.losses.chunked_head import chunk_tokens
+from fastlm.losses.config import DEFAULT_LOGITS_MEMORY_MIB
 from fastlm.losses.spec import IGNORE_INDEX, label_logp
 from fastlm.models.decoder import DecoderLM
 from fastlm.system.device import autocast
@@ -122,15 +124,26 @@ class PolicyBatchLoader(BatchLoader):
 
 
 @torch.no_grad()
-def policy_logprobs(
-    model: DecoderLM, batch: Batch, logit_scale: float, softcap: float | None, amp_dtype: torch.dtype | None = None
-) -> torch.Tensor:
+def policy_logprobs(model: DecoderLM, batch: Batch, logit_scale: float, softcap: float | None,
+                    amp_dtype: torch.dtype | None = None, budget_mib: float = DEFAULT_LOGITS_MEMORY_MIB) -> torch.Tensor:
     """(B, S) log-prob of every label under the model (0 where masked): old_logp for the first update.
 
     The same forward as training (document ids, autocast, the head's logit transform), so the first
-    update's ratio is 1 up to float rounding of the loss path's own log-softmax.
+    update's ratio is 1 up to float rounding of the loss path's own log-softmax. Like the training head it
+    never holds the whole batch's logits: the head runs over token chunks whose logits, their fp32 copy and
+    log-softmax fit `budget_mib` (the head's `logits_memory_mib`; 0: one chunk), which matters at a 150k vocab.
     """
     device = model.output_weight.device
+    labels = batch.labels.to(device).reshape(-1)
     with autocast(device, amp_dtype):
-        logits = model.logits(batch.input_ids.to(device), batch.document_ids.to(device))
-    return label_logp(logits.float(), batch.labels.to(device), logit_scale, softcap).cpu()
+        hidden = model.hidden_states(batch.input_ids.to(device), batch.document_ids.to(device))
+    hidden = hidden.reshape(labels.numel(), -1)
+    row_bytes = model.config.vocab_size * ((amp_dtype or hidden.dtype).itemsize + 8)  # + fp32 copy, log-softmax
+    size = chunk_tokens(labels.numel(), int(budget_mib * 2**20) // row_bytes) if budget_mib else labels.numel()
+    parts = []
+    for start in range(0, labels.numel(), max(size, 1)):
+        rows = slice(start, start + size)
+        with autocast(device, amp_dtype):
+            logits = model.head_logits(hidden[rows])
+        parts.append(label_logp(logits.float(), labels[rows], logit_scale, softcap))
+    return torch.cat(parts).view(batch.labels.shape).cpu()

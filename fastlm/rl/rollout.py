@@ -298,7 +298,8 @@ def add_old_logprobs(batches: list[Batch], model: DecoderLM, policy_head: LMHead
     for batch in batches:
         sampler_logp = batch.old_logp
         assert sampler_logp is not None
-        batch.old_logp = policy_logprobs(model, batch, head.logit_scale, head.softcap, amp_dtype)
+        batch.old_logp = policy_logprobs(model, batch, head.logit_scale, head.softcap, amp_dtype,
+                                         policy_head.logits_memory_mib)
         weights = importance_weights(batch, batch.old_logp, sampler_logp, correction)
         batch.advantages = corrected_advantages(batch, batch.old_logp, sampler_logp, correction, weights)
         statistics.append(gap_statistics(batch, batch.old_logp, sampler_logp, weights))

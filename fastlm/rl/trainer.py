@@ -233,7 +233,8 @@ class RLTrainer(Trainer):
             scale, softcap = tempered_transform(head.logit_scale, head.softcap, 0.0 if self.offline else self.rl.temperature)
             for batch in batches:
                 if batch.ref_logp is None:
-                    batch.ref_logp = policy_logprobs(self.reference, batch, scale, softcap, self.amp_dtype)
+                    batch.ref_logp = policy_logprobs(self.reference, batch, scale, softcap, self.amp_dtype,
+                                                     self.policy_head.logits_memory_mib)
         return batches
 
     def next_rollout(self, stream: RolloutStream) -> None:

@@ -114,3 +114,21 @@ def test_short_completions_still_fill_every_micro_batch() -> None:
     expected = sorted(s.advantage * len(s.completion_tokens) for s in samples)
     assert advantages == pytest.approx(expected)
     assert len(pack_policy_samples(samples, seq_len=63, pad_id=PAD, min_rows=20)) == 8  # at most one row per sample
+
+
+def test_policy_logprobs_over_chunks_equal_one_chunk() -> None:
+    """A budget of a few rows of logits runs the head over many chunks (never the whole batch's logits),
+    with the same log-probs as one chunk."""
+    model = tiny_model(1)
+    rows = pack_policy_samples(_samples(10, seed=3), seq_len=20, pad_id=PAD)
+    batch = rows_to_batch(rows, torch.arange(len(rows)))
+    whole = policy_logprobs(model, batch, 0.8, 3.0, budget_mib=0)
+    chunks: list[int] = []
+    head_logits = model.head_logits
+    model.head_logits = lambda hidden, weight=None: chunks.append(hidden.shape[0]) or head_logits(hidden, weight)
+    row_bytes = model.config.vocab_size * (4 + 8)
+    got = policy_logprobs(model, batch, 0.8, 3.0, budget_mib=5 * row_bytes / 2**20)  # 5 rows of logits
+    print(f"{batch.labels.numel()} tokens in {len(chunks)} chunks of at most {max(chunks)}: "
+          f"max |diff| {float((got - whole).abs().max()):.1e}")
+    assert len(chunks) > 1 and max(chunks) <= 5 and sum(chunks) == batch.labels.numel()
+    assert torch.allclose(got, whole, rtol=0, atol=1e-6) and torch.all(got[batch.labels == IGNORE_INDEX] == 0)
