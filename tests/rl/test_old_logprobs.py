@@ -46,3 +46,10 @@ def test_sampler_log_probs_refuse_the_corrections_that_need_the_trainers(tmp_pat
     for extra in ("rl.importance_sampling.mode=token_truncate", "rl.importance_sampling.mismatch_kl_coeff=0.1"):
         with pytest.raises(ConfigError, match="old_logprobs: sampler skips the trainer's forward"):
             _config(tmp_path, "sampler", extra)
+
+
+def test_sampler_log_probs_refuse_a_truncated_sampler(tmp_path: Path) -> None:
+    for extra in ("rl.top_p=0.9", "rl.top_k=20"):
+        with pytest.raises(ConfigError, match="log-probs are of the truncated distribution"):
+            _config(tmp_path, "sampler", extra)
+        _config(tmp_path, "trainer", extra)  # the recomputed old log-probs take any sampler
