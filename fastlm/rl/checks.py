@@ -52,7 +52,7 @@ def _run_issues(config: RunConfig) -> list[ConfigIssue]:
 
 def _rollout_issues(config: RunConfig) -> list[ConfigIssue]:
     """What a rollout would fail on: the completion budget, the prompt file, the reward functions' imports,
-    the stop tokens, the importance-sampling mode for the policy child."""
+    the stop tokens, the importance-sampling mode for the policy child, what the sampler's old log-probs allow."""
     rl = config.rl
     if rl is None:
         return []
@@ -79,6 +79,8 @@ def _rollout_issues(config: RunConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue("rl.importance_sampling.mismatch_kl_coeff", "is a per-token advantage shift, which "
                                   "GSPO's sequence ratio would mix across tokens", rl.importance_sampling.mismatch_kl_coeff,
                                   hint="use it with grpo or cispo, or set it to 0"))
+    if rl.old_logprobs == "sampler":
+        issues += _sampler_logprob_issues(config)
     try:
         load_reward_functions(rl.rewards)
     except ConfigError as error:
@@ -91,6 +93,26 @@ def _rollout_issues(config: RunConfig) -> list[ConfigIssue]:
         issues += error.issues
     except TokenizerError:
         pass  # cross_check's tokenizer check reports it
+    return issues
+
+
+def _sampler_logprob_issues(config: RunConfig) -> list[ConfigIssue]:
+    """`rl.old_logprobs: sampler` trains on the sampler's log-probs: nothing may need the trainer's, and the
+    sampler may not truncate its distribution."""
+    rl = config.rl
+    assert rl is not None
+    issues: list[ConfigIssue] = []
+    correction = rl.importance_sampling
+    if correction.mode != "none" or correction.mismatch_kl_coeff > 0:
+        issues.append(ConfigIssue("rl.old_logprobs", "sampler skips the trainer's forward that rl.importance_sampling "
+                                  "weighs against the sampler's log-probs", rl.old_logprobs,
+                                  hint="set rl.importance_sampling.mode: none and mismatch_kl_coeff: 0 (the policy "
+                                  "ratio then carries the gap), or rl.old_logprobs: trainer"))
+    if rl.top_p < 1.0 or rl.top_k > 0:
+        issues.append(ConfigIssue("rl.old_logprobs", f"sampler with top_p {rl.top_p} / top_k {rl.top_k}: the sampler's "
+                                  "log-probs are of the truncated distribution, so every ratio would start below 1 by "
+                                  "the mass cut off and the clip would silence negative advantages", rl.old_logprobs,
+                                  hint="set rl.top_p: 1.0 and rl.top_k: 0, or rl.old_logprobs: trainer"))
     return issues
 
 

@@ -184,18 +184,3 @@ class RLConfig(ConfigModel):
             raise ValueError("rl.importance_sampling.mismatch_kl_coeff is folded into the advantages, which is exact on "
                              "the first update of a rollout only (fastlm/rl/consistency.py); set rl.updates_per_rollout: 1")
         return self
-
-    @model_validator(mode="after")
-    def _check_old_logprobs(self) -> RLConfig:
-        correction = self.importance_sampling
-        if self.old_logprobs == "sampler" and (correction.mode != "none" or correction.mismatch_kl_coeff > 0):
-            raise ValueError("rl.old_logprobs: sampler skips the trainer's forward that rl.importance_sampling "
-                             "weighs against the sampler's log-probs; set importance_sampling.mode: none and "
-                             "mismatch_kl_coeff: 0 (the policy ratio itself then carries the gap), or old_logprobs: "
-                             "trainer")
-        if self.old_logprobs == "sampler" and (self.top_p < 1.0 or self.top_k > 0):
-            raise ValueError(f"rl.old_logprobs: sampler with top_p {self.top_p} / top_k {self.top_k}: the sampler's "
-                             "log-probs are of the truncated distribution, so every ratio would start below 1 by the "
-                             "mass cut off and the clip would silence negative advantages; set top_p: 1.0 and "
-                             "top_k: 0, or old_logprobs: trainer")
-        return self
