@@ -1,4 +1,4 @@
-"""End to end: configs/grpo_tools.yaml, shortened to 20 rollouts after its warm-up (about 5 minutes on 2 CPU
+"""End to end: configs/grpo_tools.yaml, shortened to 20 rollouts after its warm-up (about 2 minutes on 2 CPU
 cores: slow), executes tool calls in multi-turn episodes, and the tool-use rate and the reward rise; the
 episodes' environment tokens are never targets."""
 
