@@ -18,7 +18,7 @@ from fastlm.data.batch import Batch, batch_from_rows
 from fastlm.data.datasets import PackedRows
 from fastlm.data.loader import BatchLoader
 from fastlm.data.offline_rl import PolicySample
-from fastlm.losses.chunked_head import chunk_tokens
+from fastlm.losses.chunked_head import chunking
 from fastlm.losses.config import DEFAULT_LOGITS_MEMORY_MIB
 from fastlm.losses.spec import IGNORE_INDEX, label_logp
 from fastlm.models.decoder import DecoderLM
@@ -138,10 +138,11 @@ def policy_logprobs(model: DecoderLM, batch: Batch, logit_scale: float, softcap:
     with autocast(device, amp_dtype):
         hidden = model.hidden_states(batch.input_ids.to(device), batch.document_ids.to(device))
     hidden = hidden.reshape(labels.numel(), -1)
-    row_bytes = model.config.vocab_size * ((amp_dtype or hidden.dtype).itemsize + 8)  # + fp32 copy, log-softmax
-    size = chunk_tokens(labels.numel(), int(budget_mib * 2**20) // row_bytes) if budget_mib else labels.numel()
+    element_bytes = (amp_dtype or hidden.dtype).itemsize + 8  # the logits, their fp32 copy and log-softmax
+    size = chunking(labels.numel(), model.config.vocab_size, element_bytes, budget_mib).tokens if budget_mib \
+        else max(labels.numel(), 1)
     parts = []
-    for start in range(0, labels.numel(), max(size, 1)):
+    for start in range(0, labels.numel(), size):
         rows = slice(start, start + size)
         with autocast(device, amp_dtype):
             logits = model.head_logits(hidden[rows])
