@@ -51,6 +51,22 @@ class TrainerConfig(ConfigModel):
     activation_checkpointing: bool = Field(
         False, description="Recompute each block in backward instead of keeping its activations (less memory, ~1/3 more compute)."
     )
+    activation_offload: bool = Field(
+        False, description="With activation_checkpointing: keep each block's input in pinned CPU memory until the "
+        "backward (copied out and back on a side stream, one block ahead), freeing (tokens x hidden) per layer on the GPU.",
+    )
+    mlp_tile_len: int = Field(
+        0, ge=0, description="Run each block's norm + MLP over sequence tiles of this many positions inside one "
+        "autograd node, recomputed in backward (ALST's tiled MLP): its ffn-wide intermediates never span the whole "
+        "row. 0: untiled. Dense MLPs, no dropout; a few thousand positions (e.g. 8192) keep the GEMMs efficient.",
+    )
+
+    @model_validator(mode="after")
+    def _offload_needs_checkpointing(self) -> TrainerConfig:
+        if self.activation_offload and not self.activation_checkpointing:
+            raise ValueError("trainer.activation_offload keeps the checkpointed block inputs in host memory: "
+                             "set trainer.activation_checkpointing: true too")
+        return self
     export_hf: bool = Field(
         False, description="At the end, also write the final weights as a Hugging Face folder, RUN_DIR/hf (config.json "
         "+ model.safetensors + tokenizer), as `fastlm convert --from RUN_DIR --to-hf RUN_DIR/hf` would."

@@ -148,7 +148,8 @@ class Trainer:
         if config.run.init_path is not None:  # a resume overwrites these weights with the checkpoint's
             self._load_init_weights(config.run.init_path)
         self.lora_base = setup_lora(self.model, config, self.device)  # None without model.lora
-        self.model.set_activation_checkpointing(config.trainer.activation_checkpointing)
+        self.model.set_memory_savers(config.trainer.activation_checkpointing, config.trainer.activation_offload,
+                                     config.trainer.mlp_tile_len)
         data_parallel = self.parallel.data_parallel if self.parallel.dp_size > 1 else None
         if compile_wanted(config.trainer.compile, self.device, data_parallel):
             self.model.compile_blocks()

@@ -3,13 +3,17 @@ sandwich-norm (x + post_norm(attn(norm(x))), Gemma) around attention and MLP."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastlm.layers.attention import Attention, Rotary
 from fastlm.layers.kv_cache import LayerCache
+from fastlm.layers.offload import ActivationOffload, OffloadedInput
 from fastlm.layers.packed_attention import AttentionLayout
+from fastlm.layers.tiled import run_tiled
 
 
 class DecoderBlock(nn.Module):
@@ -27,7 +31,12 @@ class DecoderBlock(nn.Module):
         self.mlp = mlp
         self.post_mlp_norm = post_mlp_norm
         self.dropout = nn.Dropout(dropout)
-        self.activation_checkpointing = False  # set by DecoderLM.set_activation_checkpointing
+        # Memory for time, set by DecoderLM.set_memory_savers: recompute the block in backward (keeping its input,
+        # in host memory with `offload`), and run the norm + MLP over sequence tiles of `mlp_tile_len` (0: whole).
+        self.activation_checkpointing = False
+        self.offload: ActivationOffload | None = None
+        self.mlp_tile_len = 0
+        self.compiled_forward: Callable | None = None  # DecoderLM.compile_blocks: `_forward` compiled, for `offload`
 
     def forward(self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None,
                 cache: LayerCache | None = None, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -35,8 +44,21 @@ class DecoderBlock(nn.Module):
         Generation passes a `cache` (and no layout). `real_tokens` (B, S), 1 real and 0 padding, reaches an
         MoE MLP (its router losses leave padding out); a dense MLP has nothing to count."""
         if self.activation_checkpointing and torch.is_grad_enabled() and cache is None:
+            if self.offload is not None:
+                return self._offloaded_checkpoint(x, rotary, layout, real_tokens)
             return checkpoint(self._forward, x, rotary, layout, None, real_tokens, use_reentrant=False)
         return self._forward(x, rotary, layout, cache, real_tokens)
+
+    @torch.compiler.disable  # the input's trip to host memory is eager; `compiled_forward` is the compiled part
+    def _offloaded_checkpoint(self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None,
+                              real_tokens: torch.Tensor | None) -> torch.Tensor:
+        assert self.offload is not None
+        return checkpoint(self._forward_offloaded, self.offload.store(x), rotary, layout, real_tokens, use_reentrant=False)
+
+    def _forward_offloaded(self, stored: OffloadedInput, rotary: Rotary | None, layout: AttentionLayout | None,
+                           real_tokens: torch.Tensor | None) -> torch.Tensor:
+        forward = self.compiled_forward or self._forward
+        return forward(stored.take(), rotary, layout, None, real_tokens)
 
     def _forward(self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None,
                  cache: LayerCache | None = None, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -44,11 +66,19 @@ class DecoderBlock(nn.Module):
         if self.post_attn_norm is not None:
             attended = self.post_attn_norm(attended)
         x = x + self.dropout(attended)
-        normed = self.mlp_norm(x)
-        mixed = self.mlp(normed, real_tokens)
-        if self.post_mlp_norm is not None:
-            mixed = self.post_mlp_norm(mixed)
+        if self.mlp_tile_len and x.shape[1] > self.mlp_tile_len and torch.is_grad_enabled() and cache is None:
+            mixed = run_tiled(self._feed_forward, x, self.mlp_tile_len, self._feed_forward_modules())
+        else:
+            mixed = self._feed_forward(x, real_tokens)
         return x + self.dropout(mixed)
+
+    def _feed_forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP half without its residual: post_mlp_norm(mlp(mlp_norm(x))), position by position."""
+        mixed = self.mlp(self.mlp_norm(x), real_tokens)
+        return mixed if self.post_mlp_norm is None else self.post_mlp_norm(mixed)
+
+    def _feed_forward_modules(self) -> list[nn.Module]:
+        return [m for m in (self.mlp_norm, self.mlp, self.post_mlp_norm) if m is not None]
 
     def reset_parameters(self, std: float, residual_std: float) -> None:
         """Norms to the identity, projections normal(0, std), residual outputs normal(0, residual_std)."""

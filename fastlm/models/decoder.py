@@ -18,6 +18,7 @@ from torch import nn
 from fastlm.layers.embedding import Embeddings, document_positions
 from fastlm.layers.kv_cache import KVCache
 from fastlm.layers.moe import MoEMLP, add_router_losses
+from fastlm.layers.offload import ActivationOffload
 from fastlm.layers.packed_attention import LayoutKind, attention_layout
 from fastlm.layers.rotary import rotary_angles
 from fastlm.layers.vocab_parallel import gather_vocab, vocab_parallel_loss
@@ -60,6 +61,7 @@ class DecoderLM(nn.Module):
         # torch.compile'd views of the blocks (`compile_blocks`): a plain list, so the state dict keeps its keys.
         self._compiled_blocks: list[nn.Module] | None = None
         self.attention_kind: LayoutKind | None = None  # force a layout (tests, benchmarks); None: attention_layout picks
+        self.activation_offload: ActivationOffload | None = None  # set_memory_savers
         self.init_weights()
 
     @property
@@ -89,9 +91,13 @@ class DecoderLM(nn.Module):
         """Compile each block for the training forward (torchtitan-style regions: the embedding, the mask
         build and the LM head stay eager, so dynamo never meets the loss kernels); parameters are shared."""
         self._compiled_blocks = [torch.compile(block, backend=backend) for block in self.blocks]
+        for block in self.blocks:  # an offloaded checkpoint runs eagerly around the compiled block body
+            block.compiled_forward = torch.compile(block._forward, backend=backend)
 
     def uncompile_blocks(self) -> None:
         self._compiled_blocks = None
+        for block in self.blocks:
+            block.compiled_forward = None
 
     @property
     def blocks_compiled(self) -> bool:
@@ -99,8 +105,18 @@ class DecoderLM(nn.Module):
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
         """Keep only each block's input in the forward and recompute the block in backward (memory for time)."""
+        self.set_memory_savers(checkpointing=enabled)
+
+    def set_memory_savers(self, checkpointing: bool, offload: bool = False, mlp_tile_len: int = 0) -> None:
+        """Memory for time in the training forward: recompute each block in backward (`checkpointing`), keep
+        the recomputed blocks' inputs in pinned host memory (`offload`, fastlm/layers/offload.py), run each
+        block's norm + MLP over sequence tiles (`mlp_tile_len` positions; 0: whole rows; fastlm/layers/tiled.py)."""
+        device = next(self.parameters()).device
+        self.activation_offload = ActivationOffload(device) if checkpointing and offload else None
         for block in self.blocks:
-            block.activation_checkpointing = enabled
+            block.activation_checkpointing = checkpointing
+            block.offload = self.activation_offload
+            block.mlp_tile_len = mlp_tile_len
 
     def hidden_states(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None,
                       padding: torch.Tensor | None = None) -> torch.Tensor:
@@ -118,6 +134,8 @@ class DecoderLM(nn.Module):
         rotaries = self._rotaries(positions)
         real_tokens = None if padding is None or not self.moe_layers else padding.logical_not().float()
         hidden = self.embeddings(input_ids, positions)
+        if self.activation_offload is not None:
+            self.activation_offload.start()
         # Compiled blocks serve the training forward only: evaluation and sampling (no grad, other shapes) stay eager.
         training_forward = self._compiled_blocks is not None and torch.is_grad_enabled()
         for block, (window, rope) in zip(self._compiled_blocks if training_forward else self.blocks, self.layer_kinds):

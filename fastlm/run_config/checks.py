@@ -31,7 +31,23 @@ def cross_check(config: RunConfig) -> list[ConfigIssue]:
     issues += _output_dir_checks(config)
     issues += _eval_source_checks(config)
     issues += lora_issues(config)
+    issues += _tiled_mlp_checks(config)
     return issues
+
+
+def _tiled_mlp_checks(config: RunConfig) -> list[ConfigIssue]:
+    """The tiled MLP recomputes each tile in backward: the recomputation must be the forward exactly (no dropout
+    draw) and count nothing twice (an MoE router's losses and loads are counted per forward)."""
+    if not config.trainer.mlp_tile_len:
+        return []
+    if config.model.active_blocks_parameters() < config.model.blocks_parameters():  # a mixture of experts
+        return [ConfigIssue("trainer.mlp_tile_len", "the tiled MLP serves dense MLPs; an MoE layer's router losses would "
+                            "be counted once per recomputed tile", config.trainer.mlp_tile_len, hint="set trainer.mlp_tile_len: 0")]
+    if config.model.dropout:
+        return [ConfigIssue("trainer.mlp_tile_len", "the tiled MLP recomputes each tile in backward, which would draw "
+                            f"other dropout masks (model.dropout={config.model.dropout})", config.trainer.mlp_tile_len,
+                            hint="set model.dropout: 0.0, or trainer.mlp_tile_len: 0")]
+    return []
 
 
 def _eval_source_checks(config: RunConfig) -> list[ConfigIssue]:
