@@ -17,10 +17,11 @@ from fastlm.data.summary import check_batch_fits, summarize
 from fastlm.data.tokenizer import build_tokenizer
 from fastlm.engine.compile import describe_training_path
 from fastlm.engine.lora_training import lora_base_dtype
+from fastlm.engine.memory import memory_issues, predict_training_memory
 from fastlm.engine.preflight import preflight_issues, run_dir_issues
 from fastlm.engine.runtime import describe_head
 from fastlm.lora.checks import describe_lora
-from fastlm.models import active_parameters, build_model, count_parameters, estimate_memory
+from fastlm.models import active_parameters, build_model, count_parameters
 from fastlm.run_config.loader import dump_config
 from fastlm.system.run_dir import RunDirError
 
@@ -53,12 +54,15 @@ def describe_run(config: RunConfig) -> str:
     """What a dry run reports: the model's size, memory estimate, the loss implementation and the data."""
     model = build_model(config.model, device="meta")
     parameters = count_parameters(model)
-    memory = estimate_memory(config.model)
     device = torch.device("cuda" if config.trainer.device != "cpu" and torch.cuda.is_available() else "cpu")
+    memory = predict_training_memory(config, device)
+    issues = memory_issues(config, memory)
+    if issues:
+        raise ConfigError(issues)
     lines = [
         f"model: {config.model.type}, {parameters:,} parameters ({parameters / 1e6:.2f} M), "
         f"{active_parameters(config.model):,} active per token",
-        f"estimated training memory (params + grads + AdamW, fp32): {memory / 2**30:.3f} GiB",
+        f"{memory.describe()}, one micro-batch of {config.data.micro_batch_size} x {config.data.seq_len} on {device.type}",
         *([] if config.model.lora is None else [describe_lora(config, lora_base_dtype(config, device))]),
         describe_head(config, device),
         describe_training_path(config.trainer.compile, config.trainer.activation_checkpointing, device,

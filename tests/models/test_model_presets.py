@@ -51,6 +51,9 @@ def test_preset_shapes_match_their_names() -> None:
 PUBLISHED = {"qwen3-0.6b": (596_049_920, 151936), "qwen3-1.7b": (1_720_574_976, 151936),
              "llama3.2-1b": (1_235_814_400, 128256), "gemma3-1b": (999_885_952, 262144),
              "phi3-mini": (3_821_079_552, 32064)}
+# The long-context sizes: Qwen3-4B "4.0B", Qwen3-8B "8.2B", Llama-3.1-8B "8.03B".
+PUBLISHED.update({"qwen3-4b": (4_022_468_096, 151936), "qwen3-8b": (8_190_735_360, 151936),
+                  "llama3.1-8b": (8_030_261_248, 128256)})
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

@@ -1,0 +1,44 @@
+"""`fastlm validate`'s predicted peak training memory: what each memory saver removes, and the refusal of a
+step that cannot fit the named device (here `trainer.device: cpu`, this machine's RAM), with the numbers."""
+
+from __future__ import annotations
+
+import torch
+
+from fastlm.commands.main import main
+from fastlm.engine.memory import GIB, predict_training_memory
+from fastlm.run_config.loader import load_config
+
+LONG = ["data.seq_len=131072", "model.max_seq_len=131072", "data.micro_batch_size=1"]
+
+
+def predicted(*overrides: str) -> dict[str, int]:
+    config = load_config("configs/presets/qwen3-1.7b.yaml", [*LONG, *overrides])
+    return predict_training_memory(config, torch.device("cuda")).parts
+
+
+def test_each_saver_removes_what_it_keeps_off_the_device() -> None:
+    plain = predicted()
+    checkpointed = predicted("trainer.activation_checkpointing=true")
+    offloaded = predicted("trainer.activation_checkpointing=true", "trainer.activation_offload=true")
+    tiled = predicted("trainer.activation_checkpointing=true", "trainer.activation_offload=true", "trainer.mlp_tile_len=8192")
+    tokens, hidden, layers = 131072, 2048, 28
+    print({name: f"{parts['activations'] / GIB:.1f} GiB" for name, parts in
+           (("plain", plain), ("ac", checkpointed), ("ac+offload", offloaded), ("ac+offload+tiles", tiled))})
+    assert checkpointed["activations"] - offloaded["activations"] == layers * 4 * hidden * tokens
+    assert plain["activations"] > checkpointed["activations"] > offloaded["activations"] > tiled["activations"]
+    assert plain["weights"] == 4 * 1_720_574_976 and plain["AdamW"] == 8 * 1_720_574_976
+
+
+def test_validate_refuses_a_step_larger_than_the_device(capsys) -> None:
+    code = main(["validate", "configs/tiny.yaml", "run.name=memory", "data.source.num_documents=5", "trainer.device=cpu",
+                 "data.seq_len=1048576", "model.max_seq_len=1048576"])
+    err = capsys.readouterr().err
+    print(err)
+    assert code == 2
+    assert "data.seq_len: the step does not fit this machine's RAM" in err and "attention mask 16384.00" in err
+
+
+def test_validate_prints_the_prediction(capsys) -> None:
+    assert main(["validate", "configs/tiny.yaml", "run.name=memory", "data.source.num_documents=20"]) == 0
+    assert "predicted peak training memory" in capsys.readouterr().out
