@@ -13,6 +13,7 @@
     python tools/bench_train.py --cpu-smoke --hf     # the same side by side at the tiny CPU shape
     python tools/bench_train.py --lora --presets llama-1b --batch 4 --lora-seq-len 2048 8192
                                                      # full fine-tune vs LoRA (+ac) vs HF PEFT (tools/bench_lora.py)
+    python tools/bench_train.py --long --hf         # 32k-128k tokens with tiling/offload (tools/bench_long.py)
 
 A step is what the trainer does: bf16 autocast forward with the fused loss, backward, fused AdamW; the
 variants add packed documents (the trainer's real rows: FlexAttention on CUDA), compiled blocks
@@ -87,11 +88,13 @@ class Row:
     head: str = "chunked"  # the LM head: chunked (logits_memory_mib > 0, the default) or full logits
 
 
-VARIANT_PARTS = ("packed", "compile", "ac", "dense")
+VARIANT_PARTS = ("packed", "compile", "ac", "dense", "offload", "tiles")
+TILE_LEN = 8192  # the tiles variant's trainer.mlp_tile_len
 
 
 def parse_variant(variant: str) -> set[str]:
-    """'plain', or '+'-joined parts: packed (~300-token documents), compile, ac, dense (force the dense mask)."""
+    """'plain', or '+'-joined parts: packed (~300-token documents), compile, ac, dense (force the dense mask),
+    offload (ac's block inputs in host memory: trainer.activation_offload), tiles (trainer.mlp_tile_len TILE_LEN)."""
     parts = set() if variant == "plain" else set(variant.split("+"))
     unknown = parts - set(VARIANT_PARTS)
     if unknown:
@@ -199,7 +202,7 @@ class Loop:
         self.packed = "packed" in parts
         torch.manual_seed(0)
         self.model = build_model(self.config.model, device=device)
-        self.model.set_activation_checkpointing("ac" in parts)
+        self.model.set_memory_savers("ac" in parts, "offload" in parts, TILE_LEN if "tiles" in parts else 0)
         if "dense" in parts:
             self.model.attention_kind = "dense"
         if "compile" in parts:
@@ -420,6 +423,8 @@ def main() -> int:
     parser.add_argument("--hf", action="store_true",
                         help="also time transformers' own model class on the same weights (see the module docstring)")
     parser.add_argument("--lora", action="store_true", help="full fine-tune vs LoRA vs LoRA+ac vs HF PEFT (tools/bench_lora.py)")
+    parser.add_argument("--long", action="store_true", help="32k-128k-token steps with the memory savers (tools/bench_long.py)")
+    parser.add_argument("--long-seq-len", type=int, nargs="+", default=[32768, 65536, 131072], help="--long: sequence lengths")
     parser.add_argument("--lora-rank", type=int, default=16, help="--lora: the adapters' rank (alpha = 2 * rank)")
     parser.add_argument("--lora-seq-len", type=int, nargs="+", default=[2048, 8192], help="--lora: sequence lengths")
     args = parser.parse_args()
@@ -427,6 +432,10 @@ def main() -> int:
         from bench_lora import lora_main  # tools/bench_lora.py
 
         return lora_main(args)
+    if args.long:
+        from bench_long import long_main  # tools/bench_long.py
+
+        return long_main(args)
     if args.compare_cli:
         from compare_cli import compare_main  # tools/compare_cli.py: the trainer beside this loop, the gap taken apart
 

@@ -26,6 +26,7 @@ import torch
 from fastlm.config.errors import ConfigIssue
 from fastlm.engine.lora_training import lora_base_dtype
 from fastlm.engine.runtime import autocast_dtype
+from fastlm.losses.config import DEFAULT_LOGITS_MEMORY_MIB
 from fastlm.models import build_model, count_parameters
 
 if TYPE_CHECKING:
@@ -78,9 +79,10 @@ def predict_training_memory(config: RunConfig, device: torch.device) -> MemoryPr
         activations = layers * layer
     casts = value * count_parameters(built) // max(layers, 1) * (2 if trainer.activation_checkpointing else layers)
     head_weight = model.vocab_size * hidden
+    budget = DEFAULT_LOGITS_MEMORY_MIB if model.head.logits_memory_mib is None else model.head.logits_memory_mib
     backward_start = {
         "activations": activations,
-        "head": min(int(model.head.logits_memory_mib * 2**20) or 2**62, tokens * model.vocab_size * (value + 4))
+        "head": min(int(budget * 2**20) or 2**62, tokens * model.vocab_size * (value + 4))
         + 2 * 4 * hidden * tokens
         + (4 * head_weight if built.output_weight.requires_grad else 0),
         "attention mask": rows * seq_len * seq_len if _dense_mask(config, device) else 0,
