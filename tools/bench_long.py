@@ -118,8 +118,9 @@ def long_main(args: argparse.Namespace) -> int:
             print("needs a CUDA device; use --cpu-smoke on CPU")
             return 2
         presets = args.presets if args.presets != ["llama-350m", "llama-1b"] else ["qwen3-1.7b", "qwen3-8b"]
-        device, lengths, steps = torch.device("cuda"), args.long_seq_len, 3
-        plan = {preset: LORA_SETUPS if preset.endswith("8b") else FULL_SETUPS for preset in presets}
+        device, lengths, steps = torch.device("cuda"), args.long_seq_len, args.long_steps
+        plan = {preset: tuple(s for s in args.long_setups or (LORA_SETUPS + FULL_SETUPS)
+                              if s.startswith("lora") == preset.endswith("8b")) for preset in presets}
     peak = measured_peak_flops(device)
     rows: list[LongRow] = []
     hf_rows = []

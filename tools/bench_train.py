@@ -425,6 +425,8 @@ def main() -> int:
     parser.add_argument("--lora", action="store_true", help="full fine-tune vs LoRA vs LoRA+ac vs HF PEFT (tools/bench_lora.py)")
     parser.add_argument("--long", action="store_true", help="32k-128k-token steps with the memory savers (tools/bench_long.py)")
     parser.add_argument("--long-seq-len", type=int, nargs="+", default=[32768, 65536, 131072], help="--long: sequence lengths")
+    parser.add_argument("--long-setups", nargs="+", help="--long: setups (default: every full fine-tune or LoRA setup)")
+    parser.add_argument("--long-steps", type=int, default=2, help="--long: timed steps per row (after one warm-up step)")
     parser.add_argument("--lora-rank", type=int, default=16, help="--lora: the adapters' rank (alpha = 2 * rank)")
     parser.add_argument("--lora-seq-len", type=int, nargs="+", default=[2048, 8192], help="--lora: sequence lengths")
     args = parser.parse_args()
