@@ -12,7 +12,8 @@ Dkv, feed-forward F): attention ~ 10H + 6Dq + 8Dkv (norm input and output, q/k/v
 the attention output and its statistics), MLP ~ 6H + 8F (norm input and output, the gate/up projection, the
 activation and the product); the tiled MLP keeps 4H of it and one tile's 8F at a time. The LM head holds
 the final hidden states, their gradient and one chunk of logits (`model.head.logits_memory_mib`). The dense
-attention mask (CPU, or dropout on CUDA) adds B*S^2 bytes. Checked against measured peaks on a GPU in
+attention mask (CPU, or dropout on CUDA) adds B*S^2 bytes. An online RL run also samples: the rollout's KV
+cache and the sampler's bf16 replica may be the larger peak (long completions). Checked against measured peaks on a GPU in
 docs/benchmarks.md ("Long context").
 """
 
@@ -27,7 +28,7 @@ from fastlm.config.errors import ConfigIssue
 from fastlm.engine.lora_training import lora_base_dtype
 from fastlm.engine.runtime import autocast_dtype
 from fastlm.losses.config import DEFAULT_LOGITS_MEMORY_MIB
-from fastlm.models import build_model, count_parameters
+from fastlm.models import build_model, count_parameters, num_parameters
 
 if TYPE_CHECKING:
     from fastlm.run_config.schema import RunConfig
@@ -93,9 +94,20 @@ def predict_training_memory(config: RunConfig, device: torch.device) -> MemoryPr
         "weight casts": casts if amp is not None and model.lora is None else 0,
         "workspace": WORKSPACE if device.type == "cuda" else 0,
     }
-    if sum(backward_start.values()) >= 4 * trainable:
-        return MemoryPrediction({**parts, **backward_start})
-    return MemoryPrediction({**parts, "grads": 4 * trainable})
+    peaks = [backward_start, {"grads": 4 * trainable}, _rollout(config, device, kv_width, value)]
+    return MemoryPrediction({**parts, **max(peaks, key=lambda peak: sum(peak.values()))})
+
+
+def _rollout(config: RunConfig, device: torch.device, kv_width: int, value: int) -> dict[str, int]:
+    """An online RL run's sampling: every row of the rollout (prompts x group) with a KV cache as long as a
+    training row (prompt + completion), and on CUDA the sampler's bf16 replica of the weights."""
+    rl, model = config.rl, config.model
+    if rl is None:
+        return {}
+    rows = rl.prompts_per_rollout * rl.group_size
+    span = min(model.max_seq_len, config.data.seq_len + 1)
+    replica = 2 * num_parameters(model) if device.type == "cuda" and rl.cuda_graph else 0
+    return {"KV cache": rows * span * model.num_layers * 2 * kv_width * value, "sampling replica": replica}
 
 
 def _dense_mask(config: RunConfig, device: torch.device) -> bool:

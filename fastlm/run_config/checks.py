@@ -42,7 +42,8 @@ def _tiled_mlp_checks(config: RunConfig) -> list[ConfigIssue]:
         return []
     if config.model.active_blocks_parameters() < config.model.blocks_parameters():  # a mixture of experts
         return [ConfigIssue("trainer.mlp_tile_len", "the tiled MLP serves dense MLPs; an MoE layer's router losses would "
-                            "be counted once per recomputed tile", config.trainer.mlp_tile_len, hint="set trainer.mlp_tile_len: 0")]
+                            "be counted once per recomputed tile", config.trainer.mlp_tile_len,
+                            hint="set trainer.mlp_tile_len: 0")]
     if config.model.dropout:
         return [ConfigIssue("trainer.mlp_tile_len", "the tiled MLP recomputes each tile in backward, which would draw "
                             f"other dropout masks (model.dropout={config.model.dropout})", config.trainer.mlp_tile_len,

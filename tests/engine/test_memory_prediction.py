@@ -42,3 +42,14 @@ def test_validate_refuses_a_step_larger_than_the_device(capsys) -> None:
 def test_validate_prints_the_prediction(capsys) -> None:
     assert main(["validate", "configs/tiny.yaml", "run.name=memory", "data.source.num_documents=20"]) == 0
     assert "predicted peak training memory" in capsys.readouterr().out
+
+
+def test_long_rl_completions_count_the_rollout_cache() -> None:
+    """At 16k-token completions the rollout's KV cache (64 rows x 16k x 28 layers x k and v) outweighs the step."""
+    shape = {"vocab_size": 151936, "hidden_size": 2048, "num_layers": 28, "num_heads": 16, "num_kv_heads": 8,
+             "intermediate_size": 6144, "max_seq_len": 20000}
+    config = load_config("configs/grpo.yaml", [*(f"model.{k}={v}" for k, v in shape.items()), "data.seq_len=16384",
+                         "data.micro_batch_size=1", "rl.max_new_tokens=16000", "rl.prompts_per_rollout=8", "rl.group_size=8"])
+    parts = predict_training_memory(config, torch.device("cuda")).parts
+    print({name: f"{size / GIB:.1f} GiB" for name, size in parts.items()})
+    assert parts["KV cache"] == 64 * 16385 * 28 * 2 * 1024 * 2 and "activations" not in parts

@@ -9,9 +9,9 @@ import torch
 from model_helpers import load_preset, make_model
 from test_packed_attention import max_grad_error, packed_rows, train_loss_and_grads
 
+from fastlm.config.errors import ConfigError
 from fastlm.layers.offload import ActivationOffload
 from fastlm.layers.tiled import run_tiled
-from fastlm.config.errors import ConfigError
 from fastlm.run_config.loader import load_config
 
 SAVERS = {
