@@ -81,6 +81,8 @@ def _rollout_issues(config: RunConfig) -> list[ConfigIssue]:
                                   hint="use it with grpo or cispo, or set it to 0"))
     if rl.old_logprobs == "sampler":
         issues += _sampler_logprob_issues(config)
+    if rl.teacher is not None:
+        issues += _teacher_issues(config)
     try:
         load_reward_functions(rl.rewards)
     except ConfigError as error:
@@ -134,3 +136,15 @@ def _environment_issues(config: RunConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue("rl.warmup_steps", f"environment '{factory.path}' has no demonstrations(count, noise, "
                                   "seed) for the supervised warm-up", rl.warmup_steps, hint="set rl.warmup_steps: 0"))
     return issues
+
+
+def _teacher_issues(config: RunConfig) -> list[ConfigIssue]:
+    """rl.teacher scores online rollouts with the run's own tokenizer (fastlm/rl/teacher.py)."""
+    from fastlm.data.tokenizer import build_tokenizer
+    from fastlm.rl.teacher import teacher_issues
+
+    if config.data.source.type == "offline_rl":
+        return [ConfigIssue("rl.teacher", "the teacher scores the policy's own samples; offline_rl data is not sampled",
+                            config.rl.teacher.path if config.rl and config.rl.teacher else None,
+                            hint="remove rl.teacher, or distill offline with a distillation loss child")]
+    return teacher_issues(config, build_tokenizer(config.data.tokenizer, config.run.init_path))

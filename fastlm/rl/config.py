@@ -56,6 +56,21 @@ class RewardConfig(UserCodeConfig):
         return self.name or self.function.rsplit(":", 1)[1]
 
 
+class TeacherConfig(ConfigModel):
+    """On-policy distillation (fastlm/rl/teacher.py): a frozen teacher scores every token the policy sampled, and
+    its per-token reverse KL joins the advantages, A_t = reward_weight * A_group + coef * sum_k discount^k r_(t+k)
+    with r = log p_teacher(y) - log p_student(y) over the completion's following tokens (Agarwal et al. 2024's
+    on-policy setting; Thinking Machines' on-policy distillation: reward_weight 0, discount 0)."""
+
+    path: str = Field(description="The teacher: a fastlm run (or checkpoints/, step-*), a Hugging Face folder or a "
+                      "hub name from the local cache (as run.init_path); another size or family, the same tokenizer.")
+    coef: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="Weight of the teacher term in the advantage.")
+    reward_weight: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="Weight of the rewards' group "
+                                 "advantage: 0 distills alone; > 0 mixes RL and distillation in one run.")
+    discount: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False, description="gamma: a token's teacher term "
+                            "also counts the following tokens' (discounted); 0: the token's own.")
+
+
 class ImportanceSamplingConfig(ConfigModel):
     """Rollout corrections of the sampler-vs-trainer gap: every token's loss is weighted by a function of the
     ratio r = exp(train_logp - sampler_logp), per token or per completion (fastlm/rl/consistency.py has the
@@ -102,6 +117,8 @@ class RLConfig(ConfigModel):
         None, description="Tokens that end a completion (special-token names like '<eos>' or single-token text); "
         "default: the tokenizer's EOS."
     )
+    teacher: TeacherConfig | None = Field(None, description="A frozen teacher whose per-token reverse KL to the "
+                                          "policy on its own samples joins the advantages (on-policy distillation).")
     importance_sampling: ImportanceSamplingConfig = Field(default_factory=ImportanceSamplingConfig)
     old_logprobs: Literal["trainer", "sampler"] = Field(
         "trainer", description="The old log-probs of a rollout: 'trainer' recomputes them with a forward of the "

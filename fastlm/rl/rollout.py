@@ -14,7 +14,8 @@ function below, in the order the rollout runs them:
    targets, and the environment gives the reward.
 4. advantages: group-normalised rewards (fastlm/rl/advantages.py).
 5. pack: whole documents into rows of data.seq_len + 1 tokens, split into exactly `grad_accumulation`
-   micro-batches (one optimizer step covers the rollout; fastlm/rl/packing.py).
+   micro-batches (one optimizer step covers the rollout; fastlm/rl/packing.py). With `rl.teacher` a frozen
+   teacher then scores every sampled token and its reverse KL joins the advantages (fastlm/rl/teacher.py).
 6. old log-probs: the training forward of the packed batch under the policy head's transform (logits / T,
    the distribution the RL head trains), so the first update's ratio is 1 up to rounding. The sampler's
    log-probs they replace give the sampler-vs-trainer gap metrics and, optionally, the truncated importance
@@ -68,6 +69,7 @@ from fastlm.rl.prompts import (
     task_reward,
 )
 from fastlm.rl.rewards import RewardFunction, load_reward_functions, reward_metrics, score_completions, total_reward
+from fastlm.rl.teacher import Teacher, add_teacher_advantages, teacher_metrics
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,7 @@ class Scored:
 
 def collect_rollout(model: DecoderLM, policy_head: LMHead, backend: GenerationBackend, setup: RolloutSetup,
                     prompt_rng: random.Random, generator: torch.Generator | None,
-                    amp_dtype: torch.dtype | None = None) -> Rollout:
+                    amp_dtype: torch.dtype | None = None, teacher: Teacher | None = None) -> Rollout:
     """Sample, score, advantage and pack one rollout of the current policy (see the module docstring)."""
     config, shard = setup.config, setup.shard
     started = time.perf_counter()
@@ -196,6 +198,9 @@ def collect_rollout(model: DecoderLM, policy_head: LMHead, backend: GenerationBa
     metrics = {**rollout_metrics(total, advantages, lengths, stopped.bool(), config.group_size),
                **(reward_metrics(gathered[:, 3:], setup.rewards) if setup.environment is None
                   else episode_metrics(gathered[:, 3:]))}
+    if teacher is not None:  # 5b. the teacher scores every sampled token: its reverse KL joins the advantages
+        metrics.update(teacher_metrics(shard.gather(add_teacher_advantages(batches, teacher))))
+    scored_by_teacher = time.perf_counter()
     if config.old_logprobs == "trainer":  # 6. old log-probs (and the sampler gap they reveal); else the sampler's
         gaps = shard.gather(add_old_logprobs(batches, model, policy_head, config.importance_sampling, amp_dtype))
         metrics.update(gap_metrics(gaps, config.importance_sampling.mode != "none"))
@@ -203,7 +208,7 @@ def collect_rollout(model: DecoderLM, policy_head: LMHead, backend: GenerationBa
     examples = [{"prompt": prompt, "completion": completion, "reward": float(scored.columns[i, 0]),
                  "advantage": samples[i].advantage} for i, (prompt, completion) in enumerate(scored.shown)]
     seconds = {"sampling": sampled - started - scored.reward_seconds, "reward": scored.reward_seconds,
-               "old_logprob": finished - sampled}
+               "teacher": scored_by_teacher - sampled, "old_logprob": finished - scored_by_teacher}
     return Rollout(batches, metrics, examples, seconds)
 
 

@@ -65,6 +65,7 @@ from fastlm.rl.prompts import PromptRecord
 from fastlm.rl.rewards import RewardError
 from fastlm.rl.rollout import RolloutSetup, RolloutShard, collect_rollout
 from fastlm.rl.stream import RolloutStream, rank_rows
+from fastlm.rl.teacher import load_teacher
 
 if TYPE_CHECKING:
     from fastlm.run_config.schema import RunConfig
@@ -132,7 +133,9 @@ class RLTrainer(Trainer):
         self.eval_records: list[PromptRecord] = []  # a prompt data set's (rl/eval_prompts.py)
         self.timing = [0.0, 0.0, 0]  # rollout seconds, train seconds, steps since the last log record
         self.rollout_seconds = 0.0  # drawing rollouts in the current step
-        self.phase_seconds = dict.fromkeys(("sampling", "reward", "old_logprob"), 0.0)  # the same, split, over the run
+        self.phase_seconds = dict.fromkeys(("sampling", "reward", "teacher", "old_logprob"), 0.0)  # the same, split
+        self.teacher = None if self.setup is None or self.rl.teacher is None else load_teacher(
+            self.rl.teacher, self.rl.temperature, self.device, self.amp_dtype, self.policy_head.logits_memory_mib)
         chosen = self.rl.eval_prompts
         if self.setup is not None and self.rl.prompts is None and isinstance(chosen, int) and chosen:
             rng = random.Random(config.run.seed + 4)
@@ -243,7 +246,7 @@ class RLTrainer(Trainer):
         assert self.setup is not None and self.backend is not None
         with stream.restored_on_failure():
             rollout = collect_rollout(self.model, self.policy_head, self.backend, self.setup, stream.prompt_rng,
-                                      stream.generator, self.amp_dtype)
+                                      stream.generator, self.amp_dtype, self.teacher)
         stream.start(rollout)
         for phase, seconds in rollout.seconds.items():
             self.phase_seconds[phase] += seconds
