@@ -28,7 +28,7 @@ from fastlm.run_config.checks import cross_check
 from fastlm.run_config.schema import RunConfig
 
 BASE_KEY = "base"
-INIT_KEY = "init_path"
+HUB_NAME_KEYS = ("run.init_path", "rl.teacher.path")  # may name a hub model (Qwen/Qwen3-0.6B) instead of a folder
 DEFAULT_SOURCE = "defaults"
 MAX_CONFIG_FILES = 64  # a config plus its bases, counted with repeats
 MAX_REPORTED_ISSUES = 50  # a file of 20,000 unknown keys needs the first few named, not 20,000 lines
@@ -85,7 +85,7 @@ def _is_path_key(key: Any) -> bool:
     return isinstance(key, str) and (key == "path" or key.endswith("_path"))
 
 
-def _resolve_path(key: str, value: Any, base_dir: Path | None) -> Any:
+def _resolve_path(key: str, value: Any, base_dir: Path | None, dotted: str = "") -> Any:
     """A relative path under a path key, made absolute against the YAML file's folder; lists of mappings
     (`data.source.sources: [{path, weight}]`) have their path keys resolved too."""
     if base_dir is None:
@@ -94,7 +94,7 @@ def _resolve_path(key: str, value: Any, base_dir: Path | None) -> Any:
         return [{k: _resolve_path(k, v, base_dir) for k, v in item.items()} if isinstance(item, dict) else item
                 for item in value]
     if _is_path_key(key) and isinstance(value, str) and not Path(value).is_absolute():
-        if key == INIT_KEY and HUB_NAME.match(value) and not (base_dir / value).exists():
+        if dotted in HUB_NAME_KEYS and HUB_NAME.match(value) and not (base_dir / value).exists():
             return value  # a hub name (Qwen/Qwen3-0.6B), not a folder next to the YAML
         return str((base_dir / value).resolve())
     return value
@@ -124,7 +124,7 @@ def _merge(target: LayeredDict, layer: dict[str, Any], source: str, prefix: str 
         replaced = node.get(key)
         if isinstance(replaced, dict):
             target.drop_sources_below(dotted, replaced)
-        node[key] = _resolve_path(key, value, base_dir)
+        node[key] = _resolve_path(key, value, base_dir, dotted)
         target.set_source(dotted, source)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rl_helpers import reference_logprobs, rel_err, tiny_model
+from rl_helpers import reference_logprobs, rel_err
 
 from fastlm.config.errors import ConfigError
 from fastlm.data.offline_rl import PolicySample
@@ -56,7 +56,6 @@ def test_discounted_sum_follows_its_formula(discount: float) -> None:
 def test_teacher_advantages_match_float64(reward_weight: float, coef: float, discount: float) -> None:
     """A packed rollout of two completions (prompt tokens masked): the teacher, another size, scores each sampled
     token as a float64 unpacked forward does; the advantages follow the formula, zero off the policy tokens."""
-    student = tiny_model(seed=1)
     torch.manual_seed(2)
     teacher_model = build_model(LlamaConfig(hidden_size=48, num_layers=2, num_heads=4, max_seq_len=48, init_std=0.2)).eval()
     samples = [PolicySample([5, 9, 11], [3, 7, 8, 2], 0.7, old_logp=[-1.0, -2.0, -0.5, -1.5]),
