@@ -188,7 +188,10 @@ class UserCodeProcess:
                                             else f"did not return within rl.reward_timeout_s = {timeout_s:g} s")
             status, value = self._replies.recv()
         except (EOFError, OSError) as error:  # the child died (os._exit, a crash, the OOM killer)
-            code = self._child.poll() if self._child is not None else None
+            try:
+                code = self._child.wait(timeout=1.0) if self._child is not None else None
+            except subprocess.TimeoutExpired:  # its pipe closed, but it still runs: it is killed below
+                code = None
             self.close()
             raise UserCodeError(f"ended its process (exit status {code})") from error
         if status == "raised":
