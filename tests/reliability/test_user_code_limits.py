@@ -137,11 +137,13 @@ def test_a_reward_that_does_not_return_is_abandoned_after_the_timeout(user_modul
 
 
 def _gone(pid: int) -> bool:
+    """No such process, or a zombie (dead, waiting for a parent that may never reap it, as in a container)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.is_file() and stat.read_text().rsplit(")", 1)[-1].split()[0] == "Z"
 
 
 @pytest.mark.parametrize("name", ["regex", "power"])
@@ -155,6 +157,24 @@ def test_a_reward_that_holds_the_gil_is_killed_at_the_timeout(user_module: Path,
         score_completions(_functions((name, 1.0), timeout_s=1.0), _arguments(), group_size=2)
     assert time.monotonic() - started < 1.0 + 5
     assert _gone(int((tmp_path / "pid").read_text()))
+
+
+def test_user_code_dies_with_a_killed_trainer(user_module: Path, tmp_path: Path) -> None:
+    """A SIGKILLed trainer leaves no user-code process spinning behind it (the kernel kills it with its parent)."""
+    script = ("import sys; from fastlm.rl.user_code import UserCodeProcess; "
+              "UserCodeProcess().call('call', 'hostile_rewards:power', {'completions': ['1']}, timeout_s=600)")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{user_module}", "SLEEP_MARKER": str(tmp_path / "pid")}
+    trainer = subprocess.Popen([sys.executable, "-c", script], env=env)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "pid").is_file() or not (tmp_path / "pid").read_text():
+        assert trainer.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int((tmp_path / "pid").read_text())
+    trainer.kill()
+    trainer.wait()
+    while not _gone(child):
+        assert time.monotonic() < deadline, f"user-code process {child} outlived its trainer"
+        time.sleep(0.05)
 
 
 def _environment(name: str, timeout_s: float = 60.0) -> tuple[EnvironmentFactory, int]:
