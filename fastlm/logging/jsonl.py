@@ -11,14 +11,22 @@ import os
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 from fastlm.system.disk_space import raise_if_disk_full
 from fastlm.system.run_dir import open_run_file
 
 
-def _plain(value: float) -> float | None:
-    """JSON has no NaN/inf: non-finite values are written as null so every line stays strict JSON."""
-    return value if math.isfinite(value) else None
+def plain_json(value: Any) -> Any:
+    """`value` with every non-finite float, at any depth of its lists and dicts (a table's rows), as None:
+    JSON has no NaN/inf, so they are written as null and every line stays strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (list, tuple)):
+        return [plain_json(item) for item in value]
+    if isinstance(value, dict):
+        return {key: plain_json(item) for key, item in value.items()}
+    return value
 
 
 class JsonlSink:
@@ -31,8 +39,8 @@ class JsonlSink:
         self._file = os.fdopen(fd, "a", encoding="utf-8")
 
     def log(self, step: int, metrics: dict[str, float | list[dict]]) -> None:
-        """A list value (a table's rows) is written as it is; scalar readers skip it."""
-        values = {k: v if isinstance(v, list) else _plain(float(v)) for k, v in metrics.items()}
+        """A list value (a table's rows) is written as rows; scalar readers skip it."""
+        values = {k: plain_json(v if isinstance(v, list) else float(v)) for k, v in metrics.items()}
         record = {"step": step, "time": time.time(), **values}
         line = json.dumps(record, allow_nan=False) + "\n"
         try:

@@ -105,8 +105,10 @@ class RLConfig(ConfigModel):
     rewards: list[RewardConfig] = Field(
         default_factory=list, description="User reward functions; empty = the built-in task's reward."
     )
-    reward_timeout_s: float = Field(60.0, gt=0.0, allow_inf_nan=False, description="Longest a reward function may "
-                                    "run for one rollout; past it the run stops with a checkpoint, as for one that raises.")
+    reward_timeout_s: float = Field(60.0, gt=0.0, allow_inf_nan=False, description="Longest a user reward function's "
+                                    "call for one rollout, or a user environment's constructor, reset or step call, may run "
+                                    "(in its own process, killed then); past it the run stops with a checkpoint, as for one "
+                                    "that raises.")
     environment: EnvironmentConfig | None = Field(
         None, description="Multi-turn episodes with tools (fastlm/rl/environments); the environment gives the reward."
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -21,18 +21,8 @@ from fastlm.data.datasets import DataError, jsonl_records
 from fastlm.data.tasks import AdditionTask, ArithmeticChainTask, Problem, ReverseTask, Task, score
 from fastlm.data.tokenizer import SPECIAL_TOKENS, Tokenizer, TokenizerError
 from fastlm.rl.config import AdditionTaskConfig, ArithmeticChainTaskConfig, JsonlPromptsConfig, RLConfig, TaskConfig
+from fastlm.rl.records import PromptRecord
 from fastlm.rl.rewards import RESERVED_ARGUMENTS
-
-
-@dataclass(frozen=True)
-class PromptRecord:
-    text: str  # what is encoded (a conversation rendered by the chat template)
-    columns: dict[str, Any] = field(default_factory=dict)
-    prompt: Any = None  # what reward functions get as the prompt (the messages of a conversation); None: text
-
-    @property
-    def shown(self) -> Any:
-        return self.text if self.prompt is None else self.prompt
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:

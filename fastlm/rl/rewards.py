@@ -14,17 +14,18 @@ that gave one; a completion none scored is left out of its group's mean and std 
 
 A function that raises, returns the wrong count or a non-number stops the run with a `RewardError` naming
 the function and the prompt index; a NaN does too, or counts as None with `rl.nan_rewards: skip`; so does a
-value that is not finite once weighted. A function runs in a worker thread that the run waits for at most
-`rl.reward_timeout_s` seconds, and only until a SIGTERM/SIGINT arrives: either way it is abandoned with a
-`RewardError` (the RL trainer then writes the checkpoint of the last finished step, as for a raising function).
+value that is not finite as a float (10**400) or once weighted. User functions run in a child process
+(fastlm/rl/user_code.py: a thread cannot stop code that holds the GIL), which the run waits for at most
+`rl.reward_timeout_s` seconds per call, and only until a SIGTERM/SIGINT arrives: either way the process is
+killed and the run stops with a `RewardError` (the RL trainer then writes the checkpoint of the last
+finished step, as for a raising function). Each call gets the lists as the child unpickles them (its own
+copies); built-in rewards run in this process.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ import torch
 
 from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.rl.config import RewardConfig
-from fastlm.system.signals import stop_signal
+from fastlm.rl.user_code import Opaque, UserCodeAbandoned, UserCodeError, UserCodeProcess
 
 RewardCallable = Callable[..., Sequence[float | None]]
 RESERVED_ARGUMENTS = ("prompts", "completions", "completion_ids", "stopped")
@@ -51,11 +52,12 @@ class RewardFunction:
     function: RewardCallable
     weight: float
     timeout_s: float = DEFAULT_TIMEOUT_S  # rl.reward_timeout_s
+    process: UserCodeProcess | None = None  # where user code runs (killable); None: here (a built-in reward)
 
 
 def load_reward_functions(configs: list[RewardConfig], timeout_s: float = DEFAULT_TIMEOUT_S) -> list[RewardFunction]:
     """Import every configured function; a bad path is a `ConfigError` at `rl.rewards[i].function`."""
-    functions, issues = [], []
+    functions, issues, process = [], [], UserCodeProcess()
     for index, config in enumerate(configs):
         where = f"rl.rewards[{index}].function"
         module_name, attribute = config.function.split(":")
@@ -70,7 +72,8 @@ def load_reward_functions(configs: list[RewardConfig], timeout_s: float = DEFAUL
         if not callable(function):
             issues.append(ConfigIssue(where, f"module '{module_name}' has no function '{attribute}'", config.function))
             continue
-        functions.append(RewardFunction(config.metric_name, config.function, function, config.weight, timeout_s))
+        functions.append(RewardFunction(config.metric_name, config.function, function, config.weight, timeout_s,
+                                        process))
     names = [f.name for f in functions]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -81,32 +84,44 @@ def load_reward_functions(configs: list[RewardConfig], timeout_s: float = DEFAUL
     return functions
 
 
+def shown(value: Any) -> str:
+    """A returned value for a message: its type and repr, cut at 80 characters (a repr that fails, such as
+    an int past Python's digit limit, by its type)."""
+    if isinstance(value, Opaque):
+        return repr(value)
+    try:
+        return f"{type(value).__name__} {repr(value)[:80]}"
+    except ValueError:
+        return f"an {type(value).__name__} too long to print"
+
+
+def as_reward(value: Any) -> float | None:
+    """A returned reward as a float (None stays None); a `ValueError` saying what came instead of a number:
+    a non-number, a bool, or an integer past the float range (10**400 is not a reward, not a traceback)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"returned {shown(value)}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"returned an integer of {value.bit_length()} bits, past the float range") from None
+
+
 def _bounded(reward: RewardFunction, arguments: dict[str, list[Any]]) -> list[Any]:
-    """The function called on deep copies of `arguments` in a daemon thread, waited for at most its timeout
-    and only until a stop signal; a `RewardError` when abandoned, the function's own exception re-raised."""
-    outcome: dict[str, Any] = {}
-    copies = copy.deepcopy(arguments)
-
-    def run() -> None:
-        try:
-            outcome["values"] = list(reward.function(**copies))
-        except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
-            outcome["error"] = error
-
-    worker = threading.Thread(target=run, name=f"reward {reward.name}", daemon=True)
-    deadline = time.monotonic() + reward.timeout_s
-    worker.start()
-    while worker.is_alive():
-        worker.join(min(0.05, max(deadline - time.monotonic(), 0.0)))
-        stopped = stop_signal()
-        if worker.is_alive() and (stopped is not None or time.monotonic() >= deadline):
-            why = f"was still running when {stopped} arrived" if stopped is not None else \
-                f"did not return within rl.reward_timeout_s = {reward.timeout_s:g} s"
-            raise RewardError(f"reward function '{reward.name}' ({reward.path}) {why}; it was abandoned (make it "
-                              "return sooner, or raise rl.reward_timeout_s)")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["values"]
+    """The function's values: a user function's from its process (killed past its timeout or at a stop
+    signal: a `RewardError`; its own exception a `UserCodeError`), a built-in's called here on deep copies."""
+    if reward.process is None:
+        return list(reward.function(**copy.deepcopy(arguments)))
+    try:
+        values = reward.process.call("call", reward.path, arguments, timeout_s=reward.timeout_s)
+    except UserCodeAbandoned as error:
+        raise RewardError(f"reward function '{reward.name}' ({reward.path}) {error}; it was abandoned (make it "
+                          "return sooner, or raise rl.reward_timeout_s)") from error
+    if not isinstance(values, list):
+        raise RewardError(f"reward function '{reward.name}' ({reward.path}) returned {shown(values)}; return a "
+                          "list of one float or None per completion")
+    return values
 
 
 def _call(reward: RewardFunction, arguments: dict[str, list[Any]], group_size: int) -> list[Any]:
@@ -125,24 +140,24 @@ def _call(reward: RewardFunction, arguments: dict[str, list[Any]], group_size: i
             except Exception:  # noqa: BLE001
                 failing = str(index // group_size)
                 break
-        raise RewardError(f"reward function '{reward.name}' ({reward.path}) raised {type(error).__name__}: {error} "
-                          f"(prompt index {failing} of this rollout)") from error
+        said = str(error) if isinstance(error, UserCodeError) else f"raised {type(error).__name__}: {error}"
+        raise RewardError(f"reward function '{reward.name}' ({reward.path}) {said} (prompt index {failing} of "
+                          "this rollout)") from error
 
 
 def _value(reward: RewardFunction, value: Any, index: int, group_size: int, nan_policy: str) -> float:
     """One returned value as a float (NaN = no reward), or a RewardError naming the prompt."""
     where = f"reward function '{reward.name}' ({reward.path}), prompt index {index // group_size} (completion {index})"
-    if value is None:
+    try:
+        number = as_reward(value)
+    except ValueError as error:
+        raise RewardError(f"{where}: {error}, expected a float or None") from None
+    if number is None:
         return math.nan
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RewardError(f"{where}: returned {type(value).__name__} {value!r}, expected a float or None")
-    value = float(value)
-    if math.isinf(value) or (math.isnan(value) and nan_policy == "error"):
-        raise RewardError(f"{where}: returned {value}; return a finite float or None "
+    if math.isinf(number) or (math.isnan(number) and nan_policy == "error"):
+        raise RewardError(f"{where}: returned {number}; return a finite float or None "
                           "(or set rl.nan_rewards: skip to count NaN as no reward)")
-    return value
+    return number
 
 
 def score_completions(

@@ -147,7 +147,8 @@ class RolloutSetup:
         prompts: PromptSource = TaskPrompts(task)
         if config.prompts is not None:
             prompts = JsonlPrompts(config.prompts, tokenizer, max_seq_len - config.max_new_tokens)
-        environment = load_environment(config.environment, config.format_reward) if config.environment else None
+        environment = load_environment(config.environment, config.format_reward,
+                                       config.reward_timeout_s) if config.environment else None
         rewards = load_reward_functions(config.rewards, config.reward_timeout_s) if config.rewards else [
             RewardFunction("task", "built-in task reward", task_reward(task, config.format_reward), 1.0)]
         limit = min(seq_len + 1, max_seq_len - config.max_new_tokens - 1)

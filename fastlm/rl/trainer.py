@@ -254,7 +254,8 @@ class RLTrainer(Trainer):
 
     def train_step(self) -> StepResult:
         """One step; its rollout and training seconds are summed for the next log record. A failing reward function
-        stops the run after a checkpoint of the last finished step (the stream is as before the rollout)."""
+        or environment stops the run after a checkpoint of the last finished step (the stream is as before the
+        rollout)."""
         started = time.perf_counter()
         self.rollout_seconds = 0.0
         try:
@@ -262,7 +263,7 @@ class RLTrainer(Trainer):
         except RewardError as error:
             path = self.save()
             raise RewardError(f"{error}; the run stopped before step {self.step + 1}, checkpoint of step {self.step} "
-                              f"saved to {path}: fix the function and continue with --resume") from error
+                              f"saved to {path}: fix it and continue with --resume") from error
         total = time.perf_counter() - started
         rollout = self.rollout_seconds
         self.timing = [self.timing[0] + rollout, self.timing[1] + total - rollout, self.timing[2] + 1]

@@ -76,6 +76,29 @@ def test_nonfinite_values_stay_strict_json(tmp_path: Path) -> None:
     assert json.loads(line)["train/loss"] is None
 
 
+def test_nonfinite_values_in_a_table_stay_strict_json_and_reach_wandb(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reward function that returns None gives a NaN reward in the completions table: the JSONL row holds
+    null (as a scalar does), wandb's table gets the NaN as wandb writes it, and the run goes on."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    config = LoggingConfig(wandb=WandbConfig(project="t"), progress=False)
+    rows = [{"completion": "a", "reward": math.nan, "advantage": 0.0}, {"completion": "b", "reward": math.inf,
+                                                                           "advantage": -math.inf}]
+    with MetricLogger(config, tmp_path, "unit", total_steps=2, rank=0) as logger:
+        logger.log(1, {"train/reward": math.inf, "train/completions_table": rows})
+        logger.log(2, {"train/reward": 1.0})
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert records[0]["train/reward"] is None and records[1]["train/reward"] == 1.0
+    assert records[0]["train/completions_table"] == [{"completion": "a", "reward": None, "advantage": 0.0},
+                                                     {"completion": "b", "reward": None, "advantage": None}]
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    history, _ = read_wandb_run(run_file)
+    (logged,) = [row for row in history if "train/completions_table/path" in row]
+    table = json.loads((run_file.parent / "files" / logged["train/completions_table/path"]).read_text())
+    assert table["data"][0][0] == "a" and math.isnan(table["data"][0][1])
+    assert table["data"][1][1:] == [math.inf, -math.inf]
+
+
 def test_mode_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)

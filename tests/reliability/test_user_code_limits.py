@@ -1,6 +1,7 @@
 """User code cannot hang, crash or fool a run: reward argument names are reserved, each function gets its own
-copies, a weighted value must be finite, a reward that does not return is abandoned after
-`rl.reward_timeout_s` or at SIGTERM with a checkpoint and one line. Reward functions are real modules on disk.
+copies, a value must be finite as a float and once weighted, a reward function or environment that does not
+return (sleeping, or holding the GIL) is killed after `rl.reward_timeout_s` or at SIGTERM with a checkpoint
+and one line. Reward functions and environments are real modules on disk.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -21,8 +23,11 @@ from fastlm.data.datasets import DataError
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.rl.config import JsonlPromptsConfig, RewardConfig
-from fastlm.rl.prompts import JsonlPrompts
+from fastlm.rl.environments.base import EnvironmentFactory, EnvironmentFailure, load_environment
+from fastlm.rl.environments.config import EnvironmentConfig
+from fastlm.rl.prompts import JsonlPrompts, PromptRecord
 from fastlm.rl.rewards import RESERVED_ARGUMENTS, RewardError, load_reward_functions, score_completions, total_reward
+from fastlm.system.signals import StopRequest
 
 MODULE = '''
 import os, time
@@ -38,6 +43,39 @@ def counts(completions, completion_ids, **kwargs):
 
 def huge(completions, **kwargs):
     return [1e308 for _ in completions]
+
+def _started():
+    with open(os.environ["SLEEP_MARKER"], "w") as marker:
+        marker.write(str(os.getpid()))
+
+def regex(completions, **kwargs):  # catastrophic backtracking: one C call that holds the GIL for hours
+    import re
+    _started()
+    re.match(r"(a+)+$", "a" * 64 + "b")
+    return [0.0 for _ in completions]
+
+def power(completions, **kwargs):  # one bigint operation that holds the GIL for minutes
+    _started()
+    return [float(7 ** (10 ** 9) % 2) for _ in completions]
+
+def beyond_float(completions, **kwargs):
+    return [10 ** 400 for _ in completions]
+
+def exits(completions, **kwargs):
+    os._exit(3)
+
+class Spins:
+    def reset(self, record):
+        return [{"role": "user", "content": record.text}]
+
+    def step(self, messages, completion):
+        _started()
+        while True:
+            pass
+
+class BeyondFloat(Spins):
+    def step(self, messages, completion):
+        return None, 10 ** 400, {}
 
 def sleeps(completions, **kwargs):
     when = os.environ.get("SLEEP_WHEN")  # a file: sleep once it exists (no file named: always)
@@ -96,6 +134,99 @@ def test_a_reward_that_does_not_return_is_abandoned_after_the_timeout(user_modul
     with pytest.raises(RewardError, match=r"'sleeps' .*did not return within rl.reward_timeout_s = 0.3 s"):
         score_completions(_functions(("sleeps", 1.0), timeout_s=0.3), _arguments(), group_size=2)
     assert time.monotonic() - started < 5
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie (dead, waiting for a parent that may never reap it, as in a container)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.is_file() and stat.read_text().rsplit(")", 1)[-1].split()[0] == "Z"
+
+
+@pytest.mark.parametrize("name", ["regex", "power"])
+def test_a_reward_that_holds_the_gil_is_killed_at_the_timeout(user_module: Path, tmp_path: Path, name: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread waiting on such code never ran again (the run hung); the user-code process is killed."""
+    monkeypatch.setenv("SLEEP_MARKER", str(tmp_path / "pid"))
+    started = time.monotonic()
+    with pytest.raises(RewardError, match=rf"'{name}' .*did not return within rl.reward_timeout_s = 1 s; it was "
+                                          "abandoned"):
+        score_completions(_functions((name, 1.0), timeout_s=1.0), _arguments(), group_size=2)
+    assert time.monotonic() - started < 1.0 + 5
+    assert _gone(int((tmp_path / "pid").read_text()))
+
+
+def test_user_code_dies_with_a_killed_trainer(user_module: Path, tmp_path: Path) -> None:
+    """A SIGKILLed trainer leaves no user-code process spinning behind it (the kernel kills it with its parent)."""
+    script = ("import sys; from fastlm.rl.user_code import UserCodeProcess; "
+              "UserCodeProcess().call('call', 'hostile_rewards:power', {'completions': ['1']}, timeout_s=600)")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{user_module}", "SLEEP_MARKER": str(tmp_path / "pid")}
+    trainer = subprocess.Popen([sys.executable, "-c", script], env=env)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "pid").is_file() or not (tmp_path / "pid").read_text():
+        assert trainer.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int((tmp_path / "pid").read_text())
+    trainer.kill()
+    trainer.wait()
+    while not _gone(child):
+        assert time.monotonic() < deadline, f"user-code process {child} outlived its trainer"
+        time.sleep(0.05)
+
+
+def _environment(name: str, timeout_s: float = 60.0) -> tuple[EnvironmentFactory, int]:
+    factory = load_environment(EnvironmentConfig(name=f"hostile_rewards:{name}"), 0.1, timeout_s)
+    environment = factory.new(0)
+    factory.reset(environment, PromptRecord("1+1="), 0)
+    return factory, environment
+
+
+def test_an_environment_step_that_never_returns_is_killed_at_the_timeout(user_module: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """rl.reward_timeout_s did not apply to environments: a spinning step() hung the run."""
+    monkeypatch.setenv("SLEEP_MARKER", str(tmp_path / "pid"))
+    factory, environment = _environment("Spins", timeout_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(EnvironmentFailure, match=r"environment 'hostile_rewards:Spins' step did not return within "
+                                                 r"rl.reward_timeout_s = 1 s; it was abandoned .*\(prompt index 3 "):
+        factory.step(environment, [{"role": "assistant", "content": "2"}], "2", 3)
+    assert time.monotonic() - started < 1.0 + 5
+    assert _gone(int((tmp_path / "pid").read_text()))
+
+
+def test_sigterm_stops_a_spinning_environment_step(user_module: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLEEP_MARKER", str(tmp_path / "pid"))
+    factory, environment = _environment("Spins")
+    with StopRequest():
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        started = time.monotonic()
+        with pytest.raises(EnvironmentFailure, match=r"'hostile_rewards:Spins' step was still running when SIGTERM "
+                                                     "arrived; it was abandoned"):
+            factory.step(environment, [{"role": "assistant", "content": "2"}], "2", 0)
+    assert time.monotonic() - started < 5
+
+
+def test_a_reward_past_the_float_range_is_one_error(user_module: Path) -> None:
+    """10**400 gave an OverflowError traceback (float(10**400)) and no checkpoint; now it is a RewardError,
+    which the trainer turns into a checkpoint and one line."""
+    with pytest.raises(RewardError, match=r"'beyond_float' .*prompt index 0 \(completion 0\): returned an integer "
+                                          "of 1329 bits, past the float range, expected a float or None"):
+        score_completions(_functions(("beyond_float", 1.0)), _arguments(), group_size=2)
+    factory, environment = _environment("BeyondFloat")
+    with pytest.raises(EnvironmentFailure, match=r"'hostile_rewards:BeyondFloat' step returned an integer of 1329 "
+                                                 "bits, past the float range as the reward"):
+        factory.step(environment, [{"role": "assistant", "content": "2"}], "2", 0)
+
+
+def test_a_reward_that_ends_its_process_is_named_and_the_next_call_starts_a_fresh_one(user_module: Path) -> None:
+    exits, counts = _functions(("exits", 1.0), ("counts", 1.0))
+    with pytest.raises(RewardError, match=r"'exits' \(hostile_rewards:exits\) ended its process \(exit status 3\)"):
+        score_completions([exits], _arguments(), group_size=2)
+    assert score_completions([counts], _arguments(), group_size=2)[:, 0].tolist() == [2.0, 1.0, 3.0, 1.0]
 
 
 def test_sigterm_during_a_sleeping_reward_checkpoints_and_exits_in_one_line(user_module: Path, tmp_path: Path) -> None:

@@ -53,6 +53,21 @@ def test_calculator_refuses_escapes_and_huge_work(expression: str) -> None:
     assert time.perf_counter() - started < 0.5
 
 
+HUGE_ARGUMENTS = ["round(7, -10**59)", "round(-7, -(10**59))", "round(10**59, -10**59)", "round(7, -61)",
+                  "round(7.5, -10**59)", "round(7, 10**59)", "max(round(1, -10**59), 2)", "sqrt(10**60)",
+                  "abs(-10**60)", "min(10**60, -10**60)", "2**-10**59", "(-2)**-10**59", "0.5**10**59",
+                  "1.0000001**10**59", "10**59 % 7", "10**59 // 0.5", "-10**60 % 10**60"]
+
+
+@pytest.mark.parametrize("expression", HUGE_ARGUMENTS)
+def test_calculator_bounds_every_functions_arguments(expression: str) -> None:
+    """The time budget is checked between nodes only, so an operation must be cheap on any operands the
+    bounds let through: `round(7, -10**59)` computed 10**(10**59) and never returned."""
+    started = time.perf_counter()
+    calculator(expression)
+    assert time.perf_counter() - started < 0.5, expression
+
+
 def test_calculator_computes() -> None:
     cases = {"37*24+19": "907", "7/2": "3.5", "2**0.5": "1.414213562", "-(3-10)%4": "3", "max(3, 8, 5)": "8",
              "round(2.567, 2)": "2.57", "sqrt(16)": "4", "(((1+2)))*3": "9", "2**-2": "0.25", "17//5": "3"}
@@ -67,6 +82,42 @@ def test_tool_calls_parse_the_qwen_format() -> None:
     calls = parse_tool_calls(text)
     assert calls[:2] == [ToolCall("calculator", {"expression": "3*4"}), ToolCall("calculator", {"expression": "1+1"})]
     assert [type(c) for c in calls[2:]] == [MalformedCall, MalformedCall]  # the unclosed last block is no call
+
+
+MALFORMED_BODIES = {
+    "nested 1000 deep": "[" * 1000 + "]" * 1000,
+    "nested 100000 deep": '{"name": "calculator", "arguments": ' + "[" * 100000 + "]" * 100000 + "}",
+    "an integer of 5000 digits": '{"name": "calculator", "arguments": {"expression": ' + "9" * 5000 + "}}",
+    "arguments: a string of 5000 digits": '{"name": "calculator", "arguments": "' + "9" * 5000 + '"}',
+    "arguments: a string nested 100000 deep": '{"name": "c", "arguments": "' + "[" * 100000 + '"}',
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED_BODIES))
+def test_any_tool_call_that_does_not_parse_is_malformed(name: str) -> None:
+    """Model output is data: a body that no JSON parser holds (RecursionError, the int digit limit's
+    ValueError) is an invalid call that the model reads about, never an exception that stops training."""
+    (call,) = parse_tool_calls(f"<tool_call>{MALFORMED_BODIES[name]}</tool_call>")
+    assert isinstance(call, MalformedCall) and call.reason.startswith(("the tool call is not valid JSON", "a tool call"))
+    environment = ToolArithmetic(ToolArithmeticOptions(), format_reward=0.1)
+    messages = environment.reset(PromptRecord("What is 1+1?", {"answer": "Answer: 2"}))
+    new, _, info = environment.step(messages, f"<tool_call>{MALFORMED_BODIES[name]}</tool_call>")
+    assert new[0]["content"].startswith("error: ") and info["tool_errors"] == 1
+
+
+def test_tool_call_parsing_is_linear() -> None:
+    """20000 unclosed tags took a minute with the lazy regex (each failed start scanned to the end); 5x more
+    text must take at most ~10x the time (linear, with slack for a busy machine; quadratic is 25x)."""
+    def seconds(count: int) -> float:
+        text = ("<tool_call>{}</tool_call>" + "y" * 10) * 10 + "<tool_call>x" * count
+        started = time.perf_counter()
+        calls = parse_tool_calls(text)
+        assert len(calls) == 10 and all(isinstance(c, MalformedCall) for c in calls)
+        return time.perf_counter() - started
+
+    small, large = min(seconds(1000) for _ in range(3)), min(seconds(5000) for _ in range(3))
+    assert large < 0.5 and large < 10 * small + 0.01, (small, large)
+    assert seconds(20000) < 0.5
 
 
 def test_transcript_renders_tool_turns_through_the_chat_template(tmp_path: Path) -> None:

@@ -5,7 +5,10 @@ The expression is parsed with `ast` and walked by a small interpreter that knows
 strings, containers, comprehensions or lambdas exist for it, so there are no builtins to reach and nothing to
 escape into. Limits keep a policy's expression cheap: its length, the tree's depth, the size of every
 intermediate number (a power's result size is bounded before it is computed, so 9**9**9 is refused, not
-run) and a deadline on the thread's CPU time, checked at every node. Every failure is a short "error: ..." string, which
+run), the arguments of every function (round's digits: `round(7, -10**59)` would compute 10**(10**59))
+and a deadline on the thread's CPU time, checked at every node. The deadline cannot interrupt one
+operation, so the bounds on the operands are what keep each operation cheap: every operation on numbers
+within the bounds takes microseconds. Every failure is a short "error: ..." string, which
 is what the model reads back as the tool's result.
 """
 
@@ -19,7 +22,8 @@ from collections.abc import Callable
 
 MAX_CHARS = 200
 MAX_DEPTH = 32
-MAX_MAGNITUDE = 10**60  # |value| of any intermediate number
+MAX_DIGITS = 60
+MAX_MAGNITUDE = 10**MAX_DIGITS  # |value| of any intermediate number
 MAX_SECONDS = 0.05  # CPU time of the evaluating thread (a busy machine must not time out a small sum)
 
 BINARY: dict[type, Callable[[float, float], float]] = {
@@ -54,6 +58,15 @@ def _power(base: float, exponent: float) -> float:
     return result
 
 
+def _check_round_digits(digits: float) -> None:
+    """round(x, n) on an int computes 10**-n, which `round(7, -10**59)` makes endless (and C code that the time
+    budget cannot interrupt): n is an integer of at most as many digits as the largest number allowed."""
+    if not isinstance(digits, int):
+        raise CalculatorError("round's second argument must be an integer")
+    if abs(digits) > MAX_DIGITS:
+        raise CalculatorError(f"round's second argument must be between -{MAX_DIGITS} and {MAX_DIGITS}")
+
+
 class _Evaluator:
     def __init__(self, deadline: float) -> None:
         self.deadline = deadline
@@ -80,8 +93,8 @@ class _Evaluator:
             if not low <= len(node.args) <= high:
                 raise CalculatorError(f"{node.func.id} takes {low} to {high} arguments")
             arguments = [self(argument, depth + 1) for argument in node.args]
-            if node.func.id == "round" and len(arguments) == 2 and not isinstance(arguments[1], int):
-                raise CalculatorError("round's second argument must be an integer")
+            if node.func.id == "round" and len(arguments) == 2:
+                _check_round_digits(arguments[1])
             try:
                 return _number(function(*arguments))
             except (ValueError, OverflowError) as error:

@@ -106,4 +106,5 @@ def run_episodes(backend: GenerationBackend, tokenizer: Tokenizer, factory: Envi
         completions = session.extend(appended, generator) if appended else {}
     for episode, transcript in zip(episodes, transcripts):
         episode.messages = transcript.messages
+    factory.release(environments)
     return episodes, step_seconds
