@@ -18,9 +18,10 @@ Regularisers, per token, times the child's weight:
   in `c*(p_j - [j == y])`; `use_bias_correction_kl` (TRL) multiplies k3 by the ratio r = exp(new - old)
   (not detached): coefficient `beta*r*(expm1(ref - new) - k3)`;
 - `entropy_coeff` e: `-e*H_t` times the entropy weight v_t; gradient `e*v_t*p_j*(x_j - E_p[x])`: `x` term
-  e*v_t, `prob -= e*v_t*E_p[x]`. `entropy_aggregation: token_mean` (TRL) averages H over tokens: v_t =
-  1/N_step for dapo (TRL's dapo/cispo: summed over the step's tokens, divided by their count), else the
-  mean over the call's tokens averaged over the step's calls (TRL's other loss types: per micro-batch);
+  e*v_t, `prob -= e*v_t*E_p[x]`. `entropy_aggregation: token_mean` (TRL 1.16's bonus, every loss_type
+  alike) is the mean of H over the call's trained tokens (the selected ones with `top_entropy_quantile`
+  < 1), averaged over the step's calls (TRL: the micro-batch's mean divided by the gradient-accumulation
+  steps, averaged over the ranks): v_t = 1/(N_trained_call * calls), for bnpo without selection its w_t;
   `loss_type` weighs H like the policy loss (v_t = w_t).
 
 `top_entropy_quantile` q < 1 (TRL; "the 80/20 rule", Wang et al. 2025): only the tokens whose entropy is
@@ -70,8 +71,8 @@ class PolicyConfig(ChildConfig):
     )
     entropy_coeff: float = Field(0.0, ge=0.0, description="Entropy bonus: the loss subtracts entropy_coeff x entropy.")
     entropy_aggregation: Literal["token_mean", "loss_type"] = Field(
-        "token_mean", description="token_mean (TRL): the bonus is the mean entropy over tokens; loss_type: "
-        "entropy weighted per token like the policy loss.",
+        "token_mean", description="token_mean (TRL 1.16): the bonus is the mean entropy over each micro-batch's "
+        "trained tokens, averaged over micro-batches; loss_type: entropy weighted per token like the policy loss.",
     )
     top_entropy_quantile: float = Field(
         1.0, gt=0.0, le=1.0, description="TRL's: train the policy term (and entropy bonus) only on the share q of "
@@ -119,8 +120,8 @@ class PolicyChild(LossChild):
     @property
     def entropy_weighted_apart(self) -> bool:
         """Whether the entropy bonus's per-token weight differs from the loss_type weight w_t (token_mean
-        for grpo and dr_grpo; for dapo and bnpo the two are the same)."""
-        return self.entropy_coeff > 0 and self.entropy_token_mean and self.loss_type in ("grpo", "dr_grpo")
+        but for bnpo, whose w_t is the same call mean)."""
+        return self.entropy_coeff > 0 and self.entropy_token_mean and self.loss_type != "bnpo"
 
     @property
     def past_kernel(self) -> bool:
@@ -239,13 +240,15 @@ class PolicyChild(LossChild):
     def entropy_weights(self, inputs: TailInputs, w: torch.Tensor | float,
                         selected: torch.Tensor | None) -> torch.Tensor | float:
         """v_t, the entropy bonus's per-token weight (`entropy_aggregation`), on the selected tokens."""
-        if self.entropy_token_mean and self.loss_type == "dapo":
-            w = inputs.per_token
-        elif self.entropy_token_mean and (self.loss_type != "bnpo" or selected is not None):
-            prepared = None if selected is not None else self.prepared(inputs.targets, "entropy_weights")
-            tokens = inputs.mask if selected is None else selected
-            return call_token_mean(tokens, inputs.normalizers, inputs.dtype) if prepared is None else prepared.to(inputs.dtype)
-        return w if selected is None else selected * w
+        if not self.entropy_token_mean:
+            return w if selected is None else selected * w
+        if selected is None:
+            if self.loss_type == "bnpo":
+                return w  # its w_t is the call mean already
+            prepared = self.prepared(inputs.targets, "entropy_weights")
+            if prepared is not None:
+                return prepared.to(inputs.dtype)
+        return call_token_mean(inputs.mask if selected is None else selected, inputs.normalizers, inputs.dtype)
 
     def regularizers(self, inputs: TailInputs, w: torch.Tensor | float, out: Tail,
                      selected: torch.Tensor | None = None, document_ratio: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -315,9 +318,8 @@ class PolicyChild(LossChild):
     def reference_regularizers(self, inputs: ReferenceInputs, weights: torch.Tensor, selected: torch.Tensor,
                                ratio: torch.Tensor | None = None) -> torch.Tensor:
         """beta * sum_t w_t k3_t (times the ratio with use_bias_correction_kl) - e * the entropy bonus,
-        written from TRL's _compute_loss (the bonus: TRL's dapo/cispo sum over the selected tokens divided
-        by the step's tokens, the other loss types the mean over the call's selected tokens divided by the
-        step's calls), by autograd."""
+        written from TRL 1.16's _compute_loss (the bonus, every loss type: the mean over the call's selected
+        tokens divided by the step's calls), by autograd."""
         total = inputs.new_logp.new_zeros(())
         mask = inputs.mask
         if self.beta > 0:
@@ -331,8 +333,6 @@ class PolicyChild(LossChild):
             entropy = torch.where(mask, -(inputs.log_probs.exp() * inputs.log_probs).sum(-1), 0.0)
             if not self.entropy_token_mean:
                 bonus = (entropy * weights * selected).sum()
-            elif self.loss_type == "dapo":
-                bonus = (entropy * selected).sum() * safe_inverse(inputs.normalizers.tokens)
             else:
                 bonus = (entropy * selected).sum() / selected.sum().clamp(min=1.0) / inputs.normalizers.micro_batches
             total = total - self.entropy_coeff * bonus
