@@ -272,8 +272,10 @@ def test_config_names_reach_the_children() -> None:
                       entropy_aggregation="loss_type").to_child("g")
     assert (grpo.bias_corrected_kl, grpo.top_entropy_quantile, grpo.entropy_token_mean) == (True, 0.2, False)
     assert grpo.slot() is None and grpo.whole_call
-    assert GRPOConfig(loss_type="bnpo", entropy_coeff=0.01).to_child("g").slot() is not None  # token mean = w_t
-    assert GRPOConfig(loss_type="grpo", entropy_coeff=0.01).to_child("g").slot() is None  # token mean != w_t
+    assert not GRPOConfig(loss_type="bnpo", entropy_coeff=0.01).to_child("g").slot().entropy_weights  # mean = w_t
+    for loss_type in ("dapo", "grpo"):  # the token mean is a weight row of its own in the fused kernel
+        assert GRPOConfig(loss_type=loss_type, entropy_coeff=0.01).to_child("g").slot().entropy_weights
+    assert GSPOConfig(entropy_coeff=0.01).to_child("s").slot() is None  # (GSPO's seam has no such row)
     assert GSPOConfig(top_entropy_quantile=0.5).to_child("s").whole_call
     assert CISPOConfig().to_child("c").eps_high == 5.0  # TRL's recommended epsilon_high, the cap
     with pytest.raises(ValueError, match="use_bias_correction_kl corrects the KL penalty"):

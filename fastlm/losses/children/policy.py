@@ -29,9 +29,10 @@ at least the (1 - q)-quantile of the call's unmasked tokens' entropies (linear i
 torch.quantile) keep their policy-gradient term and entropy bonus; the KL term stays on every token and
 the normalisers are unchanged (TRL multiplies the per-token loss by the mask before its aggregation).
 
-The fused Triton kernel has no slot for a call-wide quantile, the bias-corrected KL or a token-mean
-entropy weight that differs from w_t: a child with one of them (`past_kernel`: no `slot`) runs on the Triton path
-as under tensor parallelism (a stats launch, the torch tail below, a grad launch).
+The fused Triton kernel has no slot for a call-wide quantile or the bias-corrected KL: a child with one
+of them (`past_kernel`: no `slot`) runs on the Triton path as under tensor parallelism (a stats launch,
+the torch tail below, a grad launch). A token-mean entropy weight that differs from w_t is a second
+per-token weight row the fused launch reads (`KernelSlot.entropy_weights`; GSPO's seam has none).
 
 Metrics (token means over the step's unmasked tokens, every loss_type): `new_logp`, `entropy`,
 `kl_old` (k3 against the sampling policy), and `kl` (k3 against the frozen reference) when beta > 0.
@@ -126,7 +127,7 @@ class PolicyChild(LossChild):
     @property
     def past_kernel(self) -> bool:
         """Whether an option is past the fused kernel's slot (then `slot` is None)."""
-        return self.entropy_selected or (self.bias_corrected_kl and self.beta > 0) or self.entropy_weighted_apart
+        return self.entropy_selected or (self.bias_corrected_kl and self.beta > 0)
 
     @property
     def kernel_reads(self) -> tuple[str, ...]:
@@ -212,6 +213,15 @@ class PolicyChild(LossChild):
             return prepared.to(dtype)
         return self.token_weights(targets, normalizers, dtype, slot)
 
+    def call_entropy_weights(self, targets: LossTargets, normalizers: LossNormalizers,
+                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """v_t of a token-mean entropy bonus on every unmasked token (no selection): the `prepare`d ones of a
+        chunked head's whole call, else the call mean here."""
+        prepared = self.prepared(targets, "entropy_weights")
+        if prepared is not None:
+            return prepared.to(dtype)
+        return call_token_mean(targets.labels != IGNORE_INDEX, normalizers, dtype)
+
     def prepare(self, targets: LossTargets, normalizers: LossNormalizers, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """loss_type grpo and bnpo weigh a token by counts over the whole call (its document's tokens, the
         call's tokens), as does a token-mean entropy bonus; a whole-call child's tail sees the whole call
@@ -245,10 +255,8 @@ class PolicyChild(LossChild):
         if selected is None:
             if self.loss_type == "bnpo":
                 return w  # its w_t is the call mean already
-            prepared = self.prepared(inputs.targets, "entropy_weights")
-            if prepared is not None:
-                return prepared.to(inputs.dtype)
-        return call_token_mean(inputs.mask if selected is None else selected, inputs.normalizers, inputs.dtype)
+            return self.call_entropy_weights(inputs.targets, inputs.normalizers, inputs.dtype)
+        return call_token_mean(selected, inputs.normalizers, inputs.dtype)
 
     def regularizers(self, inputs: TailInputs, w: torch.Tensor | float, out: Tail,
                      selected: torch.Tensor | None = None, document_ratio: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -363,7 +371,8 @@ class PolicyChild(LossChild):
         numbers = {"weight": self.weight, "beta": self.beta, "entropy_coeff": self.entropy_coeff, **scalars}
         return KernelSlot(self.kind, ("loss", *self.metric_names()), numbers,
                           {"ref": self.beta > 0, "entropy": self.entropy_coeff > 0}, reads=self.kernel_reads,
-                          token_weights=self.loss_type != "dapo", entropy=True, x_term=self.entropy_coeff > 0)
+                          token_weights=self.loss_type != "dapo", entropy_weights=self.entropy_weighted_apart,
+                          entropy=True, x_term=self.entropy_coeff > 0)
 
 
 def dual_clip(delta: float | None) -> float:
