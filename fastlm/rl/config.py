@@ -66,7 +66,7 @@ class ImportanceSamplingConfig(ConfigModel):
     cap: float = Field(3.0, gt=0.0, description="c: truncate at c, mask above c (icepop, sequence_geometric: "
                        "outside [1/c, c])")
     mismatch_kl_coeff: float = Field(0.0, ge=0.0, description="k of k * (new_logp - sampler_logp)^2 per token; "
-                                     "needs rl.updates_per_rollout: 1")
+                                     "needs rl.updates_per_rollout: 1 and a policy child with top_entropy_quantile 1")
 
     @model_validator(mode="after")
     def _check_band(self) -> ImportanceSamplingConfig:

@@ -22,10 +22,13 @@ tokens keep their place in the loss normaliser (TRL and prime-rl do the same).
 `mismatch_kl_coeff` k adds prime-rl's k * (new_logp - sampler_logp)^2 per token. Its gradient is
 2k (new - sampler) d new; the policy term's is -A r d new (r = exp(new - old), unclipped at r = 1). On the
 first update of a rollout new = old (the same weights computed old_logp), r = 1 and no clip is active,
-so the KL is exactly an advantage shift A' = w A - 2k (old - sampler), folded here before the head. On a
-later update new != old and the two differ (the KL keeps pulling toward the sampler with its own slope,
-and acts on clipped tokens too): the option therefore needs rl.updates_per_rollout: 1 and a token-level
-policy child (grpo or cispo; GSPO mixes tokens through its sequence ratio), both checked at validation.
+so the KL is exactly an advantage shift A' = w A - 2k (old - sampler) / s, folded here before the head,
+where s is the policy term's slope per unit of advantage at r = 1 (`PolicyConfig.first_update_slope`: 1,
+or CISPO's min(1, eps_high), which multiplies the whole folded advantage). On a later update new != old
+and the two differ (the KL keeps pulling toward the sampler with its own slope, and acts on clipped
+tokens too): the option therefore needs rl.updates_per_rollout: 1 and a token-level policy child (grpo or
+cispo; GSPO mixes tokens through its sequence ratio) that trains every token (`top_entropy_quantile` < 1
+zeroes the policy term, and with it the folded KL, on the tokens it leaves out), all checked at validation.
 """
 
 from __future__ import annotations
@@ -81,15 +84,17 @@ def importance_weights(batch: Batch, train_logp: torch.Tensor, sampler_logp: tor
 
 
 def corrected_advantages(batch: Batch, train_logp: torch.Tensor, sampler_logp: torch.Tensor,
-                         config: ImportanceSamplingConfig, weights: torch.Tensor | None) -> torch.Tensor:
-    """The advantages the head trains on: w * A, minus 2k (train - sampler) with the mismatch KL (see the
-    module docstring for why that is the KL's exact gradient on the only update it is allowed with)."""
+                         config: ImportanceSamplingConfig, weights: torch.Tensor | None,
+                         policy_slope: float = 1.0) -> torch.Tensor:
+    """The advantages the head trains on: w * A, minus 2k (train - sampler) / `policy_slope` with the
+    mismatch KL (the policy child's `first_update_slope`; see the module docstring for why that is the KL's
+    exact gradient on the only update it is allowed with)."""
     assert batch.advantages is not None
     advantages = batch.advantages if weights is None else batch.advantages * weights
     if config.mismatch_kl_coeff > 0:
         mask = batch.labels != IGNORE_INDEX
         gap = (train_logp - sampler_logp).masked_fill(~mask, 0.0)
-        advantages = advantages - 2.0 * config.mismatch_kl_coeff * gap
+        advantages = advantages - (2.0 * config.mismatch_kl_coeff / policy_slope) * gap
     return advantages
 
 

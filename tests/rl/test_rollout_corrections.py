@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 import pytest
 
 from fastlm.data.batch import batch_from_rows
-from fastlm.losses.children import CISPO, GRPO
+from fastlm.losses.children import GRPO, CISPOConfig, GRPOConfig
 from fastlm.losses.compiled import compiled_loss
 from fastlm.losses.reference import reference_loss
 from fastlm.losses.spec import (
@@ -136,7 +136,11 @@ def test_mode_matches_its_formula_on_every_path(mode: str) -> None:
         assert max(errors) < 1e-5, (path, errors)
 
 
-@pytest.mark.parametrize("child", ["grpo", "cispo"])
+POLICIES = {"grpo": GRPOConfig(eps_low=0.2, eps_high=0.25), "cispo": CISPOConfig(eps_high=1.3),
+            "cispo cap below 1": CISPOConfig(eps_high=0.8)}  # min(r, cap) = cap at r = 1: the fold divides by it
+
+
+@pytest.mark.parametrize("child", list(POLICIES))
 def test_mismatch_kl_is_the_log_square_gradient_on_the_first_update(child: str) -> None:
     batch, logits, _, sampler = _case(7)
     labels = batch.labels.reshape(-1)
@@ -144,8 +148,7 @@ def test_mismatch_kl_is_the_log_square_gradient_on_the_first_update(child: str) 
     old = new.float().view_as(batch.labels)  # the first update: the weights that computed old_logp
     config = ImportanceSamplingConfig(mode="icepop", cap=1.3, mismatch_kl_coeff=0.3)
     weights = importance_weights(batch, old, sampler, config)
-    policy = GRPO("grpo", 1.0, eps_low=0.2, eps_high=0.25) if child == "grpo" else CISPO("cispo", 1.0, eps_high=1.3)
-    spec = LossSpec((policy,))
+    spec = LossSpec((POLICIES[child].to_child(child),))
     normalizers = _normalizers(batch)
     mask = labels != IGNORE_INDEX
     leaf = logits.double().requires_grad_(True)
@@ -155,7 +158,7 @@ def test_mismatch_kl_is_the_log_square_gradient_on_the_first_update(child: str) 
     new_logp = torch.log_softmax(leaf, -1).gather(1, labels.clamp_min(0)[:, None])[:, 0]
     log_ratio = (new_logp - sampler.reshape(-1).double())[mask]
     (policy_loss + config.mismatch_kl_coeff * log_ratio.square().sum() / normalizers.tokens).backward()
-    advantages = corrected_advantages(batch, old, sampler, config, weights)
+    advantages = corrected_advantages(batch, old, sampler, config, weights, POLICIES[child].first_update_slope())
     for path, (_, grad) in _fast_paths(logits, _targets(batch, old, advantages), normalizers, spec).items():
         error = _rel(grad, leaf.grad)
         print(f"mismatch kl {child} / {path}: grad {error:.1e}")

@@ -92,6 +92,11 @@ class PolicyConfig(ChildConfig):
                              "(e.g. 0.04) or remove use_bias_correction_kl")
         return self
 
+    def first_update_slope(self) -> float:
+        """d(token loss)/d(new_logp) per unit of advantage at ratio 1 (a rollout's first update) on a token the
+        policy term trains: 1 for the clipped surrogate (1 lies inside its clip range)."""
+        return 1.0
+
     def policy_numbers(self) -> dict[str, object]:
         return {"loss_type": self.loss_type, "max_completion_length": self.max_completion_length or 0,
                 "beta": self.beta, "entropy_coeff": self.entropy_coeff,
