@@ -304,5 +304,5 @@ def add_old_logprobs(batches: list[Batch], model: DecoderLM, policy_head: LMHead
                                          policy_head.logits_memory_mib)
         weights = importance_weights(batch, batch.old_logp, sampler_logp, correction)
         batch.advantages = corrected_advantages(batch, batch.old_logp, sampler_logp, correction, weights, slope)
-        statistics.append(gap_statistics(batch, batch.old_logp, sampler_logp, weights))
+        statistics.append(gap_statistics(batch, batch.old_logp, sampler_logp, weights, correction))
     return torch.stack(statistics)
