@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from fastlm.config.base import ConfigModel
 from fastlm.config.user_code import UserCodeConfig
@@ -75,11 +75,17 @@ class ImportanceSamplingConfig(ConfigModel):
     mismatch_kl_coeff: float = Field(0.0, ge=0.0, description="k of k * (new_logp - sampler_logp)^2 per token; "
                                      "needs rl.updates_per_rollout: 1 and a policy child with top_entropy_quantile 1")
 
+    @field_validator("cap_min")
+    @classmethod
+    def _check_cap_min(cls, value: float | None, info: ValidationInfo) -> float | None:
+        cap = info.data.get("cap")
+        if value is not None and cap is not None and not value < cap:
+            raise ValueError(f"must be below cap {cap} (the band [cap_min, cap] would be empty); e.g. IcePop's "
+                             "cap_min: 0.5, cap: 5.0")
+        return value
+
     @model_validator(mode="after")
     def _check_band(self) -> ImportanceSamplingConfig:
-        if self.cap_min is not None and not self.cap_min < self.cap:
-            raise ValueError(f"cap_min {self.cap_min} must be below cap {self.cap} (the band [cap_min, cap] would be "
-                             "empty); e.g. IcePop's cap_min: 0.5, cap: 5.0")
         if self.mode in TWO_SIDED_MODES and self.cap_min is None and self.cap <= 1.0:
             raise ValueError(f"mode {self.mode} keeps ratios in [1/cap, cap] without cap_min; cap must be > 1, got "
                              f"{self.cap} (or set cap_min below it)")
