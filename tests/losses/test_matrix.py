@@ -89,6 +89,8 @@ MATRIX = {
     "dapo entropy beta accumulated": ("grpo+z", {"grpo": {"entropy_coeff": 0.05, "beta": 0.1}}, {}, {}),
     "cispo entropy accumulated+ce": ("ce+cispo", {"cispo": {"entropy_coeff": 0.05}}, {}, {"softcap": 3.0}),
     "grpo seq-mean entropy accumulated": ("grpo", {"grpo": {"loss_type": "grpo", "entropy_coeff": 0.05}}, {}, {}),
+    "gspo entropy beta accumulated+z": ("gspo+z", {"gspo": {"loss_type": "dapo", "entropy_coeff": 0.05, "beta": 0.1}},
+                                        {}, {}),  # GSPO's seam reads the row
 }
 BLOCKS = {"single": 64, "looped": 16}  # vocab 37: one block of 64, or three blocks of 16 with a tail
 

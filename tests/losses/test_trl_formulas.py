@@ -275,7 +275,7 @@ def test_config_names_reach_the_children() -> None:
     assert not GRPOConfig(loss_type="bnpo", entropy_coeff=0.01).to_child("g").slot().entropy_weights  # mean = w_t
     for loss_type in ("dapo", "grpo"):  # the token mean is a weight row of its own in the fused kernel
         assert GRPOConfig(loss_type=loss_type, entropy_coeff=0.01).to_child("g").slot().entropy_weights
-    assert GSPOConfig(entropy_coeff=0.01).to_child("s").slot() is None  # (GSPO's seam has no such row)
+    assert GSPOConfig(entropy_coeff=0.01).to_child("s").slot() is not None  # its seam reads the row
     assert GSPOConfig(top_entropy_quantile=0.5).to_child("s").whole_call
     assert CISPOConfig().to_child("c").eps_high == 5.0  # TRL's recommended epsilon_high, the cap
     with pytest.raises(ValueError, match="use_bias_correction_kl corrects the KL penalty"):

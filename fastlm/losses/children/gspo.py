@@ -118,7 +118,7 @@ class GSPO(PolicyChild):
     def slot(self) -> KernelSlot | None:
         """The token metrics (the fused launch writes them), then the loss and the document metrics (its
         seam, triton/documents.py, writes them after that launch, and adds its coefficients)."""
-        if self.past_kernel or self.entropy_weighted_apart:  # (its seam has no entropy weight row)
+        if self.past_kernel:
             return None
         rows = (*self.token_metric_names(), "loss", *RATIO_METRICS, "num_documents")
         return KernelSlot(self.kind, rows, switches={"ref": self.beta > 0}, reads=self.kernel_reads, entropy=True,

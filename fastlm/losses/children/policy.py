@@ -32,7 +32,7 @@ the normalisers are unchanged (TRL multiplies the per-token loss by the mask bef
 The fused Triton kernel has no slot for a call-wide quantile or the bias-corrected KL: a child with one
 of them (`past_kernel`: no `slot`) runs on the Triton path as under tensor parallelism (a stats launch,
 the torch tail below, a grad launch). A token-mean entropy weight that differs from w_t is a second
-per-token weight row the fused launch reads (`KernelSlot.entropy_weights`; GSPO's seam has none).
+per-token weight row the fused launch (GSPO: its seam) reads (`KernelSlot.entropy_weights`).
 
 Metrics (token means over the step's unmasked tokens, every loss_type): `new_logp`, `entropy`,
 `kl_old` (k3 against the sampling policy), and `kl` (k3 against the frozen reference) when beta > 0.
