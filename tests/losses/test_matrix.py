@@ -87,7 +87,6 @@ MATRIX = {
     # a step of 3 loss calls (micro_batches) and 2.5x this call's tokens: the token-mean entropy bonus
     # (each call's mean, averaged over the calls) is then a weight row apart from w_t in the fused kernel
     "dapo entropy beta accumulated": ("grpo+z", {"grpo": {"entropy_coeff": 0.05, "beta": 0.1}}, {}, {}),
-    "cispo entropy accumulated+ce": ("ce+cispo", {"cispo": {"entropy_coeff": 0.05}}, {}, {"softcap": 3.0}),
     "grpo seq-mean entropy accumulated": ("grpo", {"grpo": {"loss_type": "grpo", "entropy_coeff": 0.05}}, {}, {}),
     "gspo entropy beta accumulated+z": ("gspo+z", {"gspo": {"loss_type": "dapo", "entropy_coeff": 0.05, "beta": 0.1}},
                                         {}, {}),  # GSPO's seam reads the row
