@@ -27,7 +27,8 @@ class MoESettings(ConfigModel):
     ffn_size: int = Field(256, ge=1, description="Each expert's intermediate size (HF moe_intermediate_size).")
     normalize_top_k: bool = Field(True, description="Renormalise the top-k probabilities to sum to 1 (HF norm_topk_prob).")
     aux_loss_coef: float = Field(0.01, ge=0.0, description="Weight of the load-balancing loss (HF router_aux_loss_coef).")
-    z_loss_coef: float = Field(0.0, ge=0.0, description="Weight of the router z-loss.")
+    z_loss_coef: float = Field(0.0, ge=0.0, description="Weight of the router z-loss, a mean over the MoE layers "
+                               "(Megatron's moe_z_loss_coeff sums them: its c is c x the MoE layers here).")
     backend: Literal["auto", "grouped", "triton", "gather", "loop"] = Field(
         "auto", description="Experts' GEMMs: grouped (torch._grouped_mm), triton (fastlm's Triton grouped GEMMs), "
                             "gather, loop (reference); auto picks.")

@@ -79,6 +79,15 @@ def _rollout_issues(config: RunConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue("rl.importance_sampling.mismatch_kl_coeff", "is a per-token advantage shift, which "
                                   "GSPO's sequence ratio would mix across tokens", rl.importance_sampling.mismatch_kl_coeff,
                                   hint="use it with grpo or cispo, or set it to 0"))
+    selecting = [(name, c) for name, c in config.model.head.losses.items()
+                 if isinstance(c, PolicyConfig) and c.top_entropy_quantile < 1.0]
+    if rl.importance_sampling.mismatch_kl_coeff > 0 and selecting:
+        name, child = selecting[0]
+        issues.append(ConfigIssue("rl.importance_sampling.mismatch_kl_coeff", "is folded into the advantages, which "
+                                  f"model.head.losses.{name}.top_entropy_quantile {child.top_entropy_quantile:g} zeroes on "
+                                  "the tokens it leaves out (the KL must act on every token)",
+                                  rl.importance_sampling.mismatch_kl_coeff,
+                                  hint=f"set model.head.losses.{name}.top_entropy_quantile: 1.0, or mismatch_kl_coeff: 0"))
     if rl.old_logprobs == "sampler":
         issues += _sampler_logprob_issues(config)
     if rl.teacher is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from fastlm.config.base import ConfigModel
 from fastlm.config.user_code import UserCodeConfig
@@ -71,6 +71,9 @@ class TeacherConfig(ConfigModel):
                             "also counts the following tokens' (discounted); 0: the token's own.")
 
 
+TWO_SIDED_MODES = ("icepop", "sequence_geometric")  # a lower bound of 1/cap when cap_min is unset
+
+
 class ImportanceSamplingConfig(ConfigModel):
     """Rollout corrections of the sampler-vs-trainer gap: every token's loss is weighted by a function of the
     ratio r = exp(train_logp - sampler_logp), per token or per completion (fastlm/rl/consistency.py has the
@@ -78,16 +81,35 @@ class ImportanceSamplingConfig(ConfigModel):
 
     mode: Literal["none", "token_truncate", "sequence_truncate", "token_mask", "sequence_mask", "icepop",
                   "sequence_geometric"] = "none"
-    cap: float = Field(3.0, gt=0.0, description="c: truncate at c, mask above c (icepop, sequence_geometric: "
-                       "outside [1/c, c])")
+    cap: float = Field(3.0, gt=0.0, allow_inf_nan=False, description="c, the upper bound: truncate at c, mask "
+                       "above c (TRL's vllm_importance_sampling_clip_max; IcePop's beta)")
+    cap_min: float | None = Field(None, gt=0.0, allow_inf_nan=False, description="The lower bound (TRL's "
+                                  "vllm_importance_sampling_clip_min; IcePop's alpha): truncate modes clip from below "
+                                  "at it, mask modes zero ratios under it; None: no lower bound, or 1/cap for icepop "
+                                  "and sequence_geometric")
     mismatch_kl_coeff: float = Field(0.0, ge=0.0, description="k of k * (new_logp - sampler_logp)^2 per token; "
-                                     "needs rl.updates_per_rollout: 1")
+                                     "needs rl.updates_per_rollout: 1 and a policy child with top_entropy_quantile 1")
+
+    @field_validator("cap_min")
+    @classmethod
+    def _check_cap_min(cls, value: float | None, info: ValidationInfo) -> float | None:
+        cap = info.data.get("cap")
+        if value is not None and cap is not None and not value < cap:
+            raise ValueError(f"must be below cap {cap} (the band [cap_min, cap] would be empty); e.g. IcePop's "
+                             "cap_min: 0.5, cap: 5.0")
+        return value
 
     @model_validator(mode="after")
     def _check_band(self) -> ImportanceSamplingConfig:
-        if self.mode in ("icepop", "sequence_geometric") and self.cap <= 1.0:
-            raise ValueError(f"mode {self.mode} keeps ratios in [1/cap, cap]; cap must be > 1, got {self.cap}")
+        if self.mode in TWO_SIDED_MODES and self.cap_min is None and self.cap <= 1.0:
+            raise ValueError(f"mode {self.mode} keeps ratios in [1/cap, cap] without cap_min; cap must be > 1, got "
+                             f"{self.cap} (or set cap_min below it)")
         return self
+
+    def bounds(self) -> tuple[float | None, float]:
+        """(lower bound or None, upper bound) of the ratio the mode keeps or clips to."""
+        low = self.cap_min if self.cap_min is not None or self.mode not in TWO_SIDED_MODES else 1.0 / self.cap
+        return low, self.cap
 
 
 class RLConfig(ConfigModel):

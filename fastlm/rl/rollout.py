@@ -47,6 +47,7 @@ from fastlm.data.tasks import Task
 from fastlm.data.tokenizer import Tokenizer
 from fastlm.generation import Completion, GenerationBackend, SamplingOptions
 from fastlm.layers.lm_head import LMHead
+from fastlm.losses.children.policy import PolicyConfig
 from fastlm.losses.config import LMHeadConfig
 from fastlm.losses.spec import ProcessGroup
 from fastlm.models.decoder import DecoderLM
@@ -300,6 +301,7 @@ def add_old_logprobs(batches: list[Batch], model: DecoderLM, policy_head: LMHead
     sampler's log-probs it was packed with; those give the rollout corrections of the advantages and the
     gap statistics returned (one row per batch, `gap_statistics`)."""
     head = policy_head.config
+    slope = next((c.first_update_slope() for c in head.losses.values() if isinstance(c, PolicyConfig)), 1.0)
     statistics = []
     for batch in batches:
         sampler_logp = batch.old_logp
@@ -307,6 +309,6 @@ def add_old_logprobs(batches: list[Batch], model: DecoderLM, policy_head: LMHead
         batch.old_logp = policy_logprobs(model, batch, head.logit_scale, head.softcap, amp_dtype,
                                          policy_head.logits_memory_mib)
         weights = importance_weights(batch, batch.old_logp, sampler_logp, correction)
-        batch.advantages = corrected_advantages(batch, batch.old_logp, sampler_logp, correction, weights)
-        statistics.append(gap_statistics(batch, batch.old_logp, sampler_logp, weights))
+        batch.advantages = corrected_advantages(batch, batch.old_logp, sampler_logp, correction, weights, slope)
+        statistics.append(gap_statistics(batch, batch.old_logp, sampler_logp, weights, correction))
     return torch.stack(statistics)

@@ -45,6 +45,8 @@ CASES = {
     "cispo bnpo beta entropy": ("cispo", {"cispo": {"loss_type": "bnpo", "beta": 0.1, "entropy_coeff": 0.05}}, {}, {}),
     "grpo w0 entropy beta dr_grpo+ce": ("ce+grpo", {"grpo": {"entropy_coeff": 0.05, "beta": 0.1, "loss_type": "dr_grpo",
                                                              "max_completion_length": 12}}, {"grpo": 0.0}, {}),
+    # the token-mean entropy bonus of dapo: the call's mean (a weight row of the fused kernel), not the chunk's
+    "grpo dapo entropy beta+ce": ("ce+grpo", {"grpo": {"entropy_coeff": 0.05, "beta": 0.1}}, {}, {}),
     "gspo dapo delta entropy beta+z": ("gspo+z", {"gspo": {"loss_type": "dapo", "delta": 1.2, "entropy_coeff": 0.05,
                                                           "beta": 0.1}}, {}, {"softcap": 3.0}),
     "ce+grpo seq-mean+gspo": ("ce+grpo+gspo", {"grpo": {"loss_type": "grpo"}, "gspo": {"eps_low": 0.2, "eps_high": 0.3}},

@@ -84,6 +84,12 @@ MATRIX = {
                                                       "bias_corrected_kl": True, "entropy_coeff": 0.03}}, {}, {}),
     "gspo top-entropy bias-kl": ("gspo", {"gspo": {"top_entropy_quantile": 0.6, "beta": 0.1, "bias_corrected_kl": True,
                                                    "entropy_coeff": 0.05}}, {}, {"logit_scale": 1.3}),
+    # a step of 3 loss calls (micro_batches) and 2.5x this call's tokens: the token-mean entropy bonus
+    # (each call's mean, averaged over the calls) is then a weight row apart from w_t in the fused kernel
+    "dapo entropy beta accumulated": ("grpo+z", {"grpo": {"entropy_coeff": 0.05, "beta": 0.1}}, {}, {}),
+    "grpo seq-mean entropy accumulated": ("grpo", {"grpo": {"loss_type": "grpo", "entropy_coeff": 0.05}}, {}, {}),
+    "gspo entropy beta accumulated+z": ("gspo+z", {"gspo": {"loss_type": "dapo", "entropy_coeff": 0.05, "beta": 0.1}},
+                                        {}, {}),  # GSPO's seam reads the row
 }
 BLOCKS = {"single": 64, "looped": 16}  # vocab 37: one block of 64, or three blocks of 16 with a tail
 
@@ -92,6 +98,9 @@ def _case(name: str) -> tuple[LossSpec, torch.Tensor, LossTargets, object]:
     kinds, options, weights, numbers = MATRIX[name]
     spec = make_spec(kinds, weights, options, **numbers)
     logits, targets, normalizers = make_case(seed_of("matrix" + name), tokens=24, vocab=37, spec=spec)
+    if "accumulated" in name:
+        normalizers = dataclasses.replace(normalizers, tokens=2.5 * normalizers.tokens,
+                                          documents=2.0 * normalizers.documents, micro_batches=3.0)
     return spec, logits, targets, normalizers
 
 

@@ -1,20 +1,26 @@
 """TRL's names mean TRL's behaviour: the policy options and GKD against TRL's formulas, written out by
 hand in float64 from GRPOTrainer._compute_loss / get_high_entropy_mask and GKDTrainer.generalized_jsd_loss
-(huggingface/trl), on a padded (B, T) batch. fastlm's float64 reference and its compiled path must give
-the same loss and the same gradient; test_matrix.py ties the Triton paths to that reference."""
+(huggingface/trl 1.16), on a padded (B, T) batch. fastlm's float64 reference and its compiled path must give
+the same loss and the same gradient, and the Triton path (fp32) too; test_matrix.py ties the Triton paths
+to that reference on every option."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from fastlm.losses.children import CISPO, GRPO, GSPO, Distillation
 from fastlm.losses.children.base import LossChild
 from fastlm.losses.compiled import compiled_loss
 from fastlm.losses.reference import reference_loss
 from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossSpec, LossTargets
+from fastlm.losses.triton import triton_loss
 
 B, T, V = 4, 7, 11
 LENGTHS = [7, 3, 5, 1]  # completion tokens per row; the rest is padding
@@ -35,8 +41,11 @@ def _batch(seed: int) -> dict[str, torch.Tensor]:
 def _trl_policy_loss(logits: torch.Tensor, batch: dict, loss_type: str, *, epsilon_low: float = 0.2,
                      epsilon_high: float = 0.28, beta: float = 0.0, use_bias_correction_kl: bool = False,
                      top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0, sequence: bool = False,
-                     max_completion_length: int = T) -> torch.Tensor:
-    """GRPOTrainer._compute_loss, one process, no gradient accumulation, no vLLM correction, as written in TRL."""
+                     max_completion_length: int = T, num_items_in_batch: float | None = None,
+                     accumulation: int = 1) -> torch.Tensor:
+    """GRPOTrainer._compute_loss of one micro-batch, one process, no vLLM correction, as written in TRL 1.16:
+    `accumulation` is current_gradient_accumulation_steps (= steps_per_generation), `num_items_in_batch`
+    the window's completion tokens (default: this micro-batch's)."""
     mask, ids, advantages = batch["mask"], batch["ids"], batch["advantages"][:, None]
     log_probs = torch.log_softmax(logits, -1)
     per_token_logps = log_probs.gather(-1, ids[..., None])[..., 0]
@@ -67,20 +76,17 @@ def _trl_policy_loss(logits: torch.Tensor, batch: dict, loss_type: str, *, epsil
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * per_token_kl
     if loss_type == "grpo":
-        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
     elif loss_type == "bnpo":
-        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
     elif loss_type == "dr_grpo":
-        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
-    else:  # cispo, dapo
-        normalizer = mask.sum().clamp(min=1.0)
+        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length) / accumulation
+    else:  # cispo, dapo: the window's tokens (x accumulation / steps_per_generation = 1)
+        normalizer = (mask.sum() if num_items_in_batch is None else torch.tensor(num_items_in_batch)).clamp(min=1.0)
         loss = (per_token_loss * mask).sum() / normalizer
-    if entropy_coef:
+    if entropy_coef:  # every loss type: the mean over the effective mask, / the accumulation steps
         effective_mask = mask if entropy_mask is None else mask * entropy_mask
-        if loss_type in ("cispo", "dapo"):
-            entropy_loss = (entropies * effective_mask).sum() / mask.sum().clamp(min=1.0)
-        else:
-            entropy_loss = (entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0)
+        entropy_loss = (entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation
         loss = loss - entropy_coef * entropy_loss
     return loss
 
@@ -88,34 +94,53 @@ def _trl_policy_loss(logits: torch.Tensor, batch: dict, loss_type: str, *, epsil
 def _flat(batch: dict) -> tuple[LossTargets, LossNormalizers]:
     """The same batch as fastlm's flattened tokens: padding masked, one document per row."""
     mask = batch["mask"].bool()
+    rows = mask.shape[0]
     labels = torch.where(mask, batch["ids"], IGNORE_INDEX).reshape(-1)
     nan = torch.full_like(batch["old"], float("nan"))  # padding must never be read
     targets = LossTargets(
-        labels, torch.where(mask, batch["old"], nan).reshape(-1), batch["advantages"][:, None].expand(B, T).reshape(-1),
-        torch.arange(B)[:, None].expand(B, T).reshape(-1).clone(), ref_logp=torch.where(mask, batch["ref"], nan).reshape(-1))
-    return targets, LossNormalizers(float(mask.sum()), float(B))
+        labels, torch.where(mask, batch["old"], nan).reshape(-1), batch["advantages"][:, None].expand(rows, T).reshape(-1),
+        torch.arange(rows)[:, None].expand(rows, T).reshape(-1).clone(),
+        ref_logp=torch.where(mask, batch["ref"], nan).reshape(-1))
+    return targets, LossNormalizers(float(mask.sum()), float(rows))
 
 
-def _fastlm(child: LossChild, batch: dict) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(path, loss, d loss / d logits) of the float64 reference and the compiled path in float64."""
+def _fastlm(child: LossChild, batch: dict, rows: slice = slice(None), normalizers: LossNormalizers | None = None,
+            ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(path, loss, d loss / d logits) of the float64 reference, the compiled path in float64 and the Triton
+    path in fp32, on the batch's `rows` (one loss call) under `normalizers` (default: the call is the step)."""
     spec = LossSpec((child,))
-    targets, normalizers = _flat(batch)
-    logits = batch["logits"].reshape(B * T, V).clone().requires_grad_(True)
+    batch = {key: value[rows] for key, value in batch.items()}
+    targets, call_normalizers = _flat(batch)
+    normalizers = normalizers or call_normalizers
+    tokens = batch["logits"].shape[0] * T
+    logits = batch["logits"].reshape(tokens, V).clone().requires_grad_(True)
     result = reference_loss(logits, targets, normalizers, spec)
     result.loss.backward()
-    compiled, grad = compiled_loss(batch["logits"].reshape(B * T, V), targets, normalizers, spec)
-    return [("reference", result.loss.detach(), logits.grad), ("compiled", compiled.loss, grad)]
+    compiled, grad = compiled_loss(batch["logits"].reshape(tokens, V), targets, normalizers, spec)
+    single = LossTargets(*(t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                           for t in dataclasses.astuple(targets)))
+    fused, fused_grad = triton_loss(batch["logits"].reshape(tokens, V).float(), single, normalizers, spec)
+    return [("reference", result.loss.detach(), logits.grad), ("compiled", compiled.loss, grad),
+            ("triton", fused.loss.double(), fused_grad.double())]
+
+
+TOLERANCE = {"reference": 1e-12, "compiled": 1e-12, "triton": 1e-5}  # the Triton path computes in fp32
 
 
 def _check(name: str, child: LossChild, batch: dict, **trl: object) -> None:
     logits = batch["logits"].clone().requires_grad_(True)
     want = _trl_policy_loss(logits, batch, **trl)
     want.backward()
-    for path, loss, grad in _fastlm(child, batch):
+    _compare(name, _fastlm(child, batch), want, logits.grad)
+
+
+def _compare(name: str, runs: list[tuple[str, torch.Tensor, torch.Tensor]], want: torch.Tensor,
+             want_grad: torch.Tensor) -> None:
+    for path, loss, grad in runs:
         loss_error = abs(float(loss) - float(want)) / max(abs(float(want)), 1e-12)
-        grad_error = float((grad.reshape(B, T, V) - logits.grad).norm() / logits.grad.norm())
+        grad_error = float((grad.reshape(want_grad.shape) - want_grad).norm() / want_grad.norm())
         print(f"{name} / {path} vs TRL: loss {loss_error:.1e}, grad {grad_error:.1e}")
-        assert loss_error < 1e-12 and grad_error < 1e-12, (path, loss_error, grad_error)
+        assert loss_error < TOLERANCE[path] and grad_error < TOLERANCE[path], (path, loss_error, grad_error)
 
 
 CASES = {
@@ -136,8 +161,9 @@ CASES = {
                          {"loss_type": "dapo", "top_entropy_quantile": 0.5, "entropy_coef": 0.05}),
     "bnpo top entropy": (lambda: GRPO("p", 1.0, loss_type="bnpo", top_entropy_quantile=0.3, eps_high=0.28),
                          {"loss_type": "bnpo", "top_entropy_quantile": 0.3}),
-    "cispo top entropy": (lambda: CISPO("p", 1.0, eps_high=1.2, top_entropy_quantile=0.5),
-                          {"loss_type": "cispo", "epsilon_high": 1.2, "top_entropy_quantile": 0.5}),
+    "cispo top entropy": (lambda: CISPO("p", 1.0, eps_high=1.2, top_entropy_quantile=0.5, entropy_coeff=0.05),
+                          {"loss_type": "cispo", "epsilon_high": 1.2, "top_entropy_quantile": 0.5,
+                           "entropy_coef": 0.05}),
     # use_bias_correction_kl: the k3 term times the (not detached) ratio
     "dapo bias-corrected kl": (lambda: GRPO("p", 1.0, beta=0.2, bias_corrected_kl=True, eps_high=0.28),
                                {"loss_type": "dapo", "beta": 0.2, "use_bias_correction_kl": True}),
@@ -156,6 +182,37 @@ CASES = {
 def test_policy_options_match_trl(name: str) -> None:
     make, trl = CASES[name]
     _check(name, make(), _batch(11), **trl)
+
+
+ACCUMULATED = {  # gradient accumulation over micro-batches of 10 and 6 completion tokens
+    "dapo entropy": (lambda: GRPO("p", 1.0, entropy_coeff=0.07, eps_high=0.28),
+                     {"loss_type": "dapo", "entropy_coef": 0.07}),
+    "cispo top entropy": (lambda: CISPO("p", 1.0, eps_high=1.2, top_entropy_quantile=0.5, entropy_coeff=0.05),
+                          {"loss_type": "cispo", "epsilon_high": 1.2, "top_entropy_quantile": 0.5,
+                           "entropy_coef": 0.05}),
+    "bnpo top entropy": (lambda: GRPO("p", 1.0, loss_type="bnpo", top_entropy_quantile=0.5, entropy_coeff=0.05,
+                                      eps_high=0.28),
+                         {"loss_type": "bnpo", "top_entropy_quantile": 0.5, "entropy_coef": 0.05}),
+}
+
+
+@pytest.mark.parametrize("name", list(ACCUMULATED))
+def test_entropy_bonus_matches_trl_under_accumulation(name: str) -> None:
+    """Two micro-batches (rows 0-1: 10 tokens, rows 2-3: 6): TRL's per-micro-batch losses summed, against
+    two fastlm calls with the step's normalizers summed: the bonus is each micro-batch's mean over its
+    trained tokens divided by the accumulation steps (TRL 1.16), for dapo and cispo too."""
+    make, trl = ACCUMULATED[name]
+    batch, halves = _batch(11), (slice(0, 2), slice(2, 4))
+    logits = batch["logits"].clone().requires_grad_(True)
+    tokens = float(batch["mask"].sum())
+    want = sum(_trl_policy_loss(logits[rows], {key: value[rows] for key, value in batch.items()}, **trl,
+                                num_items_in_batch=tokens, accumulation=2) for rows in halves)
+    want.backward()
+    normalizers = LossNormalizers(tokens, float(B), micro_batches=2.0)
+    calls = [_fastlm(make(), batch, rows, normalizers) for rows in halves]
+    runs = [(first[0], first[1] + second[1], torch.cat([first[2], second[2]]))
+            for first, second in zip(*calls, strict=True)]
+    _compare(name, runs, want, logits.grad)
 
 
 def test_cispo_cap_binds_and_its_metric_is_trls() -> None:
@@ -214,8 +271,11 @@ def test_config_names_reach_the_children() -> None:
     grpo = GRPOConfig(beta=0.1, use_bias_correction_kl=True, top_entropy_quantile=0.2, entropy_coeff=0.01,
                       entropy_aggregation="loss_type").to_child("g")
     assert (grpo.bias_corrected_kl, grpo.top_entropy_quantile, grpo.entropy_token_mean) == (True, 0.2, False)
-    assert grpo.slot() is None and grpo.whole_call and GRPOConfig(entropy_coeff=0.01).to_child("g").slot() is not None
-    assert GRPOConfig(loss_type="grpo", entropy_coeff=0.01).to_child("g").slot() is None  # token mean != w_t
+    assert grpo.slot() is None and grpo.whole_call
+    assert not GRPOConfig(loss_type="bnpo", entropy_coeff=0.01).to_child("g").slot().entropy_weights  # mean = w_t
+    for loss_type in ("dapo", "grpo"):  # the token mean is a weight row of its own in the fused kernel
+        assert GRPOConfig(loss_type=loss_type, entropy_coeff=0.01).to_child("g").slot().entropy_weights
+    assert GSPOConfig(entropy_coeff=0.01).to_child("s").slot() is not None  # its seam reads the row
     assert GSPOConfig(top_entropy_quantile=0.5).to_child("s").whole_call
     assert CISPOConfig().to_child("c").eps_high == 5.0  # TRL's recommended epsilon_high, the cap
     with pytest.raises(ValueError, match="use_bias_correction_kl corrects the KL penalty"):

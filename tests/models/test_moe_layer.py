@@ -27,6 +27,7 @@ from fastlm.layers.moe import (
     router_z_loss,
     swiglu,
 )
+from fastlm.models.moe_family import MoESettings
 
 HIDDEN, FFN, EXPERTS, TOP_K = 16, 12, 8, 2
 
@@ -190,6 +191,26 @@ def test_router_losses_equal_transformers() -> None:
     torch.testing.assert_close(metrics["moe/layer1/idle_experts"], 0.25 * (counts == 0).float().mean())
     total.backward()
     assert layers[0].router.weight.grad.abs().sum() > 0  # the router learns from its losses
+
+
+def test_router_z_loss_coefficient_converts_from_megatron() -> None:
+    """The z-loss is a mean over the MoE layers; Megatron-LM adds each layer's token mean (a sum over the
+    layers): the documented conversion, z_loss_coef = Megatron's moe_z_loss_coeff x the MoE layers, gives
+    Megatron's weighted loss and gradient, and the config's description says so."""
+    torch.manual_seed(8)
+    layers = [_random_layer(torch.float64) for _ in range(3)]
+    logits = []
+    for layer in layers:
+        x = torch.randn(2, 5, HIDDEN, dtype=torch.float64)
+        layer(x)
+        logits.append(layer.router(x.reshape(-1, HIDDEN)))
+    megatron_coeff = 1e-3
+    megatron = megatron_coeff * sum(torch.logsumexp(layer_logits, dim=-1).square().mean() for layer_logits in logits)
+    total, _, _ = router_losses([layer.router_sums for layer in layers], TOP_K, aux_coef=0.0,
+                                z_coef=megatron_coeff * len(layers))
+    print(f"fastlm {float(total):.9f} vs Megatron {float(megatron):.9f}")
+    torch.testing.assert_close(total.double(), megatron, rtol=1e-6, atol=0)  # the router sums are fp32
+    assert "Megatron" in MoESettings.model_fields["z_loss_coef"].description
 
 
 def test_padded_router_losses_equal_transformers_with_an_attention_mask() -> None:

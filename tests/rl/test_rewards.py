@@ -183,7 +183,8 @@ def test_importance_weights_token_and_sequence() -> None:
     want = torch.tensor([math.exp(0.2)] * 3 + [2.0] * 3)
     assert torch.allclose(sequence[mask], want.float())
     assert importance_weights(batch, train, sampler, ImportanceSamplingConfig()) is None
-    metrics = gap_metrics(torch.stack([gap_statistics(batch, train, sampler, token)]), with_weights=True)
+    truncate = ImportanceSamplingConfig(mode="token_truncate", cap=2.0)
+    metrics = gap_metrics(torch.stack([gap_statistics(batch, train, sampler, token, truncate)]), with_weights=True)
     assert metrics["sampling/logp_diff/max"] == pytest.approx(1.0)
     assert metrics["sampling/logp_diff/mean"] == pytest.approx(2.2 / 6)
     assert metrics["sampling/importance_ratio/max"] == pytest.approx(2.0)

@@ -34,6 +34,20 @@ def test_log_every_must_be_a_multiple_of_the_updates_per_rollout(log_every: int,
     assert f"({updates})" in line and line.endswith(f"Fix: set trainer.log_every: {fix} (or 1)")
 
 
+def test_mismatch_kl_with_a_top_entropy_quantile_is_refused_with_the_fix() -> None:
+    """The mismatch KL is folded into the advantages, which the entropy selection zeroes on the tokens it
+    leaves out: the combination is one line naming both fields."""
+    overrides = ["rl.updates_per_rollout=1", "trainer.log_every=1", "rl.importance_sampling.mismatch_kl_coeff=0.1"]
+    load_config(CONFIGS / "grpo.yaml", overrides)
+    with pytest.raises(ConfigError) as caught:
+        load_config(CONFIGS / "grpo.yaml", [*overrides, "model.head.losses.grpo.top_entropy_quantile=0.5"])
+    (line,) = [str(issue) for issue in caught.value.issues]
+    print(line)
+    assert line.startswith("rl.importance_sampling.mismatch_kl_coeff: is folded into the advantages, which "
+                           "model.head.losses.grpo.top_entropy_quantile 0.5 zeroes")
+    assert "Fix: set model.head.losses.grpo.top_entropy_quantile: 1.0, or mismatch_kl_coeff: 0" in line
+
+
 def test_eval_prompts_fraction_needs_a_prompt_set_and_a_file_must_exist(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="is a fraction of rl.prompts held out for eval, but rl.prompts is not set"):
         load_config(CONFIGS / "grpo.yaml", ["rl.eval_prompts=0.1"])

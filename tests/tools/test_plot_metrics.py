@@ -75,8 +75,9 @@ def _rl_record(step: int) -> dict:
 
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5], dtype=torch.float64)
     rollout = rollout_metrics(rewards, rewards - 0.5, torch.tensor([3, 4, 2, 4]), torch.tensor([True, False, True, True]), 2)
-    # one gap_statistics row: |gap| sum, tokens, max |gap|, weight sum, min, max, square sum, KL sum, masked tokens
-    gaps = gap_metrics(torch.tensor([[0.1, 4.0, 0.05, 4.1, 0.9, 1.2, 4.3, 2e-3, 0.0]], dtype=torch.float64),
+    # one gap_statistics row: |gap| sum, tokens, max |gap|, weight sum, min, max, clamped ratio sum and square
+    # sum, k3 sum, masked tokens, k1 sum
+    gaps = gap_metrics(torch.tensor([[0.1, 4.0, 0.05, 4.1, 0.9, 1.2, 4.1, 4.3, 2e-3, 0.0, 1e-3]], dtype=torch.float64),
                        with_weights=True)
     per_function = reward_metrics(rewards[:, None], [RewardFunction("exact", "mine:exact", lambda **_: [], 1.0)])
     record = {f"train/{key}": value + 0.01 * step for key, value in {**rollout, **gaps, **per_function}.items()}

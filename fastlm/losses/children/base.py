@@ -138,6 +138,8 @@ class KernelSlot:
     - `switches`: its compile-time options (a switched-off option compiles to nothing);
     - `reads`: the per-token targets the kernel loads for it (old_logp, advantages, ref_logp);
     - `token_weights`: it reads its per-token weights w_t (`LossChild.call_weights`), not 1/N;
+    - `entropy_weights`: it reads its entropy bonus's own per-token weights v_t (a policy child's
+      `call_entropy_weights`), not w_t;
     - `entropy`: it reads the entropy (the vocab pass then keeps the moment sum);
     - `x_term`: its gradient has the `p_j * x_j` term (the entropy bonus).
     """
@@ -148,6 +150,7 @@ class KernelSlot:
     switches: dict[str, bool] = field(default_factory=dict)
     reads: tuple[str, ...] = ()
     token_weights: bool = False
+    entropy_weights: bool = False
     entropy: bool = False
     x_term: bool = False
 

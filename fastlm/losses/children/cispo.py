@@ -27,6 +27,10 @@ class CISPOConfig(PolicyConfig):
         5.0, gt=0.0, description="Cap of the detached ratio, as TRL's epsilon_high (5.0 recommended): min(r, eps_high)."
     )
 
+    def first_update_slope(self) -> float:
+        """min(r, eps_high) at r = 1: a cap below 1 scales every token's slope."""
+        return min(1.0, self.eps_high)
+
     def to_child(self, name: str) -> CISPO:
         return CISPO(name, self.weight, **self.policy_numbers(), eps_high=self.eps_high)
 

@@ -18,9 +18,10 @@ Regularisers, per token, times the child's weight:
   in `c*(p_j - [j == y])`; `use_bias_correction_kl` (TRL) multiplies k3 by the ratio r = exp(new - old)
   (not detached): coefficient `beta*r*(expm1(ref - new) - k3)`;
 - `entropy_coeff` e: `-e*H_t` times the entropy weight v_t; gradient `e*v_t*p_j*(x_j - E_p[x])`: `x` term
-  e*v_t, `prob -= e*v_t*E_p[x]`. `entropy_aggregation: token_mean` (TRL) averages H over tokens: v_t =
-  1/N_step for dapo (TRL's dapo/cispo: summed over the step's tokens, divided by their count), else the
-  mean over the call's tokens averaged over the step's calls (TRL's other loss types: per micro-batch);
+  e*v_t, `prob -= e*v_t*E_p[x]`. `entropy_aggregation: token_mean` (TRL 1.16's bonus, every loss_type
+  alike) is the mean of H over the call's trained tokens (the selected ones with `top_entropy_quantile`
+  < 1), averaged over the step's calls (TRL: the micro-batch's mean divided by the gradient-accumulation
+  steps, averaged over the ranks): v_t = 1/(N_trained_call * calls), for bnpo without selection its w_t;
   `loss_type` weighs H like the policy loss (v_t = w_t).
 
 `top_entropy_quantile` q < 1 (TRL; "the 80/20 rule", Wang et al. 2025): only the tokens whose entropy is
@@ -28,9 +29,10 @@ at least the (1 - q)-quantile of the call's unmasked tokens' entropies (linear i
 torch.quantile) keep their policy-gradient term and entropy bonus; the KL term stays on every token and
 the normalisers are unchanged (TRL multiplies the per-token loss by the mask before its aggregation).
 
-The fused Triton kernel has no slot for a call-wide quantile, the bias-corrected KL or a token-mean
-entropy weight that differs from w_t: a child with one of them (`past_kernel`: no `slot`) runs on the Triton path
-as under tensor parallelism (a stats launch, the torch tail below, a grad launch).
+The fused Triton kernel has no slot for a call-wide quantile or the bias-corrected KL: a child with one
+of them (`past_kernel`: no `slot`) runs on the Triton path as under tensor parallelism (a stats launch,
+the torch tail below, a grad launch). A token-mean entropy weight that differs from w_t is a second
+per-token weight row the fused launch (GSPO: its seam) reads (`KernelSlot.entropy_weights`).
 
 Metrics (token means over the step's unmasked tokens, every loss_type): `new_logp`, `entropy`,
 `kl_old` (k3 against the sampling policy), and `kl` (k3 against the frozen reference) when beta > 0.
@@ -70,8 +72,8 @@ class PolicyConfig(ChildConfig):
     )
     entropy_coeff: float = Field(0.0, ge=0.0, description="Entropy bonus: the loss subtracts entropy_coeff x entropy.")
     entropy_aggregation: Literal["token_mean", "loss_type"] = Field(
-        "token_mean", description="token_mean (TRL): the bonus is the mean entropy over tokens; loss_type: "
-        "entropy weighted per token like the policy loss.",
+        "token_mean", description="token_mean (TRL 1.16): the bonus is the mean entropy over each micro-batch's "
+        "trained tokens, averaged over micro-batches; loss_type: entropy weighted per token like the policy loss.",
     )
     top_entropy_quantile: float = Field(
         1.0, gt=0.0, le=1.0, description="TRL's: train the policy term (and entropy bonus) only on the share q of "
@@ -89,6 +91,11 @@ class PolicyConfig(ChildConfig):
             raise ValueError("use_bias_correction_kl corrects the KL penalty, which is off at beta 0; set beta > 0 "
                              "(e.g. 0.04) or remove use_bias_correction_kl")
         return self
+
+    def first_update_slope(self) -> float:
+        """d(token loss)/d(new_logp) per unit of advantage at ratio 1 (a rollout's first update) on a token the
+        policy term trains: 1 for the clipped surrogate (1 lies inside its clip range)."""
+        return 1.0
 
     def policy_numbers(self) -> dict[str, object]:
         return {"loss_type": self.loss_type, "max_completion_length": self.max_completion_length or 0,
@@ -119,13 +126,13 @@ class PolicyChild(LossChild):
     @property
     def entropy_weighted_apart(self) -> bool:
         """Whether the entropy bonus's per-token weight differs from the loss_type weight w_t (token_mean
-        for grpo and dr_grpo; for dapo and bnpo the two are the same)."""
-        return self.entropy_coeff > 0 and self.entropy_token_mean and self.loss_type in ("grpo", "dr_grpo")
+        but for bnpo, whose w_t is the same call mean)."""
+        return self.entropy_coeff > 0 and self.entropy_token_mean and self.loss_type != "bnpo"
 
     @property
     def past_kernel(self) -> bool:
         """Whether an option is past the fused kernel's slot (then `slot` is None)."""
-        return self.entropy_selected or (self.bias_corrected_kl and self.beta > 0) or self.entropy_weighted_apart
+        return self.entropy_selected or (self.bias_corrected_kl and self.beta > 0)
 
     @property
     def kernel_reads(self) -> tuple[str, ...]:
@@ -211,6 +218,15 @@ class PolicyChild(LossChild):
             return prepared.to(dtype)
         return self.token_weights(targets, normalizers, dtype, slot)
 
+    def call_entropy_weights(self, targets: LossTargets, normalizers: LossNormalizers,
+                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """v_t of a token-mean entropy bonus on every unmasked token (no selection): the `prepare`d ones of a
+        chunked head's whole call, else the call mean here."""
+        prepared = self.prepared(targets, "entropy_weights")
+        if prepared is not None:
+            return prepared.to(dtype)
+        return call_token_mean(targets.labels != IGNORE_INDEX, normalizers, dtype)
+
     def prepare(self, targets: LossTargets, normalizers: LossNormalizers, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """loss_type grpo and bnpo weigh a token by counts over the whole call (its document's tokens, the
         call's tokens), as does a token-mean entropy bonus; a whole-call child's tail sees the whole call
@@ -239,13 +255,13 @@ class PolicyChild(LossChild):
     def entropy_weights(self, inputs: TailInputs, w: torch.Tensor | float,
                         selected: torch.Tensor | None) -> torch.Tensor | float:
         """v_t, the entropy bonus's per-token weight (`entropy_aggregation`), on the selected tokens."""
-        if self.entropy_token_mean and self.loss_type == "dapo":
-            w = inputs.per_token
-        elif self.entropy_token_mean and (self.loss_type != "bnpo" or selected is not None):
-            prepared = None if selected is not None else self.prepared(inputs.targets, "entropy_weights")
-            tokens = inputs.mask if selected is None else selected
-            return call_token_mean(tokens, inputs.normalizers, inputs.dtype) if prepared is None else prepared.to(inputs.dtype)
-        return w if selected is None else selected * w
+        if not self.entropy_token_mean:
+            return w if selected is None else selected * w
+        if selected is None:
+            if self.loss_type == "bnpo":
+                return w  # its w_t is the call mean already
+            return self.call_entropy_weights(inputs.targets, inputs.normalizers, inputs.dtype)
+        return call_token_mean(selected, inputs.normalizers, inputs.dtype)
 
     def regularizers(self, inputs: TailInputs, w: torch.Tensor | float, out: Tail,
                      selected: torch.Tensor | None = None, document_ratio: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -315,9 +331,8 @@ class PolicyChild(LossChild):
     def reference_regularizers(self, inputs: ReferenceInputs, weights: torch.Tensor, selected: torch.Tensor,
                                ratio: torch.Tensor | None = None) -> torch.Tensor:
         """beta * sum_t w_t k3_t (times the ratio with use_bias_correction_kl) - e * the entropy bonus,
-        written from TRL's _compute_loss (the bonus: TRL's dapo/cispo sum over the selected tokens divided
-        by the step's tokens, the other loss types the mean over the call's selected tokens divided by the
-        step's calls), by autograd."""
+        written from TRL 1.16's _compute_loss (the bonus, every loss type: the mean over the call's selected
+        tokens divided by the step's calls), by autograd."""
         total = inputs.new_logp.new_zeros(())
         mask = inputs.mask
         if self.beta > 0:
@@ -331,8 +346,6 @@ class PolicyChild(LossChild):
             entropy = torch.where(mask, -(inputs.log_probs.exp() * inputs.log_probs).sum(-1), 0.0)
             if not self.entropy_token_mean:
                 bonus = (entropy * weights * selected).sum()
-            elif self.loss_type == "dapo":
-                bonus = (entropy * selected).sum() * safe_inverse(inputs.normalizers.tokens)
             else:
                 bonus = (entropy * selected).sum() / selected.sum().clamp(min=1.0) / inputs.normalizers.micro_batches
             total = total - self.entropy_coeff * bonus
@@ -363,7 +376,8 @@ class PolicyChild(LossChild):
         numbers = {"weight": self.weight, "beta": self.beta, "entropy_coeff": self.entropy_coeff, **scalars}
         return KernelSlot(self.kind, ("loss", *self.metric_names()), numbers,
                           {"ref": self.beta > 0, "entropy": self.entropy_coeff > 0}, reads=self.kernel_reads,
-                          token_weights=self.loss_type != "dapo", entropy=True, x_term=self.entropy_coeff > 0)
+                          token_weights=self.loss_type != "dapo", entropy_weights=self.entropy_weighted_apart,
+                          entropy=True, x_term=self.entropy_coeff > 0)
 
 
 def dual_clip(delta: float | None) -> float:

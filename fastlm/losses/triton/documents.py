@@ -199,16 +199,17 @@ def document_mean_weights(
 
 @triton.jit
 def _gspo_seam_kernel(
-    ids_ptr, labels_ptr, terms_ptr, old_logp_ptr, advantages_ptr, ref_logp_ptr, weights_ptr, n, w_scale,
-    per_document, weight, eps_low, eps_high, delta, beta, entropy_coeff, first_row, lse_row, new_logp_row,
-    entropy_row, prob_row, label_row, x_row,
-    WEIGHTS: tl.constexpr, REF: tl.constexpr, ENTROPY: tl.constexpr, GRAD: tl.constexpr, BLOCK: tl.constexpr,
-    IGNORE: tl.constexpr,
+    ids_ptr, labels_ptr, terms_ptr, old_logp_ptr, advantages_ptr, ref_logp_ptr, weights_ptr, entropy_weights_ptr,
+    n, w_scale, per_document, weight, eps_low, eps_high, delta, beta, entropy_coeff, first_row, lse_row,
+    new_logp_row, entropy_row, prob_row, label_row, x_row,
+    WEIGHTS: tl.constexpr, REF: tl.constexpr, ENTROPY: tl.constexpr, ENTROPY_WEIGHTS: tl.constexpr,
+    GRAD: tl.constexpr, BLOCK: tl.constexpr, IGNORE: tl.constexpr,
 ):
     """GSPO's tail on the fused launch's (K, T) term buffer: rows `first_row`.. (loss, ratio, advantage,
     low, high, region, num_documents: `GSPO.slot` rows after the token metrics) for every token, the
     document's values at its first unmasked token and 0 elsewhere; with GRAD the coefficients added to
-    the state rows prob/label (and x with ENTROPY) in place."""
+    the state rows prob/label (and x with ENTROPY) in place. The entropy bonus weighs a token by v_t, read
+    from `entropy_weights_ptr` with ENTROPY_WEIGHTS (a token mean apart from w_t), else w_t."""
     t, unmasked, count, log_ratio, advantage_sum, document_w, prefix = _run_sums(
         ids_ptr, labels_ptr, terms_ptr + new_logp_row * n, old_logp_ptr, advantages_ptr, weights_ptr, w_scale, n,
         BLOCK, True, WEIGHTS, IGNORE)
@@ -236,9 +237,12 @@ def _gspo_seam_kernel(
         gap = tl.where(unmasked, tl.load(ref_logp_ptr + t, mask=unmasked, other=0.0).to(tl.float32) - new_logp, 0.0)
         loss += beta * (expm1(gap) - gap) * w
         coefficient += expm1(gap) * (w * beta * weight)
+    v = w
+    if ENTROPY_WEIGHTS:
+        v = tl.where(unmasked, tl.load(entropy_weights_ptr + t, mask=unmasked, other=0.0), 0.0)
     if ENTROPY:
         entropy = tl.load(terms_ptr + entropy_row * n + t, mask=inside, other=0.0)
-        loss -= entropy_coeff * entropy * w
+        loss -= entropy_coeff * entropy * v
     low = ((ratio < 1.0 - eps_low) & (advantage < 0.0)).to(tl.float32)
     high = ((ratio > 1.0 + eps_high) & (advantage > 0.0)).to(tl.float32)
     rows = terms_ptr + first_row * n + t
@@ -253,7 +257,7 @@ def _gspo_seam_kernel(
         prob = tl.load(terms_ptr + prob_row * n + t, mask=inside, other=0.0) + coefficient
         label = tl.load(terms_ptr + label_row * n + t, mask=inside, other=0.0) + coefficient
         if ENTROPY:
-            bonus = w * entropy_coeff * weight
+            bonus = v * entropy_coeff * weight
             prob -= bonus * (tl.load(terms_ptr + lse_row * n + t, mask=inside, other=0.0) - entropy)
             x = tl.load(terms_ptr + x_row * n + t, mask=inside, other=0.0) + bonus
             tl.store(terms_ptr + x_row * n + t, x, mask=unmasked)
@@ -274,16 +278,19 @@ def gspo_seam(child: GSPO, terms: torch.Tensor, layout: FusedLayout, targets: Lo
         weights = child.call_weights(targets, normalizers)  # None for dapo
         mode, w_scale = (CONSTANT.value, safe_inverse(normalizers.tokens)) if weights is None else (VECTOR.value, 0.0)
     state = {name: layout.state + index for index, name in enumerate(layout.state_names)}
+    apart = child.entropy_weighted_apart
+    entropy_weights = child.call_entropy_weights(targets, normalizers).contiguous() if apart else terms
     block = _block(tokens, max_block)
     _gspo_seam_kernel[(triton.cdiv(tokens, block),)](
         targets.document_ids.contiguous(), targets.labels.contiguous(), terms, targets.old_logp.contiguous(),
         targets.advantages.contiguous(), targets.ref_logp.contiguous() if child.beta > 0 else terms,
-        terms if weights is None else weights.contiguous(), tokens, w_scale, safe_inverse(normalizers.documents),
+        terms if weights is None else weights.contiguous(), entropy_weights, tokens, w_scale,
+        safe_inverse(normalizers.documents),
         float(child.weight), float(child.eps_low), float(child.eps_high),
         min(float(child.delta), 3.0e38), float(child.beta), float(child.entropy_coeff),
         layout.row(child.name, "loss"), state["lse"], state["new_logp"],
         state["entropy"], state["prob_coeff"], state["label_coeff"], state["x_coeff"],
-        WEIGHTS=mode, REF=child.beta > 0, ENTROPY=child.entropy_coeff > 0,
+        WEIGHTS=mode, REF=child.beta > 0, ENTROPY=child.entropy_coeff > 0, ENTROPY_WEIGHTS=apart,
         GRAD=child.weight != 0, BLOCK=block, IGNORE=IGNORE_INDEX, num_warps=WARPS,
     )
 

@@ -9,7 +9,8 @@ holds no kernel code. This module turns a spec's slots into what `lm_loss_kernel
   (each child's rows, the weighted total, the value-check counts, a per-document child's state);
 - constexprs: each label-form child's slot as one flat namedtuple (SLOT0..SLOT3: its per-token function
   from terms.py as `terms`, `<row>_row` for each of its rows, the buffer offset of each number, each
-  switch, `token_weights`), the teacher's (`Teacher`), and per launch `Rows`: the rows of the kernel's
+  switch, `token_weights` and `entropy_weights`: its rows of the per-token weights, -1 for none), the
+  teacher's (`Teacher`), and per launch `Rows`: the rows of the kernel's
   per-token buffer (the FUSED terms, the STATS pieces or the GRAD coefficients) and its per-token switches.
 
 The namedtuples are flat on purpose: Triton 3.6 (the GPU image's) passes a namedtuple constexpr on to a
@@ -193,7 +194,9 @@ class Interface:
     layout: FusedLayout | None = None  # fused only
     slots: tuple[Any, ...] = ()  # fused only: MAX_SLOTS flat namedtuples
     fused_rows: Rows | None = None  # fused only: the FUSED launch's LAYOUT
-    weighted: tuple[LossChild, ...] = ()  # children whose w_t the fused launch reads, in weights-buffer row order
+    # the fused launch's per-token weight rows in buffer order: (child, "token_weights" (its w_t) or
+    # "entropy_weights" (its entropy bonus's v_t))
+    weight_rows: tuple[tuple[LossChild, str], ...] = ()
     seams: tuple[tuple[LossChild, Any], ...] = ()  # (per-document child, its seam)
     x_term: bool = False  # a slot's gradient has the p_j * x_j term
 
@@ -244,13 +247,15 @@ def interface(spec: LossSpec) -> Interface:
         return Interface(False, tuple(params), inv_temperature, teacher)
     layout = _fused_layout(spec, slots)
     labelled = [child for child in spec.children if not child.uses_teacher]
-    weighted = tuple(child for child in labelled if slots[child.name].token_weights)
+    weight_rows = tuple((child, kind) for child in labelled for kind in ("token_weights", "entropy_weights")
+                        if getattr(slots[child.name], kind))
     constexprs = []
     for child in labelled:
         slot = slots[child.name]
         fields = {"terms": TERMS[slot.kind], **{_field(row): layout.row(child.name, row) for row in slot.rows},
                   **offsets(slot.scalars), **slot.switches,
-                  "token_weights": weighted.index(child) if child in weighted else -1}
+                  **{kind: weight_rows.index((child, kind)) if (child, kind) in weight_rows else -1
+                     for kind in ("token_weights", "entropy_weights")}}
         constexprs.append(_slot_type(tuple(fields))(**fields))
     constexprs += [NO_SLOT] * (MAX_SLOTS - len(constexprs))
     used = [slots[child.name] for child in labelled]
@@ -265,8 +270,8 @@ def interface(spec: LossSpec) -> Interface:
     if spec.teacher is not None:
         teacher = teacher._replace(loss_row=layout.row(spec.teacher.name, "loss"))
     seams = tuple((child, SEAMS[slots[child.name].kind]) for child in spec.per_document)
-    return Interface(True, tuple(params), inv_temperature, teacher, layout, tuple(constexprs), fused_rows, weighted,
-                     seams, x_term)
+    return Interface(True, tuple(params), inv_temperature, teacher, layout, tuple(constexprs), fused_rows,
+                     weight_rows, seams, x_term)
 
 
 @lru_cache(maxsize=256)

@@ -413,7 +413,7 @@ def lm_loss_kernel(
     old_logp_ptr,  # FUSED, LAYOUT.policy_inputs: the per-token inputs of the policy slots
     advantages_ptr,
     ref_logp_ptr,  # LAYOUT.ref_input: the frozen reference's label log-prob
-    weights_ptr,  # FUSED: per-token aggregation weights w_t, row `token_weights` of a slot that reads them
+    weights_ptr,  # FUSED: per-token weights, rows `token_weights` (w_t) and `entropy_weights` (v_t) of a slot
     split_ptr,  # SPLIT > 1: (T, SPLIT, N_PIECES) fp32, each segment's published stats
     sync_ptr,  # SPLIT > 1 and EXCHANGE: T arrival counters, then the ticket counter (int32, zeroed)
     LAUNCH: tl.constexpr,  # what this launch does and how it walks a row (interface.LaunchConfig)

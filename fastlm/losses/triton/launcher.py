@@ -221,7 +221,9 @@ class _Launch:
         read = {"old_logp": rows.policy_inputs, "advantages": rows.policy_inputs, "ref_logp": rows.ref_input} if fused else {}
         inputs = [getattr(self.targets, name).float().contiguous() if read.get(name) else self.logits
                   for name in ("old_logp", "advantages", "ref_logp")]
-        weights = [child.call_weights(self.targets, self.normalizers) for child in self.interface.weighted] if fused else []
+        weights = [child.call_weights(self.targets, self.normalizers) if kind == "token_weights"
+                   else child.call_entropy_weights(self.targets, self.normalizers)
+                   for child, kind in self.interface.weight_rows] if fused else []
         if not weights:
             return (*inputs, self.logits)
         return (*inputs, weights[0].contiguous() if len(weights) == 1 else torch.stack(weights))

@@ -3,7 +3,8 @@
 A child declares its slot as data (children/base.py `KernelSlot`); interface.py turns it into a flat
 namedtuple constexpr whose fields are this function (`terms`), the row of each of its term rows
 (`<row>_row`, '/' read as '_'), the offset of each of its numbers in the kernel's fp32 parameter buffer,
-each of its switches, and `token_weights` (its row of the per-token weights w_t, -1 for 1/N). The kernel
+each of its switches, `token_weights` (its row of the per-token weights w_t, -1 for 1/N) and
+`entropy_weights` (a policy slot's row of its entropy bonus's weights v_t, -1 for w_t). The kernel
 (kernel.py) calls every slot's function after the statistics pass, once per row, with one signature:
 
     terms(rows, stride, write, params, weights, lse, new_logp, entropy, old_logp, advantage, ratio, ref_gap,
@@ -87,6 +88,15 @@ def _token_weight(weights, stride, token_scale, S: tl.constexpr):
 
 
 @triton.jit
+def _entropy_weight(weights, stride, w, S: tl.constexpr):
+    """v_t: the slot's row of its entropy bonus's weights (a token mean apart from w_t), else w_t."""
+    v = w
+    if S.entropy_weights >= 0:
+        v = tl.load(weights + S.entropy_weights * stride)
+    return v
+
+
+@triton.jit
 def _policy_numbers(params, S: tl.constexpr):
     """(beta, entropy_coeff) of a policy slot: its reference-KL and entropy-bonus numbers, 0 when switched off."""
     beta = 0.0
@@ -99,18 +109,18 @@ def _policy_numbers(params, S: tl.constexpr):
 
 
 @triton.jit
-def _policy_coefficients(slope, weight, w, ref_gap, beta, entropy_coeff, lse, entropy, prob, label, x,
+def _policy_coefficients(slope, weight, w, v, ref_gap, beta, entropy_coeff, lse, entropy, prob, label, x,
                          S: tl.constexpr):
     """A token-level policy child's (GRPO, CISPO) share of the coefficients, times its weight and
     w_t: `slope` (d token loss / d new_logp) plus the reference KL's in the label form
-    c*(p_j - d_jy); the entropy bonus e as the x term, with -e*E_p[x] = -e*(lse - H) in prob."""
+    c*(p_j - d_jy); the entropy bonus e (times v_t) as the x term, with -e*E_p[x] = -e*(lse - H) in prob."""
     if S.ref:
         slope += beta * expm1(ref_gap)
     policy = weight * w * slope
     prob += policy
     label += policy
     if S.entropy:
-        bonus = weight * w * entropy_coeff
+        bonus = weight * v * entropy_coeff
         x += bonus
         prob -= bonus * (lse - entropy)
     return prob, label, x
@@ -128,16 +138,16 @@ def _token_metrics(rows, stride, new_logp, entropy, old_logp, ref_gap, token_sca
 
 
 @triton.jit
-def _policy_loss(rows, stride, token_loss, new_logp, entropy, old_logp, ref_gap, beta, entropy_coeff, w, token_scale,
-                 S: tl.constexpr):
-    """A token-level policy child's loss row (times its w_t, with its regularisers) and its token
-    metrics. Returns its loss term for the weighted total."""
-    token_loss -= entropy_coeff * entropy
+def _policy_loss(rows, stride, token_loss, new_logp, entropy, old_logp, ref_gap, beta, entropy_coeff, w, v,
+                 token_scale, S: tl.constexpr):
+    """A token-level policy child's loss row (times its w_t, with its regularisers; the entropy bonus
+    times v_t) and its token metrics. Returns its loss term for the weighted total."""
     if S.ref:
         token_loss += beta * (expm1(ref_gap) - ref_gap)
-    store_row(rows, S.loss_row, stride, token_loss * w)
+    term = token_loss * w - entropy_coeff * entropy * v
+    store_row(rows, S.loss_row, stride, term)
     _token_metrics(rows, stride, new_logp, entropy, old_logp, ref_gap, token_scale, S)
-    return token_loss * w
+    return term
 
 
 @triton.jit
@@ -150,16 +160,17 @@ def grpo_terms(rows, stride, write, params, weights, lse, new_logp, entropy, old
     delta = tl.load(params + S.delta)
     beta, entropy_coeff = _policy_numbers(params, S)
     w = _token_weight(weights, stride, token_scale, S)
+    v = _entropy_weight(weights, stride, w, S)
     gain = tl.where(ratio <= 1.0 + eps_high, tl.maximum(advantage, 0.0), 0.0)
     loss_side = tl.where((ratio >= 1.0 - eps_low) & (ratio <= delta), tl.minimum(advantage, 0.0), 0.0)
-    prob, label, x = _policy_coefficients(ratio * (gain + loss_side), weight, w, ref_gap, beta, entropy_coeff, lse,
-                                          entropy, prob, label, x, S)
+    prob, label, x = _policy_coefficients(ratio * (gain + loss_side), weight, w, v, ref_gap, beta, entropy_coeff,
+                                          lse, entropy, prob, label, x, S)
     if write:
         clipped = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
         capped = tl.minimum(ratio, delta)
         token_loss = -tl.minimum(capped * advantage, clipped * advantage)
         total += weight * _policy_loss(rows, stride, token_loss, new_logp, entropy, old_logp, ref_gap, beta,
-                                       entropy_coeff, w, token_scale, S)
+                                       entropy_coeff, w, v, token_scale, S)
         low = ((ratio < 1.0 - eps_low) & (advantage < 0.0)).to(tl.float32)
         high = ((ratio > 1.0 + eps_high) & (advantage > 0.0)).to(tl.float32)
         store_row(rows, S.ratio_row, stride, ratio * token_scale)
@@ -178,12 +189,13 @@ def cispo_terms(rows, stride, write, params, weights, lse, new_logp, entropy, ol
     cap = tl.load(params + S.cap)
     beta, entropy_coeff = _policy_numbers(params, S)
     w = _token_weight(weights, stride, token_scale, S)
-    prob, label, x = _policy_coefficients(tl.minimum(ratio, cap) * advantage, weight, w, ref_gap, beta, entropy_coeff,
-                                          lse, entropy, prob, label, x, S)
+    v = _entropy_weight(weights, stride, w, S)
+    prob, label, x = _policy_coefficients(tl.minimum(ratio, cap) * advantage, weight, w, v, ref_gap, beta,
+                                          entropy_coeff, lse, entropy, prob, label, x, S)
     if write:
         token_loss = -tl.minimum(ratio, cap) * advantage * new_logp
         total += weight * _policy_loss(rows, stride, token_loss, new_logp, entropy, old_logp, ref_gap, beta,
-                                       entropy_coeff, w, token_scale, S)
+                                       entropy_coeff, w, v, token_scale, S)
         store_row(rows, S.ratio_row, stride, ratio * token_scale)
         store_row(rows, S.advantage_row, stride, advantage * token_scale)
         store_row(rows, S.cispo_clip_ratio_row, stride, ((ratio > cap) & (advantage > 0.0)).to(tl.float32) * token_scale)
