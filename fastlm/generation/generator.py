@@ -10,7 +10,7 @@ On CUDA (`cuda_graph=True`, the default there) the decode step runs on a bf16 re
 (linear weights and the head in the autocast dtype, embeddings and norms as trained: the training forward's
 numerics) and is captured once in a `torch.cuda.CUDAGraph`, optionally after `torch.compile` (one graph:
 the 24 layers, the attention's block mask and the sampling tail); per token the host then launches two
-things, the noise draw and the replay. Attention in the captured step is FlexAttention decode, which
+things, the seeds' copy once per generation and the replay per token. Attention in the captured step is FlexAttention decode, which
 reads only the cache blocks written so far. A `Generator` kept across calls reuses the graph while the
 batch size, cache length and sampling options stay the same and only copies the live weights into the
 replica (`sync_weights`: before every call, or only when the caller says with `sync_on_generate=False`, as
@@ -29,7 +29,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from fastlm.generation.sampling import SamplingOptions, draw_race, pick_tokens
+from fastlm.generation.sampling import SamplingOptions, draw_uniforms, pick_tokens, sequence_seeds
 from fastlm.layers.kv_cache import DecodeAttention, KVCache
 from fastlm.lora.attach import merged_weights
 from fastlm.models.decoder import DecoderLM, build_model
@@ -86,8 +86,9 @@ class DecodeState:
 
     `tokens`/`columns` (B, 1): the last drawn token, the next step's input, and its cache column;
     `drawn`/`logprobs` (B, N): what was picked (pad / 0 after a row's stop token); `done` (B,): the row
-    has drawn a stop token; `index` (): the next slot of `drawn`; `race` (B, V): the Exp(1) noise of the
-    next draw (None when greedy); `stops` (n,): the stop tokens. V is the drawable vocab: the tokenizer's,
+    has drawn a stop token; `index` (): the next slot of `drawn`, also the draw's index in each row's
+    completion; `seeds` (B,): each row's sequence seed (sampling.py; None when greedy); `stops` (n,): the
+    stop tokens. V is the drawable vocab: the tokenizer's,
     when the model's is padded past it (checkpoints pad vocab to a multiple of 64 or 128), so the sampler
     never draws an id the tokenizer cannot decode (vLLM trims a padded vocab's logits the same way).
     """
@@ -98,7 +99,7 @@ class DecodeState:
     logprobs: torch.Tensor
     done: torch.Tensor
     index: torch.Tensor
-    race: torch.Tensor | None
+    seeds: torch.Tensor | None
     stops: torch.Tensor
     vocab: int
 
@@ -107,20 +108,23 @@ class DecodeState:
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        race = None if options.greedy else zeros(batch, vocab, dtype=torch.float32)
+        seeds = None if options.greedy else zeros(batch)
         stops = torch.tensor(options.stop_tokens, dtype=torch.int64, device=device)
         return cls(zeros(batch, 1), zeros(batch, 1), zeros(batch, options.max_new_tokens),
                    zeros(batch, options.max_new_tokens, dtype=torch.float32), zeros(batch, dtype=torch.bool),
-                   zeros(dtype=torch.int64), race, stops, vocab)
+                   zeros(dtype=torch.int64), seeds, stops, vocab)
 
     @property
     def buffers(self) -> list[torch.Tensor]:
-        return [t for t in (self.tokens, self.columns, self.drawn, self.logprobs, self.done, self.index, self.race)
+        return [t for t in (self.tokens, self.columns, self.drawn, self.logprobs, self.done, self.index, self.seeds)
                 if t is not None]
 
-    def reset(self, columns: torch.Tensor, pad_id: int) -> None:
-        """Before a generation: the first decode column of each row, nothing drawn yet."""
+    def reset(self, columns: torch.Tensor, pad_id: int, seeds: torch.Tensor) -> None:
+        """Before a generation (or a turn): the first decode column and the sequence seed of each row,
+        nothing drawn yet."""
         self.columns.copy_(columns)
+        if self.seeds is not None:
+            self.seeds.copy_(seeds)
         self.drawn.fill_(pad_id)
         self.logprobs.zero_()
         self.done.zero_()
@@ -128,7 +132,8 @@ class DecodeState:
 
     def record(self, logits: torch.Tensor, options: SamplingOptions, pad_id: int) -> None:
         """Pick the next tokens from (B, V) raw logits and write them into slot `index` (on the device)."""
-        choice, logprob = pick_tokens(logits[:, : self.vocab], options, self.race)
+        uniforms = None if self.seeds is None else draw_uniforms(self.seeds, self.index)
+        choice, logprob = pick_tokens(logits[:, : self.vocab], options, uniforms)
         slot = self.index[None]
         self.drawn.index_copy_(1, slot, choice.masked_fill(self.done, pad_id)[:, None])
         self.logprobs.index_copy_(1, slot, logprob.masked_fill(self.done, 0.0)[:, None])
@@ -141,7 +146,7 @@ class DecodeState:
 class _DecodeStep:
     """One decode step on fixed buffers: the B last tokens in, their keys and values into the cache, the
     next tokens picked and recorded in `state` (sampling included), optionally compiled as one graph and
-    captured in a CUDA graph; the host only refills the noise buffer and replays."""
+    captured in a CUDA graph; the host only replays it."""
 
     def __init__(self, model: DecoderLM, cache: KVCache, state: DecodeState, options: SamplingOptions, pad_id: int,
                  head_weight: torch.Tensor | None, amp_dtype: torch.dtype | None, cuda_graph: bool,
@@ -335,19 +340,15 @@ class Generator:
         start = width - lengths if self.padding == "left" else torch.zeros_like(lengths)
         last = torch.full_like(lengths, width - 1) if self.padding == "left" else lengths - 1
         cache.start.copy_(start)
-        state.reset((last + 1)[:, None], self.pad_id)
+        state.reset((last + 1)[:, None], self.pad_id, sequence_seeds(batch, generator, device))
         columns = torch.arange(width).expand(batch, width).to(device)
         with autocast(device, self.amp_dtype):
             hidden = model.cached_hidden_states(tokens.to(device), cache, columns, width)
             logits = model.head_logits(hidden[torch.arange(batch, device=device), last.to(device)], head_weight)
-        if state.race is not None:
-            draw_race(state.race, generator)
         state.record(logits, options, self.pad_id)
         for index in range(1, options.max_new_tokens):
             if len(options.stop_tokens) and index % self.check_every == 0 and bool(state.done.all()):
                 break
-            if state.race is not None:
-                draw_race(state.race, generator)
             step()
         return _completions(state.drawn.cpu(), state.logprobs.cpu(), set(options.stop_tokens))
 
