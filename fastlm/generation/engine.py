@@ -242,15 +242,17 @@ class Engine:
         assert self.cache is not None
         allocators = self.cache.allocators
         prefill, siblings = [], []
+        taken = 0  # blocks the sequences started in this round will take
         while waiting and len(running) + len(prefill) + len(siblings) < self.max_slots:
             sequence = waiting[0]
             need = self._need(sequence)
             headroom = len(running) + len(prefill) + len(siblings)
-            if any(a.available - need < headroom for a in allocators):
+            if any(a.available - taken - need < headroom for a in allocators):
                 if headroom or not self._evict(idle, waiting):  # alone: make room from idle sequences first
                     break
                 continue
             waiting.popleft()
+            taken += need
             self.admissions += 1
             sequence.admitted = self.admissions
             if sequence.prompt is not None and sequence.prompt.leader_chosen:

@@ -19,8 +19,10 @@ tables first (`bind`). Attention reads the sequence's blocks in one of two ways:
   SDPA runs with the additive mask "key column <= own column, within the window" (the static cache's rule);
 - flex (one-token decode on CUDA): FlexAttention over the whole pool with a block mask whose kv indices are
   the table's physical blocks from the first visible one to the row's own, so only those are read
-  (FlexAttention's paged decode; keys and values have batch 1 and every query row indexes into them). Only
-  the first and last listed blocks can be partly visible; the mask_mod checks a key's offset there.
+  (FlexAttention's paged decode; keys and values have batch 1 and every query row indexes into them). The
+  mask_mod maps a pool column back to its logical column through a (B, num_blocks) physical-to-logical
+  table built from the block table, and applies the gather path's rule (the fused kernel evaluates it only
+  in the listed blocks; the unfused CPU kernel everywhere).
 """
 
 from __future__ import annotations
@@ -198,24 +200,24 @@ class PagedKVCache:
         count = own // size - first + 1
         logical = (first[:, None] + torch.arange(width, device=own.device)).clamp(max=width - 1)
         indices = table.gather(1, logical)
-        edges = (indices[:, 0], table.gather(1, (own // size)[:, None])[:, 0], low % size, own % size)
+        logical_of = torch.full((table.shape[0], self.num_blocks), -1, dtype=torch.int64, device=table.device)
+        logical_of.scatter_(1, table, torch.arange(width, device=table.device).expand_as(table))
+        logical_of[:, SCRATCH] = -1  # padding entries of the table all point at the scratch block
         return BlockMask.from_kv_blocks(
             count.to(torch.int32)[:, None, None], indices.to(torch.int32)[:, None, None],
-            BLOCK_SIZE=(DECODE_QUERY_BLOCK, size), mask_mod=self.decode_mask_mod(*edges),
+            BLOCK_SIZE=(DECODE_QUERY_BLOCK, size), mask_mod=self.decode_mask_mod(logical_of, low, own),
             seq_lengths=(1, self.num_blocks * size), compute_q_blocks=False,
         )
 
-    def decode_mask_mod(self, first_block: torch.Tensor, last_block: torch.Tensor, low_offset: torch.Tensor,
-                        own_offset: torch.Tensor) -> Callable:
-        """Inside the listed blocks: the first one is visible from the window's low offset, the last one up to
-        the row's own offset, every one between wholly."""
+    def decode_mask_mod(self, logical_of: torch.Tensor, low: torch.Tensor, own: torch.Tensor) -> Callable:
+        """Pool column k of row b is visible iff its block is one of the row's and its logical column lies in
+        [low[b], own[b]] (`mask`'s rule); the row's own column always is."""
         size = self.block_size
 
         def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-            block, offset = k // size, k % size
-            after_low = (block != first_block[b]) | (offset >= low_offset[b])
-            before_own = (block != last_block[b]) | (offset <= own_offset[b])
-            return after_low & before_own
+            block = logical_of[b, k // size]
+            column = block * size + k % size
+            return (block >= 0) & (column >= low[b]) & (column <= own[b])
 
         return mask_mod
 
