@@ -110,9 +110,10 @@ class Engine:
         self.cache: PagedKVCache | None = None
         self.steps: dict[tuple[int, SamplingOptions], SlotStep] = {}
         self.states: dict[SamplingOptions, SlotState] = {}
-        self.peak_blocks: list[int] = []  # per window group, since the last `reset_peak`
+        self.peak_blocks: list[int] = []  # per window group, in the last request
+        self.prefilled_tokens = 0  # tokens written by prefills in the last request (shared prompts count once)
+        self.admissions = 0  # sequence starts in the last request (a preempted one starts again)
         self.epoch = 0  # bumped by every request: an older session's blocks are gone
-        self.admissions = 0
 
     # --- the cache -----------------------------------------------------------------------------------
     @property
@@ -153,6 +154,7 @@ class Engine:
         for group, allocator in enumerate(cache.allocators):
             cache.allocators[group] = type(allocator)(cache.num_blocks)
         self.peak_blocks = [0] * len(cache.allocators)
+        self.prefilled_tokens = self.admissions = 0
         self.epoch += 1
         biggest = max(math.ceil((len(s.tokens) + s.budget) / self.block_size) for s in sequences)
         if biggest > cache.num_blocks - 1:
@@ -401,6 +403,7 @@ class Engine:
             tokens[row, : len(new)] = torch.tensor(new)
             columns[row, : len(new)] = torch.arange(sequence.cached, len(sequence.tokens))
         last = torch.tensor([len(s.tokens) - s.cached - 1 for s in sequences], device=device)
+        self.prefilled_tokens += int(last.sum()) + len(sequences)
         self.cache.bind(self._tables(sequences))
         with autocast(device, generator.amp_dtype):
             hidden = model.cached_hidden_states(tokens.to(device), self.cache, columns.to(device), 0)

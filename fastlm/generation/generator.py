@@ -9,9 +9,9 @@ Sampling, stop tokens and per-row finishing stay on the device; the host reads t
 On CUDA (`cuda_graph=True`, the default there) the decode step runs on a bf16 replica of the weights
 (linear weights and the head in the autocast dtype, embeddings and norms as trained: the training forward's
 numerics) and is captured once in a `torch.cuda.CUDAGraph`, optionally after `torch.compile` (one graph:
-the 24 layers, the attention's block mask and the sampling tail); per token the host then launches two
-things, the seeds' copy once per generation and the replay per token. Attention in the captured step is FlexAttention decode, which
-reads only the cache blocks written so far. A `Generator` kept across calls reuses the graph while the
+the 24 layers, the attention's block mask and the sampling tail); the host copies the rows' sequence seeds
+once per generation and then launches one replay per token. Attention in the captured step is FlexAttention
+decode, which reads only the cache blocks written so far. A `Generator` kept across calls reuses the graph while the
 batch size, cache length and sampling options stay the same and only copies the live weights into the
 replica (`sync_weights`: before every call, or only when the caller says with `sync_on_generate=False`, as
 the rollout backend does, backend.py). On CPU, or without the graph, the live model runs eagerly under the
