@@ -29,6 +29,7 @@ sample) pairs up to the rounding of differently shaped matmuls.
 from __future__ import annotations
 
 import math
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ from fastlm.generation.slot_step import SlotState, SlotStep
 from fastlm.layers.attention import Attention
 from fastlm.models.decoder import DecoderLM
 from fastlm.system.device import autocast
+from fastlm.system.errors import first_line
 
 DEFAULT_BLOCK_SIZE = 64  # tokens per block: FlexAttention decode's key block on H100
 FREE_MEMORY_FRACTION = 0.3  # the cache's share of the free device memory when no budget is given
@@ -100,11 +102,13 @@ class Engine:
 
     def __init__(self, generator: Generator, max_slots: int = 256, block_size: int | None = None,
                  kv_cache_memory_gib: float | None = None, num_blocks: int | None = None,
-                 check_every: int = 8, prefill_tokens: int = PREFILL_TOKENS) -> None:
+                 check_every: int | None = None, prefill_tokens: int = PREFILL_TOKENS) -> None:
         if not engine_supports(generator.model):
             raise ValueError("the engine serves plain-attention models without a vocab-parallel head")
-        self.generator, self.max_slots, self.check_every, self.prefill_tokens = (
-            generator, max_slots, check_every, prefill_tokens)
+        self.generator, self.max_slots, self.prefill_tokens = generator, max_slots, prefill_tokens
+        # decode steps between host reads: longer chunks hide the host's bookkeeping behind the graph replays,
+        # shorter ones free finished slots sooner (a finished row idles for the rest of its chunk)
+        self.check_every = check_every or (32 if generator.cuda_graph else 8)
         self.block_size = block_size or (DEFAULT_BLOCK_SIZE if generator.cuda_graph else 16)
         self.kv_cache_memory_gib, self.num_blocks = kv_cache_memory_gib, num_blocks
         self.cache: PagedKVCache | None = None
@@ -428,6 +432,7 @@ class Engine:
         assert self.cache is not None
         cache, size = self.cache, self.block_size
         logits = []
+        copies: list[tuple[list[int], list[int]]] = [([], []) for _ in cache.allocators]  # per group: sources, targets
         for sequence in sequences:
             prompt = sequence.prompt
             assert prompt is not None and prompt.blocks is not None and prompt.logits is not None
@@ -436,7 +441,8 @@ class Engine:
                 own = [allocator.share(b) for b in blocks[:full]]
                 if len(blocks) > full:
                     own.append(allocator.allocate())
-                    cache.copy_block(group, blocks[full], own[-1])
+                    copies[group][0].append(blocks[full])
+                    copies[group][1].append(own[-1])
                 sequence.blocks[group] = own
             sequence.cached = len(prompt.tokens)
             logits.append(prompt.logits)
@@ -444,6 +450,9 @@ class Engine:
             sequence.prompt = None
             if not prompt.waiting:
                 self._drop_prompt(prompt)
+        for group, (sources, targets) in enumerate(copies):
+            if sources:
+                cache.copy_blocks(group, sources, targets)
         self._note_peak()
         self._draw(sequences, torch.stack(logits), options)
         for sequence in sequences:
@@ -461,17 +470,32 @@ class Engine:
         else:
             bucket = batch
         key = (bucket, options)
-        if key not in self.steps:
-            if options not in self.states:
-                widths = [math.ceil(self.generator.model.config.max_seq_len / self.block_size)] * len(self.cache.windows)
-                self.states[options] = SlotState(self.max_slots, self.check_every, widths, options, generator.device)
-            step = SlotStep(self.model, self.cache, self.states[options], bucket, options, generator.vocab,
-                            generator.pad_id, generator.head_weight if generator.cuda_graph else None,
-                            generator.amp_dtype, generator.cuda_graph, generator.compile)
-            if not generator.cuda_graph:
-                return step
+        if key in self.steps:
+            return self.steps[key]
+        if options not in self.states:
+            widths = [math.ceil(self.generator.model.config.max_seq_len / self.block_size)] * len(self.cache.windows)
+            self.states[options] = SlotState(self.max_slots, self.check_every, widths, options, generator.device)
+        try:
+            step = self._new_step(bucket, options)
+        except Exception as error:  # noqa: BLE001 - a compiler failure means "decode the plain way", as the static path
+            if not (generator.compile or self.cache.decode_attention == "flex"):
+                raise
+            print(f"fastlm: building the engine's decode step (compile={generator.compile}, "
+                  f"{self.cache.decode_attention} attention) failed ({first_line(error)}); decoding without compile, "
+                  f"with SDPA over gathered blocks", file=sys.stderr, flush=True)
+            generator.compile, generator.decode_attention, self.cache.decode_attention = False, "sdpa", "sdpa"
+            self.steps.clear()
+            step = self._new_step(bucket, options)
+        if generator.cuda_graph:
             self.steps[key] = step
-        return self.steps[key]
+        return step
+
+    def _new_step(self, bucket: int, options: SamplingOptions) -> SlotStep:
+        generator = self.generator
+        assert self.cache is not None
+        return SlotStep(self.model, self.cache, self.states[options], bucket, options, generator.vocab, generator.pad_id,
+                        generator.head_weight if generator.cuda_graph else None, generator.amp_dtype,
+                        generator.cuda_graph, generator.compile)
 
     def _decode(self, running: list[_Sequence], options: SamplingOptions) -> None:
         """`check_every` decode steps of the running sequences, then their draws read back once."""

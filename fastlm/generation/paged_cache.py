@@ -142,12 +142,15 @@ class PagedKVCache:
     def layers_in(self, group: int) -> list[int]:
         return [layer for layer, g in enumerate(self.layer_groups) if g == group]
 
-    def copy_block(self, group: int, source: int, target: int) -> None:
-        """Copy one block's keys and values in every layer of a window group (a shared partial block made private)."""
-        size = self.block_size
+    def copy_blocks(self, group: int, sources: list[int], targets: list[int]) -> None:
+        """Copy blocks' keys and values in every layer of a window group (shared partial blocks made private)."""
+        device, size = self.keys[0].device, self.block_size
+        offsets = torch.arange(size, device=device)
+        source = (torch.tensor(sources, device=device)[:, None] * size + offsets).flatten()
+        target = (torch.tensor(targets, device=device)[:, None] * size + offsets).flatten()
         for layer in self.layers_in(group):
             for pool in (self.keys[layer], self.values[layer]):
-                pool[:, :, target * size : (target + 1) * size] = pool[:, :, source * size : (source + 1) * size]
+                pool.index_copy_(2, target, pool.index_select(2, source))
 
     def bind(self, tables: list[torch.Tensor]) -> None:
         """The block tables (B, W) of the next forward's rows, one per window group (zeros: scratch)."""
