@@ -180,10 +180,8 @@ class Engine:
                  budgets: list[int] | None = None) -> list[Completion]:
         """One completion per prompt, in order (identical prompts share their prefill and blocks); `budgets`
         caps each sequence's draws below options.max_new_tokens (benchmarks force lengths with it)."""
-        check_prompts(prompts, options, self.generator.model)
+        check_prompts(prompts, options, self.generator.model, budgets)
         budgets = budgets or [options.max_new_tokens] * len(prompts)
-        if len(budgets) != len(prompts) or not all(1 <= b <= options.max_new_tokens for b in budgets):
-            raise ValueError(f"budgets must be one per prompt, each in [1, max_new_tokens={options.max_new_tokens}]")
         seeds = sequence_seeds(len(prompts), generator, self.generator.device).tolist()
         shared: dict[tuple[int, ...], _Prompt] = {}
         sequences = []

@@ -139,3 +139,16 @@ def test_paged_flex_decode_equals_the_gather_path(window: int | None) -> None:
     error = ((outputs[0] - outputs[1]).abs().max() / outputs[0].abs().max()).item()
     print(f"window {window}: flex vs gather rel err {error:.2e}")
     assert error < 1e-12
+
+
+def test_per_sequence_budgets_force_lengths_on_both_paths() -> None:
+    """The benchmark's forced lengths: each sequence draws exactly its budget (no stop tokens) on both paths."""
+    model = _model("tiny-llama")
+    prompts, options = _grouped_prompts(2), SamplingOptions(20, temperature=1.0)
+    budgets = [1 + (7 * i) % 20 for i in range(len(prompts))]
+    static = Generator(model, TOKENIZER).generate(prompts, options, torch.Generator().manual_seed(9), budgets)
+    engine = Engine(Generator(model, TOKENIZER), max_slots=3, block_size=4)
+    _assert_same(static, engine.generate(prompts, options, torch.Generator().manual_seed(9), budgets))
+    assert [len(c.tokens) for c in static] == budgets
+    with pytest.raises(ValueError, match="budgets"):
+        engine.generate(prompts, options, budgets=[21] * len(prompts))
