@@ -113,6 +113,7 @@ class Engine:
         self.kv_cache_memory_gib, self.num_blocks = kv_cache_memory_gib, num_blocks
         self.cache: PagedKVCache | None = None
         self.steps: dict[tuple[int, SamplingOptions], SlotStep] = {}
+        self.graphs = generator.cuda_graph  # off after a failed flex/compiled step: SDPA must read live widths
         self.states: dict[SamplingOptions, SlotState] = {}
         self.peak_blocks: list[int] = []  # per window group, in the last request
         self.prefilled_tokens = 0  # tokens written by prefills in the last request (shared prompts count once)
@@ -351,17 +352,14 @@ class Engine:
                     blocks[logical] = SCRATCH
 
     # --- device work ---------------------------------------------------------------------------------
-    def _tables(self, sequences: list[_Sequence], width: int | None = None) -> list[torch.Tensor]:
-        """(n, W) block tables per window group (W: the longest, or `width`), zero-padded."""
+    def _tables(self, sequences: list[_Sequence]) -> list[torch.Tensor]:
+        """(n, W) block tables per window group (W: the longest), zero-padded."""
         assert self.cache is not None
         tables = []
         for group in range(len(self.cache.windows)):
-            longest = width or max(len(s.blocks[group]) for s in sequences)
-            table = torch.zeros(len(sequences), max(longest, 1), dtype=torch.int64)
-            for row, sequence in enumerate(sequences):
-                blocks = sequence.blocks[group]
-                table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-            tables.append(table.to(self.generator.device))
+            longest = max(1, max(len(s.blocks[group]) for s in sequences))
+            rows = [s.blocks[group] + [SCRATCH] * (longest - len(s.blocks[group])) for s in sequences]
+            tables.append(torch.tensor(rows, dtype=torch.int64).to(self.generator.device))
         return tables
 
     def _draw(self, sequences: list[_Sequence], logits: torch.Tensor, options: SamplingOptions) -> None:
@@ -461,7 +459,7 @@ class Engine:
         smallest bucket (max_slots / 4^k) that holds them."""
         assert self.cache is not None
         generator = self.generator
-        if generator.cuda_graph:
+        if self.graphs:
             bucket = self.max_slots
             while bucket // 4 >= max(batch, 8):
                 bucket //= 4
@@ -480,11 +478,12 @@ class Engine:
                 raise
             print(f"fastlm: building the engine's decode step (compile={generator.compile}, "
                   f"{self.cache.decode_attention} attention) failed ({first_line(error)}); decoding without compile, "
-                  f"with SDPA over gathered blocks", file=sys.stderr, flush=True)
+                  f"and without graphs (SDPA over the live rows' gathered blocks)", file=sys.stderr, flush=True)
             generator.compile, generator.decode_attention, self.cache.decode_attention = False, "sdpa", "sdpa"
+            self.graphs, bucket = False, batch
             self.steps.clear()
             step = self._new_step(bucket, options)
-        if generator.cuda_graph:
+        if self.graphs:
             self.steps[key] = step
         return step
 
@@ -493,7 +492,7 @@ class Engine:
         assert self.cache is not None
         return SlotStep(self.model, self.cache, self.states[options], bucket, options, generator.vocab, generator.pad_id,
                         generator.head_weight if generator.cuda_graph else None, generator.amp_dtype,
-                        generator.cuda_graph, generator.compile)
+                        self.graphs, generator.compile)
 
     def _decode(self, running: list[_Sequence], options: SamplingOptions) -> None:
         """`check_every` decode steps of the running sequences, then their draws read back once."""
@@ -508,7 +507,10 @@ class Engine:
             "budgets": torch.tensor([s.budget for s in running]),
             "done": torch.zeros(len(running), dtype=torch.bool),
         }
-        state.load(rows, self._tables(running))
+        tables = self._tables(running)
+        state.load(rows, tables)
+        if step.graph is None:  # eager: read only the live rows' blocks (a graph reads its fixed width)
+            state.widths = [table.shape[1] for table in tables]
         chunk = min(self.check_every, max(s.budget - s.drawn for s in running))
         for _ in range(chunk):
             step()

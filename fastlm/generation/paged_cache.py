@@ -203,8 +203,8 @@ class PagedKVCache:
         count = own // size - first + 1
         logical = (first[:, None] + torch.arange(width, device=own.device)).clamp(max=width - 1)
         indices = table.gather(1, logical)
-        logical_of = torch.full((table.shape[0], self.num_blocks), -1, dtype=torch.int64, device=table.device)
-        logical_of.scatter_(1, table, torch.arange(width, device=table.device).expand_as(table))
+        logical_of = torch.full((table.shape[0], self.num_blocks), -1, dtype=torch.int32, device=table.device)
+        logical_of.scatter_(1, table, torch.arange(width, dtype=torch.int32, device=table.device).expand_as(table))
         logical_of[:, SCRATCH] = -1  # padding entries of the table all point at the scratch block
         return BlockMask.from_kv_blocks(
             count.to(torch.int32)[:, None, None], indices.to(torch.int32)[:, None, None],

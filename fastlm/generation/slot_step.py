@@ -29,6 +29,7 @@ class SlotState:
         self.tokens, self.columns, self.seeds, self.steps, self.budgets = (zeros(slots) for _ in range(5))
         self.done = zeros(slots, dtype=torch.bool)
         self.tables = [zeros(slots, width) for width in widths]  # per window group
+        self.widths = list(widths)  # table columns a forward reads (eager: the live rows' longest; graphs: all)
         self.drawn, self.logprobs = zeros(slots, chunk), zeros(slots, chunk, dtype=torch.float32)
         self.index = zeros()
         self.stops = torch.tensor(options.stop_tokens, dtype=torch.int64, device=device)
@@ -75,7 +76,7 @@ class SlotStep:
         context = autocast(device, self.amp_dtype) if self.amp_dtype is None else torch.autocast(
             device.type, dtype=self.amp_dtype, cache_enabled=False)
         columns = state.columns[rows, None]
-        self.cache.bind([table[rows] for table in state.tables])
+        self.cache.bind([table[rows, :width] for table, width in zip(state.tables, state.widths)])
         with context:
             hidden = self.model.cached_hidden_states(state.tokens[rows, None], self.cache, columns, 0)
             logits = self.model.head_logits(hidden[:, -1], self.head_weight)

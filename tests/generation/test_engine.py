@@ -152,3 +152,24 @@ def test_per_sequence_budgets_force_lengths_on_both_paths() -> None:
     assert [len(c.tokens) for c in static] == budgets
     with pytest.raises(ValueError, match="budgets"):
         engine.generate(prompts, options, budgets=[21] * len(prompts))
+
+
+def test_a_failing_flex_step_falls_back_to_sdpa_without_graphs(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """A compiler error while building the engine's step is said in one line; decoding continues eagerly with
+    SDPA over the gathered blocks and gives the same tokens."""
+    import fastlm.generation.engine as engine_module
+
+    class FailingFlexStep(engine_module.SlotStep):
+        def __init__(self, model, cache, *args) -> None:
+            if cache.decode_attention == "flex":
+                raise RuntimeError("inductor could not lower flex_decoding\nsecond line")
+            super().__init__(model, cache, *args)
+
+    monkeypatch.setattr(engine_module, "SlotStep", FailingFlexStep)
+    model = _model("tiny-llama")
+    prompts, options = _grouped_prompts(2), SamplingOptions(8, temperature=1.0, stop_tokens=STOPS)
+    engine = Engine(Generator(model, TOKENIZER, decode_attention="flex"), max_slots=4, block_size=4)
+    got = engine.generate(prompts, options, torch.Generator().manual_seed(3))
+    assert "failed (RuntimeError: inductor could not lower flex_decoding); decoding without compile" in capsys.readouterr().err
+    assert engine.cache is not None and engine.cache.decode_attention == "sdpa" and not engine.graphs
+    _assert_same(Generator(model, TOKENIZER).generate(prompts, options, torch.Generator().manual_seed(3)), got)
