@@ -27,14 +27,14 @@ kernels by time printed.
 tokens x G = `--group` samples each, completion lengths drawn from a lognormal (median `--median`, sigma
 `--sigma`, capped at `--max-new`) and forced by per-sequence budgets so every sampler does the same work;
 a stop token is on (one the samplers can never draw: the drawable vocab stops below it). Samplers, side by
-side on the same weights: `static` (today's generator: a static batch of `--static-rows` rows at a time,
-each batch decoding until its longest row ends), `engine` (continuous batching over `--slots` slots, paged
-KV cache of `--kv-cache-gib`, the G samples sharing their prompt's prefill and blocks), and `hf`
-(transformers' `generate` with a static cache, which it compiles, on `--hf-rows` rows of `--hf-new-tokens`
-fixed-length tokens: its best case, no idle rows). Reported: new tokens/s (useful tokens over wall time,
-after a warm-up call that captures graphs), the decode step against the memory bound (static: `--static-rows`
-rows, cache half full; engine: `--slots` live rows at prompt + median columns), and the peak KV memory
-against the ideal (every prompt once + every completion).
+side on the same weights: `engine` (continuous batching over `--slots` slots, paged KV cache of
+`--kv-cache-gib`, the G samples sharing their prompt's prefill and blocks), `static` (today's generator: a
+static batch of `--static-rows` rows at a time, each decoding until its longest row ends; the first
+`--static-batches` batches are timed) and `hf` (transformers' `generate` with a static cache, which it
+compiles, on `--hf-rows` rows of `--hf-new-tokens` fixed-length tokens: its best case, no idle rows).
+Reported: new tokens/s (useful tokens over wall time, after a warm-up call that captures graphs), the decode
+step against the memory bound (static: `--static-rows` rows, cache half full; engine: `--slots` live rows at
+prompt + median columns), and the peak KV memory against the ideal (every prompt once + every completion).
 
     python tools/bench_rollouts.py --workload grpo --presets llama-350m,llama-1b,qwen3-0.6b
     python tools/bench_rollouts.py --workload grpo --cpu-smoke
@@ -371,15 +371,17 @@ def run_static(model: DecoderLM, prompts: list[list[int]], lengths: list[int], o
     rows, device = args.static_rows, generator.device
     setup, _ = _timed(device, lambda: generator.generate(prompts[:rows], options, None, [2] * len(prompts[:rows])))
     seed = torch.Generator(device=device).manual_seed(0)
+    timed = min(len(prompts), rows * args.static_batches)
     completions: list[Completion] = []
 
     def run() -> list[Completion]:
-        for start in range(0, len(prompts), rows):
+        for start in range(0, timed, rows):
             completions.extend(generator.generate(prompts[start : start + rows], options, seed,
                                                   lengths[start : start + rows]))
         return completions
 
     seconds, _ = _timed(device, run)
+    lengths = lengths[:timed]
     _check_lengths(completions, lengths, "static")
     (step,) = generator._steps.values() if cuda else (None,)
     kv = sum(b.numel() * b.element_size() for b in step.cache.buffers) / 2**30 if step is not None else None
@@ -504,13 +506,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top-kernels", type=int, default=8, help="kernels listed per profiled decode step")
     grpo = parser.add_argument_group("grpo workload")
-    grpo.add_argument("--samplers", default="static,engine,hf")
+    grpo.add_argument("--samplers", default="engine,static,hf", help="in this order (a time box cuts the last)")
     grpo.add_argument("--prompts", type=int, default=64)
     grpo.add_argument("--group", type=int, default=8, help="samples per prompt (G)")
     grpo.add_argument("--median", type=float, default=500.0, help="median completion length")
     grpo.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the completion lengths")
     grpo.add_argument("--max-new", type=int, default=4096, help="completion cap (max_new_tokens)")
     grpo.add_argument("--static-rows", type=int, default=128, help="rows of one static batch")
+    grpo.add_argument("--static-batches", type=int, default=2,
+                      help="static batches timed (each decodes to its longest row, ~--max-new steps; the rest "
+                      "would take as long each)")
     grpo.add_argument("--slots", type=int, default=256, help="engine decode slots")
     grpo.add_argument("--kv-cache-gib", type=float, default=24.0, help="engine paged cache size")
     grpo.add_argument("--hf-rows", type=int, default=64)
