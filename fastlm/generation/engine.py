@@ -44,7 +44,8 @@ from fastlm.models.decoder import DecoderLM
 from fastlm.system.device import autocast
 from fastlm.system.errors import first_line
 
-DEFAULT_BLOCK_SIZE = 64  # tokens per block: FlexAttention decode's key block on H100
+DEFAULT_BLOCK_SIZE = 64  # tokens per block on the graph path: FlexAttention decode's key block on H100
+SMALLEST_BLOCK_SIZE = 16  # tokens per block elsewhere (eager, CPU)
 FREE_MEMORY_FRACTION = 0.3  # the cache's share of the free device memory when no budget is given
 PREFILL_TOKENS = 8192  # the most (padded) tokens one prefill forward takes
 
@@ -109,7 +110,7 @@ class Engine:
         # decode steps between host reads: longer chunks hide the host's bookkeeping behind the graph replays,
         # shorter ones free finished slots sooner (a finished row idles for the rest of its chunk)
         self.check_every = check_every or (32 if generator.cuda_graph else 8)
-        self.block_size = block_size or (DEFAULT_BLOCK_SIZE if generator.cuda_graph else 16)
+        self.block_size = block_size or (DEFAULT_BLOCK_SIZE if generator.cuda_graph else SMALLEST_BLOCK_SIZE)
         self.kv_cache_memory_gib, self.num_blocks = kv_cache_memory_gib, num_blocks
         self.cache: PagedKVCache | None = None
         self.steps: dict[tuple[int, SamplingOptions], SlotStep] = {}
