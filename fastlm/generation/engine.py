@@ -67,7 +67,7 @@ class _Prompt:
     leader_chosen: bool = False
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's lists hold sequences, never compare them by value
 class _Sequence:
     index: int  # its row in the request or session
     tokens: list[int]  # cached or to cache: prompt, earlier turns, this turn's draws

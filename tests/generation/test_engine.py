@@ -116,8 +116,11 @@ def test_sessions_match_the_static_continuation(name: str) -> None:
 
 def test_backend_picks_the_engine_and_falls_back_for_families_it_cannot_serve() -> None:
     model = _model("tiny-llama")
-    assert NativeBackend(model, TOKENIZER, engine=True).engine is not None
-    assert NativeBackend(model, TOKENIZER).engine is None
+    engine, static = NativeBackend(model, TOKENIZER, engine=True), NativeBackend(model, TOKENIZER)
+    assert engine.engine is not None and static.engine is None
+    prompts, options = _grouped_prompts(8)[:16], SamplingOptions(6, temperature=1.0, stop_tokens=STOPS)
+    _assert_same(static.generate(prompts, options, torch.Generator().manual_seed(4)),
+                 engine.generate(prompts, options, torch.Generator().manual_seed(4)))
     model.blocks[0].attn = torch.nn.Identity()  # a layer that is not cached attention (e.g. a recurrent state)
     backend = NativeBackend(model, TOKENIZER, padding="right", engine=True)
     assert backend.engine is None and isinstance(backend.session(SamplingOptions(2), 8), Continuation)
