@@ -442,6 +442,7 @@ def _row(model: DecoderLM, args: argparse.Namespace, sampler: str, lengths: list
 def bench_workload(preset: str, args: argparse.Namespace, cuda: bool) -> list[WorkloadRow]:
     """Every sampler on one preset's GRPO-shaped workload; a failing one prints its traceback."""
     device = torch.device("cuda" if cuda else "cpu")
+    torch._dynamo.reset()  # each preset compiles FlexAttention for its own shapes: no recompile limit carried over
     model = load_model(preset, device, args.prompt_len + args.max_new)
     prompts, lengths, options = grpo_workload(model, args)
     args.preset, args.lengths = preset, lengths
@@ -517,7 +518,7 @@ def main() -> None:
                       help="static batches timed (each decodes to its longest row, ~--max-new steps; the rest "
                       "would take as long each)")
     grpo.add_argument("--slots", type=int, default=256, help="engine decode slots")
-    grpo.add_argument("--kv-cache-gib", type=float, default=24.0, help="engine paged cache size")
+    grpo.add_argument("--kv-cache-gib", type=float, default=32.0, help="engine paged cache size")
     grpo.add_argument("--hf-rows", type=int, default=64)
     grpo.add_argument("--compile", action="store_true", help="torch.compile the static and engine decode steps")
     parser.add_argument("--out", type=Path, help="directory for bench_rollouts.json")
