@@ -47,7 +47,7 @@ from fastlm.system.errors import first_line
 DEFAULT_BLOCK_SIZE = 64  # tokens per block on the graph path: FlexAttention decode's key block on H100
 SMALLEST_BLOCK_SIZE = 16  # tokens per block elsewhere (eager, CPU)
 FREE_MEMORY_FRACTION = 0.3  # the cache's share of the free device memory when no budget is given
-PREFILL_TOKENS = 8192  # the most (padded) tokens one prefill forward takes
+PREFILL_TOKENS = 4096  # the most (padded) tokens one prefill forward takes (its SDPA mask: 2 B x tokens x cache)
 
 
 def engine_supports(model: DecoderLM) -> bool:
@@ -380,7 +380,13 @@ class Engine:
 
     def _prefill(self, sequences: list[_Sequence], options: SamplingOptions) -> None:
         """Write each sequence's uncached tokens and draw its next token, in forwards of at most
-        `prefill_tokens` padded tokens; a leader leaves its prompt's blocks and logits to its siblings."""
+        `prefill_tokens` padded tokens (a longer sequence, e.g. a recomputed one, writes its leading chunks
+        alone first); a leader leaves its prompt's blocks and logits to its siblings."""
+        for sequence in sequences:
+            grown = self._grow(sequence, len(sequence.tokens))
+            assert grown, "admission checked the blocks"
+            while len(sequence.tokens) - sequence.cached > self.prefill_tokens:
+                self._write([sequence], [sequence.cached + self.prefill_tokens])
         batches: list[list[_Sequence]] = [[]]
         for sequence in sorted(sequences, key=lambda s: len(s.tokens) - s.cached):
             width = len(sequence.tokens) - sequence.cached
@@ -390,28 +396,33 @@ class Engine:
         for batch in batches:
             self._prefill_batch(batch, options)
 
-    def _prefill_batch(self, sequences: list[_Sequence], options: SamplingOptions) -> None:
+    def _write(self, sequences: list[_Sequence], ends: list[int]) -> torch.Tensor:
+        """One forward of tokens[cached:end] of each sequence (their keys and values into the cache; cached
+        moves to end) -> (n, H) hidden states of each one's last token."""
         assert self.cache is not None
         model, device, generator = self.model, self.generator.device, self.generator
-        for sequence in sequences:
-            grown = self._grow(sequence, len(sequence.tokens))
-            assert grown, "admission checked the blocks"
-        width = max(len(s.tokens) - s.cached for s in sequences)
+        width = max(end - s.cached for s, end in zip(sequences, ends))
         tokens = torch.full((len(sequences), width), generator.pad_id, dtype=torch.int64)
         columns = torch.full((len(sequences), width), -1, dtype=torch.int64)
-        for row, sequence in enumerate(sequences):
-            new = sequence.tokens[sequence.cached:]
-            tokens[row, : len(new)] = torch.tensor(new)
-            columns[row, : len(new)] = torch.arange(sequence.cached, len(sequence.tokens))
-        last = torch.tensor([len(s.tokens) - s.cached - 1 for s in sequences], device=device)
+        for row, (sequence, end) in enumerate(zip(sequences, ends)):
+            tokens[row, : end - sequence.cached] = torch.tensor(sequence.tokens[sequence.cached : end])
+            columns[row, : end - sequence.cached] = torch.arange(sequence.cached, end)
+        last = torch.tensor([end - s.cached - 1 for s, end in zip(sequences, ends)], device=device)
         self.prefilled_tokens += int(last.sum()) + len(sequences)
         self.cache.bind(self._tables(sequences))
         with autocast(device, generator.amp_dtype):
             hidden = model.cached_hidden_states(tokens.to(device), self.cache, columns.to(device), 0)
-            hidden = hidden[torch.arange(len(sequences), device=device), last]
-            logits = model.head_logits(hidden, generator.head_weight if generator.cuda_graph else None).float()
+        for sequence, end in zip(sequences, ends):
+            sequence.cached = end
+        return hidden[torch.arange(len(sequences), device=device), last]
+
+    def _prefill_batch(self, sequences: list[_Sequence], options: SamplingOptions) -> None:
+        assert self.cache is not None
+        generator = self.generator
+        hidden = self._write(sequences, [len(s.tokens) for s in sequences])
+        with autocast(generator.device, generator.amp_dtype):
+            logits = self.model.head_logits(hidden, generator.head_weight if generator.cuda_graph else None).float()
         for row, sequence in enumerate(sequences):
-            sequence.cached = len(sequence.tokens)
             prompt = sequence.prompt
             if prompt is not None:
                 prompt.waiting -= 1

@@ -71,11 +71,12 @@ def test_greedy_and_top_p_match_static() -> None:
 @pytest.mark.parametrize("name", ["tiny-llama", "gemma3-tiny"])
 def test_a_full_cache_makes_sequences_wait_not_fail(name: str) -> None:
     """12 blocks of 4 tokens for 15 sequences of up to 36 tokens: admission waits, running sequences are
-    preempted and recomputed, and every completion is the static path's."""
+    preempted and recomputed (prefilled in chunks), and every completion is the static path's."""
     model = _model(name)
     prompts, options = _grouped_prompts(), SamplingOptions(24, temperature=1.0, stop_tokens=STOPS)
     static = Generator(model, TOKENIZER).generate(prompts, options, torch.Generator().manual_seed(2))
-    engine = Engine(Generator(model, TOKENIZER), max_slots=8, block_size=4, num_blocks=12, check_every=4)
+    engine = Engine(Generator(model, TOKENIZER), max_slots=8, block_size=4, num_blocks=12, check_every=4,
+                    prefill_tokens=6)  # recomputed sequences are prefilled in chunks of 6 tokens
     _assert_same(static, engine.generate(prompts, options, torch.Generator().manual_seed(2)))
     assert engine.admissions > len(prompts), "some sequence was preempted and started again"
     assert max(engine.peak_blocks) <= 11
