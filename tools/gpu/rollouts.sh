@@ -33,8 +33,8 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, '|
 '| transformers', transformers.__version__, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU')"
 
 if [[ $SECTIONS == *a* ]]; then
-    share "a. generation tests (CUDA)" 14 $PY -m pytest -q -s -p no:cacheprovider tests/generation/test_generator_cuda.py \
-        tests/generation/test_engine_cuda.py
+    share "a. generation tests (CUDA)" 20 $PY -m pytest -q -s -p no:cacheprovider tests/generation/test_engine_cuda.py \
+        tests/generation/test_generator_cuda.py
 fi
 
 if [[ $SECTIONS == *b* ]]; then
@@ -43,7 +43,7 @@ if [[ $SECTIONS == *b* ]]; then
     else
         for preset in $PRESETS; do  # 350m: the goals' preset, the largest share; qwen3's static batches of 64 rows
             extra=(); [ "$preset" = qwen3-0.6b ] && extra=(--static-rows 64)  # (its KV: 114 KB a token)
-            share "b. bench grpo workload $preset" $([ "$preset" = llama-350m ] && echo 30 || echo 25) \
+            share "b. bench grpo workload $preset" $([ "$preset" = llama-350m ] && echo 28 || echo 24) \
                 $PY tools/bench_rollouts.py --workload grpo --presets "$preset" --out "$OUT/grpo_$preset" "${extra[@]}"
         done
     fi
