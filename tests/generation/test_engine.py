@@ -183,3 +183,27 @@ def test_a_failing_flex_step_falls_back_to_sdpa_without_graphs(monkeypatch: pyte
     assert "failed (RuntimeError: inductor could not lower flex_decoding); decoding without compile" in capsys.readouterr().err
     assert engine.cache is not None and engine.cache.decode_attention == "sdpa" and not engine.graphs
     _assert_same(Generator(model, TOKENIZER).generate(prompts, options, torch.Generator().manual_seed(3)), got)
+
+
+def test_the_slot_step_traces_whole() -> None:
+    """`compile=True` (rl.compile_decode) needs the step in one graph: dynamo traces it with fullgraph
+    (paged flex decode, a windowed layer) and the traced step draws what the eager one draws."""
+    model = _model("mistral-tiny")
+    options = SamplingOptions(12, temperature=1.0, stop_tokens=STOPS)
+    engine = Engine(Generator(model, TOKENIZER), max_slots=4, block_size=4, check_every=2)
+    engine.generate(_grouped_prompts(1)[:4], options, torch.Generator().manual_seed(1))  # builds the cache
+    assert engine.cache is not None
+    engine.cache.decode_attention = "flex"
+    step = engine._slot_step(3, options)
+    rows = {"tokens": torch.tensor([5, 6, 7]), "columns": torch.tensor([9, 4, 13]), "seeds": torch.tensor([1, 2, 3]),
+            "steps": torch.zeros(3, dtype=torch.int64), "budgets": torch.full((3,), 9),
+            "done": torch.zeros(3, dtype=torch.bool)}
+    tables = [torch.tensor([[1, 2, 3, 4], [5, 6, 0, 0], [7, 8, 9, 10]])]
+    drawn = []
+    for run in (step.forward, torch.compile(step.forward, fullgraph=True, dynamic=False, backend="eager")):
+        step.state.load(rows, tables)
+        with torch.no_grad():
+            run()
+            run()
+        drawn.append((step.state.drawn[:3].clone(), step.state.logprobs[:3].clone()))
+    assert torch.equal(drawn[0][0], drawn[1][0]) and torch.allclose(drawn[0][1], drawn[1][1])
