@@ -5,8 +5,10 @@ calls `sync_weights` once before it generates, so a backend that holds its own c
 CUDA-graph replica, an inference server) samples the weights of the current step; `generate` returns
 token ids and the sampler's log-probs; `session` decodes a batch of multi-turn episodes turn by turn.
 
-`NativeBackend` is the one implementation: the in-process KV-cache `Generator` (generator.py) on the trainer's
-own model, and `Continuation` (continuation.py) for multi-turn. docs/rl.md says what a vLLM or SGLang server
+`NativeBackend` is the one implementation, on the trainer's own model: the continuous-batching `Engine`
+(engine.py: paged KV cache, prompt prefixes shared by a group's samples, `EngineSession` for multi-turn) when
+asked for and the model is one it serves, else the static KV-cache `Generator` (generator.py) and
+`Continuation` (continuation.py). Both draw the same tokens for the same seeds. docs/rl.md says what a vLLM or SGLang server
 backend would implement instead (weight sync, the sampling options' mapping, what it must return).
 """
 
@@ -17,6 +19,7 @@ from typing import Literal, Protocol
 import torch
 
 from fastlm.generation.continuation import Continuation
+from fastlm.generation.engine import Engine, EngineSession, engine_supports
 from fastlm.generation.generator import Completion, Generator, TokenizerLike
 from fastlm.generation.sampling import SamplingOptions
 from fastlm.models.decoder import DecoderLM
@@ -58,13 +61,18 @@ class GenerationBackend(Protocol):
 
 class NativeBackend:
     """The KV-cache generator on the trainer's model: eager decoding reads the live weights (nothing to sync);
-    the CUDA-graph path decodes a replica that `sync_weights` refreshes. Multi-turn sessions need
-    `padding="right"` (each row at its own cache columns)."""
+    the CUDA-graph path decodes a replica that `sync_weights` refreshes. `engine=True`: the continuous-
+    batching engine with `max_slots` decode slots and a paged cache of `kv_cache_memory_gib` (None: a share
+    of the free device memory), for the families it serves (others, silently, the static path). Static
+    multi-turn sessions need `padding="right"` (each row at its own cache columns)."""
 
     def __init__(self, model: DecoderLM, tokenizer: TokenizerLike, amp_dtype: torch.dtype | None = None,
-                 cuda_graph: bool = False, compile: bool = False, padding: Literal["left", "right"] = "left") -> None:
+                 cuda_graph: bool = False, compile: bool = False, padding: Literal["left", "right"] = "left",
+                 engine: bool = False, max_slots: int = 256, kv_cache_memory_gib: float | None = None) -> None:
         self.generator = Generator(model, tokenizer, amp_dtype, cuda_graph=cuda_graph, compile=compile, padding=padding,
                                    sync_on_generate=False)
+        self.engine = (Engine(self.generator, max_slots, kv_cache_memory_gib=kv_cache_memory_gib)
+                       if engine and engine_supports(model) else None)
 
     def sync_weights(self) -> None:
         if self.generator.cuda_graph:
@@ -72,7 +80,11 @@ class NativeBackend:
 
     def generate(self, prompts: list[list[int]], options: SamplingOptions,
                  generator: torch.Generator | None = None) -> list[Completion]:
+        if self.engine is not None:
+            return self.engine.generate(prompts, options, generator)
         return self.generator.generate(prompts, options, generator)
 
-    def session(self, options: SamplingOptions, limit: int) -> Continuation:
+    def session(self, options: SamplingOptions, limit: int) -> Continuation | EngineSession:
+        if self.engine is not None:
+            return self.engine.session(options, limit)
         return Continuation(self.generator, options, limit)

@@ -33,7 +33,7 @@ from fastlm.generation.generator import (
     _DecodeStep,
     check_prompts,
 )
-from fastlm.generation.sampling import SamplingOptions, draw_race
+from fastlm.generation.sampling import SamplingOptions, sequence_seeds
 from fastlm.models.decoder import DecoderLM
 from fastlm.system.device import autocast
 
@@ -126,16 +126,12 @@ class Continuation:
             with autocast(device, engine.amp_dtype):
                 hidden = model.cached_hidden_states(tokens.to(device), cache, columns.to(device), self.limit)
                 logits = model.head_logits(hidden[torch.arange(batch, device=device), last.to(device)], head_weight)
-            state.reset(following[:, None].to(device), pad)
+            state.reset(following[:, None].to(device), pad, sequence_seeds(batch, generator, device))
             state.done.copy_(finished.to(device))
-            if state.race is not None:
-                draw_race(state.race, generator)
             state.record(logits, options, pad)
             for index in range(1, options.max_new_tokens):
                 if len(options.stop_tokens) and index % engine.check_every == 0 and bool(state.done.all()):
                     break
-                if state.race is not None:
-                    draw_race(state.race, generator)
                 step()
         drawn = _completions(state.drawn.cpu(), state.logprobs.cpu(), set(options.stop_tokens))
         completions = {row: self._fit(drawn[row], self.lengths[row] + len(new)) for row, new in appended.items()}

@@ -9,9 +9,9 @@ Sampling, stop tokens and per-row finishing stay on the device; the host reads t
 On CUDA (`cuda_graph=True`, the default there) the decode step runs on a bf16 replica of the weights
 (linear weights and the head in the autocast dtype, embeddings and norms as trained: the training forward's
 numerics) and is captured once in a `torch.cuda.CUDAGraph`, optionally after `torch.compile` (one graph:
-the 24 layers, the attention's block mask and the sampling tail); per token the host then launches two
-things, the noise draw and the replay. Attention in the captured step is FlexAttention decode, which
-reads only the cache blocks written so far. A `Generator` kept across calls reuses the graph while the
+the 24 layers, the attention's block mask and the sampling tail); the host copies the rows' sequence seeds
+once per generation and then launches one replay per token. Attention in the captured step is FlexAttention
+decode, which reads only the cache blocks written so far. A `Generator` kept across calls reuses the graph while the
 batch size, cache length and sampling options stay the same and only copies the live weights into the
 replica (`sync_weights`: before every call, or only when the caller says with `sync_on_generate=False`, as
 the rollout backend does, backend.py). On CPU, or without the graph, the live model runs eagerly under the
@@ -29,7 +29,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from fastlm.generation.sampling import SamplingOptions, draw_race, pick_tokens
+from fastlm.generation.sampling import SamplingOptions, draw_uniforms, pick_tokens, sequence_seeds
 from fastlm.layers.kv_cache import DecodeAttention, KVCache
 from fastlm.lora.attach import merged_weights
 from fastlm.models.decoder import DecoderLM, build_model
@@ -59,10 +59,14 @@ class Completion:
     stopped: bool
 
 
-def check_prompts(prompts: list[list[int]], options: SamplingOptions, model: DecoderLM) -> None:
+def check_prompts(prompts: list[list[int]], options: SamplingOptions, model: DecoderLM,
+                  budgets: list[int] | None = None) -> None:
     """Clear errors for what would otherwise fail inside the forward (or silently overrun positions)."""
     if not prompts:
         raise ValueError("generation needs at least one prompt")
+    if budgets is not None and (len(budgets) != len(prompts) or not all(
+            1 <= b <= options.max_new_tokens for b in budgets)):
+        raise ValueError(f"budgets must be one per prompt, each in [1, max_new_tokens={options.max_new_tokens}]")
     limit = model.config.max_seq_len - options.max_new_tokens
     vocab = model.config.vocab_size
     for index, prompt in enumerate(prompts):
@@ -86,8 +90,10 @@ class DecodeState:
 
     `tokens`/`columns` (B, 1): the last drawn token, the next step's input, and its cache column;
     `drawn`/`logprobs` (B, N): what was picked (pad / 0 after a row's stop token); `done` (B,): the row
-    has drawn a stop token; `index` (): the next slot of `drawn`; `race` (B, V): the Exp(1) noise of the
-    next draw (None when greedy); `stops` (n,): the stop tokens. V is the drawable vocab: the tokenizer's,
+    has drawn a stop token or its budget (`budgets` (B,): its most draws, max_new_tokens unless the caller
+    gives per-row budgets); `index` (): the next slot of `drawn`, also the draw's index in each row's
+    completion; `seeds` (B,): each row's sequence seed (sampling.py; None when greedy); `stops` (n,): the
+    stop tokens. V is the drawable vocab: the tokenizer's,
     when the model's is padded past it (checkpoints pad vocab to a multiple of 64 or 128), so the sampler
     never draws an id the tokenizer cannot decode (vLLM trims a padded vocab's logits the same way).
     """
@@ -97,8 +103,9 @@ class DecodeState:
     drawn: torch.Tensor
     logprobs: torch.Tensor
     done: torch.Tensor
+    budgets: torch.Tensor
     index: torch.Tensor
-    race: torch.Tensor | None
+    seeds: torch.Tensor | None
     stops: torch.Tensor
     vocab: int
 
@@ -107,20 +114,27 @@ class DecodeState:
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        race = None if options.greedy else zeros(batch, vocab, dtype=torch.float32)
+        seeds = None if options.greedy else zeros(batch)
         stops = torch.tensor(options.stop_tokens, dtype=torch.int64, device=device)
         return cls(zeros(batch, 1), zeros(batch, 1), zeros(batch, options.max_new_tokens),
                    zeros(batch, options.max_new_tokens, dtype=torch.float32), zeros(batch, dtype=torch.bool),
-                   zeros(dtype=torch.int64), race, stops, vocab)
+                   zeros(batch), zeros(dtype=torch.int64), seeds, stops, vocab)
 
     @property
     def buffers(self) -> list[torch.Tensor]:
-        return [t for t in (self.tokens, self.columns, self.drawn, self.logprobs, self.done, self.index, self.race)
+        return [t for t in (self.tokens, self.columns, self.drawn, self.logprobs, self.done, self.budgets, self.index, self.seeds)
                 if t is not None]
 
-    def reset(self, columns: torch.Tensor, pad_id: int) -> None:
-        """Before a generation: the first decode column of each row, nothing drawn yet."""
+    def reset(self, columns: torch.Tensor, pad_id: int, seeds: torch.Tensor, budgets: torch.Tensor | None = None) -> None:
+        """Before a generation (or a turn): the first decode column, sequence seed and budget (None: the
+        whole max_new_tokens) of each row, nothing drawn yet."""
         self.columns.copy_(columns)
+        if budgets is None:
+            self.budgets.fill_(self.drawn.shape[1])
+        else:
+            self.budgets.copy_(budgets)
+        if self.seeds is not None:
+            self.seeds.copy_(seeds)
         self.drawn.fill_(pad_id)
         self.logprobs.zero_()
         self.done.zero_()
@@ -128,12 +142,14 @@ class DecodeState:
 
     def record(self, logits: torch.Tensor, options: SamplingOptions, pad_id: int) -> None:
         """Pick the next tokens from (B, V) raw logits and write them into slot `index` (on the device)."""
-        choice, logprob = pick_tokens(logits[:, : self.vocab], options, self.race)
+        uniforms = None if self.seeds is None else draw_uniforms(self.seeds, self.index)
+        choice, logprob = pick_tokens(logits[:, : self.vocab], options, uniforms)
         slot = self.index[None]
         self.drawn.index_copy_(1, slot, choice.masked_fill(self.done, pad_id)[:, None])
         self.logprobs.index_copy_(1, slot, logprob.masked_fill(self.done, 0.0)[:, None])
         if self.stops.numel():
             self.done |= (choice[:, None] == self.stops).any(dim=-1)
+        self.done |= self.index + 1 >= self.budgets
         self.tokens.copy_(choice[:, None])
         self.index += 1
 
@@ -141,7 +157,7 @@ class DecodeState:
 class _DecodeStep:
     """One decode step on fixed buffers: the B last tokens in, their keys and values into the cache, the
     next tokens picked and recorded in `state` (sampling included), optionally compiled as one graph and
-    captured in a CUDA graph; the host only refills the noise buffer and replays."""
+    captured in a CUDA graph; the host only replays it."""
 
     def __init__(self, model: DecoderLM, cache: KVCache, state: DecodeState, options: SamplingOptions, pad_id: int,
                  head_weight: torch.Tensor | None, amp_dtype: torch.dtype | None, cuda_graph: bool,
@@ -267,11 +283,12 @@ class Generator:
 
     # --- generation --------------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], options: SamplingOptions,
-                 generator: torch.Generator | None = None) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], options: SamplingOptions, generator: torch.Generator | None = None,
+                 budgets: list[int] | None = None) -> list[Completion]:
         """One completion per prompt (repeat a prompt G times for a group). `generator` lives on the model's
-        device (None: torch's default generator there). The live model's train/eval mode is left as found."""
-        check_prompts(prompts, options, self.model)
+        device (None: torch's default generator there). `budgets` caps each row's draws below max_new_tokens
+        (benchmarks force lengths with it). The live model's train/eval mode is left as found."""
+        check_prompts(prompts, options, self.model, budgets)
         width = max(len(p) for p in prompts)
         length = width + options.max_new_tokens - 1
         if self.cuda_graph:
@@ -285,7 +302,7 @@ class Generator:
         model.eval()
         try:
             step = self._decode_step(model, head_weight, len(prompts), length, options)
-            return self._generate(model, head_weight, step, prompts, generator, width)
+            return self._generate(model, head_weight, step, prompts, generator, width, budgets)
         finally:
             model.train(was_training)
 
@@ -323,7 +340,8 @@ class Generator:
                            self.compile)
 
     def _generate(self, model: DecoderLM, head_weight: torch.Tensor | None, step: _DecodeStep,
-                  prompts: list[list[int]], generator: torch.Generator | None, width: int) -> list[Completion]:
+                  prompts: list[list[int]], generator: torch.Generator | None, width: int,
+                  budgets: list[int] | None = None) -> list[Completion]:
         device, batch, cache, state, options = self.device, len(prompts), step.cache, step.state, step.options
         lengths = torch.tensor([len(p) for p in prompts])
         tokens = torch.full((batch, width), self.pad_id, dtype=torch.int64)
@@ -335,30 +353,30 @@ class Generator:
         start = width - lengths if self.padding == "left" else torch.zeros_like(lengths)
         last = torch.full_like(lengths, width - 1) if self.padding == "left" else lengths - 1
         cache.start.copy_(start)
-        state.reset((last + 1)[:, None], self.pad_id)
+        state.reset((last + 1)[:, None], self.pad_id, sequence_seeds(batch, generator, device),
+                    None if budgets is None else torch.tensor(budgets, device=device))
         columns = torch.arange(width).expand(batch, width).to(device)
         with autocast(device, self.amp_dtype):
             hidden = model.cached_hidden_states(tokens.to(device), cache, columns, width)
             logits = model.head_logits(hidden[torch.arange(batch, device=device), last.to(device)], head_weight)
-        if state.race is not None:
-            draw_race(state.race, generator)
         state.record(logits, options, self.pad_id)
+        may_end = len(options.stop_tokens) or budgets is not None
         for index in range(1, options.max_new_tokens):
-            if len(options.stop_tokens) and index % self.check_every == 0 and bool(state.done.all()):
+            if may_end and index % self.check_every == 0 and bool(state.done.all()):
                 break
-            if state.race is not None:
-                draw_race(state.race, generator)
             step()
-        return _completions(state.drawn.cpu(), state.logprobs.cpu(), set(options.stop_tokens))
+        return _completions(state.drawn.cpu(), state.logprobs.cpu(), set(options.stop_tokens), budgets)
 
 
-def _completions(drawn: torch.Tensor, logprobs: torch.Tensor, stops: set[int]) -> list[Completion]:
-    """Cut each row after its first stop token (or at the budget)."""
+def _completions(drawn: torch.Tensor, logprobs: torch.Tensor, stops: set[int],
+                 budgets: list[int] | None = None) -> list[Completion]:
+    """Cut each row after its first stop token (or at its budget)."""
     out = []
-    for row_tokens, row_logprobs in zip(drawn.tolist(), logprobs.tolist()):
-        end = next((i + 1 for i, token in enumerate(row_tokens) if token in stops), None)
+    for row, (row_tokens, row_logprobs) in enumerate(zip(drawn.tolist(), logprobs.tolist())):
+        budget = len(row_tokens) if budgets is None else budgets[row]
+        end = next((i + 1 for i, token in enumerate(row_tokens[:budget]) if token in stops), None)
         stopped = end is not None
-        end = end or len(row_tokens)
+        end = end or budget
         out.append(Completion(row_tokens[:end], row_logprobs[:end], stopped))
     return out
 

@@ -1,11 +1,14 @@
 """Next-token sampling on the device: the head's logit transform, temperature, top-k, top-p, a seeded draw.
 
-Everything stays on the device (no host round trip per token). A draw is the exponential race
-argmax(p / E), E ~ Exp(1) i.i.d. from a seeded `torch.Generator` on the model's device: it picks token i
-with probability p_i (the Gumbel-max trick), so a seed gives the same completions on a given device. The
-noise is drawn separately (`draw_race`) so the pick itself has no generator argument: it runs inside a
-compiled, CUDA-graph-captured decode step, with the noise buffer refilled before each replay. No sort
-runs unless top_p < 1 (top-k is one `topk`).
+Everything stays on the device (no host round trip per token). A draw is an inverse-CDF pick: the first
+token whose cumulative probability passes u, with u in [0, 1) a counter-based hash of the sequence's seed
+and the draw's index in its completion (`draw_uniforms`). Each sequence gets its own seed, drawn once per
+request from the caller's `torch.Generator` (`sequence_seeds`), so its tokens do not depend on which
+batch row or decode slot it lands in, or on when it is decoded: the static generator and the continuous-
+batching engine (engine.py) draw the same tokens for the same (prompt, sample) pairs, and a sequence that
+waits or is recomputed draws what it would have drawn. The draw needs no generator state and no host
+round trip, so it runs inside a compiled, CUDA-graph-captured decode step. No sort runs unless top_p < 1
+(top-k is one `topk`).
 """
 
 from __future__ import annotations
@@ -73,21 +76,55 @@ def next_token_distribution(logits: torch.Tensor, options: SamplingOptions) -> t
     return next_token_logprobs(logits, options).exp()
 
 
-def draw_race(race: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Fill `race` (B, V) float32 with the Exp(1) noise of one draw, in place."""
-    return race.exponential_(generator=generator)
+SEED_LIMIT = 2**62  # sequence seeds are drawn in [0, SEED_LIMIT)
+_LOW32 = 0xFFFFFFFF
+
+
+def sequence_seeds(count: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """(count,) int64 seeds, one per sequence of a request, from `generator` (None: torch's default
+    generator on `device`): the only state a sequence's draws depend on."""
+    where = generator.device if generator is not None else device
+    return torch.randint(0, SEED_LIMIT, (count,), generator=generator, device=where).to(device)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 values in [0, 2^32); products split in 16-bit halves so no
+    intermediate leaves the int64 range (no reliance on wrap-around)."""
+
+    def times(value: torch.Tensor, factor: int) -> torch.Tensor:
+        high = ((value >> 16) * factor) & 0xFFFF
+        return ((high << 16) + (value & 0xFFFF) * factor) & _LOW32
+
+    x = x ^ (x >> 16)
+    x = times(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = times(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def draw_uniforms(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """(B,) float32 uniforms in [0, 1 - 2^-24], a hash of each sequence's seed (B,) and draw index (B,) or ()."""
+    mixed = _mix32((steps & _LOW32) ^ 0x9E3779B9)
+    mixed = _mix32(mixed ^ (seeds & _LOW32))
+    mixed = _mix32(mixed ^ ((seeds >> 32) & _LOW32))
+    return (mixed >> 8).to(torch.float32) * 2.0**-24
 
 
 def pick_tokens(
-    logits: torch.Tensor, options: SamplingOptions, race: torch.Tensor | None
+    logits: torch.Tensor, options: SamplingOptions, uniforms: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, V) raw logits -> (chosen ids (B,), their log-probs (B,) under the sampling distribution).
 
-    `race` is the (B, V) noise from `draw_race` (ignored, and may be None, when greedy)."""
+    `uniforms` (B,) from `draw_uniforms` (ignored, and may be None, when greedy): the first token whose
+    cumulative probability exceeds u times the total (a token of probability 0 is never picked)."""
     logp = next_token_logprobs(logits, options)
     if options.greedy:
         choice = logp.argmax(dim=-1)
     else:
-        assert race is not None, "sampling needs the noise of draw_race"
-        choice = (logp - race.clamp_min(1e-30).log()).argmax(dim=-1)  # clamped: log(0) would give NaN
+        assert uniforms is not None, "sampling needs the uniforms of draw_uniforms"
+        cumulative = logp.exp().cumsum(dim=-1)
+        target = uniforms[:, None] * cumulative[:, -1:]
+        choice = (cumulative <= target).sum(dim=-1).clamp_max(logp.shape[-1] - 1)
+        picked = logp.gather(-1, choice[:, None]).squeeze(-1)
+        choice = torch.where(picked == float("-inf"), logp.argmax(dim=-1), choice)  # u rounded onto the total
     return choice, logp.gather(-1, choice[:, None]).squeeze(-1)

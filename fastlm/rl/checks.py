@@ -7,8 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.data.tokenizer import TokenizerError, build_tokenizer
+from fastlm.generation.engine import SMALLEST_BLOCK_SIZE
+from fastlm.generation.paged_cache import PagedKVCache
 from fastlm.losses.children.policy import PolicyConfig
 from fastlm.rl.environments.base import load_environment
 from fastlm.rl.prompts import stop_token_ids
@@ -66,6 +70,8 @@ def _rollout_issues(config: RunConfig) -> list[ConfigIssue]:
     if rl.max_new_tokens >= config.model.max_seq_len:
         issues.append(ConfigIssue("rl.max_new_tokens", f"leaves no room for a prompt in model.max_seq_len "
                                   f"({config.model.max_seq_len})", rl.max_new_tokens, hint="lower it"))
+    if rl.generation == "engine" and rl.kv_cache_memory_gib is not None:
+        issues += _kv_cache_issues(config)
     if rl.prompts is not None and not Path(rl.prompts.path).is_file():
         issues.append(ConfigIssue("rl.prompts.path", "no such file", rl.prompts.path))
     if hasattr(rl.eval_prompts, "path") and not Path(rl.eval_prompts.path).is_file():
@@ -105,6 +111,21 @@ def _rollout_issues(config: RunConfig) -> list[ConfigIssue]:
     except TokenizerError:
         pass  # cross_check's tokenizer check reports it
     return issues
+
+
+def _kv_cache_issues(config: RunConfig) -> list[ConfigIssue]:
+    """The engine's paged cache must hold one sequence of model.max_seq_len tokens (counted at the smallest
+    block size and cache dtype a run can have: an error here is an error on every device)."""
+    model, rl = config.model, config.rl
+    assert rl is not None and rl.kv_cache_memory_gib is not None
+    dtype = torch.float32 if config.trainer.precision == "fp32" else torch.bfloat16
+    block = PagedKVCache.block_bytes(model.num_layers, model.kv_heads, model.head_dim, SMALLEST_BLOCK_SIZE, dtype)
+    needed = (-(-model.max_seq_len // SMALLEST_BLOCK_SIZE) + 1) * block  # + the scratch block
+    if needed <= rl.kv_cache_memory_gib * 2**30:
+        return []
+    return [ConfigIssue("rl.kv_cache_memory_gib", f"cannot hold one sequence of model.max_seq_len "
+                        f"({model.max_seq_len}) tokens, which needs {needed / 2**30:.3g} GiB", rl.kv_cache_memory_gib,
+                        hint=f"raise it to at least {needed / 2**30:.3g} (or leave it unset: a share of free memory)")]
 
 
 def _sampler_logprob_issues(config: RunConfig) -> list[ConfigIssue]:

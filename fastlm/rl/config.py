@@ -149,6 +149,14 @@ class RLConfig(ConfigModel):
         "packed rollout (the first update's ratio is 1; the sampler gap is measured and corrected); 'sampler' "
         "takes the generator's own and skips that forward (verl's bypass mode): the ratio then holds the "
         "sampler-vs-trainer gap and the clip bounds it.")
+    generation: Literal["engine", "static"] = Field(
+        "engine", description="Rollout sampler: 'engine' (continuous batching over rl.decode_slots slots, a paged "
+        "KV cache, a prompt's prefill shared by its group; families it cannot serve fall back to 'static') or "
+        "'static' (one static batch, a cache of rows x longest). Both draw the same tokens for the same seeds.")
+    decode_slots: int = Field(256, ge=1, description="engine: sequences decoded at once.")
+    kv_cache_memory_gib: float | None = Field(
+        None, gt=0.0, allow_inf_nan=False, description="engine: the paged KV cache's size; None: 30% of the free "
+        "device memory at the first rollout (on CPU: each request's worst case). Sequences wait when it is full.")
     cuda_graph: bool = Field(True, description="Capture the decode step in a CUDA graph (CUDA only).")
     compile_decode: bool = Field(False, description="torch.compile the decode step before capturing it (CUDA).")
     group_size: int = Field(8, ge=2, description="Completions per prompt (G).")

@@ -98,10 +98,12 @@ def policy_head_config(head: LMHeadConfig, temperature: float) -> LMHeadConfig:
 def rollout_backend(model: DecoderLM, tokenizer: Tokenizer, rl: RLConfig, amp_dtype: torch.dtype | None,
                     multi_turn: bool) -> NativeBackend:
     """The KV-cache generator on the trainer's model, kept across rollouts (its CUDA graphs too): graphs where
-    they run (CUDA, no vocab-parallel head); multi-turn episodes keep each row at its own cache columns."""
+    they run (CUDA, no vocab-parallel head); `rl.generation` picks the engine or the static batch; static
+    multi-turn episodes keep each row at its own cache columns."""
     graphs = rl.cuda_graph and model.output_weight.device.type == "cuda" and model.tp_group is None
     return NativeBackend(model, tokenizer, amp_dtype, cuda_graph=graphs, compile=rl.compile_decode and graphs,
-                         padding="right" if multi_turn else "left")
+                         padding="right" if multi_turn else "left", engine=rl.generation == "engine",
+                         max_slots=rl.decode_slots, kv_cache_memory_gib=rl.kv_cache_memory_gib)
 
 
 def rl_scheduler(optimizer: torch.optim.Optimizer, config: RunConfig, rl: RLConfig) -> torch.optim.lr_scheduler.LambdaLR:

@@ -46,16 +46,20 @@ def test_sampling_distribution_matches_reference(temperature: float, top_p: floa
 
 
 def test_draws_follow_the_distribution() -> None:
-    """The exponential race picks token i with probability p_i: frequencies over many rows match."""
+    """The inverse-CDF pick on hashed uniforms picks token i with probability p_i: frequencies over many
+    sequences (seeds) and over many draws of one sequence (steps) match."""
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]]).expand(20000, 5)
     options = SamplingOptions(1, temperature=0.8, top_p=0.9)
-    from fastlm.generation.sampling import draw_race, pick_tokens
+    from fastlm.generation.sampling import draw_uniforms, pick_tokens, sequence_seeds
 
-    choice, logprob = pick_tokens(logits, options, draw_race(torch.empty(logits.shape), torch.Generator().manual_seed(0)))
+    seeds = sequence_seeds(20000, torch.Generator().manual_seed(0), torch.device("cpu"))
     want = next_token_distribution(logits[:1], options)[0]
-    seen = torch.bincount(choice, minlength=5).double() / len(choice)
-    print(f"frequencies {seen.tolist()} vs {want.tolist()}")
-    assert (seen - want).abs().max() < 0.015
+    one_sequence = pick_tokens(logits, options, draw_uniforms(seeds[:1].expand(20000), torch.arange(20000)))[0]
+    choice, logprob = pick_tokens(logits, options, draw_uniforms(seeds, torch.tensor(3)))
+    for name, picked in (("over steps", one_sequence), ("over seeds", choice)):
+        seen = torch.bincount(picked, minlength=5).double() / len(picked)
+        print(f"frequencies {name} {seen.tolist()} vs {want.tolist()}")
+        assert (seen - want).abs().max() < 0.015
     assert torch.allclose(logprob, want.log()[choice])
 
 

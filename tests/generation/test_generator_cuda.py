@@ -77,7 +77,7 @@ def _prompts(count: int = 6) -> list[list[int]]:
 ])
 def test_graph_step_matches_eager(name: str, attention: str, compile: bool) -> None:
     """float32 replica in a CUDA graph (optionally compiled) vs the live model eagerly with SDPA: the same
-    greedy tokens, the same seeded samples (the noise is drawn outside the step in the same order),
+    greedy tokens, the same seeded samples (each row's draws hash its sequence seed and draw index),
     log-probs within float32 rounding; graph replays are reproducible; without compile also: stop tokens
     end the rows, a weight update reaches the graph (each option set compiles anew; the compiled case keeps
     to the sampled one)."""
@@ -86,7 +86,7 @@ def test_graph_step_matches_eager(name: str, attention: str, compile: bool) -> N
     eager = Generator(model, TOKENIZER, cuda_graph=False)
     graph = Generator(model, TOKENIZER, cuda_graph=True, compile=compile, decode_attention=attention)
     cases = [(SamplingOptions(60, temperature=0.0), None), (SamplingOptions(60, temperature=1.0), 5)]
-    for options, seed in cases[1:] if compile else cases:  # compiled: one compile, the sampled case (noise in the graph)
+    for options, seed in cases[1:] if compile else cases:  # compiled: one compile, the sampled case (the draw in the graph)
         def run(engine: Generator, options: SamplingOptions = options, seed: int | None = seed):
             generator = None if seed is None else torch.Generator("cuda").manual_seed(seed)
             return engine.generate(prompts, options, generator)

@@ -11,13 +11,28 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_rollouts import bound_seconds, load_model  # noqa: E402
+from bench_rollouts import bound_seconds, load_model, long_tail_lengths  # noqa: E402
 
 
 def test_bench_rollouts_cpu_smoke() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_rollouts.py"), "--cpu-smoke"],
                             capture_output=True, text=True, timeout=300, check=True)
     assert "4 x 6 tokens generated" in result.stdout
+
+
+def test_grpo_workload_cpu_smoke() -> None:
+    """The long-tailed workload: the static generator and the engine on the same forced lengths."""
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_rollouts.py"), "--workload", "grpo",
+                             "--cpu-smoke"], capture_output=True, text=True, timeout=300, check=True)
+    assert "| tiny-llama | engine |" in result.stdout and "| tiny-llama | static |" in result.stdout, result.stdout
+
+
+def test_long_tail_lengths_have_the_asked_median_and_cap() -> None:
+    lengths = long_tail_lengths(512, 500.0, 1.0, 4096, seed=2)
+    ordered = sorted(lengths)
+    print(f"median {ordered[256]}, mean {sum(lengths) / 512:.0f}, max {max(lengths)}, at cap {lengths.count(4096)}")
+    assert 400 < ordered[256] < 625 and max(lengths) <= 4096 and min(lengths) >= 1
+    assert lengths == long_tail_lengths(512, 500.0, 1.0, 4096, seed=2)
 
 
 def test_bound_counts_weights_and_cache() -> None:
