@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from fastlm.system.disk_space import raise_if_disk_full
+from fastlm.system.json_text import JsonTextError, parse_json
 from fastlm.system.run_dir import RunDirError, open_run_file
 from fastlm.system.signals import fault_point
 
@@ -279,10 +280,9 @@ def _read_json(path: Path) -> Any:
     if len(raw) > MAX_JSON_BYTES:
         raise CheckpointError(f"{path}: larger than {MAX_JSON_BYTES >> 20} MiB (not a manifest)")
     try:
-        return json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
-        raise CheckpointError(f"{path}: unreadable manifest ({reason})") from None
+        return parse_json(raw)
+    except JsonTextError as error:
+        raise CheckpointError(f"{path}: unreadable manifest ({error})") from None
 
 
 def read_manifest(path: Path) -> tuple[int, dict[str, str], dict[str, Any]]:
