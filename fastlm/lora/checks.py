@@ -71,16 +71,21 @@ def _adapter_path_issues(config: RunConfig) -> list[ConfigIssue]:
     return []
 
 
-def describe_lora(config: RunConfig, base_dtype: torch.dtype | None) -> str:
-    """The dry run's LoRA line: trainable vs total parameters and the training memory of that split (frozen
-    linear weights in `base_dtype`, the rest of the base fp32; trained tensors with fp32 grads and AdamW)."""
+def lora_split(config: RunConfig, base_dtype: torch.dtype | None) -> tuple[int, int, int, int]:
+    """(trainable, total, base parameters, training bytes) of a LoRA run: frozen linear weights in `base_dtype`,
+    the rest of the base fp32; trained tensors with fp32 grads and AdamW (16 bytes each)."""
     model = build_model(config.model, "meta")
     attach_lora(model, config.model.lora, base_dtype=base_dtype)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     base = sum(p.numel() for name, p in model.named_parameters() if ".lora_" not in name)
     frozen_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    memory = frozen_bytes + 16 * trainable
+    return trainable, total, base, frozen_bytes + 16 * trainable
+
+
+def describe_lora(config: RunConfig, base_dtype: torch.dtype | None) -> str:
+    """The dry run's LoRA line: trainable vs total parameters and the training memory of that split."""
+    trainable, total, base, memory = lora_split(config, base_dtype)
     dtype = str(base_dtype or torch.float32).removeprefix("torch.")
     return (f"LoRA: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.2f}%); estimated "
             f"training memory (frozen base linears in {dtype}, trained tensors + grads + AdamW fp32): "
