@@ -14,7 +14,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import TypeAdapter, ValidationError
@@ -27,9 +27,12 @@ from fastlm.engine.checkpoint import (
     LATEST_FILE,
     MANIFEST_FILE,
     MODEL_FILE,
+    CheckpointError,
     changed_model_keys,
     complete_checkpoints,
     latest_pointer,
+    model_changes,
+    read_manifest,
 )
 from fastlm.logging.logger import METRICS_FILE
 from fastlm.models.build import describe_count, estimate_memory, num_parameters
@@ -248,7 +251,32 @@ def run_dir_issues(config: RunConfig, resume: bool) -> list[ConfigIssue]:
     if not resume and earlier and not config.run.overwrite:
         return [ConfigIssue("run.name", f"run directory {run_dir} already holds an earlier run ({', '.join(earlier)})",
                             config.run.name, hint=EARLIER_RUN_FIX)]
+    if resume:
+        return _resume_model_issues(config, run_dir / CHECKPOINT_DIR)
     return []
+
+
+def _resume_model_issues(config: RunConfig, checkpoints: Path) -> list[ConfigIssue]:
+    """--resume with a model section that no checkpoint of the run has (a changed LoRA rank, say): an issue per
+    changed field, naming both values and the fix (what the trainer's restore would refuse). Checkpoints whose
+    manifest does not read are left to the trainer, which skips them."""
+    current = config.model.model_dump(mode="json")
+    newest: tuple[str, list[tuple[str, Any, Any]]] | None = None
+    for path in reversed(complete_checkpoints(checkpoints)):
+        try:
+            _, _, stored = read_manifest(path)
+        except CheckpointError:
+            continue
+        changes = model_changes(stored.get("model") if isinstance(stored.get("model"), dict) else {}, current)
+        if not changes:
+            return []  # the trainer resumes from this one
+        newest = newest or (path.name, changes)
+    if newest is None:
+        return []
+    name, changes = newest
+    return [ConfigIssue(field, f"is {old!r:.60} in checkpoint {name} (a resume continues its model)", new,
+                        hint=f"resume with {field}={old!r:.60}, or use the new value in a new run (another run.name, "
+                        "or run.overwrite=true)") for field, old, new in changes]
 
 
 def _locked(path: Path) -> bool:
