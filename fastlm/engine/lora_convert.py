@@ -64,6 +64,11 @@ def save_merged_fastlm(model: DecoderLM, tokenizer: Tokenizer, directory: str) -
 
 
 def write_peft(model: DecoderLM, targets: list[Target], init_path: str | None, directory: str) -> Path:
+    """PEFT's adapter folder; its base_model_name_or_path is the run's `run.init_path` (a run without one has a
+    seeded random base that PEFT cannot name or load: refused, with the export that holds it)."""
+    if init_path is None:
+        raise ConfigError("--to-peft: this run has no run.init_path (its base is a seeded random init, which a PEFT "
+                          "adapter cannot name as base_model_name_or_path); export it whole with --merge-lora --to-hf DIR")
     lora = model.config.lora
     head_module, fan_in_fan_out = hf_layout(model.config, targets)
     tensors, adapter_config = to_peft(targets, checkpointed(model), lora, init_path, head_module, fan_in_fan_out)

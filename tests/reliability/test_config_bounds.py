@@ -245,7 +245,7 @@ MILLION_EXPERTS = ["model={type: qwen3_moe, vocab_size: 260, hidden_size: 128, n
                    "num_kv_heads: 2, head_dim: 32, moe: {num_experts: 1000000, top_k: 4, ffn_size: 64}}"]
 
 
-@pytest.mark.parametrize("extra", [[], ["model.lora={rank: 4}"]])
+@pytest.mark.parametrize("extra", [[], ["model.lora={rank: 4, frozen_experts: true}"]])
 def test_a_model_that_cannot_fit_is_refused_with_the_number(tmp_path: Path, extra: list[str],
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """`num_experts: 1000000` (49 billion parameters) tried to allocate 196 GB and died with a traceback:
