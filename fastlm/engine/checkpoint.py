@@ -217,7 +217,21 @@ def changed_model_keys(stored: dict[str, Any], current: dict[str, Any], init: bo
     """The model-config keys where a checkpoint's model is not this run's. The loss head and the init scale may
     change on resume; a run started from a checkpoint without adapters (`init`) may also add `lora`."""
     free = {"head", "init_std"} | ({"lora"} if init and stored.get("lora") is None else set())
+    stored = with_defaults(stored)
     return sorted(key for key in set(stored) | set(current) if key not in free and stored.get(key) != current.get(key))
+
+
+def with_defaults(stored: dict[str, Any]) -> dict[str, Any]:
+    """A stored model section with the defaults of fields added since it was written (a checkpoint of an earlier
+    fastlm lacks them, which is no change); as stored when it no longer validates."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from fastlm.models.config import ModelConfig
+
+    try:
+        return TypeAdapter(ModelConfig).validate_python(stored).model_dump(mode="json")
+    except (ValidationError, ValueError, TypeError):
+        return stored
 
 
 def model_changes(stored: dict[str, Any], current: dict[str, Any], init: bool = False) -> list[tuple[str, Any, Any]]:
@@ -233,8 +247,9 @@ def model_changes(stored: dict[str, Any], current: dict[str, Any], init: bool = 
         else:
             found.append((prefix, old, new))
 
+    filled = with_defaults(stored)
     for key in changed_model_keys(stored, current, init):
-        walk(f"model.{key}", stored.get(key), current.get(key))
+        walk(f"model.{key}", filled.get(key), current.get(key))
     return found
 
 

@@ -4,6 +4,7 @@ Python warnings. The trainer's own restore (library use without the command's ch
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -51,3 +52,15 @@ def test_resume_with_another_rank_is_one_line(tmp_path: Path, capsys: pytest.Cap
                             "continues the checkpoint's model. Resume with model.lora.rank=4, or keep the new values "
                             "in a new run (another run.name, or run.overwrite=true)"), message
     assert "\n" not in message and len(message) < 400, message
+
+
+def test_a_field_added_since_the_checkpoint_is_no_change(tmp_path: Path) -> None:
+    """A checkpoint of an earlier fastlm lacks fields added since (model.lora.frozen_experts): its defaults are
+    this run's, so --resume goes on."""
+    config = _config(tmp_path)
+    assert main(["train", str(config), "trainer.steps=1"]) == 0
+    manifest = tmp_path / "runs" / "checkpoints" / "step-00000001" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    del data["config"]["model"]["lora"]["frozen_experts"]
+    manifest.write_text(json.dumps(data))
+    assert main(["train", str(config), "--resume", "trainer.steps=2"]) == 0
