@@ -335,11 +335,14 @@ def training_memory(config: RunConfig, device: torch.device) -> int:
 def _memory_issues(config: RunConfig) -> list[ConfigIssue]:
     """A model whose training memory (the estimate validate prints, a floor) cannot fit where it would train
     is refused with the numbers, before anything is allocated: the GPU's memory on CUDA, the memory left
-    on this host on CPU (shared by its processes). FSDP and tensor parallelism count a 1/world share."""
+    on this host on CPU (shared by its LOCAL_WORLD_SIZE processes). FSDP and tensor parallelism count a 1/world
+    share of the job's world (the process group's, else WORLD_SIZE: `train --nproc-per-node` sets both for
+    its launcher's checks)."""
     on_gpu = torch.cuda.is_available() and config.trainer.device != "cpu"
     device = torch.device("cuda" if on_gpu else "cpu")
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
     sharded = config.distributed.data_parallel == "fsdp" or config.distributed.tensor_parallel > 1
+    world = torch.distributed.get_world_size() if grouped else int(os.environ.get("WORLD_SIZE", "1") or 1)
     needed = training_memory(config, device) // (world if sharded else 1)
     if on_gpu:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
