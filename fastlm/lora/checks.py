@@ -20,6 +20,7 @@ from fastlm.lora.peft import (
     FASTLM_ADAPTER_FILE,
     PEFT_CONFIG_FILE,
     PEFT_WEIGHTS_FILE,
+    AdapterFitError,
     PeftFormatError,
     read_adapter_folder,
 )
@@ -87,13 +88,16 @@ def _adapter_path_issues(config: RunConfig) -> list[ConfigIssue]:
                             f"{PEFT_WEIGHTS_FILE}) nor {FASTLM_ADAPTER_FILE}", str(path), hint=hint)]
     model = build_model(config.model, "meta")
     targets = attach_lora(model, lora)
+    fit = "match model.lora.rank and targets to the adapter (its adapter_config.json or lora.yaml)"
     try:
         wrong = adapter_mismatches(model, read_adapter_folder(path, model, targets, lora))
+    except AdapterFitError as error:
+        return [ConfigIssue("model.lora.adapter_path", f"does not fit model.lora: {str(error)[:300]}", str(path), hint=fit)]
     except (PeftFormatError, OSError, ValueError) as error:
         return [ConfigIssue("model.lora.adapter_path", f"unreadable adapter: {str(error)[:300]}", str(path), hint=hint)]
     if wrong:
         return [ConfigIssue("model.lora.adapter_path", f"adapter tensors that do not fit model.lora: {', '.join(wrong[:4])}",
-                            str(path), hint="match model.lora.rank and targets to the adapter (see its lora.yaml)")]
+                            str(path), hint=fit)]
     return []
 
 

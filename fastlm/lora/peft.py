@@ -40,6 +40,10 @@ class PeftFormatError(ValueError):
     """A PEFT adapter that is damaged, or cannot be expressed on this model's targets."""
 
 
+class AdapterFitError(PeftFormatError):
+    """A sound adapter that does not fit this run's model.lora (its rank or targets): the config is to change."""
+
+
 def _key(module: str, factor: str) -> str:
     return f"{PREFIX}{module}.lora_{factor}.weight"
 
@@ -247,8 +251,8 @@ def from_peft(targets: list[Target], adapter_config: dict[str, Any], tensors: di
     for module, rank in ranks.items():
         members = by_module.get(module)
         if not members:
-            raise PeftFormatError(f"{source}: the adapter on {module} has no place among model.lora.targets "
-                                  f"{config.targets}; add its name to them")
+            raise AdapterFitError(f"{source}: the adapter on {module} has no place among model.lora.targets "
+                                  f"{config.targets}")
         down, up = tensors[_key(module, "A")].float(), tensors[_key(module, "B")].float()
         alpha = float(_pattern_value(adapter_config.get("alpha_pattern") or {}, module, adapter_config["lora_alpha"]))
         ratio = alpha / (math.sqrt(rank) if adapter_config.get("use_rslora") else rank) / config.scale
@@ -263,8 +267,8 @@ def from_peft(targets: list[Target], adapter_config: dict[str, Any], tensors: di
             rows = up[s.start - piece.start:s.start - piece.start + s.size]
             columns = torch.arange(up.shape[1]) if up.shape[1] <= config.rank else rows.ne(0).any(0).nonzero()[:, 0]
             if len(columns) > config.rank:
-                raise PeftFormatError(f"{source}: {module} needs rank {len(columns)} for {target.path}, more than "
-                                      f"model.lora.rank {config.rank}; raise it")
+                raise AdapterFitError(f"{source}: {module} needs rank {len(columns)} for {target.path}, more than "
+                                      f"model.lora.rank {config.rank}")
             a, b = torch.zeros(config.rank, down.shape[1]), torch.zeros(s.size, config.rank)
             a[:len(columns)], b[:, :len(columns)] = down[columns], rows[:, columns] * ratio if ratio != 1.0 else rows[:, columns]
             state[_fastlm_key(target, "A")], state[_fastlm_key(target, "B")] = a, b

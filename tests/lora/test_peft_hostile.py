@@ -114,3 +114,27 @@ def test_the_intact_adapter_imports(saved: tuple[Path, Path], tmp_path: Path, ca
     assert main(["convert", "--from-peft", str(adapter), "--to", str(tmp_path / "out")]) == 0
     assert "rank: 4" in capsys.readouterr().out
     assert (tmp_path / "out" / "adapter.safetensors").is_file()
+
+
+def test_an_adapter_of_a_higher_rank_names_one_fix(saved: tuple[Path, Path], tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """model.lora.adapter_path on a sound rank-4 adapter with model.lora.rank 2: the config is to change, and the
+    issue says so once (it used to blame the folder: 'unreadable adapter ... raise it. Fix: point it at a PEFT
+    adapter folder')."""
+    import yaml
+
+    from fastlm.models.hf import config_from_hf
+
+    base, adapter = saved
+    section = config_from_hf(json.loads((base / "config.json").read_text())).model_dump(mode="json", exclude={"head"})
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "run": {"name": "run", "output_dir": str(tmp_path / "run"), "init_path": str(base)},
+        "model": {**section, "lora": {"rank": 2, "alpha": 4.0, "targets": ["q_proj", "v_proj"],
+                                      "adapter_path": str(adapter)}},
+        "data": {"source": {"type": "generated", "num_documents": 20}, "seq_len": 16, "micro_batch_size": 2},
+        "trainer": {"device": "cpu"}, "logging": {"wandb": {"enabled": False}}}))
+    assert main(["validate", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "model.lora.adapter_path: does not fit model.lora: " in err and "more than model.lora.rank 2" in err, err
+    assert "Fix: match model.lora.rank and targets to the adapter" in err and "point it at" not in err, err
