@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from fastlm.config.errors import ConfigError
 from fastlm.data.datasets import DataError
@@ -98,7 +99,8 @@ def launch_processes(config: RunConfig, processes: int, argv: Sequence[str]) -> 
     from torch.distributed.run import get_args_parser, run
 
     resume = "--resume" in argv
-    status = _start_checks(config, resume)
+    with _job_environment(processes):  # the checks see the job's world, as each rank's own checks will
+        status = _start_checks(config, resume)
     if status is not None:
         return status
     worker = _without_option(list(argv), "--nproc-per-node")
@@ -113,6 +115,22 @@ def launch_processes(config: RunConfig, processes: int, argv: Sequence[str]) -> 
               file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 1
     return 0
+
+
+@contextmanager
+def _job_environment(processes: int) -> Iterator[None]:
+    """WORLD_SIZE and LOCAL_WORLD_SIZE of the single-node job about to start, for the launcher's checks only."""
+    names = ("WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(dict.fromkeys(names, str(processes)))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _without_option(argv: list[str], option: str) -> list[str]:

@@ -50,6 +50,7 @@ from fastlm.data.prepared import (
     TARGETS_FILE,
     TOKENS_FILE,
     VERSION,
+    file_sha256,
     token_dtype,
     token_sample,
     tokenizer_metadata,
@@ -188,6 +189,7 @@ class _Writer:
         self.max_id = -1
         self.longest_prompted = 0  # tokens of the longest document with a non-target (prompt) token
         self.digest = hashlib.sha256()
+        self.targets_digest = hashlib.sha256()
 
     def append(self, mapped: Any) -> None:
         """The tokenized `Dataset`'s documents."""
@@ -226,7 +228,9 @@ class _Writer:
         data = np.ascontiguousarray(ids, dtype=self.dtype)
         self.tokens.write(data)
         self.digest.update(data)
-        self.targets.write(np.ascontiguousarray(flags))
+        flags = np.ascontiguousarray(flags)
+        self.targets.write(flags)
+        self.targets_digest.update(flags)
         self.all_targets &= bool(flags.all())
         self.max_id = max(self.max_id, int(ids.max()) if len(ids) else -1)
         self.count += len(ids)
@@ -240,13 +244,17 @@ class _Writer:
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         np.save(self.directory / OFFSETS_FILE, offsets)
+        checksums = {"tokens_sha256": self.digest.hexdigest(),
+                     "tokens_sample_sha256": token_sample(self.directory / TOKENS_FILE, self.dtype)[0],
+                     "offsets_sha256": file_sha256(self.directory / OFFSETS_FILE)}
         if self.all_targets:
             (self.directory / TARGETS_FILE).unlink()
-        sample, _ = token_sample(self.directory / TOKENS_FILE, self.dtype)
+        else:
+            checksums.update(targets_sha256=self.targets_digest.hexdigest(),
+                             targets_sample_sha256=token_sample(self.directory / TARGETS_FILE, np.dtype(np.uint8))[0])
         metadata = {**metadata, "documents": len(lengths), "tokens": self.count, "max_token_id": self.max_id,
                     "has_targets": not self.all_targets, "dtype": self.dtype.name,
-                    "longest_prompted": self.longest_prompted, "tokens_sha256": self.digest.hexdigest(),
-                    "tokens_sample_sha256": sample}
+                    "longest_prompted": self.longest_prompted, **checksums}
         (self.directory / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n", encoding="utf-8")
         return metadata
 

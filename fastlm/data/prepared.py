@@ -4,14 +4,17 @@
     DIR/documents.npy   int64 offsets: document d is tokens[offsets[d]:offsets[d + 1]]
     DIR/targets.bin     uint8 per token, 1 = a training target (only when some tokens are not: SFT, chat)
     DIR/metadata.json   format version, tokenizer name/fingerprint/vocab, counts, dtype, the largest id, the
-                        longest SFT document, the tokens' sha256 and a sampled sha256, source files
+                        longest SFT document, a sha256 of every other file (and a sampled sha256 of the
+                        tokens and targets), source files
 
 Nothing in the directory is trusted: opening checks the metadata against a schema (types, an allow-listed
-dtype, counts, the largest id inside the tokenizer's vocab), every file against the metadata (sizes, offsets
-int64, starting at 0, never decreasing, ending at the token count), the tokenizer against the run's, and a
-sampled checksum of the tokens (64 blocks of 4 KiB, ids inside the vocab): a truncated, swapped or edited
-file is an error naming it. `fastlm prepare CONFIG --verify` checks the whole tokens file (sha256, every id).
-Tokens otherwise stay on disk until a row asks.
+dtype, counts, the largest id inside the tokenizer's vocab, a checksum for every file), every file against
+the metadata (sizes, offsets int64, starting at 0, never decreasing, ending at the token count; no targets
+file where the metadata says every token is a target), the tokenizer against the run's, the offsets' full
+sha256 (8 bytes a document) and a sampled checksum of the tokens and the targets (64 blocks of 4 KiB each,
+ids inside the vocab): a truncated, swapped or edited file is an error naming it. `fastlm prepare CONFIG
+--verify` checks every file in full (sha256, every id, every target flag 0 or 1). Tokens otherwise stay on
+disk until a row asks.
 
 SFT records (a set with targets) follow the JSONL rule: a document with a prompt that does not fit one row
 of seq_len + 1 tokens is refused (splitting it would train a completion without its prompt).
@@ -20,7 +23,7 @@ of seq_len + 1 tokens is refused (splitting it would train a completion without 
 from __future__ import annotations
 
 import hashlib
-import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,12 +34,13 @@ import numpy as np
 from fastlm.config.errors import ConfigIssue
 from fastlm.data.datasets import DataError
 from fastlm.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
+from fastlm.system.json_text import JsonTextError, parse_json
 
 if TYPE_CHECKING:
     from fastlm.run_config.schema import RunConfig
 
 FORMAT = "fastlm-prepared"
-VERSION = 1
+VERSION = 2  # 2: every file checksummed (1 had the tokens' only)
 TOKENS_FILE, OFFSETS_FILE, TARGETS_FILE, METADATA_FILE = "tokens.bin", "documents.npy", "targets.bin", "metadata.json"
 TOKEN_DTYPES = ("uint16", "uint32")
 SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 4096
@@ -66,7 +70,8 @@ def _sample_spans(size: int, itemsize: int) -> list[tuple[int, int]]:
 
 
 def token_sample(path: Path, dtype: np.dtype) -> tuple[str, int]:
-    """(sha256 of the sampled blocks of a tokens file, the largest id in them): cheap, a few hundred KiB."""
+    """(sha256 of the sampled blocks of a tokens or targets file, the largest value in them): cheap, a few
+    hundred KiB."""
     digest, top = hashlib.sha256(), -1
     with path.open("rb") as handle:
         for offset, length in _sample_spans(path.stat().st_size, dtype.itemsize):
@@ -76,6 +81,15 @@ def token_sample(path: Path, dtype: np.dtype) -> tuple[str, int]:
             ids = np.frombuffer(block[: len(block) // dtype.itemsize * dtype.itemsize], dtype=dtype)
             top = max(top, int(ids.max()) if len(ids) else -1)
     return digest.hexdigest(), top
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a whole file, read in chunks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def tokenizer_metadata(tokenizer: Tokenizer) -> dict[str, Any]:
@@ -118,12 +132,13 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
         raise DataError(f"{meta_path}: larger than {MAX_METADATA_BYTES >> 20} MiB, not a metadata file; run "
                         "`fastlm prepare` again")
     try:
-        metadata = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
-        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
-        raise DataError(f"{meta_path}: not valid JSON ({reason}); run `fastlm prepare` again") from None
+        metadata = parse_json(raw)
+    except JsonTextError as error:
+        raise DataError(f"{meta_path}: not valid JSON ({error}); run `fastlm prepare` again") from None
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT or metadata.get("version") != VERSION:
-        raise DataError(f"{meta_path}: not a {FORMAT} v{VERSION} metadata file; run `fastlm prepare` again")
+        older = isinstance(metadata, dict) and metadata.get("format") == FORMAT and metadata.get("version") == 1
+        why = " (v1, written by an earlier fastlm, checksums the tokens only)" if older else ""
+        raise DataError(f"{meta_path}: not a {FORMAT} v{VERSION} metadata file{why}; run `fastlm prepare` again")
     _check_schema(metadata, meta_path)
     return metadata
 
@@ -148,12 +163,18 @@ def _check_schema(metadata: dict[str, Any], meta_path: Path) -> None:
          "an integer below the tokenizer's vocab_size"),
         ("longest_prompted", count(metadata.get("longest_prompted", 0), 0), "an integer >= 0"),
     ]
-    checks += [(key, key not in metadata or isinstance(metadata[key], str) and bool(_SHA256.fullmatch(metadata[key])),
-                "a sha256 hex digest") for key in ("tokens_sha256", "tokens_sample_sha256")]
+    checks += [(key, isinstance(metadata.get(key), str) and bool(_SHA256.fullmatch(metadata[key])), "a sha256 hex digest")
+               for key in checksum_keys(metadata.get("has_targets") is True)]
     for key, ok, expected in checks:
         if not ok:
             raise DataError(f"{meta_path}: '{key}' must be {expected}, got {metadata.get(key)!r:.80}; the file is "
                             "damaged or was edited: run `fastlm prepare` again")
+
+
+def checksum_keys(has_targets: bool) -> tuple[str, ...]:
+    """The metadata's checksums: every file, and a sampled one of the large files `open_prepared` reads."""
+    return ("tokens_sha256", "tokens_sample_sha256", "offsets_sha256",
+            *(("targets_sha256", "targets_sample_sha256") if has_targets else ()))
 
 
 def check_tokenizer(metadata: dict[str, Any], tokenizer: Tokenizer, where: str) -> None:
@@ -242,10 +263,16 @@ def _open_files(directory: Path, metadata: dict[str, Any]) -> PreparedDataset:
     except (OSError, ValueError, EOFError) as error:
         raise DataError(f"{directory / OFFSETS_FILE}: unreadable ({error}); run `fastlm prepare` again") from None
     _check_offsets(offsets, directory / OFFSETS_FILE, documents, count)
+    if file_sha256(directory / OFFSETS_FILE) != metadata["offsets_sha256"]:
+        raise DataError(f"{directory / OFFSETS_FILE}: its sha256 does not match {METADATA_FILE} (the document "
+                        "boundaries were changed or damaged); run `fastlm prepare` again")
     targets = None
     if metadata["has_targets"]:
         _expect_size(directory / TARGETS_FILE, count, f"{count} target flags")
         targets = np.memmap(directory / TARGETS_FILE, dtype=np.uint8, mode="r", shape=(count,))
+    elif os.path.lexists(directory / TARGETS_FILE):
+        raise DataError(f"{directory / TARGETS_FILE}: present, but {METADATA_FILE} says every token is a target "
+                        "(has_targets: false); the set was edited: run `fastlm prepare` again")
     return PreparedDataset(directory, metadata, tokens, offsets, targets)
 
 
@@ -257,15 +284,20 @@ def open_prepared(path: str | Path, tokenizer: Tokenizer) -> PreparedDataset:
     check_tokenizer(metadata, tokenizer, str(directory))
     dataset = _open_files(directory, metadata)
     digest, top = token_sample(directory / TOKENS_FILE, dataset.tokens.dtype)
-    expected = metadata.get("tokens_sample_sha256")
-    if expected is not None and digest != expected:
-        raise DataError(f"{directory / TOKENS_FILE}: its sampled checksum does not match {METADATA_FILE} (the tokens "
-                        "were changed or damaged); run `fastlm prepare` again (`fastlm prepare CONFIG --verify` "
-                        "checks a set in full)")
+    _check_sample(directory / TOKENS_FILE, digest, metadata["tokens_sample_sha256"], "the tokens")
+    if dataset.targets is not None:
+        flags, _ = token_sample(directory / TARGETS_FILE, np.dtype(np.uint8))
+        _check_sample(directory / TARGETS_FILE, flags, metadata["targets_sample_sha256"], "the loss mask")
     if top >= metadata["tokenizer"]["vocab_size"]:
         raise DataError(f"{directory / TOKENS_FILE}: holds token id {top}, past the tokenizer's vocab "
                         f"({metadata['tokenizer']['vocab_size']}); the file is damaged: run `fastlm prepare` again")
     return PreparedDataset(directory, metadata, dataset.tokens, dataset.offsets, dataset.targets, top)
+
+
+def _check_sample(path: Path, digest: str, expected: str, what: str) -> None:
+    if digest != expected:
+        raise DataError(f"{path}: its sampled checksum does not match {METADATA_FILE} ({what} were changed or "
+                        "damaged); run `fastlm prepare` again (`fastlm prepare CONFIG --verify` checks a set in full)")
 
 
 def verify_prepared(path: str | Path) -> str:
@@ -278,12 +310,27 @@ def verify_prepared(path: str | Path) -> str:
         ids = np.asarray(dataset.tokens[start : start + _CHUNK])
         digest.update(ids.tobytes())
         top = max(top, int(ids.max()))
-    if metadata.get("tokens_sha256") not in (None, digest.hexdigest()):
+    if digest.hexdigest() != metadata["tokens_sha256"]:
         raise DataError(f"{directory / TOKENS_FILE}: sha256 does not match {METADATA_FILE} (the tokens were changed "
                         "or damaged); run `fastlm prepare` again")
     if top != metadata["max_token_id"]:
         raise DataError(f"{directory / TOKENS_FILE}: its largest id is {top}, but {METADATA_FILE} says "
                         f"{metadata['max_token_id']}; run `fastlm prepare` again")
-    checked = "sha256 and every id" if "tokens_sha256" in metadata else "every id (no sha256 recorded)"
-    return (f"verified {directory}: {dataset.num_documents:,} documents, {dataset.num_tokens:,} tokens; files, "
+    if dataset.targets is not None:
+        _verify_targets(directory / TARGETS_FILE, dataset.targets, metadata["targets_sha256"])
+    checked = "every file's sha256, every id" + (" and target flag" if dataset.targets is not None else "")
+    return (f"verified {directory}: {dataset.num_documents:,} documents, {dataset.num_tokens:,} tokens; sizes, "
             f"offsets, {checked} match")
+
+
+def _verify_targets(path: Path, targets: np.ndarray, expected: str) -> None:
+    """The whole loss mask: its sha256, and every flag 0 or 1."""
+    digest = hashlib.sha256()
+    for start in range(0, len(targets), _CHUNK):
+        flags = np.asarray(targets[start : start + _CHUNK])
+        digest.update(flags.tobytes())
+        if (flags > 1).any():
+            raise DataError(f"{path}: flag {start + int(np.argmax(flags > 1))} is not 0 or 1; run `fastlm prepare` again")
+    if digest.hexdigest() != expected:
+        raise DataError(f"{path}: sha256 does not match {METADATA_FILE} (the loss mask was changed or damaged); run "
+                        "`fastlm prepare` again")

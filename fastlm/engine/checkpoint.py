@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from fastlm.system.disk_space import raise_if_disk_full
+from fastlm.system.json_text import JsonTextError, parse_json
 from fastlm.system.run_dir import RunDirError, open_run_file
 from fastlm.system.signals import fault_point
 
@@ -216,7 +217,55 @@ def changed_model_keys(stored: dict[str, Any], current: dict[str, Any], init: bo
     """The model-config keys where a checkpoint's model is not this run's. The loss head and the init scale may
     change on resume; a run started from a checkpoint without adapters (`init`) may also add `lora`."""
     free = {"head", "init_std"} | ({"lora"} if init and stored.get("lora") is None else set())
+    stored = with_defaults(stored)
     return sorted(key for key in set(stored) | set(current) if key not in free and stored.get(key) != current.get(key))
+
+
+def with_defaults(stored: dict[str, Any]) -> dict[str, Any]:
+    """A stored model section with the defaults of fields added since it was written (a checkpoint of an earlier
+    fastlm lacks them, which is no change); as stored when it no longer validates."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from fastlm.models.config import ModelConfig
+
+    try:
+        return TypeAdapter(ModelConfig).validate_python(stored).model_dump(mode="json")
+    except (ValidationError, ValueError, TypeError):
+        return stored
+
+
+def model_changes(stored: dict[str, Any], current: dict[str, Any], init: bool = False) -> list[tuple[str, Any, Any]]:
+    """(dotted field, checkpoint's value, this run's) of each changed model-config leaf (`changed_model_keys`'s
+    keys, a section such as `lora` or `moe` compared field by field)."""
+    found: list[tuple[str, Any, Any]] = []
+
+    def walk(prefix: str, old: Any, new: Any) -> None:
+        if isinstance(old, dict) and isinstance(new, dict):
+            for key in sorted(set(old) | set(new)):
+                if old.get(key) != new.get(key):
+                    walk(f"{prefix}.{key}", old.get(key), new.get(key))
+        else:
+            found.append((prefix, old, new))
+
+    filled = with_defaults(stored)
+    for key in changed_model_keys(stored, current, init):
+        walk(f"model.{key}", filled.get(key), current.get(key))
+    return found
+
+
+def describe_model_change(changes: list[tuple[str, Any, Any]], checkpoint: str) -> str:
+    """One line: each changed field with both values, and the two ways on (the checkpoint's values, or a new run)."""
+    shown = "; ".join(f"{field} is {new!r:.60} in this run but {old!r:.60} in the checkpoint"
+                      for field, old, new in changes[:3])
+    more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
+    back = " ".join(f"{field}={old!r:.60}" for field, old, _ in changes[:3])
+    return (f"{checkpoint}: {shown}{more}; a resume continues the checkpoint's model. Resume with {back}, or keep "
+            "the new values in a new run (another run.name, or run.overwrite=true)")
+
+
+class ModelChangedError(CheckpointError):
+    """The run's model config is not the checkpoint's: a decision for the user when no checkpoint of the run
+    fits it (then it is the one error), damage when an older one does (then it is skipped)."""
 
 
 @dataclass
@@ -244,6 +293,8 @@ class LoadedCheckpoint:
         `changed_model_keys` compares them: else `CheckpointError`."""
         stored = self.config.get("model") if isinstance(self.config.get("model"), dict) else {}
         changed = changed_model_keys(stored, model_config, init)
+        if changed and not init:
+            raise ModelChangedError(describe_model_change(model_changes(stored, model_config), str(self.path)))
         shapes = self.tensor_shapes()
         wrong = [f"{name} {shapes[name]} vs {expected[name]}" for name in sorted(set(shapes) & set(expected))
                  if shapes[name] != expected[name]]
@@ -279,10 +330,9 @@ def _read_json(path: Path) -> Any:
     if len(raw) > MAX_JSON_BYTES:
         raise CheckpointError(f"{path}: larger than {MAX_JSON_BYTES >> 20} MiB (not a manifest)")
     try:
-        return json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
-        raise CheckpointError(f"{path}: unreadable manifest ({reason})") from None
+        return parse_json(raw)
+    except JsonTextError as error:
+        raise CheckpointError(f"{path}: unreadable manifest ({error})") from None
 
 
 def read_manifest(path: Path) -> tuple[int, dict[str, str], dict[str, Any]]:
@@ -373,17 +423,28 @@ def load_latest_checkpoint(
     directory: Path, use: Callable[[LoadedCheckpoint], None] | None = None
 ) -> LoadedCheckpoint:
     """The newest checkpoint that verifies (and that `use` accepts: `use` restores it and raises
-    `CheckpointError` when it does not fit); each refused one is reported (warning) and skipped."""
-    problems = []
+    `CheckpointError` when it does not fit); each refused one is reported (warning) and skipped. When no
+    checkpoint fits this run's model config (`ModelChangedError`: the config, not the checkpoints, changed),
+    that one line is the error, without a warning per checkpoint."""
+    problems: list[str] = []
+    changed: list[ModelChangedError] = []
     for path in _candidates(directory):
         try:
             loaded = _verify(path)
             if use is not None:
                 use(loaded)
+        except ModelChangedError as error:  # said once below: skipped if an older one fits, else the error
+            changed.append(error)
+            problems.append(str(error))
+            continue
         except CheckpointError as error:
             problems.append(str(error))
             warnings.warn(f"skipping checkpoint: {error}", RuntimeWarning, stacklevel=2)
             continue
+        for error in changed:  # a checkpoint whose manifest alone was edited: damage after all
+            warnings.warn(f"skipping checkpoint: {error}", RuntimeWarning, stacklevel=2)
         return loaded
+    if changed and len(changed) == len(problems):
+        raise changed[0]
     detail = "; ".join(problems) if problems else "no checkpoints found"
     raise CheckpointError(f"no usable checkpoint in {directory}: {detail}")

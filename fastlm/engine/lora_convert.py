@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from fastlm.config.errors import ConfigError
@@ -20,16 +21,20 @@ from fastlm.engine.convert import save_fastlm
 from fastlm.engine.lora_training import checkpointed
 from fastlm.lora.attach import (
     Target,
+    adapter_mismatches,
+    attach_lora,
+    candidate_targets,
     merged_weights,
-    select_targets,
 )
 from fastlm.lora.peft import (
     FASTLM_ADAPTER_FILE,
     PEFT_CONFIG_FILE,
     PEFT_WEIGHTS_FILE,
+    PeftFormatError,
     from_peft,
     hf_layout,
     lora_config_from_peft,
+    module_ranks,
     read_peft,
     to_peft,
 )
@@ -59,6 +64,11 @@ def save_merged_fastlm(model: DecoderLM, tokenizer: Tokenizer, directory: str) -
 
 
 def write_peft(model: DecoderLM, targets: list[Target], init_path: str | None, directory: str) -> Path:
+    """PEFT's adapter folder; its base_model_name_or_path is the run's `run.init_path` (a run without one has a
+    seeded random base that PEFT cannot name or load: refused, with the export that holds it)."""
+    if init_path is None:
+        raise ConfigError("--to-peft: this run has no run.init_path (its base is a seeded random init, which a PEFT "
+                          "adapter cannot name as base_model_name_or_path); export it whole with --merge-lora --to-hf DIR")
     lora = model.config.lora
     head_module, fan_in_fan_out = hf_layout(model.config, targets)
     tensors, adapter_config = to_peft(targets, checkpointed(model), lora, init_path, head_module, fan_in_fan_out)
@@ -71,17 +81,26 @@ def write_peft(model: DecoderLM, targets: list[Target], init_path: str | None, d
 
 def import_peft(adapter: str, base: str | None, directory: str) -> str:
     """A PEFT adapter as `adapter.safetensors` (fastlm names) + `lora.yaml` (the run's model.lora and
-    run.init_path lines); returns that YAML."""
+    run.init_path lines); returns that YAML. Everything is checked against the base (on the meta device)
+    before a file is written: the factors' shapes, the targets, the head."""
     adapter_config, tensors = read_peft(adapter)
     base = base or adapter_config.get("base_model_name_or_path")
     if not base or not (Path(base) / "config.json").is_file():
         raise ConfigError(f"--from-peft: the base model {base!r} is not a local HF folder; name it with --from DIR")
     model_config = config_from_hf(read_hf_config(base), str(Path(base) / "config.json"))
-    lora = lora_config_from_peft(adapter_config)
     model = build_model(model_config, "meta")
-    targets = select_targets(model, lora.targets)
-    head_module, _ = hf_layout(model_config, targets)
+    head_module, _ = hf_layout(model_config, candidate_targets(model))
+    try:
+        lora = lora_config_from_peft(adapter_config, module_ranks(adapter_config, tensors, adapter, head_module))
+        targets = attach_lora(model, lora)
+    except ValueError as error:  # a pydantic ValidationError, a LoraTargetError, a tied head to train
+        reason = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()) \
+            if isinstance(error, ValidationError) else str(error)
+        raise PeftFormatError(f"{Path(adapter) / PEFT_CONFIG_FILE}: does not fit {base}: {reason[:300]}") from None
     state = from_peft(targets, adapter_config, tensors, lora, head_module, adapter)
+    wrong = adapter_mismatches(model, state)
+    if wrong:
+        raise PeftFormatError(f"{adapter}: adapter tensors that do not fit {base}: {', '.join(wrong[:4])}")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     save_file({name: value.contiguous() for name, value in state.items()}, str(out / FASTLM_ADAPTER_FILE))

@@ -14,7 +14,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import TypeAdapter, ValidationError
@@ -27,12 +27,17 @@ from fastlm.engine.checkpoint import (
     LATEST_FILE,
     MANIFEST_FILE,
     MODEL_FILE,
+    CheckpointError,
     changed_model_keys,
     complete_checkpoints,
     latest_pointer,
+    model_changes,
+    read_manifest,
 )
 from fastlm.logging.logger import METRICS_FILE
+from fastlm.models.build import describe_count, estimate_memory, num_parameters
 from fastlm.models.config import ModelConfig
+from fastlm.models.hf import available_memory
 from fastlm.system.run_dir import ASIDE_DIR, LOCK_FILE, REPLACED_DIR, open_run_file
 
 if TYPE_CHECKING:
@@ -41,7 +46,8 @@ if TYPE_CHECKING:
 
 def preflight_issues(config: RunConfig) -> list[ConfigIssue]:
     """Every problem `train` would hit before its first step that the config alone cannot show."""
-    return [*_data_file_issues(config), *_checkpoint_issues(config), *_device_issues(config), *_world_issues(config)]
+    issues = [*_data_file_issues(config), *_checkpoint_issues(config), *_device_issues(config), *_world_issues(config)]
+    return issues or _memory_issues(config)
 
 
 # --- data files ------------------------------------------------------------------------------------
@@ -245,7 +251,32 @@ def run_dir_issues(config: RunConfig, resume: bool) -> list[ConfigIssue]:
     if not resume and earlier and not config.run.overwrite:
         return [ConfigIssue("run.name", f"run directory {run_dir} already holds an earlier run ({', '.join(earlier)})",
                             config.run.name, hint=EARLIER_RUN_FIX)]
+    if resume:
+        return _resume_model_issues(config, run_dir / CHECKPOINT_DIR)
     return []
+
+
+def _resume_model_issues(config: RunConfig, checkpoints: Path) -> list[ConfigIssue]:
+    """--resume with a model section that no checkpoint of the run has (a changed LoRA rank, say): an issue per
+    changed field, naming both values and the fix (what the trainer's restore would refuse). Checkpoints whose
+    manifest does not read are left to the trainer, which skips them."""
+    current = config.model.model_dump(mode="json")
+    newest: tuple[str, list[tuple[str, Any, Any]]] | None = None
+    for path in reversed(complete_checkpoints(checkpoints)):
+        try:
+            _, _, stored = read_manifest(path)
+        except CheckpointError:
+            continue
+        changes = model_changes(stored.get("model") if isinstance(stored.get("model"), dict) else {}, current)
+        if not changes:
+            return []  # the trainer resumes from this one
+        newest = newest or (path.name, changes)
+    if newest is None:
+        return []
+    name, changes = newest
+    return [ConfigIssue(field, f"is {old!r:.60} in checkpoint {name} (a resume continues its model)", new,
+                        hint=f"resume with {field}={old!r:.60}, or use the new value in a new run (another run.name, "
+                        "or run.overwrite=true)") for field, old, new in changes]
 
 
 def _locked(path: Path) -> bool:
@@ -288,6 +319,48 @@ def _device_issues(config: RunConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue("distributed.backend", "nccl needs CUDA, and this run is on CPU", "nccl",
                                   hint="use 'auto' or 'gloo'"))
     return issues
+
+
+def training_memory(config: RunConfig, device: torch.device) -> int:
+    """The dry run's estimate of a run's training memory in bytes (parameters + gradients + AdamW; with
+    model.lora, the frozen base in its dtype + the adapters'): a floor, activations are not counted."""
+    if config.model.lora is None:
+        return estimate_memory(config.model)
+    from fastlm.engine.lora_training import lora_base_dtype
+    from fastlm.lora.checks import lora_split
+
+    return lora_split(config, lora_base_dtype(config, device))[3]
+
+
+def _memory_issues(config: RunConfig) -> list[ConfigIssue]:
+    """A model whose training memory (the estimate validate prints, a floor) cannot fit where it would train
+    is refused with the numbers, before anything is allocated: the GPU's memory on CUDA, the memory left
+    on this host on CPU (shared by its LOCAL_WORLD_SIZE processes). FSDP and tensor parallelism count a 1/world
+    share of the job's world (the process group's, else WORLD_SIZE: `train --nproc-per-node` sets both for
+    its launcher's checks)."""
+    on_gpu = torch.cuda.is_available() and config.trainer.device != "cpu"
+    device = torch.device("cuda" if on_gpu else "cpu")
+    grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
+    sharded = config.distributed.data_parallel == "fsdp" or config.distributed.tensor_parallel > 1
+    world = torch.distributed.get_world_size() if grouped else int(os.environ.get("WORLD_SIZE", "1") or 1)
+    needed = training_memory(config, device) // (world if sharded else 1)
+    if on_gpu:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        available = torch.cuda.get_device_properties(local_rank).total_memory
+        where = f"GPU {local_rank} ({torch.cuda.get_device_name(local_rank)}) holds"
+    else:
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        needed *= processes
+        available = available_memory()
+        where = "this host has free" + (f" for its {processes} processes" if processes > 1 else "")
+    if needed <= available:
+        return []
+    count = num_parameters(config.model)
+    return [ConfigIssue("model", f"{describe_count(count)} parameters need an estimated {needed / 2**30:,.1f} GiB to "
+                        f"train (parameters + gradients + AdamW, activations not counted), but {where} only "
+                        f"{available / 2**30:,.1f} GiB",
+                        hint="shrink the model (num_layers, hidden_size, moe.num_experts, vocab_size), train "
+                        "adapters only (model.lora), or shard it (distributed.data_parallel: fsdp over more GPUs)")]
 
 
 def _world_issues(config: RunConfig) -> list[ConfigIssue]:

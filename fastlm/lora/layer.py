@@ -51,8 +51,10 @@ class LoraLinear(nn.Linear):
     @torch.no_grad()
     def reset_adapters(self, init: str, generator: torch.Generator) -> None:
         """B = 0 (the model starts as the base); A Kaiming-uniform (PEFT's default) or N(0, 1/rank^2), drawn on
-        the CPU from `generator` (the same values on any device and world size)."""
+        the CPU from `generator` (the same values on any device and world size); nothing on the meta device."""
         for role, down in self.lora_A.items():
+            if down.is_meta:
+                continue
             values = torch.empty(down.shape)
             if init == "kaiming":
                 nn.init.kaiming_uniform_(values, a=math.sqrt(5), generator=generator)

@@ -29,6 +29,10 @@ class LoraConfig(ConfigModel):
         "kaiming", description="A's init (B starts at zero, so the model starts as the base): PEFT's default "
         "Kaiming-uniform, or Gaussian with std 1/rank.")
     train_head: bool = Field(False, description="Also train the untied output matrix in full (PEFT's modules_to_save lm_head).")
+    frozen_experts: bool = Field(
+        False, description="A mixture-of-experts model: train adapters although its routed experts get none (adapters "
+        "sit on linears: attention, router, dense and shared-expert MLPs; the experts' stacked weights stay the "
+        "base's). Without it, validation refuses LoRA on such a model, so the experts are never left out silently.")
     adapter_path: str | None = Field(
         None, description="Start the adapters from a PEFT adapter folder (adapter_config.json) or a "
         "`fastlm convert --from-peft` output, instead of B = 0.")

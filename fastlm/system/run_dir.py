@@ -28,6 +28,7 @@ import stat
 import time
 from pathlib import Path
 
+from fastlm.system.json_text import parse_json
 from fastlm.system.signals import fault_point
 
 LOCK_FILE = ".lock"
@@ -67,8 +68,9 @@ def open_run_file(path: Path, flags: int, mode: int = 0o644) -> int:
 
 
 def _holder(fd: int) -> str:
+    """Who holds the lock, from the first KiBs of its file (anything else written there: unknown)."""
     try:
-        holder = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
+        holder = parse_json(os.pread(fd, 4096, 0))
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder["started"])))
         return f"pid {int(holder['pid'])} on host {str(holder['host'])[:255]} (since {started})"
     except (OSError, ValueError, KeyError, TypeError, OverflowError):

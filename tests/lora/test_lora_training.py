@@ -182,7 +182,8 @@ def test_validate_names_bad_lora_fields(tmp_path: Path, capsys: pytest.CaptureFi
     assert "model.lora.adapter_path: holds neither a PEFT adapter" in capsys.readouterr().err
     assert main(["train", config, "--dry-run", f"run.output_dir={tmp_path}/run"]) == 0
     out = capsys.readouterr().out  # 2 layers x 7 slices of rank 16 (38,912 values) + the untied head 260 x 64
-    assert "LoRA: 55,552 trainable of 170,816 parameters (32.52%)" in out and "(full fine-tune: 0.002 GiB)" in out
+    assert "LoRA: adapters on " in out and "; 55,552 trainable of 170,816 parameters (32.52%)" in out
+    assert "(full fine-tune: 0.002 GiB)" in out
 
 
 def test_adapters_start_on_a_fastlm_checkpoint_without_adapters(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import get_args
 
 import pytest
 from hypothesis import given, settings
@@ -193,3 +194,77 @@ def test_blend_weights_are_finite_and_positive(weight: str, message: str, capsys
 def test_reward_timeout_is_finite_and_positive(value: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["validate", "configs/grpo.yaml", f"rl.reward_timeout_s={value}"]) == 2
     assert "rl.reward_timeout_s:" in capsys.readouterr().err
+
+
+def _config_classes() -> list[type]:
+    """Every config section class (the subclasses of `ConfigModel`, once the run and prepare configs are imported)."""
+    from fastlm.config.base import ConfigModel
+    from fastlm.data.prepare import PrepareConfig  # noqa: F401 - imported for its sections
+    from fastlm.run_config.schema import RunConfig  # noqa: F401
+
+    found, pending = [], [ConfigModel]
+    while pending:
+        cls = pending.pop()
+        found.append(cls)
+        pending += cls.__subclasses__()
+    return found
+
+
+def _float_fields(cls: type) -> list[str]:
+    """Fields that hold one float (or None)."""
+    def single(annotation: object) -> bool:
+        return annotation is float or float in get_args(annotation) and set(get_args(annotation)) <= {float, type(None)}
+
+    return [name for name, field in cls.model_fields.items() if single(field.annotation)]
+
+
+def test_no_config_float_takes_inf_or_nan() -> None:
+    """The base type refuses non-finite floats, so every coefficient, rate and bound of every section does
+    (`model.moe.aux_loss_coef: .inf` used to pass and skip every step): each float field of each section."""
+    checked = 0
+    for cls in _config_classes():
+        for name in _float_fields(cls):
+            for value in (float("inf"), float("-inf"), float("nan")):
+                with pytest.raises(ValueError) as caught:
+                    cls.model_validate({name: value})
+                errors = [e for e in caught.value.errors() if e["loc"][:1] == (name,)]
+                assert errors and all(e["type"] == "finite_number" for e in errors), (cls.__name__, name, errors)
+            checked += 1
+    assert checked > 40, checked
+
+
+@pytest.mark.parametrize("override", ["model.moe.aux_loss_coef=.inf", "model.moe.z_loss_coef=.nan"])
+def test_moe_coefficients_are_finite(override: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "configs/tiny.yaml", "model=" + "{type: qwen3_moe, moe: {num_experts: 4, top_k: 2}}",
+                 override]) == 2
+    err = capsys.readouterr().err
+    assert f"{override.split('=')[0]}: Input should be a finite number" in err and "Traceback" not in err, err
+
+
+MOE = ("model={type: qwen3_moe, vocab_size: 260, hidden_size: 128, num_layers: 3, num_heads: 4, num_kv_heads: 2, "
+       "head_dim: 32, moe: {num_experts: %d, top_k: 4, ffn_size: %d}}")
+HUGE = {"a million experts": [MOE % (1_000_000, 64)],  # 74 billion parameters
+        "LoRA on 1000 wide experts": [MOE % (1000, 200_000), "model.lora={rank: 4, frozen_experts: true}"]}  # 230 B
+
+
+@pytest.mark.parametrize("case", list(HUGE))
+def test_a_model_that_cannot_fit_is_refused_with_the_number(tmp_path: Path, case: str,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`num_experts: 1000000` tried to allocate 196 GB and died with a traceback: validate and train refuse it
+    with the estimate (16 bytes a parameter; 4 for the frozen fp32 base under LoRA on CPU) and what there is,
+    before any allocation."""
+    from fastlm.models.build import num_parameters
+
+    overrides = [*HUGE[case], f"run.output_dir={tmp_path}", "trainer.device=cpu"]
+    assert main(["validate", "configs/tiny.yaml", *overrides]) == 2
+    assert main(["train", "configs/tiny.yaml", *overrides]) == 2
+    err = capsys.readouterr().err
+    count = num_parameters(load_config("configs/tiny.yaml", HUGE[case]).model)
+    assert count > 7 * 10**10
+    line = (rf"model: {count:,} parameters need an estimated ([0-9,.]+) GiB to train \(parameters \+ gradients \+ "
+            r"AdamW, activations not counted\), but this host has free only [0-9,.]+ GiB\. Fix: shrink the model")
+    estimates = [float(found.replace(",", "")) for found in re.findall(line, err)]
+    assert len(estimates) == 2 and "Traceback" not in err, err
+    floor = count * (4 if "LoRA" in case else 16) / 2**30  # LoRA: the fp32 frozen base (on CPU) and the adapters
+    assert all(floor - 0.05 < estimate < floor * 1.01 for estimate in estimates), (estimates, floor)
+    assert not any(tmp_path.iterdir())

@@ -83,7 +83,7 @@ DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
     "manifest of another model config": (
         lambda d: _edit_manifest(d, lambda m: {**m, "config": {**m["config"], "model": {**m["config"]["model"],
                                                                                         "rope_theta": 5.0}}}),
-        "model.rope_theta: checkpoint 5.0, this run 10000.0"),
+        "model.rope_theta is 10000.0 in this run but 5.0 in the checkpoint"),
     "manifest is a list": (lambda d: (d / "manifest.json").write_text("[1, 2]"), "must hold a JSON object"),
     "manifest without files": (lambda d: _edit_manifest(d, lambda m: {"step": 4}), "'files' must map exactly"),
     "manifest nested 100k deep": (lambda d: (d / "manifest.json").write_text("[" * 100_000 + "]" * 100_000),

@@ -60,6 +60,20 @@ def _poke_tokens(value: int, fix_checksum: bool) -> Callable[[Path], None]:
     return apply
 
 
+def _shift_boundary(offsets: np.ndarray) -> np.ndarray:
+    """Move one document boundary by a token: still int64, from 0 to the end, never decreasing."""
+    shifted = offsets.copy()
+    shifted[5] += 1
+    return shifted
+
+
+def _flip_flag(out: Path) -> None:
+    """One token of the SFT loss mask turned from prompt to target (same size: only a checksum sees it)."""
+    flags = np.fromfile(out / "targets.bin", dtype=np.uint8)
+    flags[int(np.argmin(flags))] = 1
+    flags.tofile(out / "targets.bin")
+
+
 def _deep(out: Path) -> None:
     (out / "metadata.json").write_text("[" * 100_000 + "]" * 100_000)
 
@@ -77,7 +91,7 @@ TAMPERINGS: dict[str, tuple[Callable[[Path], None], str]] = {
     "tokenizer a list": (_metadata(lambda m: m.update(tokenizer=[])), "'tokenizer' must be an object"),
     "max id past vocab": (_metadata(lambda m: m.update(max_token_id=10**6)), "'max_token_id' must be an integer below"),
     "bad checksum field": (_metadata(lambda m: m.update(tokens_sample_sha256=7)), "must be a sha256 hex digest"),
-    "metadata a list": (_metadata(lambda m: [m]), "not a fastlm-prepared v1 metadata file"),
+    "metadata a list": (_metadata(lambda m: [m]), "not a fastlm-prepared v2 metadata file"),
     "deep metadata": (_deep, "nested too deeply"),
     "metadata not UTF-8": (lambda out: (out / "metadata.json").write_bytes(b'{"format": "\xff"}'), "not valid JSON"),
     "float offsets": (_offsets(lambda o: o.astype(np.float64)), "offsets (float64"),
@@ -92,6 +106,12 @@ TAMPERINGS: dict[str, tuple[Callable[[Path], None], str]] = {
     "id past the vocab, checksum fixed": (_poke_tokens(300, fix_checksum=True), "holds token id 300, past the tokenizer's"),
     "truncated tokens": (lambda out: (out / TOKENS_FILE).write_bytes((out / TOKENS_FILE).read_bytes()[:-2]), "truncated"),
     "truncated targets": (lambda out: (out / "targets.bin").write_bytes(b"\x01"), "target flags"),
+    "loss mask edited": (_flip_flag, "targets.bin: its sampled checksum does not match"),
+    "document boundary shifted": (_offsets(_shift_boundary), "documents.npy: its sha256 does not match"),
+    "targets declared absent": (_metadata(lambda m: m.update(has_targets=False)), "targets.bin: present, but"),
+    "no offsets checksum": (_metadata(lambda m: m.pop("offsets_sha256")), "'offsets_sha256' must be a sha256"),
+    "no targets checksum": (_metadata(lambda m: m.pop("targets_sample_sha256")), "'targets_sample_sha256' must be"),
+    "a v1 set": (_metadata(lambda m: m.update(version=1)), "v1, written by an earlier fastlm"),
 }
 
 
@@ -118,6 +138,46 @@ def test_validate_and_train_refuse_a_tampered_set_in_one_line(prepared: Path, tm
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("holds token id 300") == 2, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["loss mask edited", "document boundary shifted"])
+def test_validate_and_train_refuse_an_edited_mask_or_boundary(prepared: Path, tmp_path: Path, name: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    shutil.copytree(prepared, out)
+    TAMPERINGS[name][0](out)
+    config = write_config(tmp_path, "run", steps=1, source={"type": "memmap", "path": str(out)})
+    assert main(["validate", str(config)]) == 2
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count(TAMPERINGS[name][1]) == 2, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_verify_checks_every_target_flag_where_the_sample_does_not(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """An SFT set whose loss mask is larger than the sample: a flag changed between sampled blocks passes open
+    (cheap), not --verify; a flag that is neither 0 nor 1 is named."""
+    records = [{"prompt": f"q{i}? ", "completion": "answer " * 120} for i in range(400)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = tmp_path / "prepare.yaml"
+    config.write_text(yaml.safe_dump({"input_path": str(tmp_path / "sft.jsonl"), "output_path": str(tmp_path / "out"),
+                                      "prompt_field": "prompt", "completion_field": "completion"}))
+    assert main(["prepare", str(config)]) == 0
+    assert main(["prepare", str(config), "--verify"]) == 0
+    assert "every file's sha256, every id and target flag match" in capsys.readouterr().out
+    path = tmp_path / "out" / "targets.bin"
+    assert path.stat().st_size > SAMPLE_BLOCKS * SAMPLE_BYTES
+    original = path.read_bytes()
+    for value, message in ((original[SAMPLE_BYTES + 10] ^ 1, "targets.bin: sha256 does not match"),
+                           (2, f"targets.bin: flag {SAMPLE_BYTES + 10} is not 0 or 1")):
+        data = bytearray(original)
+        data[SAMPLE_BYTES + 10] = value  # inside the gap after the first sampled block
+        path.write_bytes(bytes(data))
+        open_prepared(tmp_path / "out", ByteTokenizer())  # the sampled check does not read it
+        assert main(["prepare", str(config), "--verify"]) == 1
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
 
 
 def test_verify_checks_every_token_where_the_sample_does_not(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -80,6 +80,29 @@ def test_lock_is_released_when_the_holder_is_killed(tmp_path: Path) -> None:
         assert json.loads(lock.path.read_text())["pid"] == os.getpid()
 
 
+@pytest.mark.parametrize("content", ["[" * 4096, '{"pid": ' + "9" * 4000 + "}", "\xff" * 10])
+def test_a_held_lock_with_hostile_content_is_one_line(tmp_path: Path, content: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A second `train` reads the holder's lock file within bounds: deep JSON, a 4000-digit pid or bytes
+    that are not UTF-8 give the usual one line (exit 1), not a RecursionError traceback."""
+    config = write_config(tmp_path, "held", steps=1)
+    lock = run_dir(config) / LOCK_FILE
+    lock.parent.mkdir(parents=True)
+    lock.write_bytes(content.encode("latin-1"))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'rb'); fcntl.flock(f, fcntl.LOCK_EX); "
+         "print('held', flush=True); time.sleep(60)", str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert main(["train", str(config)]) == 1
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err
+    assert "is in use by another process (its pid is not recorded yet)" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
 def _fail_first_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(self: Trainer) -> list:
         raise RuntimeError("first batch failed")
