@@ -42,6 +42,7 @@ class AttentionLayout:
     kind: LayoutKind
     dense_mask: torch.Tensor | None = None
     block_mask: BlockMask | None = None
+    positions: torch.Tensor | None = None  # (B, S) in-document positions of packed rows (linear attention restarts)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                scale: float | None = None) -> torch.Tensor:
@@ -137,8 +138,10 @@ def attention_layout(
             raise ValueError("the causal layout cannot mask packed documents or a sliding window")
         return AttentionLayout("causal")
     if kind == "flex":
-        return AttentionLayout("flex", block_mask=flex_block_mask(positions, sliding_window, batch, seq_len, device))
-    return AttentionLayout("dense", dense_mask=attention_mask(seq_len, positions, sliding_window, device))
+        return AttentionLayout("flex", block_mask=flex_block_mask(positions, sliding_window, batch, seq_len, device),
+                               positions=positions)
+    return AttentionLayout("dense", dense_mask=attention_mask(seq_len, positions, sliding_window, device),
+                           positions=positions)
 
 
 @cache
