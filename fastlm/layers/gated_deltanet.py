@@ -155,19 +155,19 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor | None = None,
                 window: torch.Tensor | None = None) -> torch.Tensor:
     """Depthwise causal convolution of x (B, S, C) with weight (C, K) (tap K-1 on the current token), after
-    the K-1 inputs in `window` (B, K-1, C) (None: zeros); with in-document `positions` (B, S) a token reads
-    no tap before its document's start. K shifted products, so packed rows need no per-document loop."""
-    taps = weight.shape[1]
+    the K-1 inputs in `window` (B, K-1, C) (None: zeros). With in-document `positions` (B, S) (packed rows) a
+    token reads no tap before its document's start: K shifted products, so no per-document loop."""
+    taps, steps = weight.shape[1], x.shape[1]
     if window is None:
         window = x.new_zeros(x.shape[0], taps - 1, x.shape[2])
     extended = torch.cat([window.to(x.dtype), x], dim=1)
-    steps = x.shape[1]
-    out = x * weight[:, taps - 1].to(x.dtype)
+    weight = weight.to(x.dtype)
+    if positions is None:
+        return F.conv1d(extended.transpose(1, 2), weight[:, None], groups=weight.shape[0]).transpose(1, 2)
+    out = x * weight[:, taps - 1]
     for back in range(1, taps):
-        term = extended[:, taps - 1 - back: taps - 1 - back + steps] * weight[:, taps - 1 - back].to(x.dtype)
-        if positions is not None:
-            term = term * (positions >= back)[..., None].to(x.dtype)
-        out = out + term
+        term = extended[:, taps - 1 - back: taps - 1 - back + steps] * weight[:, taps - 1 - back]
+        out = out + term * (positions >= back)[..., None].to(x.dtype)
     return out
 
 
