@@ -20,7 +20,7 @@ from fastlm.generation.sampling import SamplingOptions
 from fastlm.losses.spec import LossNormalizers, LossTargets
 from fastlm.models.decoder import DecoderLM
 from fastlm.models.hf import config_from_hf, export_hf, import_hf
-from tests.models.model_helpers import randomize_weights, saved_pretrained
+from tests.models.model_helpers import center_offset_norms, randomize_weights, saved_pretrained
 
 VOCAB, SEQ, WINDOW = 260, 12, 4  # the byte tokenizer's vocab: `fastlm generate` decodes what it samples
 BASE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
@@ -66,6 +66,8 @@ def hf_model(case: str) -> torch.nn.Module:
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     randomize_weights(model, seed=sum(map(ord, case)),
                       norms_at_one=not isinstance(model.config, transformers.Gemma3TextConfig))
+    if case.startswith("qwen3_5"):
+        center_offset_norms(model)
     return model
 
 
