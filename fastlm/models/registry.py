@@ -22,6 +22,7 @@ FAMILY_PACKAGES = (
     "olmoe",
     "qwen3_moe",
     "qwen3_5",
+    "qwen2_moe",
 )
 DEFAULT_FAMILY = "llama"  # the model section's `type:` when a config leaves it out
 

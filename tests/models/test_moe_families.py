@@ -38,6 +38,10 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                                                   "norm_topk_prob": False}),
     "olmoe-renormalised": ("OlmoeConfig", "OlmoeForCausalLM", {**ATTENTION, "intermediate_size": 24, "num_experts": 6,
                                                                "norm_topk_prob": True}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {**ATTENTION, "intermediate_size": 40, "num_experts": 6,
+                                                            "moe_intermediate_size": 24,
+                                                            "shared_expert_intermediate_size": 20,
+                                                            "norm_topk_prob": False, "mlp_only_layers": [0]}),
     # hybrid Gated DeltaNet + gated attention, experts + sigmoid-gated shared expert (fastlm's qwen3_5 family)
     "qwen3_5-moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {**ATTENTION, **HYBRID, "num_experts": 6,
                                                                       "layer_types": ["linear_attention",
@@ -112,7 +116,7 @@ def test_export_reloads_in_transformers(kind: str, saved: dict[str, tuple[torch.
         assert torch.equal(reloaded(ids).logits, reference(ids).logits)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "olmoe", "qwen3_moe", "qwen3_5-moe", "qwen3_5-next"])
+@pytest.mark.parametrize("kind", ["mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "qwen3_5-moe", "qwen3_5-next"])
 def test_greedy_generation_equals_transformers(kind: str, saved: dict[str, tuple[torch.nn.Module, Path]]) -> None:
     """fastlm's KV-cache generator and transformers' greedy `generate`, token for token, two prompt lengths. The
     model's vocab (300) is padded past the byte tokenizer's (260): fastlm draws only ids the tokenizer decodes,

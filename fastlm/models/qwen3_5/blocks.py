@@ -10,7 +10,6 @@ from fastlm.layers.gated_attention import GatedAttention
 from fastlm.layers.gated_deltanet import GatedDeltaNet
 from fastlm.layers.mlp import GatedMLP
 from fastlm.layers.norm import build_norm
-from fastlm.layers.shared_expert import SharedExpertMLP
 from fastlm.models.qwen3_5.config import Qwen35Config
 
 
@@ -29,11 +28,7 @@ def feed_forward(config: Qwen35Config, layer: int) -> nn.Module:
     if not config.is_sparse(layer):
         return GatedMLP(config.hidden_size, config.ffn_size, "silu")
     assert config.moe is not None
-    routed = config.moe.build(config.hidden_size)
-    if config.shared_expert_size is None:
-        return routed
-    return SharedExpertMLP(routed, GatedMLP(config.hidden_size, config.shared_expert_size, "silu"),
-                           nn.Linear(config.hidden_size, 1, bias=False))
+    return config.moe.build_with_shared_expert(config.hidden_size, config.shared_expert_size)
 
 
 def qwen3_5_block(config: Qwen35Config, layer: int) -> DecoderBlock:

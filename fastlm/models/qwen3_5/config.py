@@ -19,7 +19,7 @@ from pydantic import Field, model_validator
 from fastlm.config.base import ConfigModel
 from fastlm.models.base import LayerAttention, Rope
 from fastlm.models.llama.config import LlamaConfig
-from fastlm.models.moe_family import MoESettings
+from fastlm.models.moe_family import MoESettings, shared_expert_parameters
 
 if TYPE_CHECKING:
     from torch import nn
@@ -152,8 +152,7 @@ class Qwen35Config(LlamaConfig):
             return 3 * hidden * self.ffn_size
         assert self.moe is not None
         routed = (self.moe.active_layer_parameters if active else self.moe.layer_parameters)(hidden)
-        shared = 0 if self.shared_expert_size is None else 3 * hidden * self.shared_expert_size + hidden
-        return routed + shared
+        return routed + shared_expert_parameters(hidden, self.shared_expert_size)
 
     def _mixer_parameters(self, linear: bool) -> int:
         return self.linear_attention.parameters(self.hidden_size) if linear else self.attention_parameters()

@@ -15,10 +15,11 @@ from dataclasses import replace
 from typing import Any, ClassVar
 
 from fastlm.config.errors import ConfigIssue
-from fastlm.models.hf_adapter import FULL, Reader, WeightRule, plausible_layers, rope_fields, rope_parameters, rope_to_hf
+from fastlm.models.hf_adapter import FULL, Reader, WeightRule, rope_fields, rope_parameters, rope_to_hf
 from fastlm.models.llama.hf import COMMON_DEFAULTS, LLAMA_LIKE_FIELDS, SILU_ACTIVATIONS, LlamaAdapter
-from fastlm.models.moe_family import moe_settings, sparse_layer_rules
+from fastlm.models.moe_family import gated_shared_expert_rules, moe_settings
 from fastlm.models.qwen3_5.config import Qwen35Config
+from fastlm.models.qwen3_moe.hf import Qwen3MoeAdapter
 
 LINEAR = "linear_attention"
 _TEXT_DEFAULTS = {
@@ -39,7 +40,6 @@ _NEXT_DEFAULTS = {**_MOE_DEFAULTS, "vocab_size": 151936, "hidden_size": 2048, "i
 _WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 _TEXT_TOWER = (("model.language_model.", "model."),)
 _DROPPED = ("mtp.", "model.visual.", "visual.")
-MAX_LISTED_LAYERS = 100_000
 
 
 class Qwen35Adapter(LlamaAdapter):
@@ -89,7 +89,7 @@ class Qwen35Adapter(LlamaAdapter):
             return result
         normalize = reader.get("norm_topk_prob") if model_type == "qwen3_next" else True
         moe = moe_settings(reader, ("num_experts",), "moe_intermediate_size", normalize)
-        dense = self._dense_layers(reader, fields["num_layers"]) if model_type == "qwen3_next" else []
+        dense = Qwen3MoeAdapter._dense_layers(reader, fields["num_layers"]) if model_type == "qwen3_next" else []
         return {**result, "moe": moe, "shared_expert_size": reader.get("shared_expert_intermediate_size"),
                 "dense_layers": dense}
 
@@ -102,19 +102,6 @@ class Qwen35Adapter(LlamaAdapter):
             reader.fail("layer_types", f"must be a list of {LINEAR!r} / {FULL!r}", given)
             return None
         return given
-
-    @staticmethod
-    def _dense_layers(reader: Reader, num_layers: Any) -> list[int]:
-        listed, step = reader.get("mlp_only_layers") or [], reader.get("decoder_sparse_step")
-        if not isinstance(listed, list) or not isinstance(step, int) or step < 1:
-            reader.fail("decoder_sparse_step", "must be a positive integer, with mlp_only_layers a list", step)
-            return []
-        if step == 1:
-            return sorted(set(listed))
-        if not plausible_layers(reader, num_layers) or num_layers > MAX_LISTED_LAYERS:
-            reader.fail("num_hidden_layers", f"at most {MAX_LISTED_LAYERS} with decoder_sparse_step != 1", num_layers)
-            return []
-        return [layer for layer in range(num_layers) if layer in listed or (layer + 1) % step]
 
     def normalise_keys(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """The multimodal text tower under the text model's names; vision and multi-token-prediction dropped."""
@@ -203,15 +190,4 @@ class Qwen35Adapter(LlamaAdapter):
         if not config.is_sparse(layer):
             return rules + dense
         assert config.moe is not None
-        if config.shared_expert_size is None:
-            return rules + sparse_layer_rules([], config.moe, base, mlp, ("gate_proj", "up_proj", "down_proj"),
-                                              config.hidden_size)
-        routed = sparse_layer_rules([], config.moe, f"{base}.mlp.routed", mlp, ("gate_proj", "up_proj", "down_proj"),
-                                    config.hidden_size)
-        routed = [replace(rule, ours=rule.ours.replace(".mlp.routed.mlp.", ".mlp.routed.")) for rule in routed]
-        shared, size = f"{mlp}.shared_expert", config.shared_expert_size
-        return rules + routed + [
-            WeightRule(f"{base}.mlp.shared.gate_up_proj.weight", (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"),
-                       (size, size)),
-            WeightRule(f"{base}.mlp.shared.down_proj.weight", (f"{shared}.down_proj.weight",)),
-            WeightRule(f"{base}.mlp.gate.weight", (f"{mlp}.shared_expert_gate.weight",))]
+        return rules + gated_shared_expert_rules(config.moe, base, mlp, config.hidden_size, config.shared_expert_size)
