@@ -132,6 +132,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
             raise RuntimeError(FLA_MISSING)
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+        beta = beta.to(q.dtype)  # as transformers hands it over: the gate in the activations' dtype, g in fp32
         if positions is None:
             return chunk_gated_delta_rule(q, k, v, g.float(), beta, initial_state=initial_state,
                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -140,16 +141,17 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         out, _ = chunk_gated_delta_rule(*flat, output_final_state=False, use_qk_l2norm_in_kernel=True,
                                         cu_seqlens=segment_starts(positions))
         return out.reshape(rows, steps, *out.shape[2:]), torch.empty(0, device=q.device)
-    q, k = l2_normalize(q.to(torch.promote_types(q.dtype, torch.float32))), \
-        l2_normalize(k.to(torch.promote_types(k.dtype, torch.float32)))
-    if positions is None:
-        return chunked_gated_delta_rule(q, k, v, g, beta, initial_state)
-    rows, steps = q.shape[:2]
-    bounds = segment_starts(positions).tolist()
-    flat = [x.reshape(rows * steps, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    pieces = [chunked_gated_delta_rule(*(x[None, start:end] for x in flat))[0]
-              for start, end in zip(bounds[:-1], bounds[1:])]
-    return torch.cat(pieces, dim=1).reshape(rows, steps, *pieces[0].shape[2:]), torch.empty(0, device=q.device)
+    with torch.autocast(q.device.type, enabled=False):  # the PyTorch forms run in fp32 (fp64) throughout
+        q, k = l2_normalize(q.to(torch.promote_types(q.dtype, torch.float32))), \
+            l2_normalize(k.to(torch.promote_types(k.dtype, torch.float32)))
+        if positions is None:
+            return chunked_gated_delta_rule(q, k, v, g, beta, initial_state)
+        rows, steps = q.shape[:2]
+        bounds = segment_starts(positions).tolist()
+        flat = [x.reshape(rows * steps, *x.shape[2:]) for x in (q, k, v, g, beta)]
+        pieces = [chunked_gated_delta_rule(*(x[None, start:end] for x in flat))[0]
+                  for start, end in zip(bounds[:-1], bounds[1:])]
+        return torch.cat(pieces, dim=1).reshape(rows, steps, *pieces[0].shape[2:]), torch.empty(0, device=q.device)
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor | None = None,
@@ -267,9 +269,10 @@ class GatedDeltaNet(nn.Module):
             real = cache.real.to(compute)[..., None]
             g, beta = g * real, beta * real  # not-real tokens: no decay, nothing written
             start = cache.state * cache.keep[:, None, None, None].to(cache.state.dtype)
-            if steps == 1:
-                out, state = recurrent_gated_delta_rule(l2_normalize(q.to(compute)), l2_normalize(k.to(compute)),
-                                                        v, g, beta, start)
+            if steps == 1:  # a decode step: one token through the recurrence, fp32 (outside autocast)
+                with torch.autocast(x.device.type, enabled=False):
+                    out, state = recurrent_gated_delta_rule(l2_normalize(q.to(compute)), l2_normalize(k.to(compute)),
+                                                            v, g, beta, start)
             else:
                 out, state = gated_delta_rule(q, k, v, g, beta, self.kernel, start)
             cache.state.copy_(state)
