@@ -113,6 +113,11 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out.transpose(1, 2), state
 
 
+def grouped(x: torch.Tensor, value_heads: int) -> torch.Tensor:
+    """(B, T, Hk, D) -> (B, T, Hv, D): each key head repeated for its Hv / Hk consecutive value heads."""
+    return x.repeat_interleave(value_heads // x.shape[2], dim=2)
+
+
 def segment_starts(positions: torch.Tensor) -> torch.Tensor:
     """(N + 1,) int64 offsets of the documents of (B, S) in-document `positions` flattened to one row:
     fla's `cu_seqlens` (a document starts where its position is 0; every row starts one)."""
@@ -124,8 +129,9 @@ def segment_starts(positions: torch.Tensor) -> torch.Tensor:
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      kernel: DeltaKernel, initial_state: torch.Tensor | None = None,
                      positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked rule on (B, T, ...) rows with unnormalised q, k: `positions` (B, T) (packed documents)
-    restart the state at each document (no initial state then); fla on CUDA per `kernel`."""
+    """The chunked rule on (B, T, ...) rows with unnormalised q, k of Hk heads and v, g, beta of Hv (a multiple:
+    grouped value heads); `positions` (B, T) (packed documents) restart the state at each document (no initial
+    state then); fla on CUDA per `kernel`."""
     use_fla = kernel == "fla" or (kernel == "auto" and q.is_cuda and fla_available())
     if use_fla:
         if not fla_available():
@@ -138,12 +144,12 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
         rows, steps = q.shape[:2]
         flat = [x.reshape(1, rows * steps, *x.shape[2:]) for x in (q, k, v, g.float(), beta)]
+        starts = segment_starts(positions)
         out, _ = chunk_gated_delta_rule(*flat, output_final_state=False, use_qk_l2norm_in_kernel=True,
-                                        cu_seqlens=segment_starts(positions))
+                                        cu_seqlens=starts, cu_seqlens_cpu=starts.cpu())
         return out.reshape(rows, steps, *out.shape[2:]), torch.empty(0, device=q.device)
     with torch.autocast(q.device.type, enabled=False):  # the PyTorch forms run in fp32 (fp64) throughout
-        q, k = l2_normalize(q.to(torch.promote_types(q.dtype, torch.float32))), \
-            l2_normalize(k.to(torch.promote_types(k.dtype, torch.float32)))
+        q, k = (l2_normalize(grouped(x, v.shape[2]).to(torch.promote_types(x.dtype, torch.float32))) for x in (q, k))
         if positions is None:
             return chunked_gated_delta_rule(q, k, v, g, beta, initial_state)
         rows, steps = q.shape[:2]
@@ -256,9 +262,8 @@ class GatedDeltaNet(nn.Module):
             cache.conv.copy_(cache.next_window(window, mixed))
             mixed = F.silu(causal_conv(mixed, weight, None, window))
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        repeat = self.value_heads // self.key_heads
-        q = q.reshape(batch, steps, self.key_heads, self.key_head_dim).repeat_interleave(repeat, dim=2)
-        k = k.reshape(batch, steps, self.key_heads, self.key_head_dim).repeat_interleave(repeat, dim=2)
+        q = q.reshape(batch, steps, self.key_heads, self.key_head_dim)
+        k = k.reshape(batch, steps, self.key_heads, self.key_head_dim)
         v = v.reshape(batch, steps, self.value_heads, self.value_head_dim)
         compute = torch.promote_types(x.dtype, torch.float32)
         beta = torch.sigmoid(b.to(compute))
@@ -271,8 +276,8 @@ class GatedDeltaNet(nn.Module):
             start = cache.state * cache.keep[:, None, None, None].to(cache.state.dtype)
             if steps == 1:  # a decode step: one token through the recurrence, fp32 (outside autocast)
                 with torch.autocast(x.device.type, enabled=False):
-                    out, state = recurrent_gated_delta_rule(l2_normalize(q.to(compute)), l2_normalize(k.to(compute)),
-                                                            v, g, beta, start)
+                    q, k = (l2_normalize(grouped(t, self.value_heads).to(compute)) for t in (q, k))
+                    out, state = recurrent_gated_delta_rule(q, k, v, g, beta, start)
             else:
                 out, state = gated_delta_rule(q, k, v, g, beta, self.kernel, start)
             cache.state.copy_(state)
