@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import Field, model_validator
 
 from fastlm.config.base import ConfigModel
+from fastlm.config.errors import ConfigIssue
 from fastlm.layers.rope_scaling import RopeScaling
 from fastlm.losses.config import LMHeadConfig
 from fastlm.models.lora_config import LoraConfig
@@ -105,6 +106,10 @@ class DecoderConfig(ConfigModel):
 
     def build_final_norm(self) -> nn.Module:
         raise NotImplementedError
+
+    def device_issues(self, on_gpu: bool) -> list[ConfigIssue]:
+        """What this machine lacks for the model's chosen kernels (`fastlm.engine.preflight`); none by default."""
+        return []
 
     def recurrent_state(self, layer: int) -> RecurrentShape | None:
         """What layer `layer` caches in generation instead of keys and values (a linear-attention layer's

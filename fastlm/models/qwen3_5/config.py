@@ -12,11 +12,13 @@ import drops them (fastlm trains and decodes the main model only)."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
 
 from fastlm.config.base import ConfigModel
+from fastlm.config.errors import ConfigIssue
 from fastlm.models.base import LayerAttention, Rope
 from fastlm.models.llama.config import LlamaConfig
 from fastlm.models.moe_family import MoESettings, shared_expert_parameters
@@ -129,6 +131,19 @@ class Qwen35Config(LlamaConfig):
         from fastlm.layers.norm import build_norm
 
         return build_norm("rmsnorm_offset", self.hidden_size, self.norm_eps)
+
+    def device_issues(self, on_gpu: bool) -> list[ConfigIssue]:
+        """kernel fla needs fla-core and a CUDA GPU (refused before any work, like model.head.use_triton)."""
+        if self.linear_attention.kernel != "fla":
+            return []
+        if importlib.util.find_spec("fla") is None:
+            return [ConfigIssue("model.linear_attention.kernel", "fla-core is not installed", "fla",
+                                hint="pip install 'fastlm[fla]' (fla-core), or set kernel: auto (fla on CUDA when "
+                                     "installed, PyTorch elsewhere)")]
+        if not on_gpu:
+            return [ConfigIssue("model.linear_attention.kernel", "fla-core's Triton kernels need a CUDA GPU, and "
+                                "this run is on CPU", "fla", hint="set kernel: auto or torch")]
+        return []
 
     def recurrent_state(self, layer: int) -> RecurrentShape | None:
         if not self.is_linear(layer):
