@@ -14,7 +14,9 @@ training and prefill). On CUDA the chunked form is fla-core's Triton kernel (`fl
 forward and backward, varlen through `cu_seqlens`) when installed; the PyTorch forms run elsewhere.
 
 Packed documents: the state and the convolution window restart at every document (fla's `cu_seqlens`
-varlen form; here the rows are cut into segments at the layout's document starts). Generation keeps the
+varlen form over the flattened rows; the PyTorch form runs document by document). The offsets come from the
+layout (`AttentionLayout.segments`): one read of the device per forward, shared by every linear layer
+(a varlen launch needs the document count on the host). Generation keeps the
 state and the last `conv_kernel - 1` convolution inputs per row in the cache (`RecurrentLayerCache`):
 tokens the cache marks as not real (padding, finished rows) leave both untouched.
 """
@@ -118,20 +120,13 @@ def grouped(x: torch.Tensor, value_heads: int) -> torch.Tensor:
     return x.repeat_interleave(value_heads // x.shape[2], dim=2)
 
 
-def segment_starts(positions: torch.Tensor) -> torch.Tensor:
-    """(N + 1,) int64 offsets of the documents of (B, S) in-document `positions` flattened to one row:
-    fla's `cu_seqlens` (a document starts where its position is 0; every row starts one)."""
-    flat = positions.reshape(-1)
-    starts = (flat == 0).nonzero().reshape(-1)
-    return torch.cat([starts, starts.new_tensor([flat.numel()])])
-
-
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      kernel: DeltaKernel, initial_state: torch.Tensor | None = None,
-                     positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     segments: tuple[torch.Tensor, list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked rule on (B, T, ...) rows with unnormalised q, k of Hk heads and v, g, beta of Hv (a multiple:
-    grouped value heads); `positions` (B, T) (packed documents) restart the state at each document (no initial
-    state then); fla on CUDA per `kernel`."""
+    grouped value heads); `segments` (packed documents: the rows flattened, the documents' offsets on the
+    device and the host, `AttentionLayout.segments`) restart the state at each document (no initial state
+    then); fla on CUDA per `kernel`."""
     use_fla = kernel == "fla" or (kernel == "auto" and q.is_cuda and fla_available())
     if use_fla:
         if not fla_available():
@@ -139,21 +134,21 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         beta = beta.to(q.dtype)  # as transformers hands it over: the gate in the activations' dtype, g in fp32
-        if positions is None:
+        if segments is None:
             return chunk_gated_delta_rule(q, k, v, g.float(), beta, initial_state=initial_state,
                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
         rows, steps = q.shape[:2]
         flat = [x.reshape(1, rows * steps, *x.shape[2:]) for x in (q, k, v, g.float(), beta)]
-        starts = segment_starts(positions)
+        offsets, host = segments
         out, _ = chunk_gated_delta_rule(*flat, output_final_state=False, use_qk_l2norm_in_kernel=True,
-                                        cu_seqlens=starts, cu_seqlens_cpu=starts.cpu())
+                                        cu_seqlens=offsets, cu_seqlens_cpu=torch.tensor(host))
         return out.reshape(rows, steps, *out.shape[2:]), torch.empty(0, device=q.device)
     with torch.autocast(q.device.type, enabled=False):  # the PyTorch forms run in fp32 (fp64) throughout
         q, k = (l2_normalize(grouped(x, v.shape[2]).to(torch.promote_types(x.dtype, torch.float32))) for x in (q, k))
-        if positions is None:
+        if segments is None:
             return chunked_gated_delta_rule(q, k, v, g, beta, initial_state)
         rows, steps = q.shape[:2]
-        bounds = segment_starts(positions).tolist()
+        bounds = segments[1]
         flat = [x.reshape(rows * steps, *x.shape[2:]) for x in (q, k, v, g, beta)]
         pieces = [chunked_gated_delta_rule(*(x[None, start:end] for x in flat))[0]
                   for start, end in zip(bounds[:-1], bounds[1:])]
@@ -269,7 +264,8 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(b.to(compute))
         g = -self.A_log.to(compute).exp() * F.softplus(a.to(compute) + self.dt_bias.to(compute))
         if cache is None:
-            out, _ = gated_delta_rule(q, k, v, g, beta, self.kernel, positions=positions)
+            segments = None if positions is None else layout.segments  # type: ignore[union-attr]
+            out, _ = gated_delta_rule(q, k, v, g, beta, self.kernel, segments=segments)
         else:
             real = cache.real.to(compute)[..., None]
             g, beta = g * real, beta * real  # not-real tokens: no decay, nothing written

@@ -88,7 +88,8 @@ def test_packed_documents_restart_the_state_like_each_document_alone() -> None:
     steps = 80
     inputs = _inputs(steps)
     positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths])
-    packed, _ = gated_delta_rule(*inputs, kernel="torch", positions=positions)
+    layout = attention_layout(2, steps, positions, None, torch.device("cpu"))
+    packed, _ = gated_delta_rule(*inputs, kernel="torch", segments=layout.segments)
     alone = []
     for row, row_lengths in enumerate(lengths):
         start, pieces = 0, []
@@ -185,12 +186,12 @@ def test_fla_kernel_matches_the_torch_form_on_cuda() -> None:
     pytest.importorskip("fla")
     inputs = [t.detach().float().cuda() for t in _inputs(300, heads=4, key_dim=64, value_dim=64)]
     positions = torch.cat([torch.arange(100), torch.arange(200)])[None].expand(2, 300).cuda()
-    for packed in (None, positions):
+    for packed in (None, attention_layout(2, 300, positions, None, positions.device).segments):
         ours = [t.clone().requires_grad_() for t in inputs]
         theirs = [t.clone().bfloat16().requires_grad_() if i < 3 else t.clone().requires_grad_()
                   for i, t in enumerate(inputs)]
-        expected, _ = gated_delta_rule(*ours, kernel="torch", positions=packed)
-        actual, _ = gated_delta_rule(*theirs, kernel="fla", positions=packed)
+        expected, _ = gated_delta_rule(*ours, kernel="torch", segments=packed)
+        actual, _ = gated_delta_rule(*theirs, kernel="fla", segments=packed)
         weights = torch.randn_like(expected)
         grads = torch.autograd.grad((actual.float() * weights).sum(), theirs)
         reference = torch.autograd.grad((expected * weights).sum(), ours)
