@@ -169,6 +169,24 @@ def test_multi_turn_continuation_equals_generating_the_whole_transcript(folder: 
         assert second[row].tokens == fresh.generate([transcript], options)[0].tokens, row
 
 
+def test_decode_step_traces_whole(folder: tuple[torch.nn.Module, Path]) -> None:
+    """The decode step over recurrent states traces as one graph (`fullgraph=True`: what the compiled,
+    CUDA-graph-captured step needs: no host read, no data-dependent Python), on static cache buffers, and
+    gives the eager step's tokens (dynamo's eager backend: the trace, not inductor's code, is under test)."""
+    model = import_hf(folder[1]).eval()
+    options = SamplingOptions(max_new_tokens=6, temperature=0.0)
+    expected = Generator(model, ByteTokenizer(), cuda_graph=False).generate(PROMPTS, options)
+    engine = Generator(model, ByteTokenizer(), cuda_graph=False)
+    width = max(map(len, PROMPTS))
+    with torch.no_grad():
+        step = engine._decode_step(model, None, len(PROMPTS), width + options.max_new_tokens - 1, options)
+        for buffer in step.cache.buffers + step.state.buffers:
+            torch._dynamo.mark_static_address(buffer)
+        step.run = torch.compile(step.forward, fullgraph=True, dynamic=False, backend="eager")
+        traced = engine._generate(model, None, step, PROMPTS, None, width)
+    assert [c.tokens for c in traced] == [c.tokens for c in expected]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_decode_equals_eager_decoding(folder: tuple[torch.nn.Module, Path]) -> None:
