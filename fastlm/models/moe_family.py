@@ -109,6 +109,31 @@ class SparseLlamaConfig(LlamaConfig):
         return {**super().architecture(), "moe": self.moe.architecture()}
 
 
+def check_dense_layers(dense_layers: list[int], num_layers: int) -> None:
+    """`dense_layers` must list distinct layers of the model (ValueError otherwise: a validator's message)."""
+    bad = [layer for layer in dense_layers if not 0 <= layer < num_layers]
+    if bad or len(set(dense_layers)) != len(dense_layers):
+        raise ValueError(f"dense_layers {dense_layers} must list distinct layers in [0, {num_layers})")
+
+
+MAX_LISTED_LAYERS = 100_000  # decoder_sparse_step != 1 lists the dense layers one by one
+
+
+def hf_dense_layers(reader: Reader, num_layers: Any) -> list[int]:
+    """Our `dense_layers` from transformers' `mlp_only_layers` and `decoder_sparse_step` (Qwen2-MoE,
+    Qwen3-MoE, Qwen3-Next: layer i has experts iff it is not listed and (i + 1) % step == 0)."""
+    listed, step = reader.get("mlp_only_layers") or [], reader.get("decoder_sparse_step")
+    if not isinstance(listed, list) or not isinstance(step, int) or step < 1:
+        reader.fail("decoder_sparse_step", "must be a positive integer, with mlp_only_layers a list", step)
+        return []
+    if step == 1:
+        return sorted(set(listed))
+    if not isinstance(num_layers, int) or num_layers > MAX_LISTED_LAYERS:
+        reader.fail("num_hidden_layers", f"at most {MAX_LISTED_LAYERS} with decoder_sparse_step != 1", num_layers)
+        return []
+    return [layer for layer in range(num_layers) if layer in listed or (layer + 1) % step]
+
+
 def moe_settings(reader: Reader, experts_keys: tuple[str, ...], ffn_key: str, normalize: Any) -> dict[str, Any]:
     """Our `moe:` section from a config.json; the expert count is the first of `experts_keys` present
     (transformers 5 writes Qwen3-MoE's as num_local_experts, the published configs say num_experts)."""

@@ -17,9 +17,8 @@ from fastlm.models.llama.hf import (
     llama_like_to_hf,
     window_fields,
 )
-from fastlm.models.moe_family import gated_shared_expert_rules, moe_settings
+from fastlm.models.moe_family import gated_shared_expert_rules, hf_dense_layers, moe_settings
 from fastlm.models.qwen2_moe.config import Qwen2MoeConfig
-from fastlm.models.qwen3_moe.hf import Qwen3MoeAdapter
 
 
 class Qwen2MoeAdapter(LlamaAdapter):
@@ -40,7 +39,7 @@ class Qwen2MoeAdapter(LlamaAdapter):
         shared = reader.get("shared_expert_intermediate_size")
         return {**fields, **windows, "type": "qwen2_moe", "qkv_bias": bool(reader.get("qkv_bias")), "moe": moe,
                 "shared_expert_size": shared or None,
-                "dense_layers": Qwen3MoeAdapter._dense_layers(reader, fields["num_layers"])}
+                "dense_layers": hf_dense_layers(reader, fields["num_layers"])}
 
     def export_issues(self, config: Qwen2MoeConfig) -> list[ConfigIssue]:  # type: ignore[override]
         issues = []

@@ -21,7 +21,7 @@ from fastlm.config.base import ConfigModel
 from fastlm.config.errors import ConfigIssue
 from fastlm.models.base import LayerAttention, Rope
 from fastlm.models.llama.config import LlamaConfig
-from fastlm.models.moe_family import MoESettings, shared_expert_parameters
+from fastlm.models.moe_family import MoESettings, check_dense_layers, shared_expert_parameters
 
 if TYPE_CHECKING:
     from torch import nn
@@ -93,9 +93,7 @@ class Qwen35Config(LlamaConfig):
                              "give an even rotary width of at least 2")
         if self.moe is None and (self.shared_expert_size is not None or self.dense_layers):
             raise ValueError("shared_expert_size and dense_layers need a moe section")
-        bad = [layer for layer in self.dense_layers if not 0 <= layer < self.num_layers]
-        if bad or len(set(self.dense_layers)) != len(self.dense_layers):
-            raise ValueError(f"dense_layers {self.dense_layers} must list distinct layers in [0, {self.num_layers})")
+        check_dense_layers(self.dense_layers, self.num_layers)
         return self
 
     @property

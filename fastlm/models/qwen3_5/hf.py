@@ -17,9 +17,8 @@ from typing import Any, ClassVar
 from fastlm.config.errors import ConfigIssue
 from fastlm.models.hf_adapter import FULL, Reader, WeightRule, rope_fields, rope_parameters, rope_to_hf
 from fastlm.models.llama.hf import COMMON_DEFAULTS, LLAMA_LIKE_FIELDS, SILU_ACTIVATIONS, LlamaAdapter
-from fastlm.models.moe_family import gated_shared_expert_rules, moe_settings
+from fastlm.models.moe_family import gated_shared_expert_rules, hf_dense_layers, moe_settings
 from fastlm.models.qwen3_5.config import Qwen35Config
-from fastlm.models.qwen3_moe.hf import Qwen3MoeAdapter
 
 LINEAR = "linear_attention"
 _TEXT_DEFAULTS = {
@@ -89,7 +88,7 @@ class Qwen35Adapter(LlamaAdapter):
             return result
         normalize = reader.get("norm_topk_prob") if model_type == "qwen3_next" else True
         moe = moe_settings(reader, ("num_experts",), "moe_intermediate_size", normalize)
-        dense = Qwen3MoeAdapter._dense_layers(reader, fields["num_layers"]) if model_type == "qwen3_next" else []
+        dense = hf_dense_layers(reader, fields["num_layers"]) if model_type == "qwen3_next" else []
         return {**result, "moe": moe, "shared_expert_size": reader.get("shared_expert_intermediate_size"),
                 "dense_layers": dense}
 
