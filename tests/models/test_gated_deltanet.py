@@ -182,9 +182,10 @@ def test_layer_gradients_packed_against_documents_alone() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fla_kernel_matches_the_torch_form_on_cuda() -> None:
     """fla-core's chunked kernel (bf16 in, fp32 state) against the PyTorch form in fp32, packed documents
-    and plain rows, values and gradients."""
+    and plain rows, grouped value heads (2 q/k heads for 4 value heads), values and gradients."""
     pytest.importorskip("fla")
     inputs = [t.detach().float().cuda() for t in _inputs(300, heads=4, key_dim=64, value_dim=64)]
+    inputs[0], inputs[1] = inputs[0][:, :, :2].contiguous(), inputs[1][:, :, :2].contiguous()
     positions = torch.cat([torch.arange(100), torch.arange(200)])[None].expand(2, 300).cuda()
     for packed in (None, attention_layout(2, 300, positions, None, positions.device).segments):
         ours = [t.clone().requires_grad_() for t in inputs]
