@@ -4,6 +4,9 @@ and the memory-bandwidth bound, in one run.
     python tools/bench_rollouts.py                          # CUDA: llama-350m and llama-1b, 64 x 128 prompts, 256 new
     python tools/bench_rollouts.py --presets llama-350m --modes graph-sdpa,graph,compile,hf --hf-new-tokens 32
     python tools/bench_rollouts.py --cpu-smoke              # CPU: tiny preset, eager + the profile code path
+    python tools/bench_rollouts.py --presets qwen3.5-0.8b,qwen3.5-2b --modes graph,compile,hf   # the hybrid:
+                                                            # recurrent states in the cache, 64 x 256 new tokens
+    python tools/bench_rollouts.py --cpu-smoke --smoke-preset qwen3.5-tiny
 
 Every mode samples (temperature 1, no top-k/top-p, no stop token) exactly `--new-tokens` tokens per row
 from random-token prompts of `--prompt-len`, bf16 on CUDA. Modes: `eager` (live fp32 weights under bf16
@@ -17,7 +20,8 @@ transformers' generate with its dynamic KV cache on a bf16 copy of the same weig
 timed over `--hf-new-tokens` (default `--new-tokens`; fewer keeps the run short, and its per-token cost
 only grows with the length, so a shorter run flatters it). The bound: per decode step the bytes that
 must be read (every bf16 matrix once, B embedding rows, the KV cache filled so far, read once) plus the
-new keys and values written, over the copy bandwidth measured in this run (bytes read + written per second).
+new keys and values written (linear-attention layers: their fixed-size states read and written), over the
+copy bandwidth measured in this run (bytes read + written per second).
 
 Graph modes also report the decode step alone: the GPU time of one replay with the cache half full (CUDA
 events, mean of 20) and the number of GPU kernels in it (torch.profiler over one replay), with the top
@@ -146,9 +150,13 @@ def step_bytes(model: DecoderLM, batch: int, filled: int) -> int:
     if config.tie_embeddings:
         matrices += model.output_weight.numel()
     weight_bytes = 2 * matrices + 2 * batch * config.hidden_size
-    kv_heads = config.kv_heads
-    kv_per_token = 2 * config.num_layers * kv_heads * config.head_dim * 2  # keys + values, bf16
-    return weight_bytes + batch * kv_per_token * (filled + 1)
+    states = [config.recurrent_state(layer) for layer in range(config.num_layers)]
+    kv_layers = sum(state is None for state in states)
+    kv_per_token = 2 * kv_layers * config.kv_heads * config.head_dim * 2  # keys + values, bf16
+    # linear-attention layers: the fp32 state and the bf16 conv window, read and written once per step
+    recurrent = sum(2 * (4 * s.heads * s.key_dim * s.value_dim + 2 * (s.conv_width - 1) * s.conv_channels)
+                    for s in states if s is not None)
+    return weight_bytes + batch * kv_per_token * (filled + 1) + batch * recurrent
 
 
 def bound_seconds(model: DecoderLM, batch: int, prompt_len: int, new_tokens: int, bandwidth: float) -> float:
@@ -251,12 +259,12 @@ def decode_step_profile(generator: Generator, column: int, top: int) -> tuple[fl
     return start.elapsed_time(end) / replays, kernels, "\n".join(lines)
 
 
-def cpu_smoke() -> None:
-    model = load_model("tiny-llama", torch.device("cpu"))
+def cpu_smoke(preset: str) -> None:
+    model = load_model(preset, torch.device("cpu"))
     prompts = [[1] * 8] * 4
     completions = engine(model, "eager").generate(prompts, SamplingOptions(6), torch.Generator().manual_seed(0))
     assert [len(c.tokens) for c in completions] == [6] * 4
-    print("cpu smoke: 4 x 6 tokens generated")
+    print(f"cpu smoke ({preset}): 4 x 6 tokens generated; decode step bound {step_bytes(model, 4, 14):,} bytes")
 
 
 def bench_preset(preset: str, args: argparse.Namespace, bandwidth: float, rng: torch.Generator) -> list[Row]:
@@ -523,6 +531,7 @@ def main() -> None:
     grpo.add_argument("--compile", action="store_true", help="torch.compile the static and engine decode steps")
     parser.add_argument("--out", type=Path, help="directory for bench_rollouts.json")
     parser.add_argument("--cpu-smoke", action="store_true")
+    parser.add_argument("--smoke-preset", default="tiny-llama", help="the --cpu-smoke preset (qwen3.5-tiny: the hybrid)")
     args = parser.parse_args()
     grpo_run = args.workload == "grpo"
     args.prompt_len = args.prompt_len or (256 if grpo_run else 128)
@@ -532,11 +541,11 @@ def main() -> None:
         parser.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
     if args.cpu_smoke:
         if not grpo_run:
-            cpu_smoke()
+            cpu_smoke(args.smoke_preset)
             return
         args.prompts, args.group, args.prompt_len, args.median, args.max_new = 4, 2, 16, 6.0, 24
         args.static_rows, args.slots, args.bandwidth = 4, 4, None
-        rows = bench_workload("tiny-llama", args, cuda=False)
+        rows = bench_workload(args.smoke_preset, args, cuda=False)
         print("\n" + workload_summary(rows))
         assert {r.sampler for r in rows} == {"static", "engine"}, "a sampler failed (traceback above)"
         return

@@ -11,6 +11,9 @@
     python tools/bench_train.py --presets qwen3-0.6b llama3.2-1b --batch 1 1 --seq-len 8192 --packed \
         --compile-model --hf                         # + transformers' own model class on the same weights
     python tools/bench_train.py --cpu-smoke --hf     # the same side by side at the tiny CPU shape
+    python tools/bench_train.py --presets qwen3.5-0.8b qwen3.5-2b --batch 1 1 --seq-len 8192 --variants packed \
+        packed+compile --hf                          # the hybrid (Gated DeltaNet: fla-core's kernels when installed)
+    python tools/bench_train.py --cpu-smoke --smoke-preset qwen3.5-tiny --hf   # its CPU smoke
     python tools/bench_train.py --lora --presets llama-1b --batch 4 --lora-seq-len 2048 8192
                                                      # full fine-tune vs LoRA (+ac) vs HF PEFT (tools/bench_lora.py)
     python tools/bench_train.py --long --hf         # 32k-128k tokens with tiling/offload (tools/bench_long.py)
@@ -402,6 +405,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny preset on CPU, two steps, plain and packed")
     parser.add_argument("--presets", nargs="+", default=["llama-350m", "llama-1b"])
+    parser.add_argument("--smoke-preset", default="tiny-llama", help="the --cpu-smoke preset (qwen3.5-tiny: the hybrid)")
     parser.add_argument("--batch", type=int, nargs="+", default=[8, 4], help="micro-batch per preset")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
@@ -444,7 +448,7 @@ def main() -> int:
         return compare_main(args)
     if args.cpu_smoke:
         device, presets, batches, seq_len, steps, warmup, losses = (
-            torch.device("cpu"), ["tiny-llama"], [2], 32, 2, 1, ["compiled"])
+            torch.device("cpu"), [args.smoke_preset], [2], 32, 2, 1, ["compiled"])
         chosen = ["plain", "packed"]
     else:
         if not torch.cuda.is_available():

@@ -315,6 +315,7 @@ def _device_issues(config: RunConfig) -> list[ConfigIssue]:
             issues.append(ConfigIssue("model.head.use_triton", f"the fused Triton kernel needs a CUDA GPU, and {where}",
                                       True, hint="set use_triton: null (Triton on GPU, compiled PyTorch elsewhere) "
                                       "or false; TRITON_INTERPRET=1 runs it on CPU, slowly, for tests"))
+    issues += config.model.device_issues(on_gpu)
     if config.distributed.backend == "nccl" and not on_gpu:
         issues.append(ConfigIssue("distributed.backend", "nccl needs CUDA, and this run is on CPU", "nccl",
                                   hint="use 'auto' or 'gloo'"))

@@ -123,11 +123,13 @@ class Continuation:
         finished = torch.ones(batch, dtype=torch.bool)
         finished[list(appended)] = False
         with self._model() as (model, head_weight):
+            state.reset(following[:, None].to(device), pad, sequence_seeds(batch, generator, device))
+            state.done.copy_(finished.to(device))  # finished rows: their recurrent states stay as they are
+            cache.ends.copy_(following.to(device))  # a ragged turn's padding is not part of a recurrent state
             with autocast(device, engine.amp_dtype):
                 hidden = model.cached_hidden_states(tokens.to(device), cache, columns.to(device), self.limit)
                 logits = model.head_logits(hidden[torch.arange(batch, device=device), last.to(device)], head_weight)
-            state.reset(following[:, None].to(device), pad, sequence_seeds(batch, generator, device))
-            state.done.copy_(finished.to(device))
+            cache.ends.fill_(cache.length)
             state.record(logits, options, pad)
             for index in range(1, options.max_new_tokens):
                 if len(options.stop_tokens) and index % engine.check_every == 0 and bool(state.done.all()):

@@ -333,9 +333,12 @@ class Generator:
         """A fresh cache, state and step (compiling and capturing it, on those paths)."""
         config = model.config
         dtype = self.amp_dtype or model.output_weight.dtype
+        recurrent = [config.recurrent_state(layer) for layer in range(config.num_layers)]
         cache = KVCache(config.num_layers, batch, config.num_heads, config.kv_heads, length, config.head_dim, dtype,
-                        self.device, uniform_columns=self.padding == "left", decode_attention=self.decode_attention)
+                        self.device, uniform_columns=self.padding == "left", decode_attention=self.decode_attention,
+                        recurrent=recurrent)
         state = DecodeState.empty(batch, self.vocab, options, self.device)
+        cache.frozen = state.done  # a finished row's steps leave linear-attention states alone
         return _DecodeStep(model, cache, state, options, self.pad_id, head_weight, self.amp_dtype, self.cuda_graph,
                            self.compile)
 
@@ -356,9 +359,11 @@ class Generator:
         state.reset((last + 1)[:, None], self.pad_id, sequence_seeds(batch, generator, device),
                     None if budgets is None else torch.tensor(budgets, device=device))
         columns = torch.arange(width).expand(batch, width).to(device)
+        cache.ends.copy_(last + 1)  # right padding: the prompt's padding is not part of a recurrent state
         with autocast(device, self.amp_dtype):
             hidden = model.cached_hidden_states(tokens.to(device), cache, columns, width)
             logits = model.head_logits(hidden[torch.arange(batch, device=device), last.to(device)], head_weight)
+        cache.ends.fill_(cache.length)
         state.record(logits, options, self.pad_id)
         may_end = len(options.stop_tokens) or budgets is not None
         for index in range(1, options.max_new_tokens):

@@ -17,6 +17,15 @@ scatters into its own.
 Grouped-query attention reads the cache without repeating it: the g query heads that share a kv head
 become g query rows of that head, (B, Hkv, g * S, D) against (B, Hkv, span, D).
 
+Linear-attention layers (Gated DeltaNet, fastlm/layers/gated_deltanet.py) keep no keys and values: the
+cache holds their `RecurrentState` instead (the last conv_kernel - 1 convolution inputs and the (heads,
+key_dim, value_dim) state per row, a fixed size), and `KVCache.layer` hands them a `RecurrentLayerCache`.
+A recurrence cannot skip a token the way a mask does, so the cache says which tokens of a forward are
+real (`real_tokens`): columns at or after the row's `start` and before its `ends` (the generator sets
+`ends` around a ragged prefill), of rows not `frozen` (the generator points it at its rows' done flags:
+a finished row's decode steps, and a stop token fed back, change nothing). A forward whose first column
+is 0 starts its rows afresh (a new generation on a reused cache).
+
 Decode attention (`decode_attention="flex"`, the CUDA-graph default): a one-token step over the whole
 cache runs FlexAttention with a block mask instead of SDPA with the additive mask. A static graph must
 attend over every column of the preallocated cache, but the block mask lists, per row, only the key
@@ -82,6 +91,53 @@ class LayerCache:
 
 
 @dataclass(frozen=True)
+class RecurrentShape:
+    """What a linear-attention layer keeps per row: `conv_width` - 1 inputs of `conv_channels`, and a state
+    of `heads` x `key_dim` x `value_dim`."""
+
+    conv_channels: int
+    conv_width: int
+    heads: int
+    key_dim: int
+    value_dim: int
+
+
+@dataclass
+class RecurrentState:
+    """One linear-attention layer's cache: conv (B, conv_width - 1, C) in the cache dtype, state (B, H, K, V) fp32."""
+
+    conv: torch.Tensor
+    state: torch.Tensor
+
+    @classmethod
+    def empty(cls, shape: RecurrentShape, batch: int, dtype: torch.dtype, device: torch.device | str) -> RecurrentState:
+        return cls(torch.zeros(batch, shape.conv_width - 1, shape.conv_channels, dtype=dtype, device=device),
+                   torch.zeros(batch, shape.heads, shape.key_dim, shape.value_dim,
+                               dtype=torch.promote_types(dtype, torch.float32), device=device))
+
+
+@dataclass
+class RecurrentLayerCache:
+    """A linear-attention layer's view of the cache during one forward: its state, which tokens are real
+    (B, S), and which rows carry their state on (`keep` (B,): False starts the row afresh)."""
+
+    conv: torch.Tensor
+    state: torch.Tensor
+    real: torch.Tensor
+    keep: torch.Tensor
+
+    def next_window(self, window: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """The conv window after this forward: the last conv_width - 1 inputs up to each row's last real
+        token (`inputs` (B, S, C), not-real ones zeroed), the old `window` (B, K-1, C) where too few."""
+        taps, steps = window.shape[1], inputs.shape[1]
+        extended = torch.cat([window.to(inputs.dtype), inputs], dim=1)
+        counted = torch.arange(1, steps + 1, device=inputs.device)
+        ends = (self.real.to(torch.int64) * counted).amax(dim=1)  # tokens up to the last real one (0: none)
+        index = ends[:, None] + torch.arange(taps, device=inputs.device)
+        return extended.gather(1, index[..., None].expand(-1, -1, extended.shape[2])).to(window.dtype)
+
+
+@dataclass(frozen=True)
 class CacheMask:
     """What one forward's layers attend under: an additive mask for SDPA or a FlexAttention block mask."""
 
@@ -95,12 +151,18 @@ class KVCache:
     def __init__(
         self, num_layers: int, batch: int, q_heads: int, kv_heads: int, length: int, head_dim: int,
         dtype: torch.dtype, device: torch.device | str, uniform_columns: bool = False,
-        decode_attention: DecodeAttention = "sdpa",
+        decode_attention: DecodeAttention = "sdpa", recurrent: list[RecurrentShape | None] | None = None,
     ) -> None:
+        """`recurrent`: per layer, the state of a linear-attention layer (no keys and values) or None."""
+        recurrent = recurrent or [None] * num_layers
         shape = (batch, kv_heads, length, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        empty = (batch, kv_heads, 0, head_dim)
+        self.keys = [torch.zeros(empty if r else shape, dtype=dtype, device=device) for r in recurrent]
+        self.values = [torch.zeros(empty if r else shape, dtype=dtype, device=device) for r in recurrent]
+        self.states = {index: RecurrentState.empty(r, batch, dtype, device) for index, r in enumerate(recurrent) if r}
         self.start = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.ends = torch.full((batch,), length, dtype=torch.int64, device=device)
+        self.frozen = torch.zeros(batch, dtype=torch.bool, device=device)
         self.length = length
         self.groups = q_heads // kv_heads
         self.uniform_columns = uniform_columns
@@ -112,7 +174,12 @@ class KVCache:
 
     @property
     def buffers(self) -> list[torch.Tensor]:
-        return self.keys + self.values
+        states = [t for state in self.states.values() for t in (state.conv, state.state)]
+        return self.keys + self.values + states + [self.ends]
+
+    def real_tokens(self, columns: torch.Tensor) -> torch.Tensor:
+        """(B, S) bool: the tokens at `columns` a recurrence takes in (see the module docstring)."""
+        return (columns >= self.start[:, None]) & (columns < self.ends[:, None]) & ~self.frozen[:, None]
 
     def positions(self, columns: torch.Tensor) -> torch.Tensor:
         """(B, S) position ids of tokens at cache `columns` (0 on left padding)."""
@@ -172,5 +239,9 @@ class KVCache:
 
         return mask_mod
 
-    def layer(self, index: int, columns: torch.Tensor, span: int, mask: CacheMask) -> LayerCache:
+    def layer(self, index: int, columns: torch.Tensor, span: int,
+              mask: CacheMask) -> LayerCache | RecurrentLayerCache:
+        state = self.states.get(index)
+        if state is not None:
+            return RecurrentLayerCache(state.conv, state.state, self.real_tokens(columns), columns[:, 0] != 0)
         return LayerCache(self.keys[index], self.values[index], columns, span, self.uniform_columns, mask)

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastlm.layers.init import init_linear
-from fastlm.layers.mlp import GatedMLP
 
 if TYPE_CHECKING:
     from fastlm.layers.triton_grouped_mm import Blocks
@@ -249,7 +248,7 @@ def dispatch(
 
 
 class MoEMLP(nn.Module):
-    """Router + E SwiGLU experts (+ an optional shared expert behind a sigmoid gate, Qwen2-MoE style).
+    """Router + E SwiGLU experts (a shared expert beside them: `fastlm.layers.shared_expert.SharedExpertMLP`).
 
     Parameters: `router.weight` (E, H); the experts' weights stacked along rows as a checkpoint lists
     them, `gate_up_proj` (E * 2F, H) (per expert its gate rows, then its up rows) and `down_proj`
@@ -263,7 +262,6 @@ class MoEMLP(nn.Module):
         num_experts: int,
         top_k: int,
         normalize_top_k: bool,
-        shared_ffn_size: int | None = None,
         backend: ExpertBackend = "auto",
         aux_loss_coef: float = 0.0,
         z_loss_coef: float = 0.0,
@@ -277,8 +275,6 @@ class MoEMLP(nn.Module):
         self.hidden_size, self.ffn_size = hidden_size, ffn_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts * 2 * ffn_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts * hidden_size, ffn_size))
-        self.shared_expert = None if shared_ffn_size is None else GatedMLP(hidden_size, shared_ffn_size, "silu")
-        self.shared_expert_gate = None if shared_ffn_size is None else nn.Linear(hidden_size, 1, bias=False)
         self.router_sums: RouterSums | None = None  # the last forward's, for `router_losses`
 
     def forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -297,10 +293,7 @@ class MoEMLP(nn.Module):
         routing = route(flat, self.router.weight, self.top_k, self.normalize_top_k)
         counts = expert_counts(routing.experts, self.num_experts)
         self.router_sums = router_sums(routing, counts, real_tokens)
-        out = dispatch(flat, routing, *self.expert_weights(), self.backend, counts)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        return out.reshape(x.shape)
+        return dispatch(flat, routing, *self.expert_weights(), self.backend, counts).reshape(x.shape)
 
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles leave the last forward's sums behind (they hold autograd graph tensors)."""
@@ -316,9 +309,6 @@ class MoEMLP(nn.Module):
         init_linear(self.router, std)
         nn.init.normal_(self.gate_up_proj, mean=0.0, std=std)
         nn.init.normal_(self.down_proj, mean=0.0, std=residual_std)
-        if self.shared_expert is not None:
-            self.shared_expert.reset_parameters(std, residual_std)
-            init_linear(self.shared_expert_gate, std)
 
 
 def _at_least_one(tokens: int | torch.Tensor) -> int | torch.Tensor:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -42,6 +42,18 @@ class AttentionLayout:
     kind: LayoutKind
     dense_mask: torch.Tensor | None = None
     block_mask: BlockMask | None = None
+    positions: torch.Tensor | None = None  # (B, S) in-document positions of packed rows (linear attention restarts)
+
+    @cached_property
+    def segments(self) -> tuple[torch.Tensor, list[int]]:
+        """The packed documents as one flattened row's offsets (fla's `cu_seqlens`), on the device and on the
+        host: the one read of the device a forward of packed rows with linear-attention layers makes (a
+        varlen kernel's launch grid needs the count), computed on first use and shared by those layers."""
+        assert self.positions is not None
+        flat = self.positions.reshape(-1)
+        starts = (flat == 0).nonzero().reshape(-1)
+        offsets = torch.cat([starts, starts.new_tensor([flat.numel()])])
+        return offsets, offsets.tolist()
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                scale: float | None = None) -> torch.Tensor:
@@ -137,8 +149,10 @@ def attention_layout(
             raise ValueError("the causal layout cannot mask packed documents or a sliding window")
         return AttentionLayout("causal")
     if kind == "flex":
-        return AttentionLayout("flex", block_mask=flex_block_mask(positions, sliding_window, batch, seq_len, device))
-    return AttentionLayout("dense", dense_mask=attention_mask(seq_len, positions, sliding_window, device))
+        return AttentionLayout("flex", block_mask=flex_block_mask(positions, sliding_window, batch, seq_len, device),
+                               positions=positions)
+    return AttentionLayout("dense", dense_mask=attention_mask(seq_len, positions, sliding_window, device),
+                           positions=positions)
 
 
 @cache

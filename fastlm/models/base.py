@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import Field, model_validator
 
 from fastlm.config.base import ConfigModel
+from fastlm.config.errors import ConfigIssue
 from fastlm.layers.rope_scaling import RopeScaling
 from fastlm.losses.config import LMHeadConfig
 from fastlm.models.lora_config import LoraConfig
@@ -17,14 +18,18 @@ from fastlm.models.lora_config import LoraConfig
 if TYPE_CHECKING:
     from torch import nn
 
+    from fastlm.layers.kv_cache import RecurrentShape
+
 
 @dataclass(frozen=True)
 class Rope:
     """A layer's rotary embedding: base `theta`, optional frequency `scaling` (hashable: layers sharing it
-    share one cos/sin per forward)."""
+    share one cos/sin per forward), `dim` the rotated width of a head (None: all of head_dim; partial RoPE
+    rotates only the first `dim`)."""
 
     theta: float
     scaling: RopeScaling | None = None
+    dim: int | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,15 @@ class DecoderConfig(ConfigModel):
 
     def build_final_norm(self) -> nn.Module:
         raise NotImplementedError
+
+    def device_issues(self, on_gpu: bool) -> list[ConfigIssue]:
+        """What this machine lacks for the model's chosen kernels (`fastlm.engine.preflight`); none by default."""
+        return []
+
+    def recurrent_state(self, layer: int) -> RecurrentShape | None:
+        """What layer `layer` caches in generation instead of keys and values (a linear-attention layer's
+        state, fastlm/layers/kv_cache.py); None: an attention layer (the default)."""
+        return None
 
     def block_parameters(self, layer: int) -> int:
         """Parameters of block `layer`, written out from the architecture (independent of the module code)."""

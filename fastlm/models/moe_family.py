@@ -5,6 +5,7 @@ the Llama-attention-plus-experts config Mixtral and OLMoE both are, and the HF w
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
@@ -45,6 +46,19 @@ class MoESettings(ConfigModel):
 
         return MoEMLP(hidden_size, self.ffn_size, self.num_experts, self.top_k, self.normalize_top_k,
                       backend=self.backend, aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef)
+
+    def build_with_shared_expert(self, hidden_size: int, shared_size: int | None) -> nn.Module:
+        """The sparse MLP plus a SwiGLU shared expert of width `shared_size` behind a sigmoid gate (Qwen2-MoE,
+        Qwen3-Next, Qwen3.5-MoE: `fastlm.layers.shared_expert`); the sparse MLP alone when None."""
+        if shared_size is None:
+            return self.build(hidden_size)
+        from torch import nn
+
+        from fastlm.layers.mlp import GatedMLP
+        from fastlm.layers.shared_expert import SharedExpertMLP
+
+        return SharedExpertMLP(self.build(hidden_size), GatedMLP(hidden_size, shared_size, "silu"),
+                               nn.Linear(hidden_size, 1, bias=False))
 
     def architecture(self) -> dict[str, Any]:
         """The fields that decide the weights' shapes and the forward's math (not loss weights, not the backend)."""
@@ -96,6 +110,31 @@ class SparseLlamaConfig(LlamaConfig):
         return {**super().architecture(), "moe": self.moe.architecture()}
 
 
+def check_dense_layers(dense_layers: list[int], num_layers: int) -> None:
+    """`dense_layers` must list distinct layers of the model (ValueError otherwise: a validator's message)."""
+    bad = [layer for layer in dense_layers if not 0 <= layer < num_layers]
+    if bad or len(set(dense_layers)) != len(dense_layers):
+        raise ValueError(f"dense_layers {dense_layers} must list distinct layers in [0, {num_layers})")
+
+
+MAX_LISTED_LAYERS = 100_000  # decoder_sparse_step != 1 lists the dense layers one by one
+
+
+def hf_dense_layers(reader: Reader, num_layers: Any) -> list[int]:
+    """Our `dense_layers` from transformers' `mlp_only_layers` and `decoder_sparse_step` (Qwen2-MoE,
+    Qwen3-MoE, Qwen3-Next: layer i has experts iff it is not listed and (i + 1) % step == 0)."""
+    listed, step = reader.get("mlp_only_layers") or [], reader.get("decoder_sparse_step")
+    if not isinstance(listed, list) or not isinstance(step, int) or step < 1:
+        reader.fail("decoder_sparse_step", "must be a positive integer, with mlp_only_layers a list", step)
+        return []
+    if step == 1:
+        return sorted(set(listed))
+    if not isinstance(num_layers, int) or num_layers > MAX_LISTED_LAYERS:
+        reader.fail("num_hidden_layers", f"at most {MAX_LISTED_LAYERS} with decoder_sparse_step != 1", num_layers)
+        return []
+    return [layer for layer in range(num_layers) if layer in listed or (layer + 1) % step]
+
+
 def moe_settings(reader: Reader, experts_keys: tuple[str, ...], ffn_key: str, normalize: Any) -> dict[str, Any]:
     """Our `moe:` section from a config.json; the expert count is the first of `experts_keys` present
     (transformers 5 writes Qwen3-MoE's as num_local_experts, the published configs say num_experts)."""
@@ -103,6 +142,29 @@ def moe_settings(reader: Reader, experts_keys: tuple[str, ...], ffn_key: str, no
     return {"num_experts": reader.get(experts_key), "top_k": reader.get("num_experts_per_tok"),
             "ffn_size": reader.get(ffn_key), "normalize_top_k": normalize,
             "aux_loss_coef": reader.get("router_aux_loss_coef")}
+
+
+def shared_expert_parameters(hidden_size: int, shared_size: int | None) -> int:
+    """A gated SwiGLU shared expert: gate, up and down projections, and the (H -> 1) gate."""
+    return 0 if shared_size is None else 3 * hidden_size * shared_size + hidden_size
+
+
+def gated_shared_expert_rules(settings: MoESettings, base: str, hf: str, hidden_size: int,
+                              shared_size: int | None) -> list[WeightRule]:
+    """The rules of a sparse MLP in transformers' Qwen2-MoE layout (`hf` the HF `model.layers.i.mlp`: router
+    `gate`, `experts.e.{gate,up,down}_proj`, `shared_expert.*`, `shared_expert_gate`) for our block `base`'s
+    MLP: the `MoEMLP` itself, or a `SharedExpertMLP` (routed, shared, gate) when `shared_size` is set."""
+    names = ("gate_proj", "up_proj", "down_proj")
+    if shared_size is None:
+        return sparse_layer_rules([], settings, base, hf, names, hidden_size)
+    routed = [replace(rule, ours=rule.ours.replace(f"{base}.mlp.", f"{base}.mlp.routed.", 1))
+              for rule in sparse_layer_rules([], settings, base, hf, names, hidden_size)]
+    shared = f"{hf}.shared_expert"
+    return routed + [
+        WeightRule(f"{base}.mlp.shared.gate_up_proj.weight", (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"),
+                   (shared_size, shared_size)),
+        WeightRule(f"{base}.mlp.shared.down_proj.weight", (f"{shared}.down_proj.weight",)),
+        WeightRule(f"{base}.mlp.gate.weight", (f"{hf}.shared_expert_gate.weight",))]
 
 
 def sparse_layer_rules(dense: list[WeightRule], settings: MoESettings, base: str, hf: str,

@@ -21,6 +21,8 @@ FAMILY_PACKAGES = (
     "mixtral",
     "olmoe",
     "qwen3_moe",
+    "qwen3_5",
+    "qwen2_moe",
 )
 DEFAULT_FAMILY = "llama"  # the model section's `type:` when a config leaves it out
 

@@ -88,6 +88,16 @@ def test_triton_without_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
     assert "model.head.use_triton: the fused Triton kernel needs a CUDA GPU" in err
 
 
+def test_fla_kernel_without_fla_core_or_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """qwen3_5's linear_attention.kernel fla: refused before any work without fla-core, or on CPU."""
+    model = {"type": "qwen3_5", "vocab_size": 260, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "head_dim": 16,
+             "layer_types": ["linear_attention", "full_attention"],
+             "linear_attention": {"key_heads": 1, "value_heads": 2, "key_head_dim": 8, "value_head_dim": 8,
+                                  "kernel": "fla"}}
+    err = _refused(tmp_path, capsys, _write_config(tmp_path, model=model), "trainer.device=cpu")
+    assert "model.linear_attention.kernel: fla-core" in err
+
+
 def test_world_size_and_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     overrides = ["distributed.tensor_parallel=2"] + ([] if torch.cuda.is_available() else ["trainer.device=cpu",
                                                                                            "distributed.backend=nccl"])

@@ -27,6 +27,13 @@ BASES = {  # a Qwen2 (separate q/k/v/gate/up in HF, qkv biases, untied head) and
               {"vocab_size": 272, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "max_position_embeddings": 64},
               {"rank": 4, "alpha": 8.0, "targets": ["all-linear"], "train_head": True}),
+    "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM,  # hybrid: Gated DeltaNet + gated attention
+                {"vocab_size": 272, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
+                 "max_position_embeddings": 64, "layer_types": ["linear_attention", "full_attention"],
+                 "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                 "linear_value_head_dim": 8},
+                {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]}),
     "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel,
              {"vocab_size": 272, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64},
              {"rank": 3, "alpha": 4.0, "rslora": True, "targets": ["attn.q", "attn.v", "c_fc", "mlp.down"]}),

@@ -45,6 +45,16 @@ def randomize_weights(model: torch.nn.Module, seed: int, scale: float = 0.1, nor
             parameter.copy_(1.0 + 0.1 * noise if is_norm and norms_at_one else scale * noise)
 
 
+def center_offset_norms(model: torch.nn.Module) -> None:
+    """After `randomize_weights`: the (1 + w) RMSNorms of Qwen3.5 / Qwen3-Next (every norm but the linear
+    attention's gated one) around 0, as trained checkpoints have them (around 1 each would double the
+    activations at every norm, and fp32 rounding with them)."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.ndim == 1 and "norm" in name and "linear_attn" not in name:
+                parameter.sub_(1.0)
+
+
 def saved_pretrained(directory_for: Callable[[str], Path], names: Iterable[str],
                      build: Callable[[str], torch.nn.Module]) -> dict[str, tuple[torch.nn.Module, Path]]:
     """Each name's (transformers) model from `build` and the folder `save_pretrained` wrote it to."""

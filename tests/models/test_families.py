@@ -20,13 +20,15 @@ from fastlm.generation.sampling import SamplingOptions
 from fastlm.losses.spec import LossNormalizers, LossTargets
 from fastlm.models.decoder import DecoderLM
 from fastlm.models.hf import config_from_hf, export_hf, import_hf
-from tests.models.model_helpers import randomize_weights, saved_pretrained
+from tests.models.model_helpers import center_offset_norms, randomize_weights, saved_pretrained
 
 VOCAB, SEQ, WINDOW = 260, 12, 4  # the byte tokenizer's vocab: `fastlm generate` decodes what it samples
 BASE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-5,
         "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258}
 SLIDING, FULL = "sliding_attention", "full_attention"
+LINEAR_ATTENTION = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                    "linear_value_head_dim": 8}  # Qwen3.5's Gated DeltaNet layers (3 of its 4 layers)
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama2": ("LlamaConfig", BASE),
     "llama3-rope-llama3-tied": ("LlamaConfig", {**BASE, "tie_word_embeddings": True, "rope_parameters": {
@@ -49,10 +51,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                                         SLIDING: {"rope_type": "default", "rope_theta": 1e4}}}),
     "phi3": ("Phi3Config", {**BASE, "sliding_window": WINDOW, "rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}),
+    "qwen3_5": ("Qwen3_5TextConfig", {**BASE, "num_hidden_layers": 4, "head_dim": 16, **LINEAR_ATTENTION}),
     "gpt2": ("GPT2Config", {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
                             "bos_token_id": 256, "eos_token_id": 257}),
 }
-ONE_PER_FAMILY = ["llama3-rope-llama3-tied", "qwen2-mixed-windows", "mistral", "qwen3", "gemma3", "phi3", "gpt2"]
+ONE_PER_FAMILY = ["llama3-rope-llama3-tied", "qwen2-mixed-windows", "mistral", "qwen3", "gemma3", "phi3", "gpt2",
+                  "qwen3_5"]
 
 
 def hf_model(case: str) -> torch.nn.Module:
@@ -62,6 +66,8 @@ def hf_model(case: str) -> torch.nn.Module:
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     randomize_weights(model, seed=sum(map(ord, case)),
                       norms_at_one=not isinstance(model.config, transformers.Gemma3TextConfig))
+    if case.startswith("qwen3_5"):
+        center_offset_norms(model)
     return model
 
 

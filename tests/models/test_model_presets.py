@@ -50,7 +50,12 @@ def test_preset_shapes_match_their_names() -> None:
 # Gemma-3-1B "1B", Phi-3-mini "3.8B".
 PUBLISHED = {"qwen3-0.6b": (596_049_920, 151936), "qwen3-1.7b": (1_720_574_976, 151936),
              "llama3.2-1b": (1_235_814_400, 128256), "gemma3-1b": (999_885_952, 262144),
-             "phi3-mini": (3_821_079_552, 32064)}
+             "phi3-mini": (3_821_079_552, 32064),
+             # Qwen3.5 text towers ("0.8B" / "2B" add the vision tower; "35B-A3B": 3.45B active) and
+             # Qwen1.5-MoE-A2.7B ("14.3B", 2.69B active): equal to transformers' own count of the same
+             # config on the meta device (tests/models/test_qwen3_5.py)
+             "qwen3.5-0.8b": (752_393_024, 248320), "qwen3.5-2b": (1_881_825_088, 248320),
+             "qwen3.5-35b-a3b": (34_660_610_688, 248320), "qwen1.5-moe-a2.7b": (14_315_784_192, 151936)}
 # The long-context sizes: Qwen3-4B "4.0B", Qwen3-8B "8.2B", Llama-3.1-8B "8.03B".
 PUBLISHED.update({"qwen3-4b": (4_022_468_096, 151936), "qwen3-8b": (8_190_735_360, 151936),
                   "llama3.1-8b": (8_030_261_248, 128256)})

@@ -19,11 +19,13 @@ from fastlm.layers.moe import MoEMLP, load_balancing_loss
 from fastlm.models import active_parameters, count_parameters, num_parameters
 from fastlm.models.decoder import build_model
 from fastlm.models.hf import config_from_hf, export_hf, import_hf, weight_rules
-from tests.models.model_helpers import randomize_weights, saved_pretrained
+from tests.models.model_helpers import center_offset_norms, randomize_weights, saved_pretrained
 
 VOCAB, SEQ = 300, 12
 ATTENTION = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "num_experts_per_tok": 2}
+HYBRID = {"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+          "linear_value_head_dim": 8, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 20}
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {**ATTENTION, "intermediate_size": 24, "num_local_experts": 6,
                                                         "router_aux_loss_coef": 0.02}),
@@ -36,6 +38,18 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                                                   "norm_topk_prob": False}),
     "olmoe-renormalised": ("OlmoeConfig", "OlmoeForCausalLM", {**ATTENTION, "intermediate_size": 24, "num_experts": 6,
                                                                "norm_topk_prob": True}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {**ATTENTION, "intermediate_size": 40, "num_experts": 6,
+                                                            "moe_intermediate_size": 24,
+                                                            "shared_expert_intermediate_size": 20,
+                                                            "norm_topk_prob": False, "mlp_only_layers": [0]}),
+    # hybrid Gated DeltaNet + gated attention, experts + sigmoid-gated shared expert (fastlm's qwen3_5 family)
+    "qwen3_5-moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {**ATTENTION, **HYBRID, "num_experts": 6,
+                                                                      "layer_types": ["linear_attention",
+                                                                                      "full_attention"]}),
+    "qwen3_5-next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**ATTENTION, **HYBRID, "num_experts": 6,
+                                                                 "norm_topk_prob": False, "intermediate_size": 40,
+                                                                 "layer_types": ["full_attention", "linear_attention"],
+                                                                 "mlp_only_layers": [1]}),
 }
 
 
@@ -45,6 +59,8 @@ def _hf_model(kind: str) -> torch.nn.Module:
     config._attn_implementation = "eager"
     model = getattr(transformers, model_name)(config).eval()
     randomize_weights(model, seed=sum(map(ord, kind)), scale=0.2)
+    if kind.startswith("qwen3_5"):
+        center_offset_norms(model)
     return model
 
 
@@ -100,7 +116,7 @@ def test_export_reloads_in_transformers(kind: str, saved: dict[str, tuple[torch.
         assert torch.equal(reloaded(ids).logits, reference(ids).logits)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "olmoe", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "qwen3_5-moe", "qwen3_5-next"])
 def test_greedy_generation_equals_transformers(kind: str, saved: dict[str, tuple[torch.nn.Module, Path]]) -> None:
     """fastlm's KV-cache generator and transformers' greedy `generate`, token for token, two prompt lengths. The
     model's vocab (300) is padded past the byte tokenizer's (260): fastlm draws only ids the tokenizer decodes,

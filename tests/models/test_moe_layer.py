@@ -14,6 +14,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     load_balancing_loss_func,
 )
 
+from fastlm.layers.mlp import GatedMLP
 from fastlm.layers.moe import (
     FUSED,
     MoEMLP,
@@ -27,6 +28,7 @@ from fastlm.layers.moe import (
     router_z_loss,
     swiglu,
 )
+from fastlm.layers.shared_expert import SharedExpertMLP
 from fastlm.models.moe_family import MoESettings
 
 HIDDEN, FFN, EXPERTS, TOP_K = 16, 12, 8, 2
@@ -53,16 +55,16 @@ def _hf_block(kind: str, normalize: bool):
     return Qwen2MoeSparseMoeBlock(cfg), 20
 
 
-def _copy_into(ours: MoEMLP, hf: torch.nn.Module) -> None:
+def _copy_into(ours: MoEMLP, hf: torch.nn.Module, shared: SharedExpertMLP | None = None) -> None:
     with torch.no_grad():
         ours.router.weight.copy_(hf.gate.weight)
         ours.gate_up_proj.copy_(hf.experts.gate_up_proj.reshape(-1, HIDDEN))
         ours.down_proj.copy_(hf.experts.down_proj.reshape(-1, FFN))
-        if ours.shared_expert is not None:
-            shared = hf.shared_expert
-            ours.shared_expert.gate_up_proj.weight.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
-            ours.shared_expert.down_proj.weight.copy_(shared.down_proj.weight)
-            ours.shared_expert_gate.weight.copy_(hf.shared_expert_gate.weight)
+        if shared is not None:
+            theirs = hf.shared_expert
+            shared.shared.gate_up_proj.weight.copy_(torch.cat([theirs.gate_proj.weight, theirs.up_proj.weight]))
+            shared.shared.down_proj.weight.copy_(theirs.down_proj.weight)
+            shared.gate.weight.copy_(hf.shared_expert_gate.weight)
 
 
 @pytest.mark.parametrize(
@@ -79,11 +81,13 @@ def test_layer_equals_transformers_block(kind: str, normalize: bool) -> None:
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0.0, 0.3)
-    ours = MoEMLP(HIDDEN, FFN, EXPERTS, TOP_K, normalize, shared_ffn_size=shared, backend="loop").double()
-    _copy_into(ours, hf)
+    ours = MoEMLP(HIDDEN, FFN, EXPERTS, TOP_K, normalize, backend="loop").double()
+    with_shared = None if shared is None else SharedExpertMLP(  # Qwen2-MoE: + sigmoid(gate(x)) * shared(x)
+        ours, GatedMLP(HIDDEN, shared), torch.nn.Linear(HIDDEN, 1, bias=False)).double()
+    _copy_into(ours, hf, with_shared)
     x = torch.randn(3, 7, HIDDEN, dtype=torch.float64)
     x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out_hf, out = hf(x_hf), ours(x_ours)
+    out_hf, out = hf(x_hf), (ours if with_shared is None else with_shared)(x_ours)
     grad = torch.randn_like(out)
     out_hf.backward(grad)
     out.backward(grad)

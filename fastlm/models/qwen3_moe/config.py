@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
 
-from fastlm.models.moe_family import MoESettings
+from fastlm.models.moe_family import MoESettings, check_dense_layers
 from fastlm.models.qwen3.config import Qwen3Config
 
 if TYPE_CHECKING:
@@ -22,9 +22,7 @@ class Qwen3MoeConfig(Qwen3Config):
 
     @model_validator(mode="after")
     def _check_dense_layers(self) -> Qwen3MoeConfig:
-        bad = [layer for layer in self.dense_layers if not 0 <= layer < self.num_layers]
-        if bad or len(set(self.dense_layers)) != len(self.dense_layers):
-            raise ValueError(f"dense_layers {self.dense_layers} must list distinct layers in [0, {self.num_layers})")
+        check_dense_layers(self.dense_layers, self.num_layers)
         return self
 
     def is_sparse(self, layer: int) -> bool:

@@ -6,11 +6,9 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from fastlm.models.hf_adapter import Reader, WeightRule
-from fastlm.models.moe_family import moe_settings, sparse_layer_rules
+from fastlm.models.moe_family import hf_dense_layers, moe_settings, sparse_layer_rules
 from fastlm.models.qwen3.hf import Qwen3Adapter
 from fastlm.models.qwen3_moe.config import Qwen3MoeConfig
-
-MAX_LISTED_LAYERS = 100_000  # decoder_sparse_step != 1 lists the dense layers one by one
 
 
 class Qwen3MoeAdapter(Qwen3Adapter):
@@ -25,20 +23,7 @@ class Qwen3MoeAdapter(Qwen3Adapter):
         moe = moe_settings(reader, ("num_experts", "num_local_experts"), "moe_intermediate_size",
                            reader.get("norm_topk_prob"))
         return {**fields, "type": "qwen3_moe", "moe": moe,
-                "dense_layers": self._dense_layers(reader, fields["num_layers"])}
-
-    @staticmethod
-    def _dense_layers(reader: Reader, num_layers: Any) -> list[int]:
-        listed, step = reader.get("mlp_only_layers") or [], reader.get("decoder_sparse_step")
-        if not isinstance(listed, list) or not isinstance(step, int) or step < 1:
-            reader.fail("decoder_sparse_step", "must be a positive integer, with mlp_only_layers a list", step)
-            return []
-        if step == 1:
-            return sorted(set(listed))
-        if not isinstance(num_layers, int) or num_layers > MAX_LISTED_LAYERS:
-            reader.fail("num_hidden_layers", f"at most {MAX_LISTED_LAYERS} with decoder_sparse_step != 1", num_layers)
-            return []
-        return [layer for layer in range(num_layers) if layer in listed or (layer + 1) % step]
+                "dense_layers": hf_dense_layers(reader, fields["num_layers"])}
 
     def to_hf(self, config: Qwen3MoeConfig) -> dict[str, Any]:  # type: ignore[override]
         return {**super().to_hf(config), "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
