@@ -70,7 +70,26 @@ class DecoderConfig(ConfigModel):
                 data = {**data, "head_dim": hidden // heads}
         return data
 
+    @model_validator(mode="after")
+    def _head_follows_the_architecture(self) -> DecoderConfig:
+        """`head.logit_scale` / `head.softcap` default to the architecture's own (`head_transform`: Gemma 2's
+        final softcap, Granite's logits scaling) and may not contradict it (the checkpoint's logits would change)."""
+        values = dict(zip(("logit_scale", "softcap"), self.head_transform()))
+        unset = {name: value for name, value in values.items() if name not in self.head.model_fields_set}
+        if unset and any(value != self.head.model_fields[name].default for name, value in unset.items()):
+            self.__dict__["head"] = self.head.model_copy(update=unset)  # no re-validation: the values are the model's
+        for name, value in values.items():
+            if getattr(self.head, name) != value:
+                raise ValueError(f"head.{name} {getattr(self.head, name)} differs from {value}, which this "
+                                 f"architecture applies to its logits; leave head.{name} unset")
+        return self
+
     # --- the family interface ---------------------------------------------------------------------
+    def head_transform(self) -> tuple[float, float | None]:
+        """(logit_scale, softcap) the architecture itself applies to its logits, which `head` takes over
+        (Gemma 2's final logit softcap, Granite's 1 / logits_scaling); (1.0, None): none."""
+        return 1.0, None
+
     @property
     def kv_heads(self) -> int:
         """Key/value heads (grouped-query attention); all heads by default."""

@@ -76,11 +76,12 @@ def config_to_hf(config: DecoderConfig, tokenizer: Tokenizer, dtype: torch.dtype
     if tokenizer.vocab_size > config.vocab_size:
         issues.append(ConfigIssue("model.vocab_size", f"smaller than the {tokenizer.name} tokenizer's "
                                   f"{tokenizer.vocab_size} ids", config.vocab_size, hint="export with the run's tokenizer"))
-    if head.logit_scale != 1.0:
-        issues.append(ConfigIssue("model.head.logit_scale", "HF causal LMs have no logit scale", head.logit_scale,
-                                  hint="export a model trained with logit_scale 1.0"))
-    if head.softcap is not None:
-        issues.append(ConfigIssue("model.head.softcap", "these HF architectures have no logit softcap", head.softcap))
+    logit_scale, softcap = config.head_transform()  # what the HF architecture applies itself
+    if head.logit_scale != logit_scale:
+        issues.append(ConfigIssue("model.head.logit_scale", "the HF architecture has no such logit scale",
+                                  head.logit_scale, hint=f"export a model trained with logit_scale {logit_scale}"))
+    if head.softcap != softcap:
+        issues.append(ConfigIssue("model.head.softcap", "the HF architecture has no such logit softcap", head.softcap))
     issues += adapter.export_issues(config)
     if issues:
         raise ConfigError(issues)

@@ -17,7 +17,7 @@ from fastlm.commands.main import main
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.generation.generator import Generator
 from fastlm.generation.sampling import SamplingOptions
-from fastlm.losses.spec import LossNormalizers, LossTargets
+from fastlm.losses.spec import LossNormalizers, LossTargets, transform_logits
 from fastlm.models.decoder import DecoderLM
 from fastlm.models.hf import config_from_hf, export_hf, import_hf
 from tests.models.model_helpers import randomize_weights, saved_pretrained
@@ -49,10 +49,16 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                                         SLIDING: {"rope_type": "default", "rope_theta": 1e4}}}),
     "phi3": ("Phi3Config", {**BASE, "sliding_window": WINDOW, "rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}),
+    "gemma2": ("Gemma2Config", {**BASE, "num_hidden_layers": 3, "head_dim": 16, "query_pre_attn_scalar": 12,
+                                "sliding_window": WINDOW, "attn_logit_softcapping": 1.0,
+                                "final_logit_softcapping": 2.0}),
     "gpt2": ("GPT2Config", {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
                             "bos_token_id": 256, "eos_token_id": 257}),
 }
-ONE_PER_FAMILY = ["llama3-rope-llama3-tied", "qwen2-mixed-windows", "mistral", "qwen3", "gemma3", "phi3", "gpt2"]
+ONE_PER_FAMILY = ["llama3-rope-llama3-tied", "qwen2-mixed-windows", "mistral", "qwen3", "gemma3", "phi3", "gpt2",
+                  "gemma2"]
+FLEX_DECODE = ("gemma3", "gemma2")
+OFFSET_NORMS = ("Gemma3TextConfig", "Gemma2Config")  # (1 + w) norms: randomised around 0
 
 
 def hf_model(case: str) -> torch.nn.Module:
@@ -60,8 +66,7 @@ def hf_model(case: str) -> torch.nn.Module:
     config = getattr(transformers, config_name)(**fields)
     config._attn_implementation = "eager"  # the masks (and windows) are explicit in eager attention
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    randomize_weights(model, seed=sum(map(ord, case)),
-                      norms_at_one=not isinstance(model.config, transformers.Gemma3TextConfig))
+    randomize_weights(model, seed=sum(map(ord, case)), norms_at_one=config_name not in OFFSET_NORMS)
     return model
 
 
@@ -84,8 +89,8 @@ def test_logits_match_transformers(case: str, folders: dict[str, tuple[torch.nn.
     reference, directory = folders[case]
     model = import_hf(directory).eval()
     ids = _ids(seed=1)
-    with torch.no_grad():
-        ours, theirs = model.logits(ids), reference(ids).logits
+    with torch.no_grad():  # what the softmax sees: the head's transform is part of some architectures (softcaps)
+        ours, theirs = transform_logits(model.logits(ids), *model.config.head_transform()), reference(ids).logits
     error = float((ours - theirs).abs().max())
     print(f"{case}: fp32 logits max abs err {error:.2e} (|logits| max {float(theirs.abs().max()):.2f})")
     assert error <= 1e-5
@@ -95,6 +100,7 @@ def test_windows_and_rope_options_change_the_logits(folders: dict[str, tuple[tor
     """The options above are exercised: without them fastlm's logits move (SEQ > window, positions > 8)."""
     ids = _ids(seed=1)
     for case, field, plain in (("qwen2-mixed-windows", "layer_types", None), ("gemma3", "layer_types", [FULL] * 3),
+                               ("gemma2", "attn_logit_softcap", None), ("gemma2", "layer_types", [FULL] * 3),
                                ("llama3-rope-llama3-tied", "rope_scaling", None), ("llama-rope-yarn", "rope_scaling", None)):
         model = import_hf(folders[case][1]).eval()
         changed = DecoderLM(model.config.model_copy(update={field: plain}))
@@ -141,15 +147,15 @@ def test_export_loads_in_transformers_with_equal_logits(case: str, folders: dict
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_greedy_generation_equals_transformers(case: str, folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
     """Left-padded prompts of different lengths, past the window; float64 on both sides (no argmax ties).
-    Gemma 3 (local + global layers) also decodes through the FlexAttention decode masks (the CUDA-graph
-    path's; eager FlexAttention on CPU is slow, so only there)."""
+    Gemma 3 (local + global layers) and the score options (softcap, sinks) also decode through the FlexAttention
+    decode masks (the CUDA-graph path's; eager FlexAttention on CPU is slow, so only there)."""
     reference, directory = folders[case]
     reference = reference.double()
     reference.generation_config.eos_token_id = None  # sample the whole budget, as ours does without stop tokens
     model = import_hf(directory).double().eval()
     prompts = [[5, 17, 250, 3, 9, 44, 7], [101, 2, 33]]
     options = SamplingOptions(max_new_tokens=5, temperature=0.0)
-    for decode_attention in ("sdpa", "flex") if case == "gemma3" else ("sdpa",):
+    for decode_attention in ("sdpa", "flex") if case in FLEX_DECODE else ("sdpa",):
         completions = Generator(model, ByteTokenizer(), cuda_graph=False, decode_attention=decode_attention).generate(
             prompts, options)
         for prompt, completion in zip(prompts, completions):
@@ -254,7 +260,7 @@ def test_multimodal_gemma3_imports_its_text_tower(tmp_path: Path) -> None:
     assert error <= 1e-5
 
 
-@pytest.mark.parametrize("case", ["qwen3", "gemma3", "llama-rope-yarn", "phi3"])
+@pytest.mark.parametrize("case", ["qwen3", "gemma3", "llama-rope-yarn", "phi3", "gemma2"])
 def test_loss_and_gradients_match_transformers_in_float64(case: str,
                                                           folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
     """Our CE vs cross_entropy on transformers' float64 logits, every gradient mapped back to HF names.
@@ -294,3 +300,17 @@ def test_scaled_inverse_frequencies_equal_transformers(case: str) -> None:
     ours = config_from_hf(hf_config.to_dict())
     assert torch.equal(inverse_frequencies(ours.head_dim, ours.rope_theta, ours.rope_scaling), theirs)
     assert ours.rope_scaling.cos_sin_scale == pytest.approx(factor, rel=1e-12)
+
+
+def test_head_takes_the_architectures_logit_transform() -> None:
+    """Gemma 2's final softcap is the head's softcap (so the loss, the sampler and the export see it); a head
+    that contradicts it is refused, naming the field."""
+    from pydantic import ValidationError
+
+    from fastlm.models.gemma2.config import Gemma2Config
+
+    assert Gemma2Config().head.softcap == 30.0
+    assert Gemma2Config(final_logit_softcap=None).head.softcap is None
+    assert Gemma2Config(head={"softcap": 30.0}).head.softcap == 30.0
+    with pytest.raises(ValidationError, match="head.softcap 20.0 differs from 30.0"):
+        Gemma2Config(head={"softcap": 20.0})

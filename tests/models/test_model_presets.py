@@ -47,10 +47,12 @@ def test_preset_shapes_match_their_names() -> None:
 
 # Parameter counts of the published checkpoints, from their config.json shapes (tied embeddings counted once):
 # Qwen3-0.6B "0.6B" (0.44B non-embedding), Qwen3-1.7B "1.7B" (1.4B non-embedding), Llama-3.2-1B "1.24B",
-# Gemma-3-1B "1B", Phi-3-mini "3.8B".
+# Gemma-3-1B "1B", Phi-3-mini "3.8B"; the 2026 zoo's smallest sizes in ZOO_PUBLISHED (sources in each preset's comment).
 PUBLISHED = {"qwen3-0.6b": (596_049_920, 151936), "qwen3-1.7b": (1_720_574_976, 151936),
              "llama3.2-1b": (1_235_814_400, 128256), "gemma3-1b": (999_885_952, 262144),
              "phi3-mini": (3_821_079_552, 32064)}
+ZOO_PUBLISHED = {"gemma2-2b": (2_614_341_888, 256000)}
+PUBLISHED.update(ZOO_PUBLISHED)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
