@@ -73,15 +73,13 @@ class DecoderConfig(ConfigModel):
     @model_validator(mode="after")
     def _head_follows_the_architecture(self) -> DecoderConfig:
         """`head.logit_scale` / `head.softcap` default to the architecture's own (`head_transform`: Gemma 2's
-        final softcap, Granite's logits scaling) and may not contradict it (the checkpoint's logits would change)."""
+        final softcap, Granite's logits scaling); a head that sets other values trains them, and the HF export,
+        whose architecture applies its own, refuses it."""
         values = dict(zip(("logit_scale", "softcap"), self.head_transform()))
-        unset = {name: value for name, value in values.items() if name not in self.head.model_fields_set}
-        if unset and any(value != self.head.model_fields[name].default for name, value in unset.items()):
+        unset = {name: value for name, value in values.items()
+                 if name not in self.head.model_fields_set and value != getattr(self.head, name)}
+        if unset:
             self.__dict__["head"] = self.head.model_copy(update=unset)  # no re-validation: the values are the model's
-        for name, value in values.items():
-            if getattr(self.head, name) != value:
-                raise ValueError(f"head.{name} {getattr(self.head, name)} differs from {value}, which this "
-                                 f"architecture applies to its logits; leave head.{name} unset")
         return self
 
     # --- the family interface ---------------------------------------------------------------------

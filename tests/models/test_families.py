@@ -302,15 +302,16 @@ def test_scaled_inverse_frequencies_equal_transformers(case: str) -> None:
     assert ours.rope_scaling.cos_sin_scale == pytest.approx(factor, rel=1e-12)
 
 
-def test_head_takes_the_architectures_logit_transform() -> None:
-    """Gemma 2's final softcap is the head's softcap (so the loss, the sampler and the export see it); a head
-    that contradicts it is refused, naming the field."""
-    from pydantic import ValidationError
-
+def test_head_takes_the_architectures_logit_transform(tmp_path: Path) -> None:
+    """Gemma 2's final softcap is the head's softcap by default (so the loss, the sampler and the export see
+    it); a head set to another one trains it, and the export refuses it, naming the field."""
+    from fastlm.config.errors import ConfigError
     from fastlm.models.gemma2.config import Gemma2Config
 
     assert Gemma2Config().head.softcap == 30.0
     assert Gemma2Config(final_logit_softcap=None).head.softcap is None
-    assert Gemma2Config(head={"softcap": 30.0}).head.softcap == 30.0
-    with pytest.raises(ValidationError, match="head.softcap 20.0 differs from 30.0"):
-        Gemma2Config(head={"softcap": 20.0})
+    other = Gemma2Config(hidden_size=32, num_heads=2, head={"softcap": 20.0})
+    assert other.head.softcap == 20.0
+    with pytest.raises(ConfigError) as caught:
+        export_hf(DecoderLM(other), tmp_path, ByteTokenizer())
+    assert [issue.path for issue in caught.value.issues] == ["model.head.softcap"]
