@@ -1,5 +1,6 @@
-"""The residual decoder block every family composes from its parts: pre-norm (x + attn(norm(x))) or
-sandwich-norm (x + post_norm(attn(norm(x))), Gemma) around attention and MLP."""
+"""The residual decoder block every family composes from its parts: pre-norm (x + attn(norm(x))),
+sandwich-norm (x + post_norm(attn(norm(x))), Gemma) or post-norm only (x + post_norm(attn(x)), OLMo 2)
+around attention and MLP."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from fastlm.layers.packed_attention import AttentionLayout
 
 class DecoderBlock(nn.Module):
     """x + post_attn_norm(attn(attn_norm(x))), then x + post_mlp_norm(mlp(mlp_norm(x))); the post norms are
-    optional (None: plain pre-norm). Norms and the MLP are any modules with `reset_parameters`; the MLP is
-    called as `mlp(x, real_tokens)` (fastlm/layers/mlp.py)."""
+    optional (None: plain pre-norm), and so are the pre norms (None: OLMo 2's post-norm only). Norms and the
+    MLP are any modules with `reset_parameters`; the MLP is called as `mlp(x, real_tokens)` (fastlm/layers/mlp.py)."""
 
-    def __init__(self, attn_norm: nn.Module, attn: Attention, mlp_norm: nn.Module, mlp: nn.Module, dropout: float,
+    def __init__(self, attn_norm: nn.Module | None, attn: Attention, mlp_norm: nn.Module | None, mlp: nn.Module, dropout: float,
                  post_attn_norm: nn.Module | None = None, post_mlp_norm: nn.Module | None = None) -> None:
         super().__init__()
         self.attn_norm = attn_norm
@@ -40,11 +41,11 @@ class DecoderBlock(nn.Module):
 
     def _forward(self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None,
                  cache: LayerCache | None = None, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        attended = self.attn(self.attn_norm(x), rotary, layout, cache)
+        attended = self.attn(x if self.attn_norm is None else self.attn_norm(x), rotary, layout, cache)
         if self.post_attn_norm is not None:
             attended = self.post_attn_norm(attended)
         x = x + self.dropout(attended)
-        normed = self.mlp_norm(x)
+        normed = x if self.mlp_norm is None else self.mlp_norm(x)
         mixed = self.mlp(normed, real_tokens)
         if self.post_mlp_norm is not None:
             mixed = self.post_mlp_norm(mixed)

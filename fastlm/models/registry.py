@@ -22,6 +22,8 @@ FAMILY_PACKAGES = (
     "olmoe",
     "qwen3_moe",
     "gemma2",
+    "olmo2",
+    "olmo3",
 )
 DEFAULT_FAMILY = "llama"  # the model section's `type:` when a config leaves it out
 

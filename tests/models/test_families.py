@@ -52,11 +52,15 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("Gemma2Config", {**BASE, "num_hidden_layers": 3, "head_dim": 16, "query_pre_attn_scalar": 12,
                                 "sliding_window": WINDOW, "attn_logit_softcapping": 1.0,
                                 "final_logit_softcapping": 2.0}),
+    "olmo2": ("Olmo2Config", BASE),
+    "olmo3": ("Olmo3Config", {**BASE, "num_hidden_layers": 4, "sliding_window": WINDOW, "rope_parameters": {
+        FULL: {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 1e4},
+        SLIDING: {"rope_type": "default", "rope_theta": 5e3}}}),
     "gpt2": ("GPT2Config", {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
                             "bos_token_id": 256, "eos_token_id": 257}),
 }
 ONE_PER_FAMILY = ["llama3-rope-llama3-tied", "qwen2-mixed-windows", "mistral", "qwen3", "gemma3", "phi3", "gpt2",
-                  "gemma2"]
+                  "gemma2", "olmo3"]
 FLEX_DECODE = ("gemma3", "gemma2")
 OFFSET_NORMS = ("Gemma3TextConfig", "Gemma2Config")  # (1 + w) norms: randomised around 0
 
@@ -101,6 +105,7 @@ def test_windows_and_rope_options_change_the_logits(folders: dict[str, tuple[tor
     ids = _ids(seed=1)
     for case, field, plain in (("qwen2-mixed-windows", "layer_types", None), ("gemma3", "layer_types", [FULL] * 3),
                                ("gemma2", "attn_logit_softcap", None), ("gemma2", "layer_types", [FULL] * 3),
+                               ("olmo3", "layer_types", [FULL] * 4), ("olmo3", "rope_scaling", None),
                                ("llama3-rope-llama3-tied", "rope_scaling", None), ("llama-rope-yarn", "rope_scaling", None)):
         model = import_hf(folders[case][1]).eval()
         changed = DecoderLM(model.config.model_copy(update={field: plain}))
@@ -222,6 +227,28 @@ def test_packed_documents_with_per_layer_windows(kind: str, folders: dict[str, t
     error = float((packed - alone).abs().max())
     print(f"gemma3 {kind} packed vs one-by-one float64 max abs err {error:.2e}")
     assert error < 1e-10
+
+
+@pytest.mark.parametrize("rope", [{"rope_theta": 1e4, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                                     "original_max_position_embeddings": 16}},
+                                  {"rope_theta": 1e4}, {}])
+def test_olmo3_older_rope_keys_read_as_transformers_does(rope: dict[str, Any]) -> None:
+    """An older OLMo 3 config.json (rope_theta, rope_scaling): transformers 5.25 gives them to the global
+    layers and OLMo 3's default base (500000) to the sliding ones; fastlm's inverse frequencies equal its."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from fastlm.layers.rotary import inverse_frequencies
+
+    fields = {key: value for key, value in CASES["olmo3"][1].items() if key != "rope_parameters"}
+    hf_config = transformers.Olmo3Config.from_dict({**fields, **rope})
+    ours = config_from_hf({**fields, "model_type": "olmo3", **rope})
+    for kind, theta, scaling in ((FULL, ours.rope_theta, ours.rope_scaling), (SLIDING, ours.rope_local_theta, None)):
+        parameters = hf_config.rope_parameters[kind]
+        if parameters["rope_type"] == "default":
+            theirs = 1.0 / parameters["rope_theta"] ** (torch.arange(0, ours.head_dim, 2).float() / ours.head_dim)
+        else:
+            theirs = ROPE_INIT_FUNCTIONS[parameters["rope_type"]](hf_config, "cpu", layer_type=kind)[0]
+        assert torch.allclose(inverse_frequencies(ours.head_dim, theta, scaling), theirs, rtol=1e-6), kind
 
 
 def test_rope_scaling_spellings_agree() -> None:

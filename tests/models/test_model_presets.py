@@ -51,7 +51,8 @@ def test_preset_shapes_match_their_names() -> None:
 PUBLISHED = {"qwen3-0.6b": (596_049_920, 151936), "qwen3-1.7b": (1_720_574_976, 151936),
              "llama3.2-1b": (1_235_814_400, 128256), "gemma3-1b": (999_885_952, 262144),
              "phi3-mini": (3_821_079_552, 32064)}
-ZOO_PUBLISHED = {"gemma2-2b": (2_614_341_888, 256000)}
+ZOO_PUBLISHED = {"gemma2-2b": (2_614_341_888, 256000), "olmo2-1b": (1_484_916_736, 100352),
+                 "olmo3-7b": (7_298_011_136, 100278)}
 PUBLISHED.update(ZOO_PUBLISHED)
 
 

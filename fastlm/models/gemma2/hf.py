@@ -42,10 +42,13 @@ class Gemma2Adapter(LlamaAdapter):
         reader.expect("attention_bias", (False,), "Gemma 2 has no projection biases")
         reader.expect("use_bidirectional_attention", (False, None), "decoder-only, causal attention")
         num_layers = fields["num_layers"]
+        derived = reader
         if reader.hf.get("layer_types") is None and plausible_layers(reader, num_layers):  # HF's default pattern
             kinds = [SLIDING if (i + 1) % SLIDING_EVERY else FULL for i in range(num_layers)]
-            reader = Reader({**reader.hf, "layer_types": kinds}, reader.defaults, reader.source)
-        windows = window_fields(reader, reader.get("sliding_window"), num_layers)
+            derived = Reader({**reader.hf, "layer_types": kinds}, reader.defaults, reader.source)
+        windows = window_fields(derived, reader.get("sliding_window"), num_layers)
+        if derived is not reader:
+            reader.issues += derived.issues
         if windows["layer_types"] is None and windows["sliding_window"] is not None and not reader.issues:  # all local
             windows["layer_types"] = [SLIDING] * num_layers
         return {"type": "gemma2", **fields, **windows}
