@@ -1,6 +1,6 @@
 """The residual decoder block every family composes from its parts: pre-norm (x + attn(norm(x))),
 sandwich-norm (x + post_norm(attn(norm(x))), Gemma) or post-norm only (x + post_norm(attn(x)), OLMo 2)
-around attention and MLP."""
+around attention and MLP, each branch optionally scaled before it joins the residual (Granite)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ from fastlm.layers.packed_attention import AttentionLayout
 class DecoderBlock(nn.Module):
     """x + post_attn_norm(attn(attn_norm(x))), then x + post_mlp_norm(mlp(mlp_norm(x))); the post norms are
     optional (None: plain pre-norm), and so are the pre norms (None: OLMo 2's post-norm only). Norms and the
-    MLP are any modules with `reset_parameters`; the MLP is called as `mlp(x, real_tokens)` (fastlm/layers/mlp.py)."""
+    MLP are any modules with `reset_parameters`; the MLP is called as `mlp(x, real_tokens)` (fastlm/layers/mlp.py).
+    `residual_scale` multiplies both branches before the residual sum (Granite's residual_multiplier)."""
 
     def __init__(self, attn_norm: nn.Module | None, attn: Attention, mlp_norm: nn.Module | None, mlp: nn.Module, dropout: float,
-                 post_attn_norm: nn.Module | None = None, post_mlp_norm: nn.Module | None = None) -> None:
+                 post_attn_norm: nn.Module | None = None, post_mlp_norm: nn.Module | None = None,
+                 residual_scale: float = 1.0) -> None:
         super().__init__()
         self.attn_norm = attn_norm
         self.attn = attn
@@ -28,6 +30,7 @@ class DecoderBlock(nn.Module):
         self.mlp = mlp
         self.post_mlp_norm = post_mlp_norm
         self.dropout = nn.Dropout(dropout)
+        self.residual_scale = residual_scale
         self.activation_checkpointing = False  # set by DecoderLM.set_activation_checkpointing
 
     def forward(self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None,
@@ -44,11 +47,15 @@ class DecoderBlock(nn.Module):
         attended = self.attn(x if self.attn_norm is None else self.attn_norm(x), rotary, layout, cache)
         if self.post_attn_norm is not None:
             attended = self.post_attn_norm(attended)
+        if self.residual_scale != 1.0:
+            attended = attended * self.residual_scale
         x = x + self.dropout(attended)
         normed = x if self.mlp_norm is None else self.mlp_norm(x)
         mixed = self.mlp(normed, real_tokens)
         if self.post_mlp_norm is not None:
             mixed = self.post_mlp_norm(mixed)
+        if self.residual_scale != 1.0:
+            mixed = mixed * self.residual_scale
         return x + self.dropout(mixed)
 
     def reset_parameters(self, std: float, residual_std: float) -> None:

@@ -24,6 +24,7 @@ FAMILY_PACKAGES = (
     "gemma2",
     "olmo2",
     "olmo3",
+    "granite",
 )
 DEFAULT_FAMILY = "llama"  # the model section's `type:` when a config leaves it out
 

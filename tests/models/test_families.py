@@ -56,11 +56,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "olmo3": ("Olmo3Config", {**BASE, "num_hidden_layers": 4, "sliding_window": WINDOW, "rope_parameters": {
         FULL: {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 1e4},
         SLIDING: {"rope_type": "default", "rope_theta": 5e3}}}),
+    "granite": ("GraniteConfig", {**BASE, "embedding_multiplier": 3.0, "residual_multiplier": 0.5,
+                                  "attention_multiplier": 0.4, "logits_scaling": 2.5, "attention_dropout": 0.1}),
     "gpt2": ("GPT2Config", {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
                             "bos_token_id": 256, "eos_token_id": 257}),
 }
 ONE_PER_FAMILY = ["llama3-rope-llama3-tied", "qwen2-mixed-windows", "mistral", "qwen3", "gemma3", "phi3", "gpt2",
-                  "gemma2", "olmo3"]
+                  "gemma2", "olmo3", "granite"]
 FLEX_DECODE = ("gemma3", "gemma2")
 OFFSET_NORMS = ("Gemma3TextConfig", "Gemma2Config")  # (1 + w) norms: randomised around 0
 
@@ -106,6 +108,8 @@ def test_windows_and_rope_options_change_the_logits(folders: dict[str, tuple[tor
     for case, field, plain in (("qwen2-mixed-windows", "layer_types", None), ("gemma3", "layer_types", [FULL] * 3),
                                ("gemma2", "attn_logit_softcap", None), ("gemma2", "layer_types", [FULL] * 3),
                                ("olmo3", "layer_types", [FULL] * 4), ("olmo3", "rope_scaling", None),
+                               ("granite", "residual_multiplier", 1.0), ("granite", "attention_multiplier", 1.0),
+                               ("granite", "embedding_multiplier", 1.0),
                                ("llama3-rope-llama3-tied", "rope_scaling", None), ("llama-rope-yarn", "rope_scaling", None)):
         model = import_hf(folders[case][1]).eval()
         changed = DecoderLM(model.config.model_copy(update={field: plain}))
@@ -199,6 +203,10 @@ def test_cli_convert_train_generate_export(case: str, folders: dict[str, tuple[t
                                     SLIDING: {"rope_type": "default", "rope_theta": 1e4}}},
      f"rope_parameters.{FULL}.rope_type"),
     ("gemma3", {"num_hidden_layers": 10**15, "layer_types": None}, "num_hidden_layers"),  # no 10^15-entry list
+    ("gemma2", {"attention_bias": True}, "attention_bias"),
+    ("olmo3", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}, "rope_parameters"),
+    ("granite", {"attention_dropout": "high"}, "attention_dropout"),
+    ("granite", {"mlp_bias": True}, "mlp_bias"),
     ("qwen2-mixed-windows", {"num_hidden_layers": 10**15, "layer_types": None}, "num_hidden_layers"),
 ])
 def test_unsupported_options_name_the_field(case: str, overrides: dict[str, Any], field: str) -> None:
@@ -287,7 +295,7 @@ def test_multimodal_gemma3_imports_its_text_tower(tmp_path: Path) -> None:
     assert error <= 1e-5
 
 
-@pytest.mark.parametrize("case", ["qwen3", "gemma3", "llama-rope-yarn", "phi3", "gemma2"])
+@pytest.mark.parametrize("case", ["qwen3", "gemma3", "llama-rope-yarn", "phi3", "gemma2", "granite"])
 def test_loss_and_gradients_match_transformers_in_float64(case: str,
                                                           folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
     """Our CE vs cross_entropy on transformers' float64 logits, every gradient mapped back to HF names.
