@@ -25,6 +25,7 @@ FAMILY_PACKAGES = (
     "olmo2",
     "olmo3",
     "granite",
+    "smollm3",
 )
 DEFAULT_FAMILY = "llama"  # the model section's `type:` when a config leaves it out
 

@@ -58,11 +58,14 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         SLIDING: {"rope_type": "default", "rope_theta": 5e3}}}),
     "granite": ("GraniteConfig", {**BASE, "embedding_multiplier": 3.0, "residual_multiplier": 0.5,
                                   "attention_multiplier": 0.4, "logits_scaling": 2.5, "attention_dropout": 0.1}),
+    "smollm3": ("SmolLM3Config", {**BASE, "num_hidden_layers": 4, "no_rope_layer_interval": 2,
+                                  "use_sliding_window": True, "sliding_window": WINDOW,
+                                  "layer_types": [SLIDING, FULL, FULL, SLIDING]}),
     "gpt2": ("GPT2Config", {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
                             "bos_token_id": 256, "eos_token_id": 257}),
 }
 ONE_PER_FAMILY = ["llama3-rope-llama3-tied", "qwen2-mixed-windows", "mistral", "qwen3", "gemma3", "phi3", "gpt2",
-                  "gemma2", "olmo3", "granite"]
+                  "gemma2", "olmo3", "granite", "smollm3"]
 FLEX_DECODE = ("gemma3", "gemma2")
 OFFSET_NORMS = ("Gemma3TextConfig", "Gemma2Config")  # (1 + w) norms: randomised around 0
 
@@ -109,7 +112,7 @@ def test_windows_and_rope_options_change_the_logits(folders: dict[str, tuple[tor
                                ("gemma2", "attn_logit_softcap", None), ("gemma2", "layer_types", [FULL] * 3),
                                ("olmo3", "layer_types", [FULL] * 4), ("olmo3", "rope_scaling", None),
                                ("granite", "residual_multiplier", 1.0), ("granite", "attention_multiplier", 1.0),
-                               ("granite", "embedding_multiplier", 1.0),
+                               ("granite", "embedding_multiplier", 1.0), ("smollm3", "nope_layers", []),
                                ("llama3-rope-llama3-tied", "rope_scaling", None), ("llama-rope-yarn", "rope_scaling", None)):
         model = import_hf(folders[case][1]).eval()
         changed = DecoderLM(model.config.model_copy(update={field: plain}))
@@ -207,6 +210,7 @@ def test_cli_convert_train_generate_export(case: str, folders: dict[str, tuple[t
     ("olmo3", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}, "rope_parameters"),
     ("granite", {"attention_dropout": "high"}, "attention_dropout"),
     ("granite", {"mlp_bias": True}, "mlp_bias"),
+    ("smollm3", {"no_rope_layers": [1, 0, 1]}, "no_rope_layers"),
     ("qwen2-mixed-windows", {"num_hidden_layers": 10**15, "layer_types": None}, "num_hidden_layers"),
 ])
 def test_unsupported_options_name_the_field(case: str, overrides: dict[str, Any], field: str) -> None:
