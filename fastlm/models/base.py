@@ -20,11 +20,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Rope:
-    """A layer's rotary embedding: base `theta`, optional frequency `scaling` (hashable: layers sharing it
-    share one cos/sin per forward)."""
+    """A layer's rotary embedding: base `theta`, optional frequency `scaling`, the rotated `dims` of each head
+    (None: all; fewer: partial rotary) (hashable: layers sharing it share one cos/sin per forward)."""
 
     theta: float
     scaling: RopeScaling | None = None
+    dims: int | None = None
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,7 @@ class DecoderLM(nn.Module):
         """cos/sin per distinct rotary embedding of the layers (None: a layer without RoPE)."""
         head_dim = self.config.head_dim
         assert head_dim is not None
-        return [None if rope is None else rotary_angles(positions, head_dim, rope.theta, rope.scaling)
+        return [None if rope is None else rotary_angles(positions, rope.dims or head_dim, rope.theta, rope.scaling)
                 for rope in self.ropes]
 
     def cached_hidden_states(self, input_ids: torch.Tensor, cache: KVCache, columns: torch.Tensor, span: int) -> torch.Tensor:

@@ -135,6 +135,8 @@ def to_fastlm_state(tensors: StateDict, config: DecoderConfig, source: str = "ch
                                               tuple(piece.shape), source))
         if not issues:
             state[rule.ours] = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
+            if rule.rows is not None:
+                state[rule.ours] = state[rule.ours][list(rule.rows)]
     if issues:
         raise ConfigError(issues)
     return state
@@ -145,6 +147,8 @@ def to_hf_state(state: Mapping[str, torch.Tensor], config: DecoderConfig) -> Sta
     tensors: StateDict = {}
     for rule in weight_rules(config):
         value = state[rule.ours].detach().to("cpu")
+        if rule.rows is not None:  # back to the checkpoint's row order
+            value = value[torch.argsort(torch.tensor(rule.rows))]
         pieces = value.split(list(rule.sizes), dim=0) if rule.sizes is not None else (value,)
         for name, piece in zip(rule.theirs, pieces):
             tensors[name] = (piece.t() if rule.transpose else piece).contiguous().clone()

@@ -51,12 +51,14 @@ class Reader:
 @dataclass(frozen=True)
 class WeightRule:
     """One fastlm tensor = the HF tensors `theirs` concatenated along dim 0 (rows `sizes` each);
-    `transpose`: HF stores each piece as (in, out) (GPT-2's Conv1D)."""
+    `transpose`: HF stores each piece as (in, out) (GPT-2's Conv1D); `rows`: our row i is row rows[i] of
+    the concatenation (a permutation: GLM-4's interleaved rotary dims in our half-split order)."""
 
     ours: str
     theirs: tuple[str, ...]
     sizes: tuple[int, ...] | None = None
     transpose: bool = False
+    rows: tuple[int, ...] | None = None
 
 
 class HFAdapter:

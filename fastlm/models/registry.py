@@ -26,6 +26,7 @@ FAMILY_PACKAGES = (
     "olmo3",
     "granite",
     "smollm3",
+    "glm4",
 )
 DEFAULT_FAMILY = "llama"  # the model section's `type:` when a config leaves it out
 

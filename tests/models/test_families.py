@@ -61,11 +61,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm3": ("SmolLM3Config", {**BASE, "num_hidden_layers": 4, "no_rope_layer_interval": 2,
                                   "use_sliding_window": True, "sliding_window": WINDOW,
                                   "layer_types": [SLIDING, FULL, FULL, SLIDING]}),
+    "glm4": ("Glm4Config", {**BASE, "head_dim": 12, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                                     "partial_rotary_factor": 0.5}}),
     "gpt2": ("GPT2Config", {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
                             "bos_token_id": 256, "eos_token_id": 257}),
 }
 ONE_PER_FAMILY = ["llama3-rope-llama3-tied", "qwen2-mixed-windows", "mistral", "qwen3", "gemma3", "phi3", "gpt2",
-                  "gemma2", "olmo3", "granite", "smollm3"]
+                  "gemma2", "olmo3", "granite", "smollm3", "glm4"]
 FLEX_DECODE = ("gemma3", "gemma2")
 OFFSET_NORMS = ("Gemma3TextConfig", "Gemma2Config")  # (1 + w) norms: randomised around 0
 
@@ -113,6 +115,7 @@ def test_windows_and_rope_options_change_the_logits(folders: dict[str, tuple[tor
                                ("olmo3", "layer_types", [FULL] * 4), ("olmo3", "rope_scaling", None),
                                ("granite", "residual_multiplier", 1.0), ("granite", "attention_multiplier", 1.0),
                                ("granite", "embedding_multiplier", 1.0), ("smollm3", "nope_layers", []),
+                               ("glm4", "partial_rotary_factor", 1.0),
                                ("llama3-rope-llama3-tied", "rope_scaling", None), ("llama-rope-yarn", "rope_scaling", None)):
         model = import_hf(folders[case][1]).eval()
         changed = DecoderLM(model.config.model_copy(update={field: plain}))
@@ -299,7 +302,7 @@ def test_multimodal_gemma3_imports_its_text_tower(tmp_path: Path) -> None:
     assert error <= 1e-5
 
 
-@pytest.mark.parametrize("case", ["qwen3", "gemma3", "llama-rope-yarn", "phi3", "gemma2", "granite"])
+@pytest.mark.parametrize("case", ["qwen3", "gemma3", "llama-rope-yarn", "phi3", "gemma2", "granite", "glm4"])
 def test_loss_and_gradients_match_transformers_in_float64(case: str,
                                                           folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
     """Our CE vs cross_entropy on transformers' float64 logits, every gradient mapped back to HF names.
