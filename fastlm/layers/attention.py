@@ -23,7 +23,7 @@ from fastlm.layers.rotary import apply_rotary
 if TYPE_CHECKING:
     from fastlm.layers.packed_attention import AttentionLayout
 
-Rotary = tuple[torch.Tensor, torch.Tensor]
+Rotary = tuple[torch.Tensor, ...]  # cos, sin [, the queries' (B or 1, S) scale after RoPE]
 
 
 def attention_mask(
@@ -148,7 +148,8 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None, cache: LayerCache | None = None
     ) -> torch.Tensor:
-        """x (B, S, H) -> (B, S, H); rotary = (cos, sin) from `rotary_angles`, or None (GPT-2); `layout`
+        """x (B, S, H) -> (B, S, H); rotary = (cos, sin) from `rotary_angles` [+ the queries' scale per
+        position], or None (GPT-2); `layout`
         from `attention_layout`, built once per forward for this layer's window. Generation passes a `cache`
         instead of a layout: keys/values go into it and attention reads it (fastlm/layers/kv_cache.py)."""
         batch, seq_len, _ = x.shape
@@ -162,7 +163,9 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+            q, k = apply_rotary(q, *rotary[:2]), apply_rotary(k, *rotary[:2])
+            if len(rotary) > 2:  # a per-position query scale (Rope.query_scale)
+                q = q * rotary[2][:, None, :, None].to(q.dtype)
         if cache is not None:
             out = cache.attend(q, k, v, self.scale, self.softcap, self.sinks)
         else:

@@ -21,11 +21,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Rope:
     """A layer's rotary embedding: base `theta`, optional frequency `scaling`, the rotated `dims` of each head
-    (None: all; fewer: partial rotary) (hashable: layers sharing it share one cos/sin per forward)."""
+    (None: all; fewer: partial rotary), and `query_scale` (beta, period): the rotated queries times
+    1 + beta * log(1 + floor(position / period)) (Llama 4's and Ministral 3's attention temperature)
+    (hashable: layers sharing it share one cos/sin per forward)."""
 
     theta: float
     scaling: RopeScaling | None = None
     dims: int | None = None
+    query_scale: tuple[float, int] | None = None
 
 
 @dataclass(frozen=True)

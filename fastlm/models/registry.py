@@ -27,6 +27,8 @@ FAMILY_PACKAGES = (
     "granite",
     "smollm3",
     "glm4",
+    "ministral",
+    "ministral3",
 )
 DEFAULT_FAMILY = "llama"  # the model section's `type:` when a config leaves it out
 

@@ -63,11 +63,15 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                   "layer_types": [SLIDING, FULL, FULL, SLIDING]}),
     "glm4": ("Glm4Config", {**BASE, "head_dim": 12, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                                                                      "partial_rotary_factor": 0.5}}),
+    "ministral": ("MinistralConfig", {**BASE, "head_dim": 8, "sliding_window": WINDOW, "layer_types": [SLIDING, FULL]}),
+    "ministral3": ("Ministral3Config", {**BASE, "head_dim": 16, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 4, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5}}),
     "gpt2": ("GPT2Config", {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
                             "bos_token_id": 256, "eos_token_id": 257}),
 }
 ONE_PER_FAMILY = ["llama3-rope-llama3-tied", "qwen2-mixed-windows", "mistral", "qwen3", "gemma3", "phi3", "gpt2",
-                  "gemma2", "olmo3", "granite", "smollm3", "glm4"]
+                  "gemma2", "olmo3", "granite", "smollm3", "glm4", "ministral", "ministral3"]
 FLEX_DECODE = ("gemma3", "gemma2")
 OFFSET_NORMS = ("Gemma3TextConfig", "Gemma2Config")  # (1 + w) norms: randomised around 0
 
@@ -115,7 +119,7 @@ def test_windows_and_rope_options_change_the_logits(folders: dict[str, tuple[tor
                                ("olmo3", "layer_types", [FULL] * 4), ("olmo3", "rope_scaling", None),
                                ("granite", "residual_multiplier", 1.0), ("granite", "attention_multiplier", 1.0),
                                ("granite", "embedding_multiplier", 1.0), ("smollm3", "nope_layers", []),
-                               ("glm4", "partial_rotary_factor", 1.0),
+                               ("glm4", "partial_rotary_factor", 1.0), ("ministral3", "query_scale_beta", 0.0),
                                ("llama3-rope-llama3-tied", "rope_scaling", None), ("llama-rope-yarn", "rope_scaling", None)):
         model = import_hf(folders[case][1]).eval()
         changed = DecoderLM(model.config.model_copy(update={field: plain}))
