@@ -152,7 +152,7 @@ def to_hf_state(state: Mapping[str, torch.Tensor], config: DecoderConfig) -> Sta
         pieces = value.split(list(rule.sizes), dim=0) if rule.sizes is not None else (value,)
         for name, piece in zip(rule.theirs, pieces):
             tensors[name] = (piece.t() if rule.transpose else piece).contiguous().clone()
-    return tensors
+    return family_of(config).hf.checkpoint_layout(tensors)
 
 
 # --- files ----------------------------------------------------------------------------------------

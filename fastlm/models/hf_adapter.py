@@ -91,6 +91,11 @@ class HFAdapter:
         """Checkpoint tensor names in the layout `weight_rules` expects (older naming variants)."""
         return tensors
 
+    def checkpoint_layout(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """The export's tensors in the checkpoint's layout, where `normalise_keys` reshapes them (GPT-OSS's
+        experts); the identity by default."""
+        return tensors
+
     @staticmethod
     def head_rule(config: DecoderConfig) -> list[WeightRule]:
         return [] if config.tie_embeddings else [WeightRule("lm_head_weight", ("lm_head.weight",))]

@@ -29,6 +29,7 @@ FAMILY_PACKAGES = (
     "glm4",
     "ministral",
     "ministral3",
+    "gpt_oss",
 )
 DEFAULT_FAMILY = "llama"  # the model section's `type:` when a config leaves it out
 

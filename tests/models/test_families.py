@@ -67,12 +67,17 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "ministral3": ("Ministral3Config", {**BASE, "head_dim": 16, "rope_parameters": {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 4, "beta_fast": 32.0,
         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5}}),
+    "gpt_oss": ("GptOssConfig", {**BASE, "num_hidden_layers": 3, "head_dim": 8, "sliding_window": WINDOW,
+                                 "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 0.3,
+                                 "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "truncate": False, "rope_theta": 1e4,
+                                                     "original_max_position_embeddings": 16}}),
     "gpt2": ("GPT2Config", {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
                             "bos_token_id": 256, "eos_token_id": 257}),
 }
 ONE_PER_FAMILY = ["llama3-rope-llama3-tied", "qwen2-mixed-windows", "mistral", "qwen3", "gemma3", "phi3", "gpt2",
-                  "gemma2", "olmo3", "granite", "smollm3", "glm4", "ministral", "ministral3"]
-FLEX_DECODE = ("gemma3", "gemma2")
+                  "gemma2", "olmo3", "granite", "smollm3", "glm4", "ministral", "ministral3", "gpt_oss"]
+FLEX_DECODE = ("gemma3", "gemma2", "gpt_oss")
 OFFSET_NORMS = ("Gemma3TextConfig", "Gemma2Config")  # (1 + w) norms: randomised around 0
 
 
@@ -80,6 +85,7 @@ def hf_model(case: str) -> torch.nn.Module:
     config_name, fields = CASES[case]
     config = getattr(transformers, config_name)(**fields)
     config._attn_implementation = "eager"  # the masks (and windows) are explicit in eager attention
+    config._experts_implementation = "eager"  # a loop over experts: float64 too (the grouped kernel has none)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     randomize_weights(model, seed=sum(map(ord, case)), norms_at_one=config_name not in OFFSET_NORMS)
     return model
@@ -120,6 +126,7 @@ def test_windows_and_rope_options_change_the_logits(folders: dict[str, tuple[tor
                                ("granite", "residual_multiplier", 1.0), ("granite", "attention_multiplier", 1.0),
                                ("granite", "embedding_multiplier", 1.0), ("smollm3", "nope_layers", []),
                                ("glm4", "partial_rotary_factor", 1.0), ("ministral3", "query_scale_beta", 0.0),
+                               ("gpt_oss", "layer_types", [FULL] * 3),
                                ("llama3-rope-llama3-tied", "rope_scaling", None), ("llama-rope-yarn", "rope_scaling", None)):
         model = import_hf(folders[case][1]).eval()
         changed = DecoderLM(model.config.model_copy(update={field: plain}))
@@ -218,6 +225,8 @@ def test_cli_convert_train_generate_export(case: str, folders: dict[str, tuple[t
     ("granite", {"attention_dropout": "high"}, "attention_dropout"),
     ("granite", {"mlp_bias": True}, "mlp_bias"),
     ("smollm3", {"no_rope_layers": [1, 0, 1]}, "no_rope_layers"),
+    ("gpt_oss", {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": []}}, "quantization_config"),
+    ("gpt_oss", {"attention_bias": False}, "attention_bias"),
     ("qwen2-mixed-windows", {"num_hidden_layers": 10**15, "layer_types": None}, "num_hidden_layers"),
 ])
 def test_unsupported_options_name_the_field(case: str, overrides: dict[str, Any], field: str) -> None:
@@ -306,7 +315,7 @@ def test_multimodal_gemma3_imports_its_text_tower(tmp_path: Path) -> None:
     assert error <= 1e-5
 
 
-@pytest.mark.parametrize("case", ["qwen3", "gemma3", "llama-rope-yarn", "phi3", "gemma2", "granite", "glm4"])
+@pytest.mark.parametrize("case", ["qwen3", "gemma3", "llama-rope-yarn", "phi3", "gemma2", "granite", "glm4", "gpt_oss"])
 def test_loss_and_gradients_match_transformers_in_float64(case: str,
                                                           folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
     """Our CE vs cross_entropy on transformers' float64 logits, every gradient mapped back to HF names.
