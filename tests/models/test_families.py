@@ -76,7 +76,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                             "bos_token_id": 256, "eos_token_id": 257}),
 }
 ONE_PER_FAMILY = ["llama3-rope-llama3-tied", "qwen2-mixed-windows", "mistral", "qwen3", "gemma3", "phi3", "gpt2",
-                  "gemma2", "olmo3", "granite", "smollm3", "glm4", "ministral", "ministral3", "gpt_oss"]
+                  "gemma2", "olmo3", "granite", "glm4", "gpt_oss"]  # ministral(3), smollm3: Llama's CLI path
 FLEX_DECODE = ("gemma3", "gemma2", "gpt_oss")
 OFFSET_NORMS = ("Gemma3TextConfig", "Gemma2Config")  # (1 + w) norms: randomised around 0
 
@@ -370,3 +370,15 @@ def test_head_takes_the_architectures_logit_transform(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         export_hf(DecoderLM(other), tmp_path, ByteTokenizer())
     assert [issue.path for issue in caught.value.issues] == ["model.head.softcap"]
+
+
+def test_glm4_peft_export_of_permuted_rows_is_refused(folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
+    """GLM-4's q/k rows are stored in another order than fastlm's (interleaved rotary pairs): PEFT adapters on
+    them would land on the wrong rows, so the PEFT export names the module and the way out; others export."""
+    from fastlm.lora.attach import select_targets
+    from fastlm.lora.peft import PeftFormatError, hf_layout
+
+    model = import_hf(folders["glm4"][1])
+    with pytest.raises(PeftFormatError, match=r"blocks.0.attn.qkv_proj \(q\)"):
+        hf_layout(model.config, select_targets(model, ["attn.q"]))
+    assert hf_layout(model.config, select_targets(model, ["mlp.down", "attn.v"]))[0] == "lm_head"
