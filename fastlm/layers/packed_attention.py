@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -48,6 +48,9 @@ class AttentionLayout:
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(q k^T * scale + mask) v for q (B, Hq, S, D), k and v (B, Hkv, S, D), Hq = g * Hkv
         (scale None: 1/sqrt(D)); optional score `softcap` and per-head `sinks` (`explicit_attention`)."""
+        if self.kind == "causal" and q.device.type == "cuda" and not dropout_p and (softcap is not None or sinks is not None):
+            # SDPA has no softcap or sinks: FlexAttention with a causal block mask, not the explicit O(S^2) scores
+            return flex_attend(q, k, v, causal_block_mask(q.shape[2], q.device), scale, softcap, sinks)
         if self.kind != "flex":
             return attend(q, k, v, self.dense_mask, dropout_p, scale, softcap, sinks)
         if dropout_p:
@@ -115,6 +118,12 @@ def flex_block_mask(
     )
 
 
+@lru_cache(maxsize=8)
+def causal_block_mask(seq_len: int, device: torch.device) -> BlockMask:
+    """The plain causal block mask of one row (the causal layout's, for score options SDPA lacks), kept per length."""
+    return flex_block_mask(None, None, 1, seq_len, device)
+
+
 def attention_layout(
     batch: int,
     seq_len: int,
@@ -150,8 +159,10 @@ def _compiled_flex_attention() -> Callable:
     return torch.compile(flex_attention, dynamic=False)
 
 
+@cache
 def softcap_score_mod(softcap: float) -> Callable:
-    """FlexAttention score_mod of `softcapped` (applied before the mask, as in the explicit path)."""
+    """FlexAttention score_mod of `softcapped` (applied before the mask, as in the explicit path); one object
+    per value, so a compiled FlexAttention is not guarded on a new closure every forward."""
 
     def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor,
                   k: torch.Tensor) -> torch.Tensor:
