@@ -225,7 +225,7 @@ def test_cli_convert_train_generate_export(case: str, folders: dict[str, tuple[t
     ("granite", {"attention_dropout": "high"}, "attention_dropout"),
     ("granite", {"mlp_bias": True}, "mlp_bias"),
     ("smollm3", {"no_rope_layers": [1, 0, 1]}, "no_rope_layers"),
-    ("gpt_oss", {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": []}}, "quantization_config"),
+    ("gpt_oss", {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}, "quantization_config"),
     ("gpt_oss", {"attention_bias": False}, "attention_bias"),
     ("qwen2-mixed-windows", {"num_hidden_layers": 10**15, "layer_types": None}, "num_hidden_layers"),
 ])
@@ -383,3 +383,48 @@ def test_glm4_peft_export_of_permuted_rows_is_refused(folders: dict[str, tuple[t
     with pytest.raises(PeftFormatError, match=r"blocks.0.attn.qkv_proj \(q\)"):
         hf_layout(model.config, select_targets(model, ["attn.q"]))
     assert hf_layout(model.config, select_targets(model, ["mlp.down", "attn.v"]))[0] == "lm_head"
+
+
+def test_gpt_oss_mxfp4_checkpoint_is_dequantised_at_import(tmp_path: Path) -> None:
+    """A GPT-OSS folder whose experts are MXFP4 (`*_blocks` / `*_scales`, `quantization_config`, as the
+    published ones): fastlm's dequantisation equals transformers' bit for bit, and the imported model's logits
+    equal transformers' model holding those dequantised weights."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from fastlm.models.gpt_oss.hf import dequantized_mxfp4
+
+    _, fields = CASES["gpt_oss"]
+    config = transformers.GptOssConfig(**{**fields, "intermediate_size": 64})  # MXFP4 blocks: widths of 32
+    config._attn_implementation, config._experts_implementation = "eager", "eager"
+    reference = transformers.AutoModelForCausalLM.from_config(config).eval()
+    randomize_weights(reference, seed=12)
+    generator = torch.Generator().manual_seed(13)
+    quantized = {}
+    with torch.no_grad():
+        for name, parameter in reference.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                experts, columns, rows = parameter.shape  # (E, in, out): the blocks run over `in`
+                blocks = torch.randint(0, 256, (experts, rows, columns // 32, 16), dtype=torch.uint8, generator=generator)
+                scales = torch.randint(120, 130, (experts, rows, columns // 32), dtype=torch.uint8, generator=generator)
+                theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+                ours = dequantized_mxfp4({f"{name}_blocks": blocks, f"{name}_scales": scales})[name]
+                assert torch.equal(ours, theirs), name
+                parameter.copy_(theirs.float())
+                quantized.update({f"{name}_blocks": blocks, f"{name}_scales": scales})
+    reference.save_pretrained(tmp_path / "dequantised")
+    folder = tmp_path / "mxfp4"
+    folder.mkdir()
+    hf_config = json.loads((tmp_path / "dequantised" / "config.json").read_text())
+    hf_config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": None}
+    (folder / "config.json").write_text(json.dumps(hf_config))
+    tensors = load_file(tmp_path / "dequantised" / "model.safetensors")
+    tensors = {name: value for name, value in tensors.items() if f"{name}_blocks" not in quantized}
+    assert len(tensors) == len(load_file(tmp_path / "dequantised" / "model.safetensors")) - len(quantized) // 2
+    save_file({**tensors, **quantized}, folder / "model.safetensors")
+    model = import_hf(folder).eval()
+    ids = _ids(seed=14)
+    with torch.no_grad():
+        error = float((model.logits(ids) - reference(ids).logits).abs().max())
+    print(f"gpt_oss from MXFP4: fp32 logits max abs err {error:.2e}")
+    assert error <= 1e-5

@@ -4,9 +4,11 @@ and up columns interleaved, its bias (E, 2F), `down_proj` (E, F, H), its bias (E
 to fastlm's row stacks (per expert its gate rows, then its up rows: `normalise_keys`), export back
 (`checkpoint_layout`).
 
-The published checkpoints (openai/gpt-oss-20b, -120b) store the experts in MXFP4 (`quantization_config`,
-`*_blocks` / `*_scales` tensors); they are refused with the dequantised route: a bf16 copy such as
-unsloth/gpt-oss-20b-BF16, or transformers' `Mxfp4Config(dequantize=True)` then `save_pretrained`."""
+The published checkpoints (openai/gpt-oss-20b, -120b) store the experts' weights in MXFP4
+(`quantization_config.quant_method: mxfp4`; `*_blocks`: two FP4 (e2m1) values a byte, 32 to a block,
+`*_scales`: the block's power-of-two exponent + 127): they are dequantised to bf16 at import (exact: each
+value is an FP4 number times a power of two), then trained and exported unquantised. Other quantisations are
+refused, naming the dequantised route (a bf16 copy such as unsloth/gpt-oss-20b-BF16)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from fastlm.models.hf_adapter import FULL, SLIDING, Reader, WeightRule, plausibl
 from fastlm.models.llama.hf import COMMON_DEFAULTS, LlamaAdapter, layer_types_to_hf, llama_like_fields, llama_like_to_hf
 from fastlm.models.llama.hf import split_rules as llama_split_rules
 
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # by nibble
 EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 _DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096, "rope_theta": 150_000.0}
@@ -33,8 +36,8 @@ class GptOssAdapter(LlamaAdapter):
 
     def fields(self, reader: Reader, model_type: str) -> dict[str, Any]:
         quantization = reader.get("quantization_config")
-        if quantization is not None:
-            method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        if quantization is not None and method != "mxfp4":  # MXFP4 is dequantised in `normalise_keys`
             reader.fail("quantization_config", f"a quantised ({method}) checkpoint: fastlm trains bf16/fp32 weights",
                         method, "use the dequantised bf16 variant (e.g. unsloth/gpt-oss-20b-BF16), or load it in "
                         "transformers with Mxfp4Config(dequantize=True) and save_pretrained that")
@@ -85,11 +88,12 @@ class GptOssAdapter(LlamaAdapter):
         return attention + [WeightRule(f"{base}.{ours}", (f"{hf}.{theirs}",)) for ours, theirs in names]
 
     def normalise_keys(self, tensors: dict[str, Any]) -> dict[str, Any]:
-        """The experts' stacked tensors as fastlm's row stacks (see the module docstring)."""
+        """The experts' stacked tensors as fastlm's row stacks, MXFP4 ones dequantised first (see the module
+        docstring)."""
         import torch
 
-        out = dict(tensors)
-        for key, value in tensors.items():
+        out = dequantized_mxfp4(tensors)
+        for key, value in dict(out).items():
             kind = key.rsplit(".", 1)[-1]
             if ".mlp.experts." not in key or kind not in EXPERT_TENSORS or value.dim() < 2:
                 continue
@@ -121,3 +125,20 @@ class GptOssAdapter(LlamaAdapter):
             out[f"{mlp}.experts.down_proj"] = down.view(count, -1, down.shape[1]).transpose(1, 2).contiguous()
             out[f"{mlp}.experts.down_proj_bias"] = down_bias.view(count, -1).contiguous()
         return out
+
+
+def dequantized_mxfp4(tensors: dict[str, Any]) -> dict[str, Any]:
+    """`tensors` with every MXFP4 pair `<name>_blocks` (E, R, G, 16) uint8 + `<name>_scales` (E, R, G) uint8
+    replaced by `<name>` in bf16, laid out as transformers' experts are: (E, G * 32, R) (value 2i of a block is
+    its byte i's low nibble, 2i + 1 the high one, times 2^(scale - 127))."""
+    import torch
+
+    out = dict(tensors)
+    for key in [key for key in tensors if key.endswith("_blocks") and key[:-7] + "_scales" in tensors]:
+        name = key[:-7]
+        blocks, scales = out.pop(key), out.pop(name + "_scales")
+        table = torch.tensor(FP4_E2M1, dtype=torch.float32)
+        values = torch.stack((table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]), dim=-1).flatten(-2)
+        values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)  # (E, R, G, 32)
+        out[name] = values.flatten(-2).transpose(1, 2).to(torch.bfloat16).contiguous()
+    return out
