@@ -23,7 +23,7 @@ from fastlm.layers.rotary import apply_rotary
 if TYPE_CHECKING:
     from fastlm.layers.packed_attention import AttentionLayout
 
-Rotary = tuple[torch.Tensor, torch.Tensor]
+Rotary = tuple[torch.Tensor, ...]  # cos, sin [, the queries' (B or 1, S) scale after RoPE]
 
 
 def attention_mask(
@@ -49,15 +49,19 @@ def attention_mask(
 
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float = 0.0,
-    scale: float | None = None,
+    scale: float | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v for q (B, Hq, S, D) and k, v (B, Hkv, S, D), Hq = g * Hkv
-    (scale None: 1/sqrt(D)).
+    (scale None: 1/sqrt(D)); with a `softcap` or `sinks`, `explicit_attention` (SDPA has neither).
 
     The causal path passes `enable_gqa` (flash attention handles grouped heads natively). On CUDA the
     masked path repeats k/v per group first, because the memory-efficient kernel that takes a mask does
     not accept `enable_gqa` and SDPA would fall back to the slow math kernel; the CPU kernels take both.
     """
+    if softcap is not None or sinks is not None:
+        if dropout_p:
+            raise ValueError("attention softcapping and sinks have no attention dropout; set model.dropout: 0.0")
+        return explicit_attention(q, k, v, mask, scale, softcap, sinks)
     groups = q.shape[1] // k.shape[1]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
@@ -70,10 +74,41 @@ def attend(
                                           enable_gqa=groups > 1)
 
 
+def softcapped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Gemma 2's attention logit softcapping: softcap * tanh(scores / softcap)."""
+    return torch.tanh(scores / softcap) * softcap
+
+
+def explicit_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The scores written out, for what SDPA cannot do: q (B, Hq, Sq, D), k, v (B, Hkv, Sk, D); `mask`
+    boolean (True = may attend) or additive, broadcast to (B, Hq, Sq, Sk), None = causal (Sq = Sk).
+    `softcap`: the scores are softcapped before the mask (Gemma 2). `sinks` (Hq,): a learned logit per
+    head that joins each row's softmax denominator and attends to nothing (GPT-OSS). Softmax in fp32 at least."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = softcapped(scores, softcap)
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
+    return probs.to(v.dtype) @ v
+
+
 class Attention(nn.Module):
     """Fused qkv projection (q heads, then k heads, then v heads), optional per-head q/k norm (QK-norm:
     Qwen3, Gemma 3), optional RoPE, output projection. `head_dim` may differ from hidden / heads;
-    `scale` replaces 1/sqrt(head_dim) (Gemma's query_pre_attn_scalar^-0.5)."""
+    `scale` replaces 1/sqrt(head_dim) (Gemma's query_pre_attn_scalar^-0.5); `softcap` softcaps the scores
+    (Gemma 2); `sinks` adds a learned per-head sink logit to the softmax (GPT-OSS)."""
 
     def __init__(
         self,
@@ -88,6 +123,8 @@ class Attention(nn.Module):
         norm_eps: float = 1e-6,
         scale: float | None = None,
         qk_norm_per_head: bool = True,
+        softcap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -105,11 +142,14 @@ class Attention(nn.Module):
         self.q_norm = None if qk_norm is None else build_norm(qk_norm, q_width, norm_eps)
         self.k_norm = None if qk_norm is None else build_norm(qk_norm, k_width, norm_eps)
         self.out_proj = nn.Linear(q_size, hidden_size, bias=out_bias)
+        self.softcap = softcap
+        self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
 
     def forward(
         self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None, cache: LayerCache | None = None
     ) -> torch.Tensor:
-        """x (B, S, H) -> (B, S, H); rotary = (cos, sin) from `rotary_angles`, or None (GPT-2); `layout`
+        """x (B, S, H) -> (B, S, H); rotary = (cos, sin) from `rotary_angles` [+ the queries' scale per
+        position], or None (GPT-2); `layout`
         from `attention_layout`, built once per forward for this layer's window. Generation passes a `cache`
         instead of a layout: keys/values go into it and attention reads it (fastlm/layers/kv_cache.py)."""
         batch, seq_len, _ = x.shape
@@ -123,17 +163,21 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+            q, k = apply_rotary(q, *rotary[:2]), apply_rotary(k, *rotary[:2])
+            if len(rotary) > 2:  # a per-position query scale (Rope.query_scale)
+                q = q * rotary[2][:, None, :, None].to(q.dtype)
         if cache is not None:
-            out = cache.attend(q, k, v, self.scale)
+            out = cache.attend(q, k, v, self.scale, self.softcap, self.sinks)
         else:
             assert layout is not None
-            out = layout.attend(q, k, v, self.dropout if self.training else 0.0, self.scale)
+            out = layout.attend(q, k, v, self.dropout if self.training else 0.0, self.scale, self.softcap, self.sinks)
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def reset_parameters(self, std: float, residual_std: float) -> None:
         init_linear(self.qkv_proj, std)
         init_linear(self.out_proj, residual_std)
+        if self.sinks is not None:
+            nn.init.normal_(self.sinks, mean=0.0, std=std)
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.reset_parameters()

@@ -1,5 +1,6 @@
-"""The residual decoder block every family composes from its parts: pre-norm (x + attn(norm(x))) or
-sandwich-norm (x + post_norm(attn(norm(x))), Gemma) around attention and MLP."""
+"""The residual decoder block every family composes from its parts: pre-norm (x + attn(norm(x))),
+sandwich-norm (x + post_norm(attn(norm(x))), Gemma) or post-norm only (x + post_norm(attn(x)), OLMo 2)
+around attention and MLP, each branch optionally scaled before it joins the residual (Granite)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ from fastlm.layers.tiled import run_tiled
 
 class DecoderBlock(nn.Module):
     """x + post_attn_norm(attn(attn_norm(x))), then x + post_mlp_norm(mlp(mlp_norm(x))); the post norms are
-    optional (None: plain pre-norm). Norms and the MLP are any modules with `reset_parameters`; the MLP is
-    called as `mlp(x, real_tokens)` (fastlm/layers/mlp.py)."""
+    optional (None: plain pre-norm), and so are the pre norms (None: OLMo 2's post-norm only). Norms and the
+    MLP are any modules with `reset_parameters`; the MLP is called as `mlp(x, real_tokens)` (fastlm/layers/mlp.py).
+    `residual_scale` multiplies both branches before the residual sum (Granite's residual_multiplier)."""
 
-    def __init__(self, attn_norm: nn.Module, attn: Attention, mlp_norm: nn.Module, mlp: nn.Module, dropout: float,
-                 post_attn_norm: nn.Module | None = None, post_mlp_norm: nn.Module | None = None) -> None:
+    def __init__(self, attn_norm: nn.Module | None, attn: Attention, mlp_norm: nn.Module | None, mlp: nn.Module, dropout: float,
+                 post_attn_norm: nn.Module | None = None, post_mlp_norm: nn.Module | None = None,
+                 residual_scale: float = 1.0) -> None:
         super().__init__()
         self.attn_norm = attn_norm
         self.attn = attn
@@ -31,6 +34,7 @@ class DecoderBlock(nn.Module):
         self.mlp = mlp
         self.post_mlp_norm = post_mlp_norm
         self.dropout = nn.Dropout(dropout)
+        self.residual_scale = residual_scale
         # Memory for time, set by DecoderLM.set_memory_savers: recompute the block in backward (keeping its input,
         # in host memory with `offload`), and run the norm + MLP over sequence tiles of `mlp_tile_len` (0: whole).
         self.activation_checkpointing = False
@@ -62,9 +66,11 @@ class DecoderBlock(nn.Module):
 
     def _forward(self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None,
                  cache: LayerCache | None = None, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        attended = self.attn(self.attn_norm(x), rotary, layout, cache)
+        attended = self.attn(x if self.attn_norm is None else self.attn_norm(x), rotary, layout, cache)
         if self.post_attn_norm is not None:
             attended = self.post_attn_norm(attended)
+        if self.residual_scale != 1.0:
+            attended = attended * self.residual_scale
         x = x + self.dropout(attended)
         if self.mlp_tile_len and x.shape[1] > self.mlp_tile_len and torch.is_grad_enabled() and cache is None:
             mixed = run_tiled(self._feed_forward, x, self.mlp_tile_len, self._feed_forward_modules())
@@ -73,9 +79,11 @@ class DecoderBlock(nn.Module):
         return x + self.dropout(mixed)
 
     def _feed_forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """The MLP half without its residual: post_mlp_norm(mlp(mlp_norm(x))), position by position."""
-        mixed = self.mlp(self.mlp_norm(x), real_tokens)
-        return mixed if self.post_mlp_norm is None else self.post_mlp_norm(mixed)
+        """The MLP half without its residual: post_mlp_norm(mlp(mlp_norm(x))) * residual_scale, position by position."""
+        mixed = self.mlp(x if self.mlp_norm is None else self.mlp_norm(x), real_tokens)
+        if self.post_mlp_norm is not None:
+            mixed = self.post_mlp_norm(mixed)
+        return mixed * self.residual_scale if self.residual_scale != 1.0 else mixed
 
     def _feed_forward_modules(self) -> list[nn.Module]:
         return [m for m in (self.mlp_norm, self.mlp, self.post_mlp_norm) if m is not None]

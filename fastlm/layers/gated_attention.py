@@ -33,10 +33,6 @@ class GatedAttention(Attention):
         self.split_sizes = (2 * q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(hidden_size, 2 * q_size + 2 * kv_size, bias=False)
 
-    def _rotate(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-        turned, kept = x.split([self.rotary_dim, x.shape[-1] - self.rotary_dim], dim=-1)
-        return torch.cat([apply_rotary(turned, *rotary), kept], dim=-1)
-
     def forward(self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None,
                 cache: LayerCache | None = None) -> torch.Tensor:
         batch, seq_len, _ = x.shape
@@ -46,8 +42,8 @@ class GatedAttention(Attention):
         q = self.q_norm(q).transpose(1, 2)
         k = self.k_norm(k.view(batch, seq_len, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if rotary is not None:
-            q, k = self._rotate(q, rotary), self._rotate(k, rotary)
+        if rotary is not None:  # (cos, sin) of rotary_dim / 2 angles: apply_rotary turns the first rotary_dim only
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if cache is not None:
             out = cache.attend(q, k, v, self.scale)
         else:

@@ -62,9 +62,10 @@ class LayerCache:
     uniform_columns: bool  # every row writes the same columns (left padding)
     mask: CacheMask  # from `KVCache.attention_mask`, shared by the layers with this layer's window
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write k, v (B, Hkv, S, D) at `columns`, then softmax(q K^T * scale + mask) V over the cache
-        (scale None: 1/sqrt(d)).
+        (scale None: 1/sqrt(d)); a score `softcap` and per-head `sinks` as in training (`explicit_attention`).
 
         q (B, Hq, S, D) -> (B, Hq, S, D).
         """
@@ -83,8 +84,14 @@ class LayerCache:
                 flex_attend,  # lazy: packed_attention imports this module (via attention.py)
             )
 
-            return flex_attend(q.to(self.keys.dtype), self.keys, self.values, self.mask.blocks, scale).to(q.dtype)
+            return flex_attend(q.to(self.keys.dtype), self.keys, self.values, self.mask.blocks, scale,
+                               softcap, sinks).to(q.dtype)
         keys, values = self.keys[:, :, : self.span], self.values[:, :, : self.span]
+        if softcap is not None or sinks is not None:  # the mask's first S rows: it repeats them per group
+            from fastlm.layers.attention import explicit_attention
+
+            mask = self.mask.additive[:, :, :seq_len] if self.mask.additive is not None else None
+            return explicit_attention(q.to(keys.dtype), keys, values, mask, scale, softcap, sinks).to(q.dtype)
         grouped_q = q.reshape(batch, kv_heads, q_heads // kv_heads * seq_len, head_dim).to(keys.dtype)
         out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=self.mask.additive, scale=scale)
         return out.reshape(batch, q_heads, seq_len, head_dim).to(q.dtype)

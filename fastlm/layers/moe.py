@@ -72,11 +72,13 @@ def router_sums(routing: Routing, counts: torch.Tensor, real_tokens: torch.Tenso
     return RouterSums(real_counts, (probs * weights.unsqueeze(-1)).sum(dim=0), (z * weights).sum(), weights.sum())
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool) -> Routing:
-    """(T, H) tokens, (E, H) router weight -> softmax top-k routing, in fp32 even under autocast."""
+def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool,
+          bias: torch.Tensor | None = None) -> Routing:
+    """(T, H) tokens, (E, H) router weight [+ (E,) bias: GPT-OSS] -> softmax top-k routing, in fp32 even
+    under autocast."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     with torch.autocast(x.device.type, enabled=False):
-        logits = F.linear(x.to(dtype), weight.to(dtype))
+        logits = F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
     probs = logits.softmax(dim=-1)
     weights, experts = probs.topk(top_k, dim=-1)
     if normalize:
@@ -122,6 +124,17 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's expert activation: (N, 2F) gate then up -> (up + 1) * g * sigmoid(alpha * g), with
+    g = min(gate, limit) and up clamped to [-limit, limit]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+ExpertBiases = tuple[torch.Tensor, torch.Tensor]  # gate_up (E, 2F) and down (E, H) biases
+
+
 def combine(unsorted: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """(T * k, H) expert outputs in (token, slot) order, (T, k) routing weights -> (T, H) their weighted sum."""
     tokens, top_k = weights.shape
@@ -165,29 +178,46 @@ def expert_mlp(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     backend: ExpertBackend = "auto",
+    activation: Callable[[torch.Tensor], torch.Tensor] = swiglu,
+    biases: ExpertBiases | None = None,
 ) -> torch.Tensor:
-    """SwiGLU of each row through its expert: rows (N, H) sorted by expert (`row_experts` (N,), `counts`
-    (E,)), gate_up (E, 2F, H) gate then up, down (E, H, F) -> (N, H)."""
+    """SwiGLU (or `activation`) of each row through its expert: rows (N, H) sorted by expert (`row_experts`
+    (N,), `counts` (E,)), gate_up (E, 2F, H) gate then up, down (E, H, F) [+ `biases` after each GEMM,
+    gathered per row] -> (N, H)."""
     if backend == "auto":
         backend = pick_backend(rows, down)
     dtype = _compute_dtype(rows)
+    plain = biases is None and activation is swiglu
+    if not plain and backend == "triton":
+        raise ValueError("moe.backend triton has no expert biases or other activations; use backend auto")
+    gate_up_bias, down_bias = (None, None) if biases is None else (b.to(dtype) for b in biases)
+
+    def act(h: torch.Tensor) -> torch.Tensor:
+        if plain:
+            return _elementwise(swiglu, rows)(h)
+        return activation(h if gate_up_bias is None else h + gate_up_bias[row_experts])
+
+    def out(h: torch.Tensor) -> torch.Tensor:
+        return h if down_bias is None else h + down_bias[row_experts]
+
     if backend == "grouped":
         if not grouped_mm_supported(rows.device, dtype, down.shape[1], down.shape[2]):
             raise ValueError(f"moe.backend grouped: torch._grouped_mm does not take {dtype} on {rows.device.type} with "
                              f"hidden {down.shape[1]} and expert width {down.shape[2]}; use backend auto")
         rows, gate_up, down = rows.to(dtype), gate_up.to(dtype), down.to(dtype)
         offsets = counts.cumsum(0).to(torch.int32)
-        hidden = _elementwise(swiglu, rows)(torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets))
-        return torch._grouped_mm(hidden, down.transpose(1, 2), offs=offsets)
+        hidden = act(torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets))
+        return out(torch._grouped_mm(hidden, down.transpose(1, 2), offs=offsets))
     if backend == "triton":
         return triton_expert_mlp(rows.to(dtype), counts, gate_up.to(dtype), down.to(dtype))
     if backend == "gather":
-        hidden = swiglu(torch.bmm(gate_up[row_experts].to(dtype), rows.to(dtype).unsqueeze(-1)).squeeze(-1))
-        return torch.bmm(down[row_experts].to(dtype), hidden.unsqueeze(-1)).squeeze(-1)
+        hidden = act(torch.bmm(gate_up[row_experts].to(dtype), rows.to(dtype).unsqueeze(-1)).squeeze(-1))
+        return out(torch.bmm(down[row_experts].to(dtype), hidden.unsqueeze(-1)).squeeze(-1))
     outputs = []
     for expert, chunk in enumerate(rows.split(counts.tolist())):
         if chunk.shape[0]:
-            outputs.append(F.linear(swiglu(F.linear(chunk, gate_up[expert])), down[expert]))
+            hidden = F.linear(chunk, gate_up[expert], None if biases is None else biases[0][expert])
+            outputs.append(F.linear(activation(hidden), down[expert], None if biases is None else biases[1][expert]))
     return torch.cat(outputs) if outputs else rows.new_zeros(0, down.shape[1], dtype=dtype)
 
 
@@ -231,6 +261,8 @@ def dispatch(
     down: torch.Tensor,
     backend: ExpertBackend = "auto",
     counts: torch.Tensor | None = None,
+    activation: Callable[[torch.Tensor], torch.Tensor] = swiglu,
+    biases: ExpertBiases | None = None,
 ) -> torch.Tensor:
     """(T, H) tokens -> (T, H) sum over each token's k experts of weight * expert(x): sort the T*k
     assignments by expert, gather their rows, run the experts, put the rows back in (token, slot) order
@@ -242,13 +274,15 @@ def dispatch(
     if counts is None:
         counts = expert_counts(flat, gate_up.shape[0])
     rows = SortedRows.apply(x, order, top_k, _compute_dtype(x))
-    expert_out = expert_mlp(rows, flat[order], counts, gate_up, down, backend)
+    expert_out = expert_mlp(rows, flat[order], counts, gate_up, down, backend, activation, biases)
     unsorted = torch.empty_like(expert_out).index_copy_(0, order, expert_out)  # a permutation: no atomics
     return _elementwise(combine, unsorted)(unsorted, routing.weights)
 
 
 class MoEMLP(nn.Module):
-    """Router + E SwiGLU experts (a shared expert beside them: `fastlm.layers.shared_expert.SharedExpertMLP`).
+    """Router + E SwiGLU experts (a shared expert beside them: `fastlm.layers.shared_expert.SharedExpertMLP`);
+    GPT-OSS's options: a router bias, expert biases (`gate_up_bias` (E * 2F,), `down_bias` (E * H,)) and
+    another `activation` (`clamped_swiglu`).
 
     Parameters: `router.weight` (E, H); the experts' weights stacked along rows as a checkpoint lists
     them, `gate_up_proj` (E * 2F, H) (per expert its gate rows, then its up rows) and `down_proj`
@@ -265,16 +299,22 @@ class MoEMLP(nn.Module):
         backend: ExpertBackend = "auto",
         aux_loss_coef: float = 0.0,
         z_loss_coef: float = 0.0,
+        router_bias: bool = False,
+        expert_bias: bool = False,
+        activation: Callable[[torch.Tensor], torch.Tensor] = swiglu,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
         self.num_experts, self.top_k, self.normalize_top_k, self.backend = num_experts, top_k, normalize_top_k, backend
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef  # read by `add_router_losses`
-        self.router = nn.Linear(hidden_size, num_experts, bias=False)
+        self.router = nn.Linear(hidden_size, num_experts, bias=router_bias)
         self.hidden_size, self.ffn_size = hidden_size, ffn_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts * 2 * ffn_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts * hidden_size, ffn_size))
+        self.gate_up_bias = nn.Parameter(torch.empty(num_experts * 2 * ffn_size)) if expert_bias else None
+        self.down_bias = nn.Parameter(torch.empty(num_experts * hidden_size)) if expert_bias else None
+        self.activation = activation
         self.router_sums: RouterSums | None = None  # the last forward's, for `router_losses`
 
     def forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -290,10 +330,13 @@ class MoEMLP(nn.Module):
 
     def _forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        routing = route(flat, self.router.weight, self.top_k, self.normalize_top_k)
+        routing = route(flat, self.router.weight, self.top_k, self.normalize_top_k, self.router.bias)
         counts = expert_counts(routing.experts, self.num_experts)
         self.router_sums = router_sums(routing, counts, real_tokens)
-        return dispatch(flat, routing, *self.expert_weights(), self.backend, counts).reshape(x.shape)
+        biases = None if self.gate_up_bias is None or self.down_bias is None else (
+            self.gate_up_bias.view(self.num_experts, -1), self.down_bias.view(self.num_experts, -1))
+        return dispatch(flat, routing, *self.expert_weights(), self.backend, counts, self.activation,
+                        biases).reshape(x.shape)
 
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles leave the last forward's sums behind (they hold autograd graph tensors)."""
@@ -309,6 +352,9 @@ class MoEMLP(nn.Module):
         init_linear(self.router, std)
         nn.init.normal_(self.gate_up_proj, mean=0.0, std=std)
         nn.init.normal_(self.down_proj, mean=0.0, std=residual_std)
+        for bias in (self.gate_up_bias, self.down_bias):
+            if bias is not None:
+                nn.init.zeros_(bias)
 
 
 def _at_least_one(tokens: int | torch.Tensor) -> int | torch.Tensor:

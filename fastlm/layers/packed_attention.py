@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cache, cached_property, lru_cache
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from fastlm.layers.attention import attend, attention_mask
+from fastlm.layers.attention import attend, attention_mask, softcapped
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -56,14 +56,18 @@ class AttentionLayout:
         return offsets, offsets.tolist()
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-               scale: float | None = None) -> torch.Tensor:
+               scale: float | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(q k^T * scale + mask) v for q (B, Hq, S, D), k and v (B, Hkv, S, D), Hq = g * Hkv
-        (scale None: 1/sqrt(D))."""
+        (scale None: 1/sqrt(D)); optional score `softcap` and per-head `sinks` (`explicit_attention`)."""
+        if self.kind == "causal" and q.device.type == "cuda" and not dropout_p and (softcap is not None or sinks is not None):
+            # SDPA has no softcap or sinks: FlexAttention with a causal block mask, not the explicit O(S^2) scores
+            return flex_attend(q, k, v, causal_block_mask(q.shape[2], q.device), scale, softcap, sinks)
         if self.kind != "flex":
-            return attend(q, k, v, self.dense_mask, dropout_p, scale)
+            return attend(q, k, v, self.dense_mask, dropout_p, scale, softcap, sinks)
         if dropout_p:
             raise ValueError("FlexAttention has no attention dropout; build the layout with dropout_active=True")
-        return flex_attend(q, k, v, self.block_mask, scale)
+        return flex_attend(q, k, v, self.block_mask, scale, softcap, sinks)
 
 
 def document_mask_mod(positions: torch.Tensor | None, sliding_window: int | None) -> Callable:
@@ -126,6 +130,13 @@ def flex_block_mask(
     )
 
 
+@torch.compiler.disable  # built eagerly once per length, also when a compiled block asks for it
+@lru_cache(maxsize=8)
+def causal_block_mask(seq_len: int, device: torch.device) -> BlockMask:
+    """The plain causal block mask of one row (the causal layout's, for score options SDPA lacks), kept per length."""
+    return flex_block_mask(None, None, 1, seq_len, device)
+
+
 def attention_layout(
     batch: int,
     seq_len: int,
@@ -163,11 +174,35 @@ def _compiled_flex_attention() -> Callable:
     return torch.compile(flex_attention, dynamic=False)
 
 
+@cache
+def softcap_score_mod(softcap: float) -> Callable:
+    """FlexAttention score_mod of `softcapped` (applied before the mask, as in the explicit path); one object
+    per value, so a compiled FlexAttention is not guarded on a new closure every forward."""
+
+    def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor,
+                  k: torch.Tensor) -> torch.Tensor:
+        return softcapped(score, softcap)
+
+    return score_mod
+
+
 def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,
-                scale: float | None = None) -> torch.Tensor:
-    """FlexAttention of q (B, Hq, S, D) over k, v (B, Hkv, S, D) under `block_mask`, grouped heads in place."""
+                scale: float | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """FlexAttention of q (B, Hq, S, D) over k, v (B, Hkv, S, D) under `block_mask`, grouped heads in place.
+    `softcap` is a score_mod; `sinks` (Hq,) rescale the output by the share the keys keep of a softmax
+    whose denominator also holds exp(sink): out * exp(lse) / (exp(lse) + exp(sink)) = out * sigmoid(lse - sink)."""
     if q.device.type == "cuda" and not torch.compiler.is_compiling():
         flex = _compiled_flex_attention()
     else:  # inside a compiled block, or CPU (tests: the unfused reference kernel, float64 included)
         from torch.nn.attention.flex_attention import flex_attention as flex
-    return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    options = {"score_mod": softcap_score_mod(softcap)} if softcap is not None else {}
+    if sinks is None:
+        return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1], **options)
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    out, aux = flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                    return_aux=AuxRequest(lse=True), **options)
+    compute = torch.promote_types(out.dtype, torch.float32)
+    kept = torch.sigmoid(aux.lse.to(compute) - sinks.to(compute).view(1, -1, 1))
+    return (out.to(compute) * kept.unsqueeze(-1)).to(out.dtype)

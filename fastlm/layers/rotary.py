@@ -79,10 +79,14 @@ def rotary_angles(positions: torch.Tensor, head_dim: int, theta: float,
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, heads, S, D) by per-position angles cos/sin (B or 1, S, D/2).
+    """Rotate x (B, heads, S, D) by per-position angles cos/sin (B or 1, S, R/2): R = D, or partial rotary
+    (R < D: the first R dims turn, the rest pass unchanged; GLM-4).
 
     The math runs in at least fp32 (bf16 activations are upcast), in float64 for float64 inputs.
     """
+    rotary = 2 * cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     half = x.shape[-1] // 2
     compute = torch.promote_types(x.dtype, torch.float32)
     x1, x2 = x[..., :half].to(compute), x[..., half:].to(compute)

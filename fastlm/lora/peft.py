@@ -58,6 +58,13 @@ def hf_layout(model_config: Any, targets: list[Target]) -> tuple[str | None, boo
     from fastlm.models.hf import weight_rules
 
     rules = {rule.ours: rule for rule in weight_rules(model_config)}
+    for target in targets:  # a slice whose rows the checkpoint orders otherwise (GLM-4's q/k: interleaved RoPE)
+        rows = getattr(rules.get(f"{target.module}.weight"), "rows", None)
+        span = range(target.slice.start, target.slice.start + target.slice.size)
+        if rows is not None and list(rows[span.start:span.stop]) != list(span):
+            raise PeftFormatError(f"PEFT adapters on {target.module} ({target.slice.role}) are not supported: the "
+                                  "checkpoint orders its rows otherwise (GLM-4's interleaved rotary dims); target other "
+                                  "modules, or merge the adapters")
     head = rules.get(HEAD_STATE)
     transposed = any(rules[f"{t.module}.weight"].transpose for t in targets if f"{t.module}.weight" in rules)
     return (head.theirs[0].removesuffix(".weight") if head else None), transposed

@@ -23,13 +23,15 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Rope:
-    """A layer's rotary embedding: base `theta`, optional frequency `scaling` (hashable: layers sharing it
-    share one cos/sin per forward), `dim` the rotated width of a head (None: all of head_dim; partial RoPE
-    rotates only the first `dim`)."""
+    """A layer's rotary embedding: base `theta`, optional frequency `scaling`, the rotated `dims` of each head
+    (None: all; fewer: partial rotary), and `query_scale` (beta, period): the rotated queries times
+    1 + beta * log(1 + floor(position / period)) (Llama 4's and Ministral 3's attention temperature)
+    (hashable: layers sharing it share one cos/sin per forward)."""
 
     theta: float
     scaling: RopeScaling | None = None
-    dim: int | None = None
+    dims: int | None = None
+    query_scale: tuple[float, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,24 @@ class DecoderConfig(ConfigModel):
                 data = {**data, "head_dim": hidden // heads}
         return data
 
+    @model_validator(mode="after")
+    def _head_follows_the_architecture(self) -> DecoderConfig:
+        """`head.logit_scale` / `head.softcap` default to the architecture's own (`head_transform`: Gemma 2's
+        final softcap, Granite's logits scaling); a head that sets other values trains them, and the HF export,
+        whose architecture applies its own, refuses it."""
+        values = dict(zip(("logit_scale", "softcap"), self.head_transform()))
+        unset = {name: value for name, value in values.items()
+                 if name not in self.head.model_fields_set and value != getattr(self.head, name)}
+        if unset:
+            self.__dict__["head"] = self.head.model_copy(update=unset)  # no re-validation: the values are the model's
+        return self
+
     # --- the family interface ---------------------------------------------------------------------
+    def head_transform(self) -> tuple[float, float | None]:
+        """(logit_scale, softcap) the architecture itself applies to its logits, which `head` takes over
+        (Gemma 2's final logit softcap, Granite's 1 / logits_scaling); (1.0, None): none."""
+        return 1.0, None
+
     @property
     def kv_heads(self) -> int:
         """Key/value heads (grouped-query attention); all heads by default."""

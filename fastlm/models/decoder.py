@@ -29,7 +29,7 @@ from fastlm.models.config import ModelConfig
 if TYPE_CHECKING:
     from fastlm.layers.lm_head import LMHead
 
-Rotary = tuple[torch.Tensor, torch.Tensor]
+Rotary = tuple[torch.Tensor, ...]  # cos, sin (+ the queries' scale per position: Rope.query_scale)
 
 
 class DecoderLM(nn.Module):
@@ -146,8 +146,14 @@ class DecoderLM(nn.Module):
         """cos/sin per distinct rotary embedding of the layers (None: a layer without RoPE)."""
         head_dim = self.config.head_dim
         assert head_dim is not None
-        return [None if rope is None else rotary_angles(positions, rope.dim or head_dim, rope.theta, rope.scaling)
-                for rope in self.ropes]
+        rotaries: list[Rotary | None] = []
+        for rope in self.ropes:
+            rotary = None if rope is None else rotary_angles(positions, rope.dims or head_dim, rope.theta, rope.scaling)
+            if rope is not None and rope.query_scale is not None:
+                beta, period = rope.query_scale
+                rotary = (*rotary, 1 + beta * torch.log(1 + torch.floor(positions / period)))
+            rotaries.append(rotary)
+        return rotaries
 
     def cached_hidden_states(self, input_ids: torch.Tensor, cache: KVCache, columns: torch.Tensor, span: int) -> torch.Tensor:
         """Generation: (B, S) tokens at cache `columns` (B, S) -> (B, S, H) after the final norm, their keys and

@@ -76,11 +76,12 @@ def config_to_hf(config: DecoderConfig, tokenizer: Tokenizer, dtype: torch.dtype
     if tokenizer.vocab_size > config.vocab_size:
         issues.append(ConfigIssue("model.vocab_size", f"smaller than the {tokenizer.name} tokenizer's "
                                   f"{tokenizer.vocab_size} ids", config.vocab_size, hint="export with the run's tokenizer"))
-    if head.logit_scale != 1.0:
-        issues.append(ConfigIssue("model.head.logit_scale", "HF causal LMs have no logit scale", head.logit_scale,
-                                  hint="export a model trained with logit_scale 1.0"))
-    if head.softcap is not None:
-        issues.append(ConfigIssue("model.head.softcap", "these HF architectures have no logit softcap", head.softcap))
+    logit_scale, softcap = config.head_transform()  # what the HF architecture applies itself
+    if head.logit_scale != logit_scale:
+        issues.append(ConfigIssue("model.head.logit_scale", "the HF architecture has no such logit scale",
+                                  head.logit_scale, hint=f"export a model trained with logit_scale {logit_scale}"))
+    if head.softcap != softcap:
+        issues.append(ConfigIssue("model.head.softcap", "the HF architecture has no such logit softcap", head.softcap))
     issues += adapter.export_issues(config)
     if issues:
         raise ConfigError(issues)
@@ -134,6 +135,8 @@ def to_fastlm_state(tensors: StateDict, config: DecoderConfig, source: str = "ch
                                               tuple(piece.shape), source))
         if not issues:
             state[rule.ours] = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
+            if rule.rows is not None:
+                state[rule.ours] = state[rule.ours][list(rule.rows)]
     if issues:
         raise ConfigError(issues)
     return state
@@ -144,10 +147,12 @@ def to_hf_state(state: Mapping[str, torch.Tensor], config: DecoderConfig) -> Sta
     tensors: StateDict = {}
     for rule in weight_rules(config):
         value = state[rule.ours].detach().to("cpu")
+        if rule.rows is not None:  # back to the checkpoint's row order
+            value = value[torch.argsort(torch.tensor(rule.rows))]
         pieces = value.split(list(rule.sizes), dim=0) if rule.sizes is not None else (value,)
         for name, piece in zip(rule.theirs, pieces):
             tensors[name] = (piece.t() if rule.transpose else piece).contiguous().clone()
-    return tensors
+    return family_of(config).hf.checkpoint_layout(tensors)
 
 
 # --- files ----------------------------------------------------------------------------------------

@@ -51,12 +51,14 @@ class Reader:
 @dataclass(frozen=True)
 class WeightRule:
     """One fastlm tensor = the HF tensors `theirs` concatenated along dim 0 (rows `sizes` each);
-    `transpose`: HF stores each piece as (in, out) (GPT-2's Conv1D)."""
+    `transpose`: HF stores each piece as (in, out) (GPT-2's Conv1D); `rows`: our row i is row rows[i] of
+    the concatenation (a permutation: GLM-4's interleaved rotary dims in our half-split order)."""
 
     ours: str
     theirs: tuple[str, ...]
     sizes: tuple[int, ...] | None = None
     transpose: bool = False
+    rows: tuple[int, ...] | None = None
 
 
 class HFAdapter:
@@ -87,6 +89,11 @@ class HFAdapter:
 
     def normalise_keys(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """Checkpoint tensor names in the layout `weight_rules` expects (older naming variants)."""
+        return tensors
+
+    def checkpoint_layout(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """The export's tensors in the checkpoint's layout, where `normalise_keys` reshapes them (GPT-OSS's
+        experts); the identity by default."""
         return tensors
 
     @staticmethod

@@ -23,6 +23,15 @@ FAMILY_PACKAGES = (
     "qwen3_moe",
     "qwen3_5",
     "qwen2_moe",
+    "gemma2",
+    "olmo2",
+    "olmo3",
+    "granite",
+    "smollm3",
+    "glm4",
+    "ministral",
+    "ministral3",
+    "gpt_oss",
 )
 DEFAULT_FAMILY = "llama"  # the model section's `type:` when a config leaves it out
 

@@ -74,6 +74,7 @@ def _prompts(count: int = 6) -> list[list[int]]:
 @pytest.mark.parametrize(("name", "attention", "compile"), [
     ("tiny-llama", "flex", False), ("tiny-llama", "sdpa", False), ("mistral-tiny", "flex", False),
     ("tiny-llama", "flex", True), ("gemma3-tiny", "flex", False), ("gemma3-tiny", "flex", True),
+    ("gemma2-tiny", "flex", False), ("gemma2-tiny", "flex", True), ("gpt-oss-tiny", "flex", False),  # softcap, sinks
 ])
 def test_graph_step_matches_eager(name: str, attention: str, compile: bool) -> None:
     """float32 replica in a CUDA graph (optionally compiled) vs the live model eagerly with SDPA: the same

@@ -17,7 +17,7 @@ from fastlm.commands.main import main
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.generation.generator import Generator
 from fastlm.generation.sampling import SamplingOptions
-from fastlm.losses.spec import LossNormalizers, LossTargets
+from fastlm.losses.spec import LossNormalizers, LossTargets, transform_logits
 from fastlm.models.decoder import DecoderLM
 from fastlm.models.hf import config_from_hf, export_hf, import_hf
 from tests.models.model_helpers import center_offset_norms, randomize_weights, saved_pretrained
@@ -52,20 +52,45 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", {**BASE, "sliding_window": WINDOW, "rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}),
     "qwen3_5": ("Qwen3_5TextConfig", {**BASE, "num_hidden_layers": 4, "head_dim": 16, **LINEAR_ATTENTION}),
+    "gemma2": ("Gemma2Config", {**BASE, "num_hidden_layers": 3, "head_dim": 16, "query_pre_attn_scalar": 12,
+                                "sliding_window": WINDOW, "attn_logit_softcapping": 1.0,
+                                "final_logit_softcapping": 2.0}),
+    "olmo2": ("Olmo2Config", BASE),
+    "olmo3": ("Olmo3Config", {**BASE, "num_hidden_layers": 4, "sliding_window": WINDOW, "rope_parameters": {
+        FULL: {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 1e4},
+        SLIDING: {"rope_type": "default", "rope_theta": 5e3}}}),
+    "granite": ("GraniteConfig", {**BASE, "embedding_multiplier": 3.0, "residual_multiplier": 0.5,
+                                  "attention_multiplier": 0.4, "logits_scaling": 2.5, "attention_dropout": 0.1}),
+    "smollm3": ("SmolLM3Config", {**BASE, "num_hidden_layers": 4, "no_rope_layer_interval": 2,
+                                  "use_sliding_window": True, "sliding_window": WINDOW,
+                                  "layer_types": [SLIDING, FULL, FULL, SLIDING]}),
+    "glm4": ("Glm4Config", {**BASE, "head_dim": 12, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                                     "partial_rotary_factor": 0.5}}),
+    "ministral": ("MinistralConfig", {**BASE, "head_dim": 8, "sliding_window": WINDOW, "layer_types": [SLIDING, FULL]}),
+    "ministral3": ("Ministral3Config", {**BASE, "head_dim": 16, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 4, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5}}),
+    "gpt_oss": ("GptOssConfig", {**BASE, "num_hidden_layers": 3, "head_dim": 8, "sliding_window": WINDOW,
+                                 "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 0.3,
+                                 "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "truncate": False, "rope_theta": 1e4,
+                                                     "original_max_position_embeddings": 16}}),
     "gpt2": ("GPT2Config", {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
                             "bos_token_id": 256, "eos_token_id": 257}),
 }
 ONE_PER_FAMILY = ["llama3-rope-llama3-tied", "qwen2-mixed-windows", "mistral", "qwen3", "gemma3", "phi3", "gpt2",
-                  "qwen3_5"]
+                  "qwen3_5", "gemma2", "olmo3", "granite", "glm4", "gpt_oss"]  # ministral(3), smollm3: Llama's CLI path
+FLEX_DECODE = ("gemma3", "gemma2", "gpt_oss")
+OFFSET_NORMS = ("Gemma3TextConfig", "Gemma2Config")  # (1 + w) norms: randomised around 0
 
 
 def hf_model(case: str) -> torch.nn.Module:
     config_name, fields = CASES[case]
     config = getattr(transformers, config_name)(**fields)
     config._attn_implementation = "eager"  # the masks (and windows) are explicit in eager attention
+    config._experts_implementation = "eager"  # a loop over experts: float64 too (the grouped kernel has none)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    randomize_weights(model, seed=sum(map(ord, case)),
-                      norms_at_one=not isinstance(model.config, transformers.Gemma3TextConfig))
+    randomize_weights(model, seed=sum(map(ord, case)), norms_at_one=config_name not in OFFSET_NORMS)
     if case.startswith("qwen3_5"):
         center_offset_norms(model)
     return model
@@ -90,8 +115,8 @@ def test_logits_match_transformers(case: str, folders: dict[str, tuple[torch.nn.
     reference, directory = folders[case]
     model = import_hf(directory).eval()
     ids = _ids(seed=1)
-    with torch.no_grad():
-        ours, theirs = model.logits(ids), reference(ids).logits
+    with torch.no_grad():  # what the softmax sees: the head's transform is part of some architectures (softcaps)
+        ours, theirs = transform_logits(model.logits(ids), *model.config.head_transform()), reference(ids).logits
     error = float((ours - theirs).abs().max())
     print(f"{case}: fp32 logits max abs err {error:.2e} (|logits| max {float(theirs.abs().max()):.2f})")
     assert error <= 1e-5
@@ -101,6 +126,12 @@ def test_windows_and_rope_options_change_the_logits(folders: dict[str, tuple[tor
     """The options above are exercised: without them fastlm's logits move (SEQ > window, positions > 8)."""
     ids = _ids(seed=1)
     for case, field, plain in (("qwen2-mixed-windows", "layer_types", None), ("gemma3", "layer_types", [FULL] * 3),
+                               ("gemma2", "attn_logit_softcap", None), ("gemma2", "layer_types", [FULL] * 3),
+                               ("olmo3", "layer_types", [FULL] * 4), ("olmo3", "rope_scaling", None),
+                               ("granite", "residual_multiplier", 1.0), ("granite", "attention_multiplier", 1.0),
+                               ("granite", "embedding_multiplier", 1.0), ("smollm3", "nope_layers", []),
+                               ("glm4", "partial_rotary_factor", 1.0), ("ministral3", "query_scale_beta", 0.0),
+                               ("gpt_oss", "layer_types", [FULL] * 3),
                                ("llama3-rope-llama3-tied", "rope_scaling", None), ("llama-rope-yarn", "rope_scaling", None)):
         model = import_hf(folders[case][1]).eval()
         changed = DecoderLM(model.config.model_copy(update={field: plain}))
@@ -147,15 +178,15 @@ def test_export_loads_in_transformers_with_equal_logits(case: str, folders: dict
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_greedy_generation_equals_transformers(case: str, folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
     """Left-padded prompts of different lengths, past the window; float64 on both sides (no argmax ties).
-    Gemma 3 (local + global layers) also decodes through the FlexAttention decode masks (the CUDA-graph
-    path's; eager FlexAttention on CPU is slow, so only there)."""
+    Gemma 3 (local + global layers) and the score options (softcap, sinks) also decode through the FlexAttention
+    decode masks (the CUDA-graph path's; eager FlexAttention on CPU is slow, so only there)."""
     reference, directory = folders[case]
     reference = reference.double()
     reference.generation_config.eos_token_id = None  # sample the whole budget, as ours does without stop tokens
     model = import_hf(directory).double().eval()
     prompts = [[5, 17, 250, 3, 9, 44, 7], [101, 2, 33]]
     options = SamplingOptions(max_new_tokens=5, temperature=0.0)
-    for decode_attention in ("sdpa", "flex") if case == "gemma3" else ("sdpa",):
+    for decode_attention in ("sdpa", "flex") if case in FLEX_DECODE else ("sdpa",):
         completions = Generator(model, ByteTokenizer(), cuda_graph=False, decode_attention=decode_attention).generate(
             prompts, options)
         for prompt, completion in zip(prompts, completions):
@@ -194,6 +225,13 @@ def test_cli_convert_train_generate_export(case: str, folders: dict[str, tuple[t
                                     SLIDING: {"rope_type": "default", "rope_theta": 1e4}}},
      f"rope_parameters.{FULL}.rope_type"),
     ("gemma3", {"num_hidden_layers": 10**15, "layer_types": None}, "num_hidden_layers"),  # no 10^15-entry list
+    ("gemma2", {"attention_bias": True}, "attention_bias"),
+    ("olmo3", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}, "rope_parameters"),
+    ("granite", {"attention_dropout": "high"}, "attention_dropout"),
+    ("granite", {"mlp_bias": True}, "mlp_bias"),
+    ("smollm3", {"no_rope_layers": [1, 0, 1]}, "no_rope_layers"),
+    ("gpt_oss", {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}, "quantization_config"),
+    ("gpt_oss", {"attention_bias": False}, "attention_bias"),
     ("qwen2-mixed-windows", {"num_hidden_layers": 10**15, "layer_types": None}, "num_hidden_layers"),
 ])
 def test_unsupported_options_name_the_field(case: str, overrides: dict[str, Any], field: str) -> None:
@@ -222,6 +260,28 @@ def test_packed_documents_with_per_layer_windows(kind: str, folders: dict[str, t
     error = float((packed - alone).abs().max())
     print(f"gemma3 {kind} packed vs one-by-one float64 max abs err {error:.2e}")
     assert error < 1e-10
+
+
+@pytest.mark.parametrize("rope", [{"rope_theta": 1e4, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                                     "original_max_position_embeddings": 16}},
+                                  {"rope_theta": 1e4}, {}])
+def test_olmo3_older_rope_keys_read_as_transformers_does(rope: dict[str, Any]) -> None:
+    """An older OLMo 3 config.json (rope_theta, rope_scaling): transformers 5.25 gives them to the global
+    layers and OLMo 3's default base (500000) to the sliding ones; fastlm's inverse frequencies equal its."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from fastlm.layers.rotary import inverse_frequencies
+
+    fields = {key: value for key, value in CASES["olmo3"][1].items() if key != "rope_parameters"}
+    hf_config = transformers.Olmo3Config.from_dict({**fields, **rope})
+    ours = config_from_hf({**fields, "model_type": "olmo3", **rope})
+    for kind, theta, scaling in ((FULL, ours.rope_theta, ours.rope_scaling), (SLIDING, ours.rope_local_theta, None)):
+        parameters = hf_config.rope_parameters[kind]
+        if parameters["rope_type"] == "default":
+            theirs = 1.0 / parameters["rope_theta"] ** (torch.arange(0, ours.head_dim, 2).float() / ours.head_dim)
+        else:
+            theirs = ROPE_INIT_FUNCTIONS[parameters["rope_type"]](hf_config, "cpu", layer_type=kind)[0]
+        assert torch.allclose(inverse_frequencies(ours.head_dim, theta, scaling), theirs, rtol=1e-6), kind
 
 
 def test_rope_scaling_spellings_agree() -> None:
@@ -260,7 +320,8 @@ def test_multimodal_gemma3_imports_its_text_tower(tmp_path: Path) -> None:
     assert error <= 1e-5
 
 
-@pytest.mark.parametrize("case", ["qwen3", "gemma3", "llama-rope-yarn", "phi3"])
+@pytest.mark.parametrize("case", ["qwen3", "gemma3", "llama-rope-yarn", "phi3", "gemma2", "granite", "glm4", "gpt_oss",
+                                  "olmo3", "smollm3", "ministral3"])
 def test_loss_and_gradients_match_transformers_in_float64(case: str,
                                                           folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
     """Our CE vs cross_entropy on transformers' float64 logits, every gradient mapped back to HF names.
@@ -300,3 +361,75 @@ def test_scaled_inverse_frequencies_equal_transformers(case: str) -> None:
     ours = config_from_hf(hf_config.to_dict())
     assert torch.equal(inverse_frequencies(ours.head_dim, ours.rope_theta, ours.rope_scaling), theirs)
     assert ours.rope_scaling.cos_sin_scale == pytest.approx(factor, rel=1e-12)
+
+
+def test_head_takes_the_architectures_logit_transform(tmp_path: Path) -> None:
+    """Gemma 2's final softcap is the head's softcap by default (so the loss, the sampler and the export see
+    it); a head set to another one trains it, and the export refuses it, naming the field."""
+    from fastlm.config.errors import ConfigError
+    from fastlm.models.gemma2.config import Gemma2Config
+
+    assert Gemma2Config().head.softcap == 30.0
+    assert Gemma2Config(final_logit_softcap=None).head.softcap is None
+    other = Gemma2Config(hidden_size=32, num_heads=2, head={"softcap": 20.0})
+    assert other.head.softcap == 20.0
+    with pytest.raises(ConfigError) as caught:
+        export_hf(DecoderLM(other), tmp_path, ByteTokenizer())
+    assert [issue.path for issue in caught.value.issues] == ["model.head.softcap"]
+
+
+def test_glm4_peft_export_of_permuted_rows_is_refused(folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
+    """GLM-4's q/k rows are stored in another order than fastlm's (interleaved rotary pairs): PEFT adapters on
+    them would land on the wrong rows, so the PEFT export names the module and the way out; others export."""
+    from fastlm.lora.attach import select_targets
+    from fastlm.lora.peft import PeftFormatError, hf_layout
+
+    model = import_hf(folders["glm4"][1])
+    with pytest.raises(PeftFormatError, match=r"blocks.0.attn.qkv_proj \(q\)"):
+        hf_layout(model.config, select_targets(model, ["attn.q"]))
+    assert hf_layout(model.config, select_targets(model, ["mlp.down", "attn.v"]))[0] == "lm_head"
+
+
+def test_gpt_oss_mxfp4_checkpoint_is_dequantised_at_import(tmp_path: Path) -> None:
+    """A GPT-OSS folder whose experts are MXFP4 (`*_blocks` / `*_scales`, `quantization_config`, as the
+    published ones): fastlm's dequantisation equals transformers' bit for bit, and the imported model's logits
+    equal transformers' model holding those dequantised weights."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from fastlm.models.gpt_oss.hf import dequantized_mxfp4
+
+    _, fields = CASES["gpt_oss"]
+    config = transformers.GptOssConfig(**{**fields, "intermediate_size": 64})  # MXFP4 blocks: widths of 32
+    config._attn_implementation, config._experts_implementation = "eager", "eager"
+    reference = transformers.AutoModelForCausalLM.from_config(config).eval()
+    randomize_weights(reference, seed=12)
+    generator = torch.Generator().manual_seed(13)
+    quantized = {}
+    with torch.no_grad():
+        for name, parameter in reference.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                experts, columns, rows = parameter.shape  # (E, in, out): the blocks run over `in`
+                blocks = torch.randint(0, 256, (experts, rows, columns // 32, 16), dtype=torch.uint8, generator=generator)
+                scales = torch.randint(120, 130, (experts, rows, columns // 32), dtype=torch.uint8, generator=generator)
+                theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+                ours = dequantized_mxfp4({f"{name}_blocks": blocks, f"{name}_scales": scales})[name]
+                assert torch.equal(ours, theirs), name
+                parameter.copy_(theirs.float())
+                quantized.update({f"{name}_blocks": blocks, f"{name}_scales": scales})
+    reference.save_pretrained(tmp_path / "dequantised")
+    folder = tmp_path / "mxfp4"
+    folder.mkdir()
+    hf_config = json.loads((tmp_path / "dequantised" / "config.json").read_text())
+    hf_config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": None}
+    (folder / "config.json").write_text(json.dumps(hf_config))
+    tensors = load_file(tmp_path / "dequantised" / "model.safetensors")
+    tensors = {name: value for name, value in tensors.items() if f"{name}_blocks" not in quantized}
+    assert len(tensors) == len(load_file(tmp_path / "dequantised" / "model.safetensors")) - len(quantized) // 2
+    save_file({**tensors, **quantized}, folder / "model.safetensors")
+    model = import_hf(folder).eval()
+    ids = _ids(seed=14)
+    with torch.no_grad():
+        error = float((model.logits(ids) - reference(ids).logits).abs().max())
+    print(f"gpt_oss from MXFP4: fp32 logits max abs err {error:.2e}")
+    assert error <= 1e-5

@@ -146,3 +146,49 @@ def test_layout_choice() -> None:
         cuda = torch.device("cuda")
         assert attention_layout(2, 12, positions.cuda(), 4, cuda).kind == "flex"
         assert attention_layout(2, 12, positions.cuda(), None, cuda, dropout_active=True).kind == "dense"
+
+
+def naive_capped_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                                softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The formula written out: p_j = exp(c(s_j)) / (sum_i exp(c(s_i)) + exp(sink)), c the softcap."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    weights = scores.exp() * mask
+    denominator = weights.sum(-1, keepdim=True)
+    if sinks is not None:
+        denominator = denominator + sinks.exp().view(1, -1, 1, 1)
+    return weights / denominator @ v
+
+
+@pytest.mark.parametrize("kind", ["causal", "dense", "flex"])
+@pytest.mark.parametrize(("softcap", "with_sinks"), [(2.0, False), (None, True), (3.0, True)])
+def test_softcap_and_sinks_match_naive_float64(kind: str, softcap: float | None, with_sinks: bool) -> None:
+    """Attention logit softcapping (Gemma 2) and per-head sinks (GPT-OSS) on every layout, grouped heads,
+    float64, against the formula: output, and the gradients of q, k, v and the sinks (flex: forward only,
+    its backward runs on CUDA: tests/models/test_packed_attention_cuda.py)."""
+    torch.manual_seed(3)
+    batch, heads, kv_heads, seq_len, dim = 2, 4, 2, DOCS.shape[1], 8
+    q = torch.randn(batch, heads, seq_len, dim, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(batch, kv_heads, seq_len, dim, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(heads, dtype=torch.float64, requires_grad=True) if with_sinks else None
+    docs = None if kind == "causal" else DOCS
+    window = None if kind == "causal" else 4
+    positions = None if docs is None else document_positions(docs)
+    layout = attention_layout(batch, seq_len, positions, window, q.device, kind=kind)
+    inputs = [t.detach().requires_grad_(kind != "flex") if t is not None else None for t in (q, k, v, sinks)]
+    out = layout.attend(*inputs[:3], softcap=softcap, sinks=inputs[3])
+    ref = naive_capped_sink_attention(q, k, v, naive_mask(docs, seq_len, window), softcap, sinks)
+    errors = [relative_error(out, ref)]
+    leaves = [t for t in (q, k, v, sinks) if t is not None]
+    if kind != "flex":
+        weight = torch.randn_like(ref)
+        grads = torch.autograd.grad((out * weight).sum(), [t for t in inputs if t is not None])
+        ref_grads = torch.autograd.grad((ref * weight).sum(), leaves)
+        errors += [relative_error(g, r) for g, r in zip(grads, ref_grads)]
+    print(f"{kind} softcap={softcap} sinks={with_sinks}: float64 rel err out/grads {[f'{e:.1e}' for e in errors]}")
+    assert max(errors) < 1e-12
+    plain = naive_capped_sink_attention(q, k, v, naive_mask(docs, seq_len, window), None, None)
+    assert relative_error(plain, ref) > 1e-3  # the options change the output

@@ -47,7 +47,7 @@ def test_preset_shapes_match_their_names() -> None:
 
 # Parameter counts of the published checkpoints, from their config.json shapes (tied embeddings counted once):
 # Qwen3-0.6B "0.6B" (0.44B non-embedding), Qwen3-1.7B "1.7B" (1.4B non-embedding), Llama-3.2-1B "1.24B",
-# Gemma-3-1B "1B", Phi-3-mini "3.8B".
+# Gemma-3-1B "1B", Phi-3-mini "3.8B"; the 2026 zoo's smallest sizes in ZOO_PUBLISHED (sources in each preset's comment).
 PUBLISHED = {"qwen3-0.6b": (596_049_920, 151936), "qwen3-1.7b": (1_720_574_976, 151936),
              "llama3.2-1b": (1_235_814_400, 128256), "gemma3-1b": (999_885_952, 262144),
              "phi3-mini": (3_821_079_552, 32064),
@@ -59,6 +59,11 @@ PUBLISHED = {"qwen3-0.6b": (596_049_920, 151936), "qwen3-1.7b": (1_720_574_976, 
 # The long-context sizes: Qwen3-4B "4.0B", Qwen3-8B "8.2B", Llama-3.1-8B "8.03B".
 PUBLISHED.update({"qwen3-4b": (4_022_468_096, 151936), "qwen3-8b": (8_190_735_360, 151936),
                   "llama3.1-8b": (8_030_261_248, 128256)})
+ZOO_PUBLISHED = {"gemma2-2b": (2_614_341_888, 256000), "olmo2-1b": (1_484_916_736, 100352),
+                 "olmo3-7b": (7_298_011_136, 100278), "granite3-2b": (2_533_531_648, 49155),
+                 "smollm3-3b": (3_075_098_624, 128256), "glm4-9b": (9_400_279_040, 151552),
+                 "ministral3-3b": (3_429_006_336, 131072), "gpt-oss-20b": (20_914_757_184, 201088)}
+PUBLISHED.update(ZOO_PUBLISHED)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

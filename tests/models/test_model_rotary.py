@@ -61,3 +61,14 @@ def test_matches_complex_reference(theta: float) -> None:
 def test_odd_head_dim_is_rejected() -> None:
     with pytest.raises(ValueError, match="even"):
         rotary_angles(torch.arange(4)[None], 7, 10000.0)
+
+
+def test_partial_rotary_turns_only_the_first_dims() -> None:
+    """cos/sin for R < D dims (GLM-4): the first R dims rotate exactly as a head of R dims would, the rest
+    pass unchanged (float64)."""
+    x = torch.randn(2, 3, 5, 12, dtype=torch.float64)
+    cos, sin = rotary_angles(torch.arange(5)[None], 4, 10000.0)
+    out = apply_rotary(x, cos, sin)
+    assert torch.equal(out[..., 4:], x[..., 4:])
+    assert torch.equal(out[..., :4], apply_rotary(x[..., :4].contiguous(), cos, sin))
+    assert not torch.equal(out[..., :4], x[..., :4])

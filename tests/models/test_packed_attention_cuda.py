@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA (FlexAttention kernels, bf16 autocast)", allow_module_level=True)
 
 from model_helpers import TINY_PRESETS, load_preset, make_model, relative_error
-from test_model_attention import naive_attention, naive_mask
+from test_model_attention import naive_attention, naive_capped_sink_attention, naive_mask
 from test_packed_attention import packed_rows
 
 from fastlm.layers.embedding import document_positions
@@ -50,6 +50,39 @@ def test_flex_kernels_match_float64_reference(heads: int, kv_heads: int, window:
     assert max(errors) < (2e-2 if dtype == torch.bfloat16 else 2e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("softcap", "with_sinks", "window", "packed"),
+                         [(50.0, False, 48, True), (None, True, 48, True), (20.0, True, None, True), (20.0, True, None, False)])
+def test_flex_softcap_and_sinks_match_float64_reference(softcap: float | None, with_sinks: bool, window: int | None,
+                                                        packed: bool, dtype: torch.dtype) -> None:
+    """Compiled FlexAttention with the softcap score_mod (Gemma 2) and per-head sinks (GPT-OSS, through the
+    returned log-sum-exp) against the float64 formula: output and the gradients of q, k, v and the sinks.
+    Unpacked rows without a window (the causal layout: SDPA lacks both options) take FlexAttention too."""
+    torch.manual_seed(5)
+    batch, heads, kv_heads, seq_len, dim = 2, 8, 2, 320, 64
+    _, documents = packed_rows(batch, seq_len, 10, seed=17)
+    documents = documents if packed else None
+    leaves = [torch.randn(batch, h, seq_len, dim, dtype=torch.float64, requires_grad=True)
+              for h in (heads, kv_heads, kv_heads)]
+    if with_sinks:
+        leaves.append(torch.randn(heads, dtype=torch.float64, requires_grad=True))
+    sinks = leaves[3] if with_sinks else None
+    weight = torch.randn(batch, heads, seq_len, dim, dtype=torch.float64)
+    ref = naive_capped_sink_attention(*leaves[:3], naive_mask(documents, seq_len, window), softcap, sinks)
+    ref_grads = torch.autograd.grad((ref * weight).sum(), leaves)
+
+    positions = None if documents is None else document_positions(documents).to(CUDA)
+    layout = attention_layout(batch, seq_len, positions, window, CUDA)
+    assert layout.kind == ("flex" if packed else "causal")
+    inputs = [t.detach().to(CUDA, dtype if t.ndim > 1 else torch.float32).requires_grad_() for t in leaves]
+    out = layout.attend(*inputs[:3], softcap=softcap, sinks=inputs[3] if with_sinks else None)
+    grads = torch.autograd.grad((out * weight.to(CUDA, dtype)).sum(), inputs)
+    errors = [relative_error(out.double().cpu(), ref)] + [relative_error(g.double().cpu(), r) for g, r in zip(grads, ref_grads)]
+    print(f"flex {dtype} softcap={softcap} sinks={with_sinks} window={window} packed={packed}: rel err out/grads "
+          f"{[f'{e:.1e}' for e in errors]}")
+    assert max(errors) < (2e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
 def loss_and_grads(model, tokens, documents, amp: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
     labels = torch.roll(tokens, -1, dims=1)
     labels[:, -1] = -100
@@ -60,7 +93,8 @@ def loss_and_grads(model, tokens, documents, amp: bool) -> tuple[torch.Tensor, l
     return result.loss.detach().double().cpu(), [p.grad.double().cpu() for p in model.parameters()]
 
 
-@pytest.mark.parametrize(("preset", "compiled"), [(p, False) for p in TINY_PRESETS] + [("mistral-tiny", True)])
+@pytest.mark.parametrize(("preset", "compiled"), [(p, False) for p in TINY_PRESETS] + [("mistral-tiny", True),
+                                                    ("gemma2-tiny", False), ("gemma2-tiny", True)])
 def test_every_architecture_trains_in_bf16_like_float64(preset: str, compiled: bool) -> None:
     """GPT-2, Llama (RoPE, GQA), Qwen2 (bias), Mistral (window) on packed rows: bf16 autocast with
     FlexAttention (eager, or blocks compiled by inductor) against the float64 dense-mask model on CPU."""
