@@ -69,7 +69,7 @@ from fastlm.rl.prompts import (
     task_reward,
 )
 from fastlm.rl.rewards import RewardFunction, load_reward_functions, reward_metrics, score_completions, total_reward
-from fastlm.rl.teacher import Teacher, add_teacher_advantages, teacher_metrics
+from fastlm.rl.teacher import Teacher, add_teacher_advantages, add_teacher_heads, teacher_metrics
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,9 @@ def collect_rollout(model: DecoderLM, policy_head: LMHead, backend: GenerationBa
     metrics = {**rollout_metrics(total, advantages, lengths, stopped.bool(), config.group_size),
                **(reward_metrics(gathered[:, 3:], setup.rewards) if setup.environment is None
                   else episode_metrics(gathered[:, 3:]))}
-    if teacher is not None:  # 5b. the teacher scores every sampled token: its reverse KL joins the advantages
+    if teacher is not None and teacher.config.objective == "gkd":  # 5b. the teacher's head input for the head's KD
+        add_teacher_heads(batches, teacher)
+    elif teacher is not None:  # 5b. the teacher scores every sampled token: its reverse KL joins the advantages
         metrics.update(teacher_metrics(shard.gather(add_teacher_advantages(batches, teacher))))
     scored_by_teacher = time.perf_counter()
     if config.old_logprobs == "trainer":  # 6. old log-probs (and the sampler gap they reveal); else the sampler's

@@ -11,6 +11,10 @@ Machines' on-policy distillation (the per-token reverse KL as the advantage); re
 distillation in one run. The teacher is any model fastlm loads (a fastlm run, a Hugging Face folder, a hub
 name from the cache) with the run's tokenizer, frozen, in bf16 on CUDA, and scores the rollout's packed rows
 over token chunks within the head's logits budget (no full logits), as the KL reference does.
+
+`objective: gkd` (GKD on student samples, Agarwal et al. 2024) instead gives each packed batch the teacher's head
+input (`add_teacher_heads`), and the head's distillation child (e.g. kl: jsd with beta) trains on the teacher's
+whole distribution at every sampled position, its logits made chunk by chunk inside the head.
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ from fastlm.data.batch import Batch
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
 from fastlm.engine.frozen import freeze, load_frozen_model
 from fastlm.engine.init_path import checkpoint_tokenizer, resolve_init_path
-from fastlm.losses.spec import IGNORE_INDEX
+from fastlm.losses.spec import IGNORE_INDEX, TeacherHead
 from fastlm.models.decoder import DecoderLM
 from fastlm.rl.config import TeacherConfig
 from fastlm.rl.consistency import tempered_transform
 from fastlm.rl.packing import policy_logprobs
+from fastlm.system.device import autocast
 
 if TYPE_CHECKING:
     from fastlm.run_config.schema import RunConfig
@@ -122,6 +127,21 @@ def add_teacher_advantages(batches: list[Batch], teacher: Teacher) -> torch.Tens
         statistics.append(torch.stack([(-gain).sum(), scored[tokens].sum(), student[tokens].sum(),
                                        tokens.sum().to(gain.dtype)]).double())
     return torch.stack(statistics)
+
+
+def add_teacher_heads(batches: list[Batch], teacher: Teacher) -> None:
+    """objective gkd: each batch's teacher head input (its hidden states over the packed rows, its output weight,
+    its head transform at the rollout's temperature like `score`), once per rollout like the reference log-probs,
+    for the head's distillation child; the advantages keep reward_weight * A_group. The hidden states stay where the
+    batch is (the host: the device holds one micro-batch's at a time); the chunked head makes the logits per chunk."""
+    device = teacher.model.output_weight.device
+    for batch in batches:
+        assert batch.advantages is not None
+        with torch.no_grad(), autocast(device, teacher.amp_dtype):
+            hidden = teacher.model.hidden_states(batch.input_ids.to(device), batch.document_ids.to(device))
+        batch.teacher_head = TeacherHead(hidden.to(batch.input_ids.device), teacher.model.output_weight,
+                                         teacher.logit_scale, teacher.softcap)
+        batch.advantages = teacher.config.reward_weight * batch.advantages
 
 
 def discounted(gain: torch.Tensor, tokens: torch.Tensor, documents: torch.Tensor, discount: float) -> torch.Tensor:
