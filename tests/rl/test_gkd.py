@@ -87,18 +87,18 @@ def test_gkd_needs_a_distillation_child_and_reverse_kl_none() -> None:
 
 
 def test_a_tiny_gkd_run_trains(tmp_path: Path) -> None:
-    """A 2-step teacher run, then a student that distills from it with gkd (JSD beta 0.5) after a 1-step warm-up:
+    """configs/gkd.yaml shortened: a 2-step teacher run, then a student that distills from it with gkd (JSD beta
+    0.5) after a 1-step warm-up:
     the RL step logs a finite, positive distillation loss and the reward-free policy child's zero gradient."""
     quiet = [f"run.output_dir={tmp_path}/{{name}}", "logging.progress=false", "logging.wandb.enabled=false",
              "trainer.steps=2", "rl.warmup_steps=1", "rl.prompts_per_rollout=2", "rl.group_size=2",
              "rl.eval_prompts=2", "trainer.log_every=1", "trainer.eval_every=0", "rl.updates_per_rollout=1"]
     teacher = RLTrainer(load_config(CONFIGS / "grpo.yaml", quiet)).train()
-    config = load_config(CONFIGS / "opd.yaml", [*quiet, f"rl.teacher={{path: {teacher.run_dir}, objective: gkd}}",
-                                                 "model.head.losses.kd={type: distillation, kl: jsd, beta: 0.5}"])
+    config = load_config(CONFIGS / "gkd.yaml", [*quiet, f"rl.teacher.path={teacher.run_dir}"])
     student = RLTrainer(config)
     student.train()
     from fastlm.logging.jsonl import read_metrics
 
     records = [r for r in read_metrics(student.run_dir / "metrics.jsonl") if r.get("train/rl/warmup") == 0.0]
     print(records[-1])
-    assert records and all(0 < r["train/loss/kd"] < 10 for r in records)
+    assert records and all(0 < r["train/loss/distillation"] < 10 for r in records)
