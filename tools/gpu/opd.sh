@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# On-policy distillation beside GRPO alone and offline KD (tools/bench_opd.py), time-boxed: a qwen3-1.7b teacher
+# trained here on the arithmetic-chain task (supervised warm-up + GRPO), then the qwen3-0.6b student per arm with
+# the same steps and seeds. The table goes to $OUT/opd.log, the report to $OUT/bench_opd.json (rewritten after each
+# arm) and the eval-reward plot to $OUT/bench_opd.png.
+#   bash tools/gpu/opd.sh [BUDGET_S]    # TEACHER_WARMUP (100), TEACHER_STEPS (20), STUDENT_WARMUP (20), STEPS (20),
+#                                       # ARMS (opd,gkd,grpo,kd), EXTRA: more bench_opd flags (e.g. "--teacher PATH")
+BUDGET=${1:-540}; OUT=${OUT:-/tmp/opd-out}; LOG="$OUT/opd.log"
+source "$(dirname "$0")/common.sh"
+say "bench_opd: teacher ${TEACHER_WARMUP:-100}+${TEACHER_STEPS:-20}, students ${STUDENT_WARMUP:-20}+${STEPS:-20}, arms ${ARMS:-opd,gkd,grpo,kd} ${EXTRA:-}"
+run "$(( $(left) - 5 ))" python3 tools/bench_opd.py --teacher-warmup "${TEACHER_WARMUP:-100}" \
+    --teacher-steps "${TEACHER_STEPS:-20}" --student-warmup "${STUDENT_WARMUP:-20}" --steps "${STEPS:-20}" \
+    --arms "${ARMS:-opd,gkd,grpo,kd}" --out "$OUT/bench_opd.json" --plot "$OUT/bench_opd.png" ${EXTRA:-}
+say "summary"; printf '%s\n' "${SUMMARY[@]}" | tee -a "$LOG"
