@@ -4,6 +4,8 @@ qwen3-0.6b student, the built-in arithmetic-chain task, the same steps and seeds
     python tools/bench_opd.py --out $OUT/bench_opd.json --plot $OUT/bench_opd.png        # CUDA, the issue's run
     python tools/bench_opd.py --teacher runs/my-teacher ...     # skip the teacher's training: any path fastlm loads
     python tools/bench_opd.py --cpu-smoke --out /tmp/opd.json   # CPU: tiny presets, a few steps, every arm
+    python tools/bench_opd.py --arms none --keep-teacher runs/opd_teacher   # the teacher alone, kept for a later
+                                                                            # --teacher runs/opd_teacher/checkpoints
 
 The setup: the presets' shapes with the byte tokenizer (vocab 260; a random init is useless, so both models are
 trained here), task arithmetic_chain (2 steps, operands <= 5), G = --group completions of up to --new-tokens tokens
@@ -166,7 +168,8 @@ def train_arm(name: str, config: Any, args: argparse.Namespace, warmup: int, ste
               "step_seconds": median["step_seconds"], "teacher_seconds": median["teacher_seconds"],
               "teacher_share": median["teacher_seconds"] / max(median["step_seconds"], 1e-9),
               "tokens_per_second": median["trained_tokens"] / max(median["step_seconds"], 1e-9)}
-    if arm == "teacher":
+    if arm == "teacher":  # its weights only: the optimizer's moments (2x the model in fp32) are never read again
+        trainer.optimizer.state.clear()
         result["checkpoint"] = str(trainer.save())
     del trainer
     if torch.cuda.is_available():
@@ -214,7 +217,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--teacher-steps", type=int, default=20, help="the teacher's GRPO steps after it")
     parser.add_argument("--student-warmup", type=int, default=20, help="every student arm's supervised warm-up")
     parser.add_argument("--steps", type=int, default=20, help="student steps per arm after the warm-up")
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {ARMS}")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {ARMS}; none: the teacher only")
+    parser.add_argument("--keep-teacher", type=Path, default=None, help="train the teacher in this folder (its "
+                        "checkpoints/ then serve --teacher in a later call) instead of a temporary one")
     parser.add_argument("--beta", type=float, default=0.5, help="gkd's generalized JSD beta")
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=16)
@@ -241,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             setattr(args, name, value)
     elif args.device != "cuda":
         parser.error("the benchmark needs CUDA (or --cpu-smoke)")
-    arms = args.arms.split(",")
+    arms = [] if args.arms == "none" else args.arms.split(",")
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         parser.error(f"--arms: unknown {unknown}; choose from {ARMS}")
@@ -252,9 +257,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         work = Path(folder)
         teacher = args.teacher
         if teacher is None:
-            config = run_config("teacher", args.teacher_preset, args, work, args.teacher_warmup, args.teacher_steps)
+            config = run_config("teacher", args.teacher_preset, args, args.keep_teacher or work, args.teacher_warmup,
+                                args.teacher_steps)
             trained = train_arm("teacher", config, args, args.teacher_warmup, args.teacher_steps, "teacher")
             teacher = trained.pop("checkpoint")
+            report["teacher_checkpoint"] = teacher
             report["teacher_run"] = trained
             report["teacher_eval"] = trained["eval_rewards"][-1][1]
         else:

@@ -4,7 +4,9 @@
 # the same steps and seeds. The table goes to $OUT/opd.log, the report to $OUT/bench_opd.json (rewritten after each
 # arm) and the eval-reward plot to $OUT/bench_opd.png.
 #   bash tools/gpu/opd.sh [BUDGET_S]    # TEACHER_WARMUP (100), TEACHER_STEPS (20), STUDENT_WARMUP (20), STEPS (20),
-#                                       # ARMS (opd,gkd,grpo,kd), EXTRA: more bench_opd flags (e.g. "--teacher PATH")
+#                                       # ARMS (opd,gkd,grpo,kd; none: the teacher only), EXTRA: more bench_opd flags
+# Two calls when one is too short: ARMS=none EXTRA="--keep-teacher runs/opd_teacher" first, then
+# EXTRA="--teacher runs/opd_teacher" on the same (warm) machine.
 BUDGET=${1:-540}; OUT=${OUT:-/tmp/opd-out}; LOG="$OUT/opd.log"
 source "$(dirname "$0")/common.sh"
 say "bench_opd: teacher ${TEACHER_WARMUP:-100}+${TEACHER_STEPS:-20}, students ${STUDENT_WARMUP:-20}+${STEPS:-20}, arms ${ARMS:-opd,gkd,grpo,kd} ${EXTRA:-}"
