@@ -199,10 +199,9 @@ def collect_rollout(model: DecoderLM, policy_head: LMHead, backend: GenerationBa
     metrics = {**rollout_metrics(total, advantages, lengths, stopped.bool(), config.group_size),
                **(reward_metrics(gathered[:, 3:], setup.rewards) if setup.environment is None
                   else episode_metrics(gathered[:, 3:]))}
-    if teacher is not None and teacher.config.objective == "gkd":  # 5b. the teacher's head input for the head's KD
-        add_teacher_heads(batches, teacher)
-    elif teacher is not None:  # 5b. the teacher scores every sampled token: its reverse KL joins the advantages
-        metrics.update(teacher_metrics(shard.gather(add_teacher_advantages(batches, teacher))))
+    if teacher is not None:  # 5b. the teacher: its reverse KL joins the advantages, or (gkd) its head input the batches
+        add = add_teacher_heads if teacher.config.objective == "gkd" else add_teacher_advantages
+        metrics.update(teacher_metrics(shard.gather(add(batches, teacher))))
     scored_by_teacher = time.perf_counter()
     if config.old_logprobs == "trainer":  # 6. old log-probs (and the sampler gap they reveal); else the sampler's
         gaps = shard.gather(add_old_logprobs(batches, model, policy_head, config.importance_sampling, amp_dtype))

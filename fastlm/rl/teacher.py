@@ -33,7 +33,7 @@ from fastlm.losses.spec import IGNORE_INDEX, TeacherHead
 from fastlm.models.decoder import DecoderLM
 from fastlm.rl.config import TeacherConfig
 from fastlm.rl.consistency import tempered_transform
-from fastlm.rl.packing import policy_logprobs
+from fastlm.rl.packing import hidden_logprobs, policy_logprobs
 from fastlm.system.device import autocast
 
 if TYPE_CHECKING:
@@ -124,24 +124,37 @@ def add_teacher_advantages(batches: list[Batch], teacher: Teacher) -> torch.Tens
         gain = (scored - student).masked_fill(~tokens, 0.0)
         term = discounted(gain, tokens, batch.document_ids, config.discount)
         batch.advantages = (config.reward_weight * batch.advantages + config.coef * term).masked_fill(~tokens, 0.0)
-        statistics.append(torch.stack([(-gain).sum(), scored[tokens].sum(), student[tokens].sum(),
-                                       tokens.sum().to(gain.dtype)]).double())
+        statistics.append(_score_sums(scored, student, tokens))
     return torch.stack(statistics)
 
 
-def add_teacher_heads(batches: list[Batch], teacher: Teacher) -> None:
+def add_teacher_heads(batches: list[Batch], teacher: Teacher) -> torch.Tensor:
     """objective gkd: each batch's teacher head input (its hidden states over the packed rows, its output weight,
     its head transform at the rollout's temperature like `score`), once per rollout like the reference log-probs,
     for the head's distillation child; the advantages keep reward_weight * A_group. The hidden states stay where the
-    batch is (the host: the device holds one micro-batch's at a time); the chunked head makes the logits per chunk."""
+    batch is (the host: the device holds one micro-batch's at a time); the chunked head makes the logits per chunk.
+    The same hidden states give the teacher's log-probs of the sampled tokens (its head over token chunks, no second
+    forward): the per-batch sums of `add_teacher_advantages` for the train/distill/* metrics."""
     device = teacher.model.output_weight.device
+    statistics = []
     for batch in batches:
-        assert batch.advantages is not None
+        assert batch.old_logp is not None and batch.advantages is not None
         with torch.no_grad(), autocast(device, teacher.amp_dtype):
             hidden = teacher.model.hidden_states(batch.input_ids.to(device), batch.document_ids.to(device))
+        with torch.no_grad():
+            scored = hidden_logprobs(teacher.model, hidden, batch.labels, teacher.logit_scale, teacher.softcap,
+                                     teacher.amp_dtype, teacher.budget_mib)
         batch.teacher_head = TeacherHead(hidden.to(batch.input_ids.device), teacher.model.output_weight,
                                          teacher.logit_scale, teacher.softcap)
         batch.advantages = teacher.config.reward_weight * batch.advantages
+        statistics.append(_score_sums(scored, batch.old_logp, batch.labels != IGNORE_INDEX))
+    return torch.stack(statistics)
+
+
+def _score_sums(scored: torch.Tensor, student: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """(sampled reverse KL, teacher log-prob, student log-prob, tokens) summed over a batch's policy tokens."""
+    gain = (scored - student).masked_fill(~tokens, 0.0)
+    return torch.stack([(-gain).sum(), scored[tokens].sum(), student[tokens].sum(), tokens.sum().to(gain.dtype)]).double()
 
 
 def discounted(gain: torch.Tensor, tokens: torch.Tensor, documents: torch.Tensor, discount: float) -> torch.Tensor:

@@ -21,7 +21,7 @@ from fastlm.models.config import LlamaConfig
 from fastlm.models.decoder import build_model
 from fastlm.rl.config import TeacherConfig
 from fastlm.rl.packing import pack_policy_samples, split_into_batches
-from fastlm.rl.teacher import Teacher, add_teacher_heads
+from fastlm.rl.teacher import Teacher, add_teacher_heads, teacher_metrics
 from fastlm.rl.trainer import RLTrainer
 from fastlm.run_config.loader import load_config
 
@@ -47,7 +47,7 @@ def test_rollout_batches_carry_the_teacher_head_and_the_loss_is_the_float64_jsd(
     group = batch.advantages.clone()
     teacher = Teacher(teacher_model, TeacherConfig(path="unused", objective="gkd", reward_weight=0.5), 1.25, 5.0,
                       None, budget_mib=1.0)
-    add_teacher_heads([batch], teacher)
+    sums = add_teacher_heads([batch], teacher)
     assert batch.teacher_head is not None and batch.teacher_head.hidden.shape == (*batch.input_ids.shape, 48)
     assert torch.equal(batch.advantages, 0.5 * group)
     beta, temperature = 0.3, 1.5
@@ -64,6 +64,10 @@ def test_rollout_batches_carry_the_teacher_head_and_the_loss_is_the_float64_jsd(
         teacher_logits = 5.0 * torch.tanh(teacher_logits / 5.0)
         student_logits = copy.deepcopy(student).double().logits(batch.input_ids, batch.document_ids)
     want = _jsd64(student_logits, teacher_logits, beta, temperature)[tokens].mean()
+    u = torch.log_softmax(teacher_logits, -1).gather(-1, batch.labels.clamp_min(0)[..., None])[..., 0][tokens]
+    metrics = teacher_metrics(sums)  # the sampled tokens' log-probs from the same hidden states
+    assert metrics["distill/teacher_logp"] == pytest.approx(float(u.mean()), rel=1e-5)
+    assert metrics["distill/reverse_kl"] == pytest.approx(float((batch.old_logp[tokens] - u).mean()), rel=1e-5)
     error = abs(float(result.losses["kd"]) - float(want)) / float(want)
     print(f"gkd jsd beta {beta} ({'chunked' if budget else 'full logits'}): {float(result.losses['kd']):.6f} "
           f"vs float64 {float(want):.6f}, rel err {error:.1e}")
@@ -101,4 +105,4 @@ def test_a_tiny_gkd_run_trains(tmp_path: Path) -> None:
 
     records = [r for r in read_metrics(student.run_dir / "metrics.jsonl") if r.get("train/rl/warmup") == 0.0]
     print(records[-1])
-    assert records and all(0 < r["train/loss/distillation"] < 10 for r in records)
+    assert records and all(0 < r["train/loss/distillation"] < 10 and r["train/distill/reverse_kl"] > 0 for r in records)
