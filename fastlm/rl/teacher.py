@@ -128,17 +128,26 @@ def add_teacher_advantages(batches: list[Batch], teacher: Teacher) -> torch.Tens
     return torch.stack(statistics)
 
 
+def add_gkd_inputs(batches: list[Batch], teacher: Teacher) -> torch.Tensor:
+    """objective gkd, once per rollout: the advantages keep reward_weight * A_group, and each batch gets the
+    teacher's head input (`add_teacher_heads`); returns the metric sums."""
+    for batch in batches:
+        assert batch.advantages is not None
+        batch.advantages = teacher.config.reward_weight * batch.advantages
+    return add_teacher_heads(batches, teacher)
+
+
 def add_teacher_heads(batches: list[Batch], teacher: Teacher) -> torch.Tensor:
-    """objective gkd: each batch's teacher head input (its hidden states over the packed rows, its output weight,
-    its head transform at the rollout's temperature like `score`), once per rollout like the reference log-probs,
-    for the head's distillation child; the advantages keep reward_weight * A_group. The hidden states stay where the
-    batch is (the host: the device holds one micro-batch's at a time); the chunked head makes the logits per chunk.
+    """Each batch's teacher head input (its hidden states over the packed rows, its output weight, its head
+    transform at the rollout's temperature like `score`), once per rollout like the reference log-probs (and again
+    for a resumed rollout: checkpoints leave it out), for the head's distillation child. The hidden states stay where
+    the batch is (the host: the device holds one micro-batch's at a time); the chunked head makes the logits per chunk.
     The same hidden states give the teacher's log-probs of the sampled tokens (its head over token chunks, no second
     forward): the per-batch sums of `add_teacher_advantages` for the train/distill/* metrics."""
     device = teacher.model.output_weight.device
     statistics = []
     for batch in batches:
-        assert batch.old_logp is not None and batch.advantages is not None
+        assert batch.old_logp is not None
         with torch.no_grad(), autocast(device, teacher.amp_dtype):
             hidden = teacher.model.hidden_states(batch.input_ids.to(device), batch.document_ids.to(device))
         with torch.no_grad():
@@ -146,7 +155,6 @@ def add_teacher_heads(batches: list[Batch], teacher: Teacher) -> torch.Tensor:
                                      teacher.amp_dtype, teacher.budget_mib)
         batch.teacher_head = TeacherHead(hidden.to(batch.input_ids.device), teacher.model.output_weight,
                                          teacher.logit_scale, teacher.softcap)
-        batch.advantages = teacher.config.reward_weight * batch.advantages
         statistics.append(_score_sums(scored, batch.old_logp, batch.labels != IGNORE_INDEX))
     return torch.stack(statistics)
 

@@ -21,7 +21,7 @@ from fastlm.models.config import LlamaConfig
 from fastlm.models.decoder import build_model
 from fastlm.rl.config import TeacherConfig
 from fastlm.rl.packing import pack_policy_samples, split_into_batches
-from fastlm.rl.teacher import Teacher, add_teacher_heads, teacher_metrics
+from fastlm.rl.teacher import Teacher, add_gkd_inputs, teacher_metrics
 from fastlm.rl.trainer import RLTrainer
 from fastlm.run_config.loader import load_config
 
@@ -47,7 +47,7 @@ def test_rollout_batches_carry_the_teacher_head_and_the_loss_is_the_float64_jsd(
     group = batch.advantages.clone()
     teacher = Teacher(teacher_model, TeacherConfig(path="unused", objective="gkd", reward_weight=0.5), 1.25, 5.0,
                       None, budget_mib=1.0)
-    sums = add_teacher_heads([batch], teacher)
+    sums = add_gkd_inputs([batch], teacher)
     assert batch.teacher_head is not None and batch.teacher_head.hidden.shape == (*batch.input_ids.shape, 48)
     assert torch.equal(batch.advantages, 0.5 * group)
     beta, temperature = 0.3, 1.5
@@ -106,3 +106,27 @@ def test_a_tiny_gkd_run_trains(tmp_path: Path) -> None:
     records = [r for r in read_metrics(student.run_dir / "metrics.jsonl") if r.get("train/rl/warmup") == 0.0]
     print(records[-1])
     assert records and all(0 < r["train/loss/distillation"] < 10 and r["train/distill/reverse_kl"] > 0 for r in records)
+
+
+def test_a_resumed_gkd_rollout_gets_its_teacher_head_back(tmp_path: Path) -> None:
+    """A checkpoint taken mid-rollout leaves the teacher's head input out (the teacher makes it again on resume,
+    not a copy of its hidden states and weight in every checkpoint): the resumed step equals the straight one."""
+    quiet = [f"run.output_dir={tmp_path}/{{name}}", "logging.progress=false", "logging.wandb.enabled=false",
+             "trainer.steps=2", "rl.warmup_steps=1", "rl.prompts_per_rollout=2", "rl.group_size=2",
+             "rl.eval_prompts=0", "trainer.log_every=1", "trainer.eval_every=0", "rl.updates_per_rollout=1"]
+    teacher = RLTrainer(load_config(CONFIGS / "grpo.yaml", quiet)).train()
+    student = [*quiet, f"rl.teacher.path={teacher.run_dir}", "rl.updates_per_rollout=2", "trainer.log_every=1"]
+
+    def run(name: str, steps: int, resume: bool = False) -> dict:
+        config = load_config(CONFIGS / "gkd.yaml", [*student, f"run.name={name}", f"trainer.steps={steps}"])
+        summary = RLTrainer(config).train(resume=resume)
+        from fastlm.logging.jsonl import read_metrics
+
+        return {r["step"]: r for r in read_metrics(summary.run_dir / "metrics.jsonl")}
+
+    straight = run("straight", 3)
+    run("resumed", 2)
+    resumed = run("resumed", 3, resume=True)
+    print(f"step 3 distillation loss: straight {straight[3]['train/loss/distillation']:.6f}, "
+          f"resumed {resumed[3]['train/loss/distillation']:.6f}")
+    assert resumed[3]["train/loss/distillation"] == pytest.approx(straight[3]["train/loss/distillation"], rel=1e-5)
