@@ -29,6 +29,7 @@ with a warning.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable
@@ -148,18 +149,24 @@ def _chunk_grad(
     inv_temperature: float,
     reverse: bool,
     student_inv_temperature: float,
+    jsd_beta: float,
 ) -> torch.Tensor:
     """Gradient of the total loss wrt the raw logits z of one chunk, in z's dtype (the coefficient
     form of children/base.py; the teacher term is -k*q_j, or k*p_j*(x_j - u_j) for reverse KL, with
     their p_j part in prob_coeff; with a tempered student the whole term, k*(p_T,j - q_j) or
-    k*p_T,j*((x_j/T - u_j) - E_pT[x/T - u]), from its own softmax `student_lse`)."""
+    k*p_T,j*((x_j/T - u_j) - E_pT[x/T - u]), from its own softmax `student_lse`; the generalized JSD
+    (0 < `jsd_beta` < 1, else 0) k*p_T,j*(l_j - KL(p_T || M)), l = log p_T - log M, KL in `teacher_gap`)."""
     x = transform_logits(_upcast(z), scale, softcap)
     p = torch.exp(x - lse[:, None])
     hit = torch.arange(x.shape[-1], device=x.device) == local_label[:, None]
     grad = prob_coeff[:, None] * p - torch.where(hit, label_coeff[:, None], torch.zeros_like(p))
     if teacher is not None:
         u = _upcast(teacher) * inv_temperature
-        if student_inv_temperature != 1.0:
+        if jsd_beta:
+            x_s = x * student_inv_temperature
+            log_p, _, log_m = _log_mixture(x_s, student_lse, u, teacher_lse, jsd_beta)
+            grad = grad + teacher_coeff[:, None] * log_p.exp() * (log_p - log_m - teacher_gap[:, None])
+        elif student_inv_temperature != 1.0:
             x_s = x * student_inv_temperature
             p_s = torch.exp(x_s - student_lse[:, None])
             if reverse:
@@ -179,9 +186,39 @@ def _chunk_grad(
     return grad.to(z.dtype)
 
 
+def _log_mixture(
+    x_s: torch.Tensor, student_lse: torch.Tensor, u: torch.Tensor, teacher_lse: torch.Tensor, beta: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log p_s, log q, log M) of the generalized JSD, M = beta*q + (1-beta)*p_s."""
+    log_p = x_s - student_lse[:, None]
+    log_q = u - teacher_lse[:, None]
+    return log_p, log_q, torch.logaddexp(log_p + math.log1p(-beta), log_q + math.log(beta))
+
+
+def _chunk_jsd(
+    z: torch.Tensor,
+    teacher: torch.Tensor,
+    student_lse: torch.Tensor,
+    teacher_lse: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    inv_temperature: float,
+    student_inv_temperature: float,
+    beta: float,
+) -> torch.Tensor:
+    """(T, 2) additive sums of the generalized JSD once the log-partitions are known: its value
+    beta*KL(q || M) + (1-beta)*KL(p_s || M) and KL(p_s || M) (the gradient's mean term)."""
+    x_s = transform_logits(_upcast(z), scale, softcap) * student_inv_temperature
+    log_p, log_q, log_m = _log_mixture(x_s, student_lse, _upcast(teacher) * inv_temperature, teacher_lse, beta)
+    student_kl = (log_p.exp() * (log_p - log_m)).sum(-1)
+    teacher_kl = (log_q.exp() * (log_q - log_m)).sum(-1)
+    return torch.stack([beta * teacher_kl + (1.0 - beta) * student_kl, student_kl], dim=-1)
+
+
 chunk_max = MaybeCompiled(_chunk_max)
 chunk_sums = MaybeCompiled(_chunk_sums)
 chunk_grad = MaybeCompiled(_chunk_grad)
+chunk_jsd = MaybeCompiled(_chunk_jsd)
 
 
 def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: ProcessGroup | None) -> torch.Tensor:
@@ -222,12 +259,13 @@ def compiled_loss(
 # first and the last per token chunk, the middle once on the whole call: chunked_head.py).
 
 
-def _teacher_numbers(spec: LossSpec) -> tuple[float, bool, float]:
-    """(1/T of the teacher, reverse KL, 1/T of the student) of the distillation child (neutral without one)."""
+def _teacher_numbers(spec: LossSpec) -> tuple[float, bool, float, float]:
+    """(1/T of the teacher, reverse KL, 1/T of the student, the generalized JSD's beta or 0) of the
+    distillation child (neutral without one)."""
     distill = spec.teacher
     if distill is None:
-        return 1.0, False, 1.0
-    return 1.0 / distill.temperature, distill.reverse, distill.student_inv_temperature
+        return 1.0, False, 1.0, 0.0
+    return 1.0 / distill.temperature, distill.reverse, distill.student_inv_temperature, distill.jsd_beta or 0.0
 
 
 def _local_labels(logits: torch.Tensor, targets: LossTargets, group: ProcessGroup | None) -> torch.Tensor:
@@ -245,20 +283,31 @@ def compiled_stats(
     logits: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec, *,
     group: ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """Pass 1: the (tokens, 4 or 8) statistics table (all-reduced under `group`), columns max[, teacher
-    max], sum e, sum e*x, label logit[, sum e_q, KL cross term, sum e_s]."""
+    """Pass 1: the (tokens, 4, 8 or 10) statistics table (all-reduced under `group`), columns max[, teacher
+    max], sum e, sum e*x, label logit[, sum e_q, KL cross term, sum e_s[, JSD, KL(p_s || M)]]; the
+    generalized JSD's columns come from a second vocab pass per sub-chunk (they need the log-partitions)."""
     local_label = _local_labels(logits, targets, group)
     teacher = targets.teacher_logits if spec.teacher is not None else None
-    inv_t, reverse, inv_s = _teacher_numbers(spec)
+    inv_t, reverse, inv_s, beta = _teacher_numbers(spec)
     numbers = (spec.logit_scale, spec.softcap, inv_t)
     stats = []
     for rows in _sub_chunks(logits.shape[0], spec):
         chunk_teacher = None if teacher is None else teacher[rows]
         maxima = _all_reduce(chunk_max(logits[rows], chunk_teacher, *numbers), dist.ReduceOp.MAX, group)
         sums = chunk_sums(logits[rows], chunk_teacher, maxima, local_label[rows], *numbers, reverse, inv_s)
-        stats.append(torch.cat([maxima, _all_reduce(sums, dist.ReduceOp.SUM, group)], dim=-1))
-    columns = 4 if teacher is None else 8
+        columns = [maxima, _all_reduce(sums, dist.ReduceOp.SUM, group)]
+        if beta:
+            teacher_lse, student_lse = _log_partitions(columns[0], columns[1][:, 3:], inv_s)
+            jsd = chunk_jsd(logits[rows], chunk_teacher, student_lse, teacher_lse, *numbers, inv_s, beta)
+            columns.append(_all_reduce(jsd, dist.ReduceOp.SUM, group))
+        stats.append(torch.cat(columns, dim=-1))
+    columns = 4 if teacher is None else 10 if beta else 8
     return torch.cat(stats) if stats else logits.new_zeros((0, columns), dtype=torch.promote_types(logits.dtype, torch.float32))
+
+
+def _log_partitions(maxima: torch.Tensor, teacher_sums: torch.Tensor, inv_s: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(teacher lse of u, student lse of x / T_s) from the maxima columns and the sums [sum e_q, cross, sum e_s]."""
+    return maxima[:, 1] + torch.log(teacher_sums[:, 0]), maxima[:, 0] * inv_s + torch.log(teacher_sums[:, 2])
 
 
 @dataclass(frozen=True)
@@ -291,15 +340,17 @@ def compiled_finish(
     table = torch.cat(tables)
     distill = spec.teacher
     teacher = distill is not None
-    _, _, inv_s = _teacher_numbers(spec)
+    _, _, inv_s, beta = _teacher_numbers(spec)
     sums = table[:, 2:] if teacher else table[:, 1:]
     lse = table[:, 0] + torch.log(sums[:, 0])
     token_stats = {"lse": lse, "new_logp": sums[:, 2] - lse, "entropy": lse - sums[:, 1] / sums[:, 0]}
     teacher_lse, student_lse = lse, lse
     if teacher:
-        teacher_lse = table[:, 1] + torch.log(sums[:, 3])
-        student_lse = table[:, 0] * inv_s + torch.log(sums[:, 5])  # of x / T_s
-        token_stats.update(distill.token_stats(student_lse, teacher_lse, sums[:, 4], sums[:, 5], sums[:, 3]))
+        teacher_lse, student_lse = _log_partitions(table, sums[:, 3:], inv_s)
+        if beta:  # the JSD pass's columns: the loss per token and KL(p_s || M)
+            token_stats.update({"teacher_kl": sums[:, 6], "teacher_gap": sums[:, 7]})
+        else:
+            token_stats.update(distill.token_stats(student_lse, teacher_lse, sums[:, 4], sums[:, 5], sums[:, 3]))
     out = tail(token_stats, mask, targets, normalizers, spec, grad_scale)
     coefficients = CompiledCoefficients(
         lse, out.prob, out.label, teacher_lse, out.teacher if out.teacher is not None else out.prob, out.x,
@@ -316,12 +367,12 @@ def compiled_grad(
     read before it is written). `coefficients` are this call's (or chunk's) rows, grad_scale included."""
     local_label = _local_labels(logits, targets, group)
     teacher = targets.teacher_logits if coefficients.teacher_term else None
-    inv_t, reverse, inv_s = _teacher_numbers(spec)
+    inv_t, reverse, inv_s, beta = _teacher_numbers(spec)
     numbers = (spec.logit_scale, spec.softcap, inv_t)
     c = coefficients
     for rows in _sub_chunks(logits.shape[0], spec):
         grad[rows] = chunk_grad(
             logits[rows], None if teacher is None else teacher[rows], local_label[rows], c.lse[rows], c.prob[rows],
             c.label[rows], c.teacher_lse[rows], c.teacher[rows], None if c.x is None else c.x[rows],
-            c.student_lse[rows], c.teacher_gap[rows], *numbers, reverse, inv_s,
+            c.student_lse[rows], c.teacher_gap[rows], *numbers, reverse, inv_s, beta,
         )

@@ -102,6 +102,13 @@ class LMHeadConfig(ConfigModel):
                     f"use_triton: true, but the fused Triton kernel has no path for {unsupported}; "
                     f"it supports {sorted(TRITON_CHILD_TYPES)}. Set use_triton: null or false"
                 )
+            options = sorted(n for n, c in self.losses.items() if not c.triton_supported)
+            if options:
+                raise ValueError(
+                    f"use_triton: true, but the fused Triton kernel has no path for the options of {options} "
+                    "(distillation kl: jsd with 0 < beta < 1 needs a second vocab pass for the mixture); "
+                    "set use_triton: null or false (the compiled path runs it)"
+                )
         return self
 
     def child_of_type(self, kind: str) -> tuple[str, ChildConfig] | None:

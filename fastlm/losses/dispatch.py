@@ -1,7 +1,8 @@
 """The use_triton rules: pick one implementation per head, once, and say which.
 
 - use_triton true: Triton (config validation already rejected children without a Triton path);
-- null: Triton on CUDA when every child is in TRITON_CHILD_TYPES (every monolithic child) and triton
+- null: Triton on CUDA when every child is in TRITON_CHILD_TYPES (every monolithic child) with options the
+  kernel runs (`ChildConfig.triton_supported`) and triton
   imports, else compiled;
 - false: compiled.
 """
@@ -27,7 +28,7 @@ def resolve_implementation(config: MonolithicLossConfig, device: torch.device | 
         return "triton"
     if config.use_triton is False or device.type != "cuda":
         return "compiled"
-    supported = all(child.type in TRITON_CHILD_TYPES for child in config.children.values())
+    supported = all(child.type in TRITON_CHILD_TYPES and child.triton_supported for child in config.children.values())
     return "triton" if supported and importlib.util.find_spec("triton") is not None else "compiled"
 
 

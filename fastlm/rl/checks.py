@@ -177,4 +177,23 @@ def _teacher_issues(config: RunConfig) -> list[ConfigIssue]:
         return [ConfigIssue("rl.teacher", "the teacher scores the policy's own samples; offline_rl data is not sampled",
                             config.rl.teacher.path if config.rl and config.rl.teacher else None,
                             hint="remove rl.teacher, or distill offline with a distillation loss child")]
-    return teacher_issues(config, build_tokenizer(config.data.tokenizer, config.run.init_path))
+    return _gkd_issues(config) + teacher_issues(config, build_tokenizer(config.data.tokenizer, config.run.init_path))
+
+
+def _gkd_issues(config: RunConfig) -> list[ConfigIssue]:
+    """objective gkd trains the head's distillation child on rl.teacher's distributions; reverse_kl has no use for one."""
+    assert config.rl is not None and config.rl.teacher is not None
+    objective = config.rl.teacher.objective
+    found = config.model.head.child_of_type("distillation")
+    if objective == "gkd" and found is None:
+        return [ConfigIssue("rl.teacher.objective", "gkd trains the head's distillation child on the teacher's "
+                            "distributions over the student's samples, and model.head.losses has none", objective,
+                            hint="add losses: {distillation: {kl: jsd, beta: 0.5}} (next to the policy child, or alone)")]
+    if found is not None and objective == "reverse_kl":
+        return [ConfigIssue(f"model.head.losses.{found[0]}", "in an RL run the distillation child reads rl.teacher's "
+                            "head input, which only rl.teacher.objective gkd hands it", "distillation",
+                            hint="set rl.teacher.objective: gkd, or remove the distillation child")]
+    if found is not None and found[1].teacher_path is not None:
+        return [ConfigIssue(f"model.head.losses.{found[0]}.teacher_path", "with rl.teacher.objective gkd the teacher is "
+                            "rl.teacher.path", found[1].teacher_path, hint="remove teacher_path")]
+    return []

@@ -60,7 +60,15 @@ class TeacherConfig(ConfigModel):
     """On-policy distillation (fastlm/rl/teacher.py): a frozen teacher scores every token the policy sampled, and
     its per-token reverse KL joins the advantages, A_t = reward_weight * A_group + coef * sum_k discount^k r_(t+k)
     with r = log p_teacher(y) - log p_student(y) over the completion's following tokens (Agarwal et al. 2024's
-    on-policy setting; Thinking Machines' on-policy distillation: reward_weight 0, discount 0)."""
+    on-policy setting; Thinking Machines' on-policy distillation: reward_weight 0, discount 0).
+
+    `objective: gkd` instead hands the teacher's head input over the rollout's rows to the head's distillation
+    child (GKD on student samples: its `kl`, e.g. jsd with beta, on the whole vocab) and leaves the advantages at
+    reward_weight * A_group."""
+
+    objective: Literal["reverse_kl", "gkd"] = Field(
+        "reverse_kl", description="reverse_kl: the teacher's per-token reverse KL joins the advantage; gkd: the head's "
+        "distillation child trains on the teacher's distributions over the student's samples.")
 
     path: str = Field(description="The teacher: a fastlm run (or checkpoints/, step-*), a Hugging Face folder or a "
                       "hub name from the local cache (as run.init_path); another size or family, the same tokenizer.")
@@ -69,6 +77,13 @@ class TeacherConfig(ConfigModel):
                                  "advantage: 0 distills alone; > 0 mixes RL and distillation in one run.")
     discount: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False, description="gamma: a token's teacher term "
                             "also counts the following tokens' (discounted); 0: the token's own.")
+
+    @model_validator(mode="after")
+    def _check_gkd(self) -> TeacherConfig:
+        if self.objective == "gkd" and (self.coef != 1.0 or self.discount != 0.0):
+            raise ValueError("coef and discount shape the reverse_kl objective's advantage; with objective gkd the "
+                             "distillation child's weight sets the teacher's share: leave them at 1 and 0")
+        return self
 
 
 TWO_SIDED_MODES = ("icepop", "sequence_geometric")  # a lower bound of 1/cap when cap_min is unset

@@ -134,9 +134,18 @@ def policy_logprobs(model: DecoderLM, batch: Batch, logit_scale: float, softcap:
     log-softmax fit `budget_mib` (the head's `logits_memory_mib`; 0: one chunk), which matters at a 150k vocab.
     """
     device = model.output_weight.device
-    labels = batch.labels.to(device).reshape(-1)
     with autocast(device, amp_dtype):
         hidden = model.hidden_states(batch.input_ids.to(device), batch.document_ids.to(device))
+    return hidden_logprobs(model, hidden, batch.labels, logit_scale, softcap, amp_dtype, budget_mib)
+
+
+def hidden_logprobs(model: DecoderLM, hidden: torch.Tensor, labels: torch.Tensor, logit_scale: float,
+                    softcap: float | None, amp_dtype: torch.dtype | None = None,
+                    budget_mib: float = DEFAULT_LOGITS_MEMORY_MIB) -> torch.Tensor:
+    """`policy_logprobs` from the model's final hidden states (B, S, H) of the batch: its head over token chunks."""
+    device = model.output_weight.device
+    shape = labels.shape
+    labels = labels.to(device).reshape(-1)
     hidden = hidden.reshape(labels.numel(), -1)
     element_bytes = (amp_dtype or hidden.dtype).itemsize + 8  # the logits, their fp32 copy and log-softmax
     size = chunking(labels.numel(), model.config.vocab_size, element_bytes, budget_mib).tokens if budget_mib \
@@ -147,4 +156,4 @@ def policy_logprobs(model: DecoderLM, batch: Batch, logit_scale: float, softcap:
         with autocast(device, amp_dtype):
             logits = model.head_logits(hidden[rows])
         parts.append(label_logp(logits.float(), labels[rows], logit_scale, softcap))
-    return torch.cat(parts).view(batch.labels.shape).cpu()
+    return torch.cat(parts).view(shape).cpu()

@@ -70,7 +70,7 @@ from fastlm.rl.prompts import (
     task_reward,
 )
 from fastlm.rl.rewards import RewardFunction, load_reward_functions, reward_metrics, score_completions, total_reward
-from fastlm.rl.teacher import Teacher, add_teacher_advantages, teacher_metrics
+from fastlm.rl.teacher import Teacher, add_gkd_inputs, add_teacher_advantages, teacher_metrics
 
 
 @dataclass(frozen=True)
@@ -200,8 +200,9 @@ def collect_rollout(model: DecoderLM, policy_head: LMHead, backend: GenerationBa
     metrics = {**rollout_metrics(total, advantages, lengths, stopped.bool(), config.group_size),
                **(reward_metrics(gathered[:, 3:], setup.rewards) if setup.environment is None
                   else episode_metrics(gathered[:, 3:]))}
-    if teacher is not None:  # 5b. the teacher scores every sampled token: its reverse KL joins the advantages
-        metrics.update(teacher_metrics(shard.gather(add_teacher_advantages(batches, teacher))))
+    if teacher is not None:  # 5b. the teacher: its reverse KL joins the advantages, or (gkd) its head input the batches
+        add = add_gkd_inputs if teacher.config.objective == "gkd" else add_teacher_advantages
+        metrics.update(teacher_metrics(shard.gather(add(batches, teacher))))
     scored_by_teacher = time.perf_counter()
     if config.old_logprobs == "trainer":  # 6. old log-probs (and the sampler gap they reveal); else the sampler's
         gaps = shard.gather(add_old_logprobs(batches, model, policy_head, config.importance_sampling, amp_dtype))

@@ -11,6 +11,10 @@ Machines' on-policy distillation (the per-token reverse KL as the advantage); re
 distillation in one run. The teacher is any model fastlm loads (a fastlm run, a Hugging Face folder, a hub
 name from the cache) with the run's tokenizer, frozen, in bf16 on CUDA, and scores the rollout's packed rows
 over token chunks within the head's logits budget (no full logits), as the KL reference does.
+
+`objective: gkd` (GKD on student samples, Agarwal et al. 2024) instead gives each packed batch the teacher's head
+input (`add_teacher_heads`), and the head's distillation child (e.g. kl: jsd with beta) trains on the teacher's
+whole distribution at every sampled position, its logits made chunk by chunk inside the head.
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ from fastlm.data.batch import Batch
 from fastlm.data.tokenizer import Tokenizer, build_tokenizer
 from fastlm.engine.frozen import freeze, load_frozen_model
 from fastlm.engine.init_path import checkpoint_tokenizer, resolve_init_path
-from fastlm.losses.spec import IGNORE_INDEX
+from fastlm.losses.spec import IGNORE_INDEX, TeacherHead
 from fastlm.models.decoder import DecoderLM
 from fastlm.rl.config import TeacherConfig
 from fastlm.rl.consistency import tempered_transform
-from fastlm.rl.packing import policy_logprobs
+from fastlm.rl.packing import hidden_logprobs, policy_logprobs
+from fastlm.system.device import autocast
 
 if TYPE_CHECKING:
     from fastlm.run_config.schema import RunConfig
@@ -119,9 +124,45 @@ def add_teacher_advantages(batches: list[Batch], teacher: Teacher) -> torch.Tens
         gain = (scored - student).masked_fill(~tokens, 0.0)
         term = discounted(gain, tokens, batch.document_ids, config.discount)
         batch.advantages = (config.reward_weight * batch.advantages + config.coef * term).masked_fill(~tokens, 0.0)
-        statistics.append(torch.stack([(-gain).sum(), scored[tokens].sum(), student[tokens].sum(),
-                                       tokens.sum().to(gain.dtype)]).double())
+        statistics.append(_score_sums(scored, student, tokens))
     return torch.stack(statistics)
+
+
+def add_gkd_inputs(batches: list[Batch], teacher: Teacher) -> torch.Tensor:
+    """objective gkd, once per rollout: the advantages keep reward_weight * A_group, and each batch gets the
+    teacher's head input (`add_teacher_heads`); returns the metric sums."""
+    for batch in batches:
+        assert batch.advantages is not None
+        batch.advantages = teacher.config.reward_weight * batch.advantages
+    return add_teacher_heads(batches, teacher)
+
+
+def add_teacher_heads(batches: list[Batch], teacher: Teacher) -> torch.Tensor:
+    """Each batch's teacher head input (its hidden states over the packed rows, its output weight, its head
+    transform at the rollout's temperature like `score`), once per rollout like the reference log-probs (and again
+    for a resumed rollout: checkpoints leave it out), for the head's distillation child. The hidden states stay where
+    the batch is (the host: the device holds one micro-batch's at a time); the chunked head makes the logits per chunk.
+    The same hidden states give the teacher's log-probs of the sampled tokens (its head over token chunks, no second
+    forward): the per-batch sums of `add_teacher_advantages` for the train/distill/* metrics."""
+    device = teacher.model.output_weight.device
+    statistics = []
+    for batch in batches:
+        assert batch.old_logp is not None
+        with torch.no_grad(), autocast(device, teacher.amp_dtype):
+            hidden = teacher.model.hidden_states(batch.input_ids.to(device), batch.document_ids.to(device))
+        with torch.no_grad():
+            scored = hidden_logprobs(teacher.model, hidden, batch.labels, teacher.logit_scale, teacher.softcap,
+                                     teacher.amp_dtype, teacher.budget_mib)
+        batch.teacher_head = TeacherHead(hidden.to(batch.input_ids.device), teacher.model.output_weight,
+                                         teacher.logit_scale, teacher.softcap)
+        statistics.append(_score_sums(scored, batch.old_logp, batch.labels != IGNORE_INDEX))
+    return torch.stack(statistics)
+
+
+def _score_sums(scored: torch.Tensor, student: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """(sampled reverse KL, teacher log-prob, student log-prob, tokens) summed over a batch's policy tokens."""
+    gain = (scored - student).masked_fill(~tokens, 0.0)
+    return torch.stack([(-gain).sum(), scored[tokens].sum(), student[tokens].sum(), tokens.sum().to(gain.dtype)]).double()
 
 
 def discounted(gain: torch.Tensor, tokens: torch.Tensor, documents: torch.Tensor, discount: float) -> torch.Tensor:

@@ -65,7 +65,7 @@ from fastlm.rl.prompts import PromptRecord
 from fastlm.rl.rewards import RewardError
 from fastlm.rl.rollout import RolloutSetup, RolloutShard, collect_rollout
 from fastlm.rl.stream import RolloutStream, rank_rows
-from fastlm.rl.teacher import load_teacher
+from fastlm.rl.teacher import add_teacher_heads, load_teacher
 
 if TYPE_CHECKING:
     from fastlm.run_config.schema import RunConfig
@@ -240,6 +240,10 @@ class RLTrainer(Trainer):
                 if batch.ref_logp is None:
                     batch.ref_logp = policy_logprobs(self.reference, batch, scale, softcap, self.amp_dtype,
                                                      self.policy_head.logits_memory_mib)
+        if self.teacher is not None and self.teacher.config.objective == "gkd" and not self.in_warmup:
+            resumed = [batch for batch in batches if batch.teacher_head is None]  # a checkpoint leaves it out
+            if resumed:
+                add_teacher_heads(resumed, self.teacher)
         return batches
 
     def next_rollout(self, stream: RolloutStream) -> None:

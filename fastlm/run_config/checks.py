@@ -129,9 +129,11 @@ def _frozen_model_checks(config: RunConfig) -> list[ConfigIssue]:
     """Distillation needs a teacher and DPO needs preference pairs; checkpoint paths must exist."""
     issues: list[ConfigIssue] = []
     source = config.data.source.type
+    rl_teacher = config.rl.teacher if config.rl is not None else None
+    gkd = rl_teacher is not None and rl_teacher.objective == "gkd"  # rl.teacher brings the teacher (rl/checks.py)
     for name, child in config.model.head.losses.items():
         field = f"model.head.losses.{name}"
-        if child.type == "distillation" and child.teacher_path is None:
+        if child.type == "distillation" and child.teacher_path is None and not gkd:
             issues.append(ConfigIssue(f"{field}.teacher_path", "distillation needs a teacher, and no data source "
                                       "brings teacher logits", None, hint="set it to a fastlm checkpoint, e.g. "
                                       f"../runs/tiny/checkpoints/latest; {_TRAIN_TEACHER}"))

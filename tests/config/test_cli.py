@@ -26,9 +26,13 @@ def test_every_shipped_config_validates(config: Path, capsys: pytest.CaptureFixt
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     loaded = yaml.safe_load((ROOT / config).read_text())
+    needs_rl_teacher = "teacher" in loaded.get("rl", {}) and not (ROOT / "runs/grpo").exists()
     needs_teacher = "distillation" in str(loaded) and not (ROOT / "runs/tiny/checkpoints/latest").exists()
     needs_hf_model = loaded.get("base") in ("../hf_model.yaml", "sft_hf.yaml") and not (ROOT / "hf_model.yaml").exists()
     code = main(["validate", str(ROOT / config)])
+    if needs_rl_teacher:  # opd.yaml, gkd.yaml: the GRPO run (configs/grpo.yaml) is their teacher
+        assert code == 2 and "rl.teacher.path: no such folder" in capsys.readouterr().err
+        return
     if needs_teacher:  # the shipped distillation config names the tiny run as its teacher
         assert code == 2 and "train that model first: fastlm train configs/tiny.yaml" in capsys.readouterr().err
         return

@@ -25,6 +25,7 @@ CHILDREN = {
     "kd_rev": lambda w, **o: Distillation("kd", w, **{"temperature": 1.7, "reverse": True, **o}),
     "kd_both": lambda w, **o: Distillation("kd", w, **{"temperature": 1.7, "tempered_student": True, **o}),
     "kd_rev_both": lambda w, **o: Distillation("kd", w, **{"temperature": 1.7, "reverse": True, "tempered_student": True, **o}),
+    "kd_jsd_both": lambda w, **o: Distillation("kd", w, **{"temperature": 1.7, "jsd_beta": 0.4, "tempered_student": True, **o}),
 }
 
 

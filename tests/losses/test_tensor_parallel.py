@@ -40,7 +40,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.mark.parametrize("kinds", ["ce+z+gspo+kd_rev", "ce+grpo+kd_both"])
+@pytest.mark.parametrize("kinds", ["ce+z+gspo+kd_rev", "ce+grpo+kd_both", "ce+kd_jsd_both"])
 def test_vocab_parallel_matches_reference(kinds: str) -> None:
     with mp.Manager() as manager:
         errors = manager.dict()

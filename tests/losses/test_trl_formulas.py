@@ -229,13 +229,21 @@ def test_cispo_cap_binds_and_its_metric_is_trls() -> None:
 
 def _trl_gkd(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, beta: float,
              temperature: float) -> torch.Tensor:
-    """GKDTrainer.generalized_jsd_loss at beta 0 or 1, reduction batchmean with labels, as written in TRL."""
+    """GKDTrainer.generalized_jsd_loss, reduction batchmean with labels, as written in TRL."""
     student_log_probs = torch.log_softmax(student / temperature, dim=-1)
     teacher_log_probs = torch.log_softmax(teacher / temperature, dim=-1)
+    kl_div = torch.nn.functional.kl_div
     if beta == 0:
-        jsd = torch.nn.functional.kl_div(student_log_probs, teacher_log_probs, reduction="none", log_target=True)
+        jsd = kl_div(student_log_probs, teacher_log_probs, reduction="none", log_target=True)
+    elif beta == 1:
+        jsd = kl_div(teacher_log_probs, student_log_probs, reduction="none", log_target=True)
     else:
-        jsd = torch.nn.functional.kl_div(teacher_log_probs, student_log_probs, reduction="none", log_target=True)
+        beta_t = torch.tensor(beta, dtype=student_log_probs.dtype)
+        mixture_log_probs = torch.logsumexp(
+            torch.stack([student_log_probs + torch.log1p(-beta_t), teacher_log_probs + torch.log(beta_t)]), dim=0)
+        kl_teacher = kl_div(mixture_log_probs, teacher_log_probs, reduction="none", log_target=True)
+        kl_student = kl_div(mixture_log_probs, student_log_probs, reduction="none", log_target=True)
+        jsd = beta * kl_teacher + (1 - beta) * kl_student
     keep = labels != -100
     return jsd[keep].sum() / keep.sum().clamp_min(1)
 
@@ -263,6 +271,35 @@ def test_kd_scale_none_is_trls_gkd_and_t_squared_hintons(reverse: bool) -> None:
             print(f"kd t_squared={t_squared} ({'reverse' if reverse else 'forward'}) / {path} vs TRL GKD x {scale:g}: "
                   f"loss {loss_error:.1e}, grad {grad_error:.1e}")
             assert loss_error < 1e-12 and grad_error < 1e-12
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_kl_jsd_is_trls_generalized_jsd(beta: float) -> None:
+    """`kl: jsd` + `beta` (temperature_mode both, kd_scale none) is GKDTrainer.generalized_jsd_loss: its
+    endpoints run as the forward / reverse KL, between them the mixture, on padded rows (masked labels)."""
+    from fastlm.losses.children import DistillationConfig
+
+    batch = _batch(8)
+    teacher = torch.randn(B * T, V, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * 2.0
+    targets, normalizers = _flat(batch)
+    targets = dataclasses.replace(targets, teacher_logits=teacher)
+    temperature = 1.5
+    student = batch["logits"].reshape(B * T, V).clone().requires_grad_(True)
+    want = _trl_gkd(student, teacher, targets.labels, beta, temperature)
+    want.backward()
+    child = DistillationConfig(kl="jsd", beta=beta, temperature=temperature, temperature_mode="both",
+                               kd_scale="none").to_child("kd")
+    assert child.jsd_beta == (beta if 0 < beta < 1 else None) and child.reverse == (beta == 1.0)
+    spec = LossSpec((child,))
+    leaf = batch["logits"].reshape(B * T, V).clone().requires_grad_(True)
+    result = reference_loss(leaf, targets, normalizers, spec)
+    result.loss.backward()
+    compiled, grad = compiled_loss(batch["logits"].reshape(B * T, V), targets, normalizers, spec)
+    for path, loss, gradient in (("reference", result.loss, leaf.grad), ("compiled", compiled.loss, grad)):
+        loss_error = abs(float(loss) - float(want)) / float(want)
+        grad_error = float((gradient - student.grad).norm() / student.grad.norm())
+        print(f"jsd beta={beta} / {path} vs TRL generalized_jsd_loss: loss {loss_error:.1e}, grad {grad_error:.1e}")
+        assert loss_error < 1e-12 and grad_error < 1e-12
 
 
 def test_config_names_reach_the_children() -> None:

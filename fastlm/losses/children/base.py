@@ -37,6 +37,11 @@ class ChildConfig(ConfigModel):
 
     weight: float = Field(1.0, ge=0.0, description="Multiplier of this child's loss; 0 = metrics only.")
 
+    @property
+    def triton_supported(self) -> bool:
+        """Whether the fused Triton kernel runs this child with these options (its type is in the kernel)."""
+        return True
+
     def to_child(self, name: str) -> LossChild:
         """The plain object the loss paths run (no pydantic past this point)."""
         raise NotImplementedError

@@ -16,10 +16,19 @@ Gradient with k_t = w/N on unmasked tokens (docs/design/losses.md):
   `k*p_j*(x_j - u_j)`.
 The vocab pass (compiled chunks or the kernel) computes the teacher's softmax and the KL per token;
 this child turns them into its loss and coefficients.
+
+`kl: jsd` with `beta` is TRL's generalized JSD (`GKDTrainer.generalized_jsd_loss`; Agarwal et al. 2023,
+arXiv:2306.13649, eq. 1): M = beta*q + (1-beta)*p, loss beta*KL(q || M) + (1-beta)*KL(p || M); beta 0 is
+the forward KL and beta 1 the reverse one (TRL's endpoints, run as `forward`/`reverse`). For 0 < beta < 1
+(`jsd_beta`) d/dp_j of the loss is (1-beta) log(p_j/M_j), so d/dx_j = (1-beta) p_j (l_j - E_p[l]) with
+l = log p - log M: the whole term per element (teacher coefficient k*(1-beta)/T_s). M needs both
+normalised softmaxes, so the compiled path adds a vocab pass once the log-partitions are known; the
+fused Triton kernel has no such pass, so mixed beta runs compiled (`triton_supported`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,8 +42,13 @@ from fastlm.losses.spec import LossTargets, safe_inverse
 class DistillationConfig(ChildConfig):
     type: Literal["distillation"] = "distillation"
     temperature: float = Field(1.0, gt=0.0)
-    kl: Literal["forward", "reverse"] = Field(
-        "forward", description="forward: KL(teacher || student); reverse: KL(student || teacher)."
+    kl: Literal["forward", "reverse", "jsd"] = Field(
+        "forward", description="forward: KL(teacher || student); reverse: KL(student || teacher); jsd: TRL's "
+        "generalized JSD with beta (0 = forward, 1 = reverse, between: beta KL(T||M) + (1-beta) KL(S||M)).",
+    )
+    beta: float = Field(
+        0.5, ge=0.0, le=1.0,
+        description="kl: jsd: the mixture M = beta*teacher + (1-beta)*student (TRL GKDConfig.beta); 0.5 = JSD.",
     )
     temperature_mode: Literal["teacher", "both"] = Field(
         "teacher",
@@ -49,9 +63,20 @@ class DistillationConfig(ChildConfig):
         None, description="Checkpoint directory of the frozen teacher; None means the batch brings teacher logits."
     )
 
+    @property
+    def mixed_jsd(self) -> bool:
+        """kl: jsd strictly between its endpoints (beta 0 and 1 are the forward and reverse KL)."""
+        return self.kl == "jsd" and 0.0 < self.beta < 1.0
+
+    @property
+    def triton_supported(self) -> bool:
+        """The fused kernel has one vocab pass for statistics; the mixture M needs a second (see the module doc)."""
+        return not self.mixed_jsd
+
     def to_child(self, name: str) -> Distillation:
-        return Distillation(name, self.weight, self.temperature, self.kl == "reverse", self.temperature_mode == "both",
-                            self.kd_scale == "t_squared")
+        reverse = self.kl == "reverse" or (self.kl == "jsd" and self.beta == 1.0)
+        return Distillation(name, self.weight, self.temperature, reverse, self.temperature_mode == "both",
+                            self.kd_scale == "t_squared", self.beta if self.mixed_jsd else None)
 
 
 @dataclass(frozen=True)
@@ -60,6 +85,7 @@ class Distillation(LossChild):
     reverse: bool = False
     tempered_student: bool = False  # temperature_mode both: p_T = softmax(x / T)
     t_squared: bool = True  # with a tempered student: loss T^2 KL (Hinton), else KL (GKD)
+    jsd_beta: float | None = None  # generalized JSD's beta, strictly in (0, 1); None = a plain KL
 
     @property
     def student_inv_temperature(self) -> float:
@@ -94,6 +120,9 @@ class Distillation(LossChild):
         if self.weight == 0:
             return
         k = inputs.mask.to(inputs.dtype) * (self.weight * inputs.per_token)
+        if self.jsd_beta is not None:  # s (1-beta)/T_s * p_T,j (l_j - E[l]): all in the teacher term
+            out.teacher = k * (self.loss_scale * (1.0 - self.jsd_beta) * self.student_inv_temperature)
+            return
         if self.tempered_student:  # s * d KL_T / dx = (s / T) * (p_T - q) ...: all in the teacher term
             out.teacher = k * (self.loss_scale / self.temperature)
             return
@@ -103,7 +132,12 @@ class Distillation(LossChild):
     def reference(self, inputs: ReferenceInputs) -> torch.Tensor:
         student = torch.log_softmax(inputs.x / self.temperature, dim=-1) if self.tempered_student else inputs.log_probs
         teacher = torch.log_softmax(inputs.targets.teacher_logits.to(student.dtype) / self.temperature, dim=-1)
-        if self.reverse:
+        if self.jsd_beta is not None:
+            beta = self.jsd_beta
+            mixture = torch.logaddexp(student + math.log1p(-beta), teacher + math.log(beta))
+            per_token = (beta * (teacher.exp() * (teacher - mixture)).sum(-1)
+                         + (1 - beta) * (student.exp() * (student - mixture)).sum(-1))
+        elif self.reverse:
             per_token = (student.exp() * (student - teacher)).sum(-1)
         else:
             per_token = (teacher.exp() * (teacher - student)).sum(-1)
@@ -112,6 +146,9 @@ class Distillation(LossChild):
     def slot(self) -> KernelSlot:
         """The teacher's slot: its statistics and gradient term live in the kernel's vocab loop
         (`tempered`: the student at x/T there too)."""
+        if self.jsd_beta is not None:
+            raise ValueError(f"distillation loss '{self.name}': kl: jsd with 0 < beta < 1 has no fused Triton path "
+                             "(the mixture needs a second vocab pass); set use_triton: false or null")
         return KernelSlot(self.kind, ("loss",), {"weight": self.weight, "inv_temperature": 1.0 / self.temperature,
                                                  "kd_scale": self.loss_scale},
                           {"reverse": self.reverse, "tempered": self.student_inv_temperature != 1.0})
