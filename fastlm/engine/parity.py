@@ -84,7 +84,7 @@ def parity_report(directory: str | Path, device: str = "cpu", tokens: int = 256,
                           str(dtype).removeprefix("torch."))
     with tempfile.TemporaryDirectory(prefix="fastlm-check-") as folder:
         ours = _fastlm_side(directory, Path(folder), device, dtype, tokens, new_tokens, seed)
-        reference = _load_transformers(directory, device, dtype)[0]
+        reference = load_transformers(directory, device, dtype)[0]
         with torch.no_grad():
             theirs = reference(ours.ids).logits.float()
             expected = reference.generate(torch.tensor([ours.prompt], device=device), max_new_tokens=new_tokens,
@@ -152,7 +152,7 @@ def _unmapped_check(directory: Path, config: DecoderConfig, mapped: set[str]) ->
     return Check("unmapped parameters", not unmapped, detail)
 
 
-def _load_transformers(directory: Path, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, list[str]]:
+def load_transformers(directory: Path, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, list[str]]:
     """transformers' model of `directory` in eval mode, and the warnings its loading logged or raised."""
     import transformers
 
@@ -199,7 +199,7 @@ def _export_check(directory: Path, config: DecoderConfig, exported: Path, state:
     source = family_of(config).hf.normalise_keys(read_hf_tensors(directory))  # a multimodal file's text names
     differing = sorted(name for name, value in state.items()
                        if name not in source or not torch.equal(value, source[name].to(value.dtype)))
-    reloaded, logged = _load_transformers(exported, device, dtype)
+    reloaded, logged = load_transformers(exported, device, dtype)
     with torch.no_grad():
         difference = float((reloaded(ids).logits.float() - reference_logits).abs().max())
     problems = []

@@ -151,20 +151,25 @@ def rope_fields(reader: Reader, parameters: Mapping[str, Any], key: str,
     return theta, None
 
 
+# the keys transformers' RoPE validation accepts per rope_type (beside rope_type and rope_theta): the export writes
+# only these, so transformers loads it without "unrecognized keys" warnings
+_HF_ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
+             "mscale_all_dim", "truncate"),
+}
+
+
 def rope_to_hf(theta: float, scaling: Any) -> dict[str, Any]:
     """Flat HF RoPE parameters (transformers 5 naming) of our theta and `RopeScaling` (or None)."""
     if scaling is None:
         return {"rope_type": "default", "rope_theta": theta}
     values = scaling.model_dump(exclude_none=True)
-    values["rope_type"] = values.pop("type")
     if "original_max_seq_len" in values:
         values["original_max_position_embeddings"] = values.pop("original_max_seq_len")
-    if scaling.type == "linear":
-        values = {"rope_type": "linear", "factor": scaling.factor}
-    elif scaling.type == "llama3":
-        values = {key: values[key] for key in ("rope_type", "factor", "original_max_position_embeddings",
-                                               "low_freq_factor", "high_freq_factor")}
-    return {**values, "rope_theta": theta}
+    return {"rope_type": scaling.type, **{key: values[key] for key in _HF_ROPE_KEYS[scaling.type] if key in values},
+            "rope_theta": theta}
 
 
 def layer_types(reader: Reader, window: int | None, num_layers: Any,

@@ -15,6 +15,7 @@ import transformers  # the `test` and `hf` extras
 
 from fastlm.commands.main import main
 from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.engine.parity import load_transformers
 from fastlm.generation.generator import Generator
 from fastlm.generation.sampling import SamplingOptions
 from fastlm.losses.spec import LossNormalizers, LossTargets
@@ -127,7 +128,8 @@ def test_export_loads_in_transformers_with_equal_logits(case: str, folders: dict
                                                         tmp_path: Path) -> None:
     reference, directory = folders[case]
     exported = export_hf(import_hf(directory), tmp_path / "exported", ByteTokenizer())
-    reloaded = _reload(exported)
+    reloaded, warned = load_transformers(exported, "cpu", torch.float32)
+    assert not warned, warned  # e.g. RoPE keys transformers does not know for the rope_type
     assert type(reloaded) is type(reference)
     ids = _ids(seed=3)
     with torch.no_grad():
