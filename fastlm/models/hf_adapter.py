@@ -122,7 +122,7 @@ def rope_parameters(reader: Reader, layer_type: str | None = None) -> tuple[dict
 def rope_fields(reader: Reader, parameters: Mapping[str, Any], key: str,
                 max_positions: Any) -> tuple[float | None, dict[str, Any] | None]:
     """(rope_theta, our `rope_scaling` section or None) of flat HF RoPE parameters; unsupported kinds
-    (dynamic, longrope, partial rotary, ...) are errors naming `key`."""
+    (dynamic, partial rotary, ...) are errors naming `key`."""
     rope_type = parameters.get("rope_type", "default")
     partial = parameters.get("partial_rotary_factor", reader.hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
@@ -146,8 +146,15 @@ def rope_fields(reader: Reader, parameters: Mapping[str, Any], key: str,
                     if parameters.get(name) is not None}
         optional.update({name: parameters[name] for name in ("beta_fast", "beta_slow") if parameters.get(name)})
         return theta, {"type": "yarn", **common, "original_max_seq_len": original, **optional}
+    if rope_type == "longrope":
+        if common["factor"] is None and isinstance(max_positions, int) and isinstance(original, int):
+            common["factor"] = max_positions / original  # transformers' default (Phi-3 files leave factor out)
+        optional = {"attention_factor": parameters["attention_factor"]} \
+            if parameters.get("attention_factor") is not None else {}
+        return theta, {"type": "longrope", **common, "original_max_seq_len": original, **optional,
+                       "short_factor": parameters.get("short_factor"), "long_factor": parameters.get("long_factor")}
     reader.fail(f"{key}.rope_type", "this RoPE scaling is not supported", rope_type,
-                "fastlm supports default, linear, llama3 and yarn")
+                "fastlm supports default, linear, llama3, yarn and longrope")
     return theta, None
 
 
@@ -158,6 +165,7 @@ _HF_ROPE_KEYS = {
     "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
     "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
              "mscale_all_dim", "truncate"),
+    "longrope": ("factor", "original_max_position_embeddings", "attention_factor", "short_factor", "long_factor"),
 }
 
 
@@ -168,6 +176,7 @@ def rope_to_hf(theta: float, scaling: Any) -> dict[str, Any]:
     values = scaling.model_dump(exclude_none=True)
     if "original_max_seq_len" in values:
         values["original_max_position_embeddings"] = values.pop("original_max_seq_len")
+    values = {key: list(value) if isinstance(value, tuple) else value for key, value in values.items()}
     return {"rope_type": scaling.type, **{key: values[key] for key in _HF_ROPE_KEYS[scaling.type] if key in values},
             "rope_theta": theta}
 

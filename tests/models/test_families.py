@@ -50,6 +50,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                                         SLIDING: {"rope_type": "default", "rope_theta": 1e4}}}),
     "phi3": ("Phi3Config", {**BASE, "sliding_window": WINDOW, "rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}),
+    # no factor: transformers' max / original. The logits (SEQ 12 > 11) take the long factors, generation (at most
+    # 11 tokens) the short ones: a generation crossing the context differs (docs/architecture.md, family table)
+    "phi3-longrope": ("Phi3Config", {**BASE, "original_max_position_embeddings": 11, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 1.7, 2.5],
+        "long_factor": [1.5, 3.0, 6.0, 11.0]}}),
     "gpt2": ("GPT2Config", {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
                             "bos_token_id": 256, "eos_token_id": 257}),
 }
@@ -96,7 +101,8 @@ def test_windows_and_rope_options_change_the_logits(folders: dict[str, tuple[tor
     """The options above are exercised: without them fastlm's logits move (SEQ > window, positions > 8)."""
     ids = _ids(seed=1)
     for case, field, plain in (("qwen2-mixed-windows", "layer_types", None), ("gemma3", "layer_types", [FULL] * 3),
-                               ("llama3-rope-llama3-tied", "rope_scaling", None), ("llama-rope-yarn", "rope_scaling", None)):
+                               ("llama3-rope-llama3-tied", "rope_scaling", None), ("llama-rope-yarn", "rope_scaling", None),
+                               ("phi3-longrope", "rope_scaling", None)):
         model = import_hf(folders[case][1]).eval()
         changed = DecoderLM(model.config.model_copy(update={field: plain}))
         changed.load_state_dict(model.state_dict())
@@ -179,9 +185,10 @@ def test_cli_convert_train_generate_export(case: str, folders: dict[str, tuple[t
 
 
 @pytest.mark.parametrize(("case", "overrides", "field"), [
-    ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
-                                  "long_factor": [2.0] * 4, "original_max_position_embeddings": 32}},
+    ("phi3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
      "rope_parameters.rope_type"),
+    ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
+     "partial_rotary_factor"),  # Phi-4-mini's; longrope itself converts
     ("phi3", {"resid_pdrop": 0.1}, "resid_pdrop"),
     ("qwen3", {"attention_bias": True}, "attention_bias"),
     ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
@@ -284,15 +291,28 @@ def test_loss_and_gradients_match_transformers_in_float64(case: str,
     assert loss_error < 1e-6 and worst < 1e-5
 
 
-@pytest.mark.parametrize("case", ["llama3-rope-llama3-tied", "llama-rope-linear", "llama-rope-yarn"])
+@pytest.mark.parametrize("case", ["llama3-rope-llama3-tied", "llama-rope-linear", "llama-rope-yarn", "phi3-longrope"])
 def test_scaled_inverse_frequencies_equal_transformers(case: str) -> None:
+    """Bit-equal to transformers' rope init (longrope: the short set, and the long one past the original
+    context); longrope also against its float64 formula 1 / (factor_i * theta^(2i/d))."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from fastlm.layers.rotary import inverse_frequencies
 
     config_name, fields = CASES[case]
     hf_config = getattr(transformers, config_name)(**fields)
-    theirs, factor = ROPE_INIT_FUNCTIONS[hf_config.rope_parameters["rope_type"]](hf_config, "cpu")
     ours = config_from_hf(hf_config.to_dict())
-    assert torch.equal(inverse_frequencies(ours.head_dim, ours.rope_theta, ours.rope_scaling), theirs)
-    assert ours.rope_scaling.cos_sin_scale == pytest.approx(factor, rel=1e-12)
+    for long in (False, True) if case == "phi3-longrope" else (False,):
+        theirs, factor = ROPE_INIT_FUNCTIONS[hf_config.rope_parameters["rope_type"]](
+            hf_config, "cpu", seq_len=ours.rope_scaling.original_max_seq_len + 1 if long else None)
+        frequencies = inverse_frequencies(ours.head_dim, ours.rope_theta, ours.rope_scaling, long=long)
+        assert torch.equal(frequencies, theirs)
+        assert ours.rope_scaling.cos_sin_scale == pytest.approx(factor, rel=1e-12)
+        if case == "phi3-longrope":
+            parameters = hf_config.rope_parameters
+            divisors = torch.tensor(parameters["long_factor" if long else "short_factor"], dtype=torch.float64)
+            exact = 1.0 / (divisors * 1e4 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+            error = float(((frequencies.double() - exact) / exact).abs().max())
+            print(f"longrope {'long' if long else 'short'} factors: max rel err vs float64 {error:.1e}, "
+                  f"cos/sin scale {factor:.6f}")
+            assert error < 1e-6 and factor > 1
