@@ -50,6 +50,10 @@ TINY: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]] = {
     "mixtral": {**MOE, "num_local_experts": 4},
     "olmoe": {**MOE, "num_experts": 4},
     "qwen3_moe": {**MOE, "num_experts": 4, "moe_intermediate_size": 32, "head_dim": 16},
+    "deepseek_v3": {**MOE, "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1, "n_group": 2,
+                    "topk_group": 1, "moe_intermediate_size": 16, "first_k_dense_replace": 1, "kv_lora_rank": 16,
+                    "q_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12,
+                    "routed_scaling_factor": 2.5},
 }
 
 

@@ -316,8 +316,10 @@ class Generator:
         """A fresh cache, state and step (compiling and capturing it, on those paths)."""
         config = model.config
         dtype = self.amp_dtype or model.output_weight.dtype
-        cache = KVCache(config.num_layers, batch, config.num_heads, config.kv_heads, length, config.head_dim, dtype,
-                        self.device, uniform_columns=self.padding == "left", decode_attention=self.decode_attention)
+        kv_heads, key_width, value_width = config.kv_cache_shape()
+        cache = KVCache(config.num_layers, batch, config.num_heads, kv_heads, length, key_width, dtype, self.device,
+                        uniform_columns=self.padding == "left", decode_attention=self.decode_attention,
+                        value_dim=value_width)
         state = DecodeState.empty(batch, self.vocab, options, self.device)
         return _DecodeStep(model, cache, state, options, self.pad_id, head_weight, self.amp_dtype, self.cuda_graph,
                            self.compile)

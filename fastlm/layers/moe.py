@@ -294,13 +294,17 @@ class MoEMLP(nn.Module):
 
     def _forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        routing = route(flat, self.router.weight, self.top_k, self.normalize_top_k)
+        routing = self.route(flat)
         counts = expert_counts(routing.experts, self.num_experts)
         self.router_sums = router_sums(routing, counts, real_tokens)
         out = dispatch(flat, routing, *self.expert_weights(), self.backend, counts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.reshape(x.shape)
+
+    def route(self, flat: torch.Tensor) -> Routing:
+        """(T, H) tokens -> their routing (softmax top-k; a subclass may route otherwise)."""
+        return route(flat, self.router.weight, self.top_k, self.normalize_top_k)
 
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles leave the last forward's sums behind (they hold autograd graph tensors)."""

@@ -21,6 +21,7 @@ FAMILY_PACKAGES = (
     "mixtral",
     "olmoe",
     "qwen3_moe",
+    "deepseek_v3",
 )
 DEFAULT_FAMILY = "llama"  # the model section's `type:` when a config leaves it out
 

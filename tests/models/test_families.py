@@ -55,19 +55,40 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3-longrope": ("Phi3Config", {**BASE, "original_max_position_embeddings": 11, "rope_parameters": {
         "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 1.7, 2.5],
         "long_factor": [1.5, 3.0, 6.0, 11.0]}}),
+    # MLA (full q_proj; q latent + yarn with mscale_all_dim + half-split rotary), first dense layer, 8 experts in
+    # 4 groups of which 2 are kept, 2 shared experts, a random correction bias
+    "deepseek_v3": ("DeepseekV3Config", {**BASE, "num_key_value_heads": 4, "num_hidden_layers": 3,
+                                         "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                                         "n_group": 4, "topk_group": 2, "moe_intermediate_size": 16,
+                                         "n_shared_experts": 2, "kv_lora_rank": 16, "q_lora_rank": None,
+                                         "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12,
+                                         "routed_scaling_factor": 2.5}),
+    "deepseek_v3-q-lora-yarn": ("DeepseekV3Config", {
+        **BASE, "num_key_value_heads": 4, "first_k_dense_replace": 0, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "n_group": 1, "topk_group": 1, "moe_intermediate_size": 16, "n_shared_experts": 1, "kv_lora_rank": 16,
+        "q_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12, "norm_topk_prob": False,
+        "rope_interleave": False, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                      "original_max_position_embeddings": 16, "mscale": 1.0,
+                                                      "mscale_all_dim": 0.8}}),
     "gpt2": ("GPT2Config", {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
                             "bos_token_id": 256, "eos_token_id": 257}),
 }
-ONE_PER_FAMILY = ["llama3-rope-llama3-tied", "qwen2-mixed-windows", "mistral", "qwen3", "gemma3", "phi3", "gpt2"]
+ONE_PER_FAMILY = ["llama3-rope-llama3-tied", "qwen2-mixed-windows", "mistral", "qwen3", "gemma3", "phi3", "gpt2",
+                  "deepseek_v3"]
 
 
 def hf_model(case: str) -> torch.nn.Module:
     config_name, fields = CASES[case]
     config = getattr(transformers, config_name)(**fields)
     config._attn_implementation = "eager"  # the masks (and windows) are explicit in eager attention
+    config._experts_implementation = "eager"  # the float64 generation below: transformers' grouped_mm takes no fp64
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     randomize_weights(model, seed=sum(map(ord, case)),
                       norms_at_one=not isinstance(model.config, transformers.Gemma3TextConfig))
+    with torch.no_grad():  # DeepSeek-V3's router correction bias is a buffer (zeros from transformers' init)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=torch.Generator().manual_seed(len(name))))
     return model
 
 
@@ -121,7 +142,7 @@ def test_loss_and_one_optimizer_step(case: str, folders: dict[str, tuple[torch.n
     loss = model(ids, LossTargets(labels=labels), normalizers).loss
     loss.backward()
     before = loss.detach()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
     optimizer.step()
     with torch.no_grad():
         after = model(ids, LossTargets(labels=labels), normalizers).loss
@@ -149,15 +170,15 @@ def test_export_loads_in_transformers_with_equal_logits(case: str, folders: dict
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_greedy_generation_equals_transformers(case: str, folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
     """Left-padded prompts of different lengths, past the window; float64 on both sides (no argmax ties).
-    Gemma 3 (local + global layers) also decodes through the FlexAttention decode masks (the CUDA-graph
-    path's; eager FlexAttention on CPU is slow, so only there)."""
+    Gemma 3 (local + global layers) and DeepSeek-V3 (the latent cache) also decode through the FlexAttention
+    decode masks (the CUDA-graph path's; eager FlexAttention on CPU is slow, so only there)."""
     reference, directory = folders[case]
     reference = reference.double()
     reference.generation_config.eos_token_id = None  # sample the whole budget, as ours does without stop tokens
     model = import_hf(directory).double().eval()
     prompts = [[5, 17, 250, 3, 9, 44, 7], [101, 2, 33]]
     options = SamplingOptions(max_new_tokens=5, temperature=0.0)
-    for decode_attention in ("sdpa", "flex") if case == "gemma3" else ("sdpa",):
+    for decode_attention in ("sdpa", "flex") if case in ("gemma3", "deepseek_v3") else ("sdpa",):
         completions = Generator(model, ByteTokenizer(), cuda_graph=False, decode_attention=decode_attention).generate(
             prompts, options)
         for prompt, completion in zip(prompts, completions):
