@@ -231,10 +231,13 @@ def test_unsupported_options_name_the_field(case: str, overrides: dict[str, Any]
 
 
 @pytest.mark.parametrize("kind", ["dense", "flex"])
-def test_packed_documents_with_per_layer_windows(kind: str, folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
+@pytest.mark.parametrize("case", ["gemma3", "deepseek_v3"])
+def test_packed_documents_with_per_layer_windows(case: str, kind: str,
+                                                 folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
     """Training layouts (dense mask on CPU, FlexAttention block masks on GPU; eager FlexAttention here) with
-    local and global layers: a packed row equals its documents run one by one, in float64."""
-    model = import_hf(folders["gemma3"][1]).double().eval()
+    local and global layers (Gemma 3) or latent attention, whose values are narrower than its keys (DeepSeek-V3):
+    a packed row equals its documents run one by one, in float64."""
+    model = import_hf(folders[case][1]).double().eval()
     model.attention_kind = kind
     lengths = (5, 9, 4)
     ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(6))
@@ -244,7 +247,7 @@ def test_packed_documents_with_per_layer_windows(kind: str, folders: dict[str, t
         model.attention_kind = None
         alone = torch.cat([model.logits(piece) for piece in ids.split(lengths, dim=1)], dim=1)
     error = float((packed - alone).abs().max())
-    print(f"gemma3 {kind} packed vs one-by-one float64 max abs err {error:.2e}")
+    print(f"{case} {kind} packed vs one-by-one float64 max abs err {error:.2e}")
     assert error < 1e-10
 
 
