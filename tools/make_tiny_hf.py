@@ -115,10 +115,12 @@ def main() -> None:
     parser.add_argument("--family", default="llama", help=f"a model_type ({', '.join(sorted(TINY))}) or a fastlm "
                         "family name")
     parser.add_argument("--conversations", type=int, default=2000)
+    parser.add_argument("--tokenizer-from", type=Path, help="copy the tokenizer of an earlier hf-model/ folder "
+                        "instead of training one")
     args = parser.parse_args()
     model_type = model_type_of(args.family)
     args.out.mkdir(parents=True, exist_ok=True)
-    model = tiny_hf_checkpoint(args.out / "hf-model", model_type)
+    model = tiny_hf_checkpoint(args.out / "hf-model", model_type, tokenizer_from=args.tokenizer_from)
     addition_chat_jsonl(args.out / "chat.jsonl", args.conversations, seed=1)
     print(f"wrote {model} ({model_type}, tokenizer + weights) and {args.out / 'chat.jsonl'}")
 
