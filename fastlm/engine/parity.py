@@ -25,7 +25,7 @@ from fastlm.generation.generator import Generator
 from fastlm.generation.sampling import SamplingOptions
 from fastlm.losses.spec import transform_logits
 from fastlm.models.base import DecoderConfig
-from fastlm.models.hf import export_hf, import_hf, read_hf_tensors, to_hf_state, weight_files
+from fastlm.models.hf import export_hf, import_hf, read_hf_config, weight_files
 from fastlm.models.registry import family_of
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.25}  # max |logit difference| per dtype (--tolerance overrides)
@@ -80,7 +80,7 @@ def parity_report(directory: str | Path, device: str = "cpu", tokens: int = 256,
     directory = Path(directory)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     limit = TOLERANCE[dtype] if tolerance is None else tolerance
-    report = ParityReport(str(directory), transformers.AutoConfig.from_pretrained(directory).model_type, device,
+    report = ParityReport(str(directory), str(read_hf_config(directory).get("model_type")), device,
                           str(dtype).removeprefix("torch."))
     with tempfile.TemporaryDirectory(prefix="fastlm-check-") as folder:
         ours = _fastlm_side(directory, Path(folder), device, dtype, tokens, new_tokens, seed)
@@ -96,7 +96,7 @@ def parity_report(directory: str | Path, device: str = "cpu", tokens: int = 256,
                                    "random ids)"))
         report.checks.append(_greedy_check(reference, ours.prompt, ours.greedy, expected.tolist(), limit, device))
         del reference  # one model in memory at a time
-        report.checks.append(_export_check(directory, ours.config, Path(folder), ours.exported, ours.ids, theirs, limit, device,
+        report.checks.append(_export_check(directory, ours.config, Path(folder), ours.ids, theirs, limit, device,
                                            dtype))
     report.checks.append(_unmapped_check(directory, ours.config, ours.mapped))
     return report
@@ -109,7 +109,6 @@ class _FastlmSide:
     logits: torch.Tensor  # fastlm's, after the head's transform (what transformers returns), fp32
     prompt: list[int]
     greedy: list[int]
-    exported: dict[str, torch.Tensor]  # the HF-named tensors written to the export folder
     mapped: set[str]  # the HF names fastlm's weight rules read (the tied output weight included)
 
 
@@ -129,19 +128,14 @@ def _fastlm_side(directory: Path, folder: Path, device: str, dtype: torch.dtype,
     mapped = {name for rule in family_of(config).hf.weight_rules(config) for name in rule.theirs}
     if config.tie_embeddings:
         mapped.add("lm_head.weight")
-    return _FastlmSide(config, ids, logits, prompt, greedy, to_hf_state(model.state_dict(), config), mapped)
+    return _FastlmSide(config, ids, logits, prompt, greedy, mapped)
 
 
 def _unmapped_check(directory: Path, config: DecoderConfig, mapped: set[str]) -> Check:
     """The checkpoint's tensors no weight rule reads; those the family's import drops on purpose (a vision
     tower, saved rotary buffers) are counted apart."""
-    from safetensors import safe_open
-
     adapter = family_of(config).hf
-    names = set()
-    for file in weight_files(directory):
-        with safe_open(str(file), "pt") as handle:
-            names.update(handle.keys())
+    names = set(_tensor_files(directory))
     renamed = adapter.normalise_keys({name: name for name in names})  # HF name as imported -> name in the file
     unmapped = sorted(original for name, original in renamed.items()
                       if name not in mapped and not name.endswith(adapter.ignored_suffixes))
@@ -150,6 +144,28 @@ def _unmapped_check(directory: Path, config: DecoderConfig, mapped: set[str]) ->
     if dropped:
         detail += f" ({len(dropped)} left out by the family's import on purpose, e.g. {dropped[0]})"
     return Check("unmapped parameters", not unmapped, detail)
+
+
+def _tensor_files(directory: Path) -> dict[str, Path]:
+    """Each tensor name of a safetensors checkpoint and the file holding it (headers only)."""
+    from safetensors import safe_open
+
+    files = {}
+    for file in weight_files(directory):
+        with safe_open(str(file), "pt") as handle:
+            files.update(dict.fromkeys(handle.keys(), file))
+    return files
+
+
+def _differs(exported: torch.Tensor, original: torch.Tensor) -> bool:
+    return not torch.equal(exported, original.to(exported.dtype))
+
+
+def _tensor(file: Path, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as handle:
+        return handle.get_tensor(name)
 
 
 def load_transformers(directory: Path, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, list[str]]:
@@ -193,12 +209,16 @@ def _greedy_check(reference: Any, prompt: list[int], ours: list[int], theirs: li
                  + ("(a near tie within tolerance)" if tie else f"(more than the tolerance {limit:.0e})"))
 
 
-def _export_check(directory: Path, config: DecoderConfig, exported: Path, state: dict[str, torch.Tensor], ids: torch.Tensor,
+def _export_check(directory: Path, config: DecoderConfig, exported: Path, ids: torch.Tensor,
                   reference_logits: torch.Tensor, limit: float, device: str, dtype: torch.dtype) -> Check:
-    """The exported tensors against the checkpoint's, then transformers' logits of the export."""
-    source = family_of(config).hf.normalise_keys(read_hf_tensors(directory))  # a multimodal file's text names
-    differing = sorted(name for name, value in state.items()
-                       if name not in source or not torch.equal(value, source[name].to(value.dtype)))
+    """The exported tensors against the checkpoint's (one pair in memory at a time), then transformers' logits
+    of the export."""
+    files = _tensor_files(directory)
+    source = {name: (files[original], original) for name, original in  # a multimodal file's tensors by text names
+              family_of(config).hf.normalise_keys({name: name for name in files}).items()}
+    written = _tensor_files(exported)
+    differing = sorted(name for name, file in written.items() if name not in source or _differs(
+        _tensor(file, name), _tensor(*source[name])))
     reloaded, logged = load_transformers(exported, device, dtype)
     with torch.no_grad():
         difference = float((reloaded(ids).logits.float() - reference_logits).abs().max())
@@ -209,6 +229,6 @@ def _export_check(directory: Path, config: DecoderConfig, exported: Path, state:
         problems.append(f"logits differ by {difference:.2e}")
     if logged:
         problems.append(f"{len(logged)} warnings on loading: {logged[0]}")
-    detail = "; ".join(problems) or (f"{len(state)} tensors equal, transformers reloads it without warnings, logits "
+    detail = "; ".join(problems) or (f"{len(written)} tensors equal, transformers reloads it without warnings, logits "
                                      f"max |difference| {difference:.2e}")
     return Check("export round trip", not problems, detail)

@@ -67,3 +67,10 @@ def test_a_wrong_weight_fails_the_check(tokenizer: Path, monkeypatch: pytest.Mon
 def test_check_usage_errors_exit_2(arguments: list[str], tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["convert", "--from-hf", str(tokenizer), "--check", *arguments]) == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_an_unsupported_checkpoint_exits_2_before_any_model_loads(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "gemma4_text"}')
+    assert main(["convert", "--from-hf", str(tmp_path), "--check"]) == 2
+    assert "model_type: unsupported architecture" in capsys.readouterr().err
