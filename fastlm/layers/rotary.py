@@ -74,19 +74,20 @@ def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: RopeScal
     return interpolated * (1 - extrapolation) + extrapolated * extrapolation
 
 
-def rotary_angles(positions: torch.Tensor, head_dim: int, theta: float,
-                  scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_angles(positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                  longest: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position * inverse frequency, fp32, shape positions.shape + (head_dim/2,)
     (times yarn's or longrope's attention factor when scaled so). longrope, as transformers does for one
     sequence: a row's positions take the long factors once the row's largest position passes the pretraining
     context, the short ones otherwise (chosen on the device, no host read; a packed row by its longest
-    document); a cache keeps the keys rotated as they were written, so decoding switches sets where
-    transformers' `generate` does."""
+    document; `longest` (rows, 1): each row's largest real position when padding follows it); the generator
+    recomputes its cache where a row crosses (`DecoderLM.rope_switch_positions`), as transformers' Phi-3 does."""
     inv_freq = inverse_frequencies(head_dim, theta, scaling, positions.device)
     if scaling is not None and scaling.type == "longrope":
         assert scaling.original_max_seq_len is not None
         long = inverse_frequencies(head_dim, theta, scaling, positions.device, long=True)
-        past_context = positions.amax(dim=-1, keepdim=True)[..., None] + 1 > scaling.original_max_seq_len
+        largest = positions.amax(dim=-1, keepdim=True) if longest is None else longest
+        past_context = largest[..., None] + 1 > scaling.original_max_seq_len
         inv_freq = torch.where(past_context, long, inv_freq)  # (rows, 1, head_dim/2)
     angles = positions.to(torch.float32)[..., None] * inv_freq
     cos, sin = angles.cos(), angles.sin()

@@ -50,9 +50,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                                         SLIDING: {"rope_type": "default", "rope_theta": 1e4}}}),
     "phi3": ("Phi3Config", {**BASE, "sliding_window": WINDOW, "rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}),
-    # no factor: transformers' max / original. The logits (SEQ 12 > 11) take the long factors, generation (at most
-    # 11 tokens) the short ones: a generation crossing the context differs (docs/architecture.md, family table)
-    "phi3-longrope": ("Phi3Config", {**BASE, "original_max_position_embeddings": 11, "rope_parameters": {
+    # no factor: transformers' max / original. The logits (SEQ 12 > 8) take the long factors; the 7-token prompt's
+    # generation crosses the original context (the cache is recomputed there, as transformers' Phi-3 does)
+    "phi3-longrope": ("Phi3Config", {**BASE, "original_max_position_embeddings": 8, "rope_parameters": {
         "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 1.7, 2.5],
         "long_factor": [1.5, 3.0, 6.0, 11.0]}}),
     # MLA (full q_proj; q latent + yarn with mscale_all_dim + half-split rotary), first dense layer, 8 experts in
@@ -340,3 +340,21 @@ def test_scaled_inverse_frequencies_equal_transformers(case: str) -> None:
             print(f"longrope {'long' if long else 'short'} factors: max rel err vs float64 {error:.1e}, "
                   f"cos/sin scale {factor:.6f}")
             assert error < 1e-6 and factor > 1
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_longrope_generation_across_the_original_context(padding: str,
+                                                         folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
+    """Prompts that cross the original context (8) mid-generation, stay below it, or start past it, batched and
+    padded either way: token for token with transformers' Phi-3 `generate`, which recomputes its cache where a
+    sequence crosses (fastlm: `Generator._rebuild_step`; a right-padded prefill's padding does not count)."""
+    reference, directory = folders["phi3-longrope"]
+    reference = reference.double()
+    reference.generation_config.eos_token_id = None
+    model = import_hf(directory).double().eval()
+    prompts = [[5, 17, 250, 3, 9, 44, 7], [101, 2, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+    expected = [reference.generate(torch.tensor([p]), max_new_tokens=7, do_sample=False, pad_token_id=0)[0, len(p):]
+                .tolist() for p in prompts]
+    completions = Generator(model, ByteTokenizer(), cuda_graph=False, padding=padding).generate(
+        prompts, SamplingOptions(max_new_tokens=7, temperature=0.0))
+    assert [completion.tokens for completion in completions] == expected
