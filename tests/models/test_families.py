@@ -358,3 +358,25 @@ def test_longrope_generation_across_the_original_context(padding: str,
     completions = Generator(model, ByteTokenizer(), cuda_graph=False, padding=padding).generate(
         prompts, SamplingOptions(max_new_tokens=7, temperature=0.0))
     assert [completion.tokens for completion in completions] == expected
+
+
+def test_deepseek_multi_token_prediction_layers_are_dropped(folders: dict[str, tuple[torch.nn.Module, Path]],
+                                                            tmp_path: Path) -> None:
+    """DeepSeek-V3 checkpoints carry their MTP module as one more layer (eh_proj, enorm, hnorm and a full block):
+    the import leaves that layer out, as transformers does, and the logits are the main model's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    reference, directory = folders["deepseek_v3"]
+    shutil.copytree(directory, tmp_path, dirs_exist_ok=True)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    mtp = {f"model.layers.3.{name}": torch.randn(shape) for name, shape in (
+        ("eh_proj.weight", (32, 64)), ("enorm.weight", (32,)), ("hnorm.weight", (32,)),
+        ("input_layernorm.weight", (32,)), ("self_attn.q_proj.weight", (64, 32)))}
+    save_file({**tensors, **mtp}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model = import_hf(tmp_path).eval()
+    ids = _ids(seed=9)
+    with torch.no_grad():
+        assert float((model.logits(ids) - reference(ids).logits).abs().max()) <= 1e-5
+    assert len(model.blocks) == 3
