@@ -117,7 +117,8 @@ class KVCache:
 
     @property
     def buffers(self) -> list[torch.Tensor]:
-        return self.keys if self.values_in_keys else self.keys + self.values
+        """Every tensor a decode step updates in place (a latent cache's values are views of its keys)."""
+        return self.keys + self.values
 
     def positions(self, columns: torch.Tensor) -> torch.Tensor:
         """(B, S) position ids of tokens at cache `columns` (0 on left padding)."""
