@@ -1,9 +1,14 @@
-"""An offline Hugging Face starting point: a tiny random Llama or Qwen2 saved with a BPE tokenizer trained
-on the generated corpus (with a chat template), and a chat JSONL of addition problems.
+"""A tiny random Hugging Face checkpoint of any family fastlm converts, saved with a BPE tokenizer trained on
+the generated corpus (with a chat template), and a chat JSONL of addition problems.
 
-For trying README's "Fine-tune a Hugging Face model" without a hub download, and for the tests:
+For trying README's "Fine-tune a Hugging Face model" or `fastlm convert --from-hf DIR --check` without a hub
+download, and for the tests:
 
-    python tools/make_tiny_hf.py demo [--style qwen2]    # writes demo/hf-model/ and demo/chat.jsonl
+    python tools/make_tiny_hf.py demo [--family qwen2]    # writes demo/hf-model/ and demo/chat.jsonl
+
+`--family` takes a config.json model_type (llama, qwen2, gemma3_text, ...) or a fastlm family name (its first
+model_type). A family added to the registry adds one entry to `TINY` (the keys its tiny transformers config
+changes from `SHAPE`); tests/tools/test_make_tiny_hf.py fails while a registered model_type has none.
 """
 
 from __future__ import annotations
@@ -11,29 +16,85 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
 
 from fastlm.data.bpe import train_bpe_tokenizer
 from fastlm.data.corpus import generate_documents
+from fastlm.models.registry import FAMILIES
 
 TOKENIZER_VOCAB, MODEL_VOCAB = 400, 512  # the model's vocab padded above the tokenizer's
+SHAPE: dict[str, Any] = dict(vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                             rms_norm_eps=1e-5, tie_word_embeddings=False)
+SLIDING, FULL = "sliding_attention", "full_attention"
+MOE = dict(num_experts_per_tok=2, intermediate_size=32)
+GEMMA3_TEXT = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, layer_types=[SLIDING, FULL])
+# per model_type: the tiny config's keys on top of SHAPE (a dict), or the whole config from SHAPE (a function)
+TINY: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "llama": {},
+    "qwen2": {},
+    "mistral": {"sliding_window": 8},
+    "qwen3": {"head_dim": 16},
+    "gemma3_text": GEMMA3_TEXT,
+    "gemma3": lambda shape: {  # multimodal: fastlm imports its text tower
+        "text_config": {**shape, **GEMMA3_TEXT}, "mm_tokens_per_image": 4,
+        "vision_config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                          "num_attention_heads": 2, "image_size": 28, "patch_size": 14}},
+    "phi3": {},
+    "gpt2": {},
+    "mixtral": {**MOE, "num_local_experts": 4},
+    "olmoe": {**MOE, "num_experts": 4},
+    "qwen3_moe": {**MOE, "num_experts": 4, "moe_intermediate_size": 32, "head_dim": 16},
+    "deepseek_v3": {**MOE, "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1, "n_group": 2,
+                    "topk_group": 1, "moe_intermediate_size": 16, "first_k_dense_replace": 1, "kv_lora_rank": 16,
+                    "q_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12,
+                    "routed_scaling_factor": 2.5},
+}
 
 
-def tiny_hf_checkpoint(directory: Path, style: str = "llama", seed: int = 0) -> Path:
-    """A random tiny HF model (vocab padded to 512 over the tokenizer's 400) saved with its tokenizer."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        str(train_bpe_tokenizer(generate_documents(400, seed=0), directory, TOKENIZER_VOCAB, style)),  # type: ignore[arg-type]
-        local_files_only=True)
-    shape = dict(vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
-                 tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                 pad_token_id=tokenizer.pad_token_id)
-    config = transformers.LlamaConfig(**shape) if style == "llama" else transformers.Qwen2Config(**shape)
+def model_type_of(family: str) -> str:
+    """`family` as a model_type: a model_type itself, or a fastlm family name's first model_type."""
+    if family in TINY:
+        return family
+    if family in FAMILIES:
+        return FAMILIES[family].hf.model_types[0]
+    raise SystemExit(f"make_tiny_hf: unknown family {family!r}; choose one of {', '.join(sorted(TINY))}")
+
+
+def tiny_config(model_type: str, special: dict[str, int | None]) -> transformers.PretrainedConfig:
+    """The tiny transformers config of `model_type` with the tokenizer's special ids."""
+    entry = TINY[model_type]
+    shape = {**SHAPE, **special}
+    fields = entry(shape) if callable(entry) else {**shape, **entry}
+    return transformers.AutoConfig.for_model(model_type, **fields)
+
+
+def tiny_hf_checkpoint(directory: Path, model_type: str = "llama", seed: int = 0,
+                       tokenizer_from: Path | None = None) -> Path:
+    """A random tiny HF model (vocab padded to 512 over the tokenizer's 400) saved with its tokenizer: trained
+    here, or copied from `tokenizer_from` (a folder an earlier call wrote; training one takes a second).
+    Every 1-D parameter (norms, biases, router corrections) gets noise on transformers' init, so a misplaced
+    one changes the logits."""
+    if tokenizer_from is None:
+        style = "qwen2" if model_type.startswith("qwen") else "llama"
+        train_bpe_tokenizer(generate_documents(400, seed=0), directory, TOKENIZER_VOCAB, style)  # type: ignore[arg-type]
+        tokenizer_from = directory
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_from), local_files_only=True)
+    tokenizer.save_pretrained(str(directory))
+    config = tiny_config(model_type, {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                                      "pad_token_id": tokenizer.pad_token_id})
     torch.manual_seed(seed)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(directory))
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 1:
+                parameter.add_(0.1 * torch.randn_like(parameter))
+    model.save_pretrained(str(directory))
     return directory
 
 
@@ -51,13 +112,17 @@ def addition_chat_jsonl(path: Path, count: int, seed: int) -> list[list[dict[str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="folder for hf-model/ and chat.jsonl")
-    parser.add_argument("--style", choices=["llama", "qwen2"], default="llama")
+    parser.add_argument("--family", default="llama", help=f"a model_type ({', '.join(sorted(TINY))}) or a fastlm "
+                        "family name")
     parser.add_argument("--conversations", type=int, default=2000)
+    parser.add_argument("--tokenizer-from", type=Path, help="copy the tokenizer of an earlier hf-model/ folder "
+                        "instead of training one")
     args = parser.parse_args()
+    model_type = model_type_of(args.family)
     args.out.mkdir(parents=True, exist_ok=True)
-    model = tiny_hf_checkpoint(args.out / "hf-model", args.style)
+    model = tiny_hf_checkpoint(args.out / "hf-model", model_type, tokenizer_from=args.tokenizer_from)
     addition_chat_jsonl(args.out / "chat.jsonl", args.conversations, seed=1)
-    print(f"wrote {model} ({args.style}, tokenizer + weights) and {args.out / 'chat.jsonl'}")
+    print(f"wrote {model} ({model_type}, tokenizer + weights) and {args.out / 'chat.jsonl'}")
 
 
 if __name__ == "__main__":

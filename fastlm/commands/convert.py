@@ -1,12 +1,13 @@
 """`fastlm convert`: Hugging Face checkpoints in and out (`--from-hf`, `--to-hf`), and a LoRA run's adapters
-merged (`--merge-lora`) or as HF PEFT files (`--to-peft`, `--from-peft`). Errors are one message, exit 2."""
+merged (`--merge-lora`) or as HF PEFT files (`--to-peft`, `--from-peft`), and the parity report against
+transformers (`--from-hf DIR --check`). Errors are one message, exit 2."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from fastlm.config.errors import ConfigError
+from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.data.tokenizer import TokenizerError
 from fastlm.engine.checkpoint import CheckpointError
 from fastlm.engine.convert import load_fastlm, save_fastlm
@@ -40,6 +41,27 @@ def convert_command(from_hf: str | None, to: str | None, from_fastlm: str | None
     except TokenizerError as error:
         print(f"fastlm convert: {error}", file=sys.stderr)
         return 2
+
+
+def check_command(from_hf: str | None, to: str | None, device: str, tokens: int, new_tokens: int,
+                  tolerance: float | None) -> int:
+    """`fastlm convert --from-hf DIR --check`: the parity table (fastlm/engine/parity.py); 0 when every
+    check passes, 1 when one fails, 2 for a usage or checkpoint error."""
+    try:
+        if from_hf is None or to is not None:
+            raise ConfigError("--check goes with --from-hf DIR alone (no --to)")
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise ConfigError(ConfigIssue("--device", "must be cpu or cuda", device))
+        if tokens < 2 or new_tokens < 1:
+            raise ConfigError(ConfigIssue("--check-tokens", "need at least 2 ids and 1 new token", (tokens, new_tokens)))
+        from fastlm.engine.parity import parity_report  # lazy: transformers (the `hf` extra) is imported there
+
+        report = parity_report(from_hf, device, tokens, new_tokens, tolerance)
+    except ConfigError as error:
+        print(error.render(), file=sys.stderr)
+        return 2
+    print(report.table())
+    return 0 if report.passed else 1
 
 
 def lora_convert_command(source: str | None, to: str | None, to_hf: str | None, to_peft_dir: str | None,

@@ -43,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--to", metavar="DIR", help="with --from-hf: also write model.yaml + model.safetensors here")
     convert.add_argument("--from", dest="from_fastlm", metavar="DIR",
                          help="with --to-hf: a checkpoint (step, checkpoints or run folder) or a --to folder")
+    convert.add_argument("--check", action="store_true", help="with --from-hf: compare fastlm with transformers on "
+                         "random ids (logits, greedy generation, export round trip, unmapped parameters); exit 1 on a "
+                         "failed check")
+    convert.add_argument("--device", default="cpu", help="with --check: cpu (fp32, default) or cuda (bf16)")
+    convert.add_argument("--check-tokens", type=int, default=256, help="with --check: random ids per row")
+    convert.add_argument("--check-new-tokens", type=int, default=16, help="with --check: greedy tokens compared")
+    convert.add_argument("--tolerance", type=float, help="with --check: max |logit difference| (default 1e-4 fp32, "
+                         "0.25 bf16)")
     prepare = commands.add_parser("prepare", help="tokenize local text/JSONL/Parquet/CSV files into a memory-mapped "
                                   "data set (data.source: {type: memmap, path})")
     prepare.add_argument("config", help="YAML prepare config: tokenizer, input_path, output_path, record fields, num_proc")
@@ -74,6 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "convert":
         from fastlm.commands.convert import convert_command
 
+        if args.check:
+            from fastlm.commands.convert import check_command
+
+            return check_command(args.from_hf, args.to, args.device, args.check_tokens, args.check_new_tokens,
+                                 args.tolerance)
         return convert_command(args.from_hf, args.to, args.from_fastlm, args.to_hf)
     if args.command == "prepare":
         from fastlm.commands.prepare import prepare_command

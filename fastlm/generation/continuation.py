@@ -44,6 +44,9 @@ class Continuation:
     def __init__(self, engine: Generator, options: SamplingOptions, limit: int) -> None:
         if engine.padding != "right":
             raise ValueError("a Continuation needs a Generator with padding='right' (each row at its own columns)")
+        if engine.model.rope_switch_positions:
+            raise ValueError("multi-turn sessions do not recompute the cache where longrope switches to its long "
+                             "factors (parked rows count as long): use single-turn generation for this model")
         room = engine.model.config.max_seq_len - options.max_new_tokens - 1
         if limit > room:
             raise ValueError(f"limit {limit} leaves no parking columns: it must be <= model.max_seq_len - "

@@ -334,9 +334,10 @@ class Generator:
         config = model.config
         dtype = self.amp_dtype or model.output_weight.dtype
         recurrent = [config.recurrent_state(layer) for layer in range(config.num_layers)]
-        cache = KVCache(config.num_layers, batch, config.num_heads, config.kv_heads, length, config.head_dim, dtype,
-                        self.device, uniform_columns=self.padding == "left", decode_attention=self.decode_attention,
-                        recurrent=recurrent)
+        kv_heads, key_width, value_width = config.kv_cache_shape()
+        cache = KVCache(config.num_layers, batch, config.num_heads, kv_heads, length, key_width, dtype, self.device,
+                        uniform_columns=self.padding == "left", decode_attention=self.decode_attention,
+                        recurrent=recurrent, value_dim=value_width)
         state = DecodeState.empty(batch, self.vocab, options, self.device)
         cache.frozen = state.done  # a finished row's steps leave linear-attention states alone
         return _DecodeStep(model, cache, state, options, self.pad_id, head_weight, self.amp_dtype, self.cuda_graph,
@@ -361,16 +362,37 @@ class Generator:
         columns = torch.arange(width).expand(batch, width).to(device)
         cache.ends.copy_(last + 1)  # right padding: the prompt's padding is not part of a recurrent state
         with autocast(device, self.amp_dtype):
-            hidden = model.cached_hidden_states(tokens.to(device), cache, columns, width)
+            hidden = model.cached_hidden_states(tokens.to(device), cache, columns, width, last.to(device))
             logits = model.head_logits(hidden[torch.arange(batch, device=device), last.to(device)], head_weight)
         cache.ends.fill_(cache.length)
         state.record(logits, options, self.pad_id)
         may_end = len(options.stop_tokens) or budgets is not None
+        rebuilds = {position - int(n) + 1 for position in model.rope_switch_positions for n in lengths}
         for index in range(1, options.max_new_tokens):
             if may_end and index % self.check_every == 0 and bool(state.done.all()):
                 break
-            step()
+            if index in rebuilds:
+                self._rebuild_step(model, head_weight, step, tokens.to(device), last.to(device), index)
+            else:
+                step()
         return _completions(state.drawn.cpu(), state.logprobs.cpu(), set(options.stop_tokens), budgets)
+
+    def _rebuild_step(self, model: DecoderLM, head_weight: torch.Tensor | None, step: _DecodeStep,
+                      prompts: torch.Tensor, last: torch.Tensor, index: int) -> None:
+        """Decode step `index` as a forward over every token so far, rewriting the whole cache: a row's input
+        position reaches a `rope_switch_positions` entry (longrope's original context), past which its keys take
+        other frequencies, so the cached ones are stale (transformers' Phi-3 `generate` recomputes the same way).
+        `prompts` (B, width) is the prefill's input, `last` (B,) each row's last prompt column."""
+        state, batch = step.state, prompts.shape[0]
+        width = prompts.shape[1] + index
+        tokens = torch.cat((prompts, prompts.new_full((batch, index), self.pad_id)), dim=1)
+        tokens.scatter_(1, last[:, None] + 1 + torch.arange(index, device=tokens.device), state.drawn[:, :index])
+        columns = torch.arange(width, device=tokens.device).expand(batch, width)
+        with autocast(self.device, self.amp_dtype):
+            hidden = model.cached_hidden_states(tokens, step.cache, columns, width, last + index)
+            logits = model.head_logits(hidden[torch.arange(batch, device=tokens.device), last + index], head_weight)
+        state.record(logits, step.options, self.pad_id)
+        state.columns += 1
 
 
 def _completions(drawn: torch.Tensor, logprobs: torch.Tensor, stops: set[int],

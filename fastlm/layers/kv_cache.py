@@ -14,6 +14,9 @@ layers share one, windowed layers another).
 Left-padded rows write the same columns (`uniform_columns`: one `index_copy_`); otherwise each row
 scatters into its own.
 
+A latent cache (multi-head latent attention, `value_dim` set): one kv head whose values are the first
+`value_dim` columns of its keys, so each layer holds one buffer and `values` are views of it.
+
 Grouped-query attention reads the cache without repeating it: the g query heads that share a kv head
 become g query rows of that head, (B, Hkv, g * S, D) against (B, Hkv, span, D).
 
@@ -61,24 +64,25 @@ class LayerCache:
     span: int  # attend over columns [0, span)
     uniform_columns: bool  # every row writes the same columns (left padding)
     mask: CacheMask  # from `KVCache.attention_mask`, shared by the layers with this layer's window
+    values_in_keys: bool = False  # a latent cache: `values` is a view of `keys`, written with them
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """Write k, v (B, Hkv, S, D) at `columns`, then softmax(q K^T * scale + mask) V over the cache
-        (scale None: 1/sqrt(d)); a score `softcap` and per-head `sinks` as in training (`explicit_attention`).
+        """Write k, v (B, Hkv, S, D) at `columns` (a latent cache: k alone, v being its first columns), then
+        softmax(q K^T * scale + mask) V over the cache (scale None: 1/sqrt(d)); a score `softcap` and per-head
+        `sinks` as in training (`explicit_attention`).
 
-        q (B, Hq, S, D) -> (B, Hq, S, D).
+        q (B, Hq, S, D) -> (B, Hq, S, Dv).
         """
         batch, q_heads, seq_len, head_dim = q.shape
         kv_heads = k.shape[1]
         k, v = k.to(self.keys.dtype), v.to(self.values.dtype)
-        if self.uniform_columns:
-            self.keys.index_copy_(2, self.columns[0], k)
-            self.values.index_copy_(2, self.columns[0], v)
-        else:
-            index = self.columns[:, None, :, None].expand(batch, kv_heads, seq_len, head_dim)
-            self.keys.scatter_(2, index, k)
-            self.values.scatter_(2, index, v)
+        written = ((self.keys, k),) if self.values_in_keys else ((self.keys, k), (self.values, v))
+        for buffer, new in written:
+            if self.uniform_columns:
+                buffer.index_copy_(2, self.columns[0], new)
+            else:
+                buffer.scatter_(2, self.columns[:, None, :, None].expand(batch, kv_heads, seq_len, new.shape[-1]), new)
         if self.mask.blocks is not None:
             from fastlm.layers.packed_attention import (
                 flex_attend,  # lazy: packed_attention imports this module (via attention.py)
@@ -94,7 +98,7 @@ class LayerCache:
             return explicit_attention(q.to(keys.dtype), keys, values, mask, scale, softcap, sinks).to(q.dtype)
         grouped_q = q.reshape(batch, kv_heads, q_heads // kv_heads * seq_len, head_dim).to(keys.dtype)
         out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=self.mask.additive, scale=scale)
-        return out.reshape(batch, q_heads, seq_len, head_dim).to(q.dtype)
+        return out.reshape(batch, q_heads, seq_len, -1).to(q.dtype)
 
 
 @dataclass(frozen=True)
@@ -159,13 +163,16 @@ class KVCache:
         self, num_layers: int, batch: int, q_heads: int, kv_heads: int, length: int, head_dim: int,
         dtype: torch.dtype, device: torch.device | str, uniform_columns: bool = False,
         decode_attention: DecodeAttention = "sdpa", recurrent: list[RecurrentShape | None] | None = None,
+        value_dim: int | None = None,
     ) -> None:
         """`recurrent`: per layer, the state of a linear-attention layer (no keys and values) or None."""
         recurrent = recurrent or [None] * num_layers
         shape = (batch, kv_heads, length, head_dim)
         empty = (batch, kv_heads, 0, head_dim)
         self.keys = [torch.zeros(empty if r else shape, dtype=dtype, device=device) for r in recurrent]
-        self.values = [torch.zeros(empty if r else shape, dtype=dtype, device=device) for r in recurrent]
+        self.values_in_keys = value_dim is not None  # a latent cache (module docstring)
+        self.values = ([keys[..., :value_dim] for keys in self.keys] if value_dim is not None else
+                       [torch.zeros(empty if r else shape, dtype=dtype, device=device) for r in recurrent])
         self.states = {index: RecurrentState.empty(r, batch, dtype, device) for index, r in enumerate(recurrent) if r}
         self.start = torch.zeros(batch, dtype=torch.int64, device=device)
         self.ends = torch.full((batch,), length, dtype=torch.int64, device=device)
@@ -181,6 +188,7 @@ class KVCache:
 
     @property
     def buffers(self) -> list[torch.Tensor]:
+        """Every tensor a decode step updates in place (a latent cache's values are views of its keys)."""
         states = [t for state in self.states.values() for t in (state.conv, state.state)]
         return self.keys + self.values + states + [self.ends]
 
@@ -251,4 +259,5 @@ class KVCache:
         state = self.states.get(index)
         if state is not None:
             return RecurrentLayerCache(state.conv, state.state, self.real_tokens(columns), columns[:, 0] != 0)
-        return LayerCache(self.keys[index], self.values[index], columns, span, self.uniform_columns, mask)
+        return LayerCache(self.keys[index], self.values[index], columns, span, self.uniform_columns, mask,
+                          self.values_in_keys)

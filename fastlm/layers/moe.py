@@ -330,13 +330,17 @@ class MoEMLP(nn.Module):
 
     def _forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        routing = route(flat, self.router.weight, self.top_k, self.normalize_top_k, self.router.bias)
+        routing = self.route(flat)
         counts = expert_counts(routing.experts, self.num_experts)
         self.router_sums = router_sums(routing, counts, real_tokens)
         biases = None if self.gate_up_bias is None or self.down_bias is None else (
             self.gate_up_bias.view(self.num_experts, -1), self.down_bias.view(self.num_experts, -1))
         return dispatch(flat, routing, *self.expert_weights(), self.backend, counts, self.activation,
                         biases).reshape(x.shape)
+
+    def route(self, flat: torch.Tensor) -> Routing:
+        """(T, H) tokens -> their routing (softmax top-k, GPT-OSS's router bias; a subclass may route otherwise)."""
+        return route(flat, self.router.weight, self.top_k, self.normalize_top_k, self.router.bias)
 
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles leave the last forward's sums behind (they hold autograd graph tensors)."""

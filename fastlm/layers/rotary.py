@@ -1,5 +1,5 @@
 """Rotary position embeddings (RoPE), half-split convention (as in the Hugging Face Llama code), with
-optional frequency scaling (linear, llama3, yarn: `fastlm.layers.rope_scaling`).
+optional frequency scaling (linear, llama3, yarn, longrope: `fastlm.layers.rope_scaling`).
 
 Frequencies are recomputed from the positions on every call instead of a cached buffer: the cost is
 tiny (S x head_dim/2), it works with per-document positions, and there is no buffer to re-create
@@ -17,11 +17,18 @@ from fastlm.layers.rope_scaling import RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None,
-                        device: torch.device | None = None) -> torch.Tensor:
-    """(head_dim/2,) fp32 inverse frequencies theta^(-2i/head_dim), stretched by `scaling`."""
+                        device: torch.device | None = None, long: bool = False) -> torch.Tensor:
+    """(head_dim/2,) fp32 inverse frequencies theta^(-2i/head_dim), stretched by `scaling` (longrope: by its
+    long factors when `long`, else its short ones)."""
     if head_dim % 2:
         raise ValueError(f"rotary head_dim must be even, got {head_dim}")
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / head_dim
+    if scaling is not None and scaling.type == "longrope":
+        factors = scaling.long_factor if long else scaling.short_factor
+        assert factors is not None
+        if len(factors) != head_dim // 2:
+            raise ValueError(f"longrope has {len(factors)} factors per set; head_dim {head_dim} needs {head_dim // 2}")
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32, device=device) * theta ** exponents)
     inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
         return inv_freq
@@ -67,11 +74,21 @@ def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: RopeScal
     return interpolated * (1 - extrapolation) + extrapolated * extrapolation
 
 
-def rotary_angles(positions: torch.Tensor, head_dim: int, theta: float,
-                  scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_angles(positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                  longest: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position * inverse frequency, fp32, shape positions.shape + (head_dim/2,)
-    (times yarn's attention factor when scaled so)."""
+    (times yarn's or longrope's attention factor when scaled so). longrope, as transformers does for one
+    sequence: a row's positions take the long factors once the row's largest position passes the pretraining
+    context, the short ones otherwise (chosen on the device, no host read; a packed row by its longest
+    document; `longest` (rows, 1): each row's largest real position when padding follows it); the generator
+    recomputes its cache where a row crosses (`DecoderLM.rope_switch_positions`), as transformers' Phi-3 does."""
     inv_freq = inverse_frequencies(head_dim, theta, scaling, positions.device)
+    if scaling is not None and scaling.type == "longrope":
+        assert scaling.original_max_seq_len is not None
+        long = inverse_frequencies(head_dim, theta, scaling, positions.device, long=True)
+        largest = positions.amax(dim=-1, keepdim=True) if longest is None else longest
+        past_context = largest[..., None] + 1 > scaling.original_max_seq_len
+        inv_freq = torch.where(past_context, long, inv_freq)  # (rows, 1, head_dim/2)
     angles = positions.to(torch.float32)[..., None] * inv_freq
     cos, sin = angles.cos(), angles.sin()
     factor = 1.0 if scaling is None else scaling.cos_sin_scale

@@ -104,6 +104,11 @@ class DecoderConfig(ConfigModel):
     def ffn_size(self) -> int:
         raise NotImplementedError
 
+    def kv_cache_shape(self) -> tuple[int, int, int | None]:
+        """The generation cache per token and layer: (kv heads, key width, value width when the values are the
+        first columns of the keys (a latent cache: multi-head latent attention), else None: values as keys)."""
+        return self.kv_heads, self.head_dim or 0, None
+
     @property
     def embedding_scale(self) -> float:
         """Factor on the token embedding (Gemma: sqrt(hidden_size))."""

@@ -142,25 +142,37 @@ class DecoderLM(nn.Module):
             hidden = block(hidden, rotaries[rope], layouts[window], real_tokens=real_tokens)
         return self.final_norm(hidden)
 
-    def _rotaries(self, positions: torch.Tensor) -> list[Rotary | None]:
-        """cos/sin per distinct rotary embedding of the layers (None: a layer without RoPE)."""
+    @property
+    def rope_switch_positions(self) -> list[int]:
+        """Positions whose arrival makes cached keys stale: longrope's original context, past which a row's keys
+        take the long factors (the generator then recomputes the cache: `Generator._rebuild_step`)."""
+        return sorted({rope.scaling.original_max_seq_len for rope in self.ropes
+                       if rope is not None and rope.scaling is not None and rope.scaling.type == "longrope"
+                       and rope.scaling.original_max_seq_len is not None})
+
+    def _rotaries(self, positions: torch.Tensor, longest: torch.Tensor | None = None) -> list[Rotary | None]:
+        """cos/sin per distinct rotary embedding of the layers (None: a layer without RoPE); `longest` (B, 1):
+        each row's largest real position, where padding columns follow a row (longrope's choice)."""
         head_dim = self.config.head_dim
         assert head_dim is not None
         rotaries: list[Rotary | None] = []
         for rope in self.ropes:
-            rotary = None if rope is None else rotary_angles(positions, rope.dims or head_dim, rope.theta, rope.scaling)
+            rotary = None if rope is None else rotary_angles(positions, rope.dims or head_dim, rope.theta, rope.scaling,
+                                                             longest)
             if rope is not None and rope.query_scale is not None:
                 beta, period = rope.query_scale
                 rotary = (*rotary, 1 + beta * torch.log(1 + torch.floor(positions / period)))
             rotaries.append(rotary)
         return rotaries
 
-    def cached_hidden_states(self, input_ids: torch.Tensor, cache: KVCache, columns: torch.Tensor, span: int) -> torch.Tensor:
+    def cached_hidden_states(self, input_ids: torch.Tensor, cache: KVCache, columns: torch.Tensor, span: int,
+                             last: torch.Tensor | None = None) -> torch.Tensor:
         """Generation: (B, S) tokens at cache `columns` (B, S) -> (B, S, H) after the final norm, their keys and
-        values written into `cache`, attention over its first `span` columns (fastlm/layers/kv_cache.py)."""
+        values written into `cache`, attention over its first `span` columns (fastlm/layers/kv_cache.py).
+        `last` (B,): each row's last real column when padding follows it (a right-padded prefill)."""
         positions = cache.positions(columns)
         masks = [cache.attention_mask(columns, span, window) for window in self.windows]
-        rotaries = self._rotaries(positions)
+        rotaries = self._rotaries(positions, None if last is None else cache.positions(last[:, None]))
         hidden = self.embeddings(input_ids, positions)
         for index, (block, (window, rope)) in enumerate(zip(self.blocks, self.layer_kinds)):
             hidden = block(hidden, rotaries[rope], None, cache.layer(index, columns, span, masks[window]))

@@ -129,7 +129,7 @@ def rope_parameters(reader: Reader, layer_type: str | None = None) -> tuple[dict
 def rope_fields(reader: Reader, parameters: Mapping[str, Any], key: str,
                 max_positions: Any) -> tuple[float | None, dict[str, Any] | None]:
     """(rope_theta, our `rope_scaling` section or None) of flat HF RoPE parameters; unsupported kinds
-    (dynamic, longrope, partial rotary, ...) are errors naming `key`."""
+    (dynamic, partial rotary, ...) are errors naming `key`."""
     rope_type = parameters.get("rope_type", "default")
     partial = parameters.get("partial_rotary_factor", reader.hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
@@ -153,9 +153,27 @@ def rope_fields(reader: Reader, parameters: Mapping[str, Any], key: str,
                     if parameters.get(name) is not None}
         optional.update({name: parameters[name] for name in ("beta_fast", "beta_slow") if parameters.get(name)})
         return theta, {"type": "yarn", **common, "original_max_seq_len": original, **optional}
+    if rope_type == "longrope":
+        if common["factor"] is None and isinstance(max_positions, int) and isinstance(original, int):
+            common["factor"] = max_positions / original  # transformers' default (Phi-3 files leave factor out)
+        optional = {"attention_factor": parameters["attention_factor"]} \
+            if parameters.get("attention_factor") is not None else {}
+        return theta, {"type": "longrope", **common, "original_max_seq_len": original, **optional,
+                       "short_factor": parameters.get("short_factor"), "long_factor": parameters.get("long_factor")}
     reader.fail(f"{key}.rope_type", "this RoPE scaling is not supported", rope_type,
-                "fastlm supports default, linear, llama3 and yarn")
+                "fastlm supports default, linear, llama3, yarn and longrope")
     return theta, None
+
+
+# the keys transformers' RoPE validation accepts per rope_type (beside rope_type and rope_theta): the export writes
+# only these, so transformers loads it without "unrecognized keys" warnings
+_HF_ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
+             "mscale_all_dim", "truncate"),
+    "longrope": ("factor", "original_max_position_embeddings", "attention_factor", "short_factor", "long_factor"),
+}
 
 
 def rope_to_hf(theta: float, scaling: Any) -> dict[str, Any]:
@@ -163,15 +181,11 @@ def rope_to_hf(theta: float, scaling: Any) -> dict[str, Any]:
     if scaling is None:
         return {"rope_type": "default", "rope_theta": theta}
     values = scaling.model_dump(exclude_none=True)
-    values["rope_type"] = values.pop("type")
     if "original_max_seq_len" in values:
         values["original_max_position_embeddings"] = values.pop("original_max_seq_len")
-    if scaling.type == "linear":
-        values = {"rope_type": "linear", "factor": scaling.factor}
-    elif scaling.type == "llama3":
-        values = {key: values[key] for key in ("rope_type", "factor", "original_max_position_embeddings",
-                                               "low_freq_factor", "high_freq_factor")}
-    return {**values, "rope_theta": theta}
+    values = {key: list(value) if isinstance(value, tuple) else value for key, value in values.items()}
+    return {"rope_type": scaling.type, **{key: values[key] for key in _HF_ROPE_KEYS[scaling.type] if key in values},
+            "rope_theta": theta}
 
 
 def layer_types(reader: Reader, window: int | None, num_layers: Any,

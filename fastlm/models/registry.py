@@ -32,6 +32,7 @@ FAMILY_PACKAGES = (
     "ministral",
     "ministral3",
     "gpt_oss",
+    "deepseek_v3",
 )
 DEFAULT_FAMILY = "llama"  # the model section's `type:` when a config leaves it out
 

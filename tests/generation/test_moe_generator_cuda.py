@@ -21,7 +21,8 @@ TOKENIZER = ByteTokenizer()
 @pytest.mark.gpu
 @pytest.mark.parametrize(("name", "amp", "compile"), [
     ("mixtral-tiny", None, False), ("qwen3-moe-tiny", None, False), ("qwen3-moe-tiny", torch.bfloat16, False),
-    ("mixtral-tiny", None, True),
+    ("mixtral-tiny", None, True), ("deepseek-v3-tiny", None, False), ("deepseek-v3-tiny", None, True),
+    ("deepseek-v3-tiny", torch.bfloat16, False),  # the latent cache under FlexAttention decode in the graph
 ])
 def test_moe_graph_step_matches_eager(name: str, amp: torch.dtype | None, compile: bool) -> None:
     torch._dynamo.reset()

@@ -15,6 +15,7 @@ import transformers  # the `test` and `hf` extras
 
 from fastlm.commands.main import main
 from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.engine.parity import load_transformers
 from fastlm.generation.generator import Generator
 from fastlm.generation.sampling import SamplingOptions
 from fastlm.losses.spec import LossNormalizers, LossTargets, transform_logits
@@ -75,12 +76,33 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                  "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                                                      "beta_slow": 1.0, "truncate": False, "rope_theta": 1e4,
                                                      "original_max_position_embeddings": 16}}),
+    # no factor: transformers' max / original. The logits (SEQ 12 > 8) take the long factors; the 7-token prompt's
+    # generation crosses the original context (the cache is recomputed there, as transformers' Phi-3 does)
+    "phi3-longrope": ("Phi3Config", {**BASE, "original_max_position_embeddings": 8, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 1.7, 2.5],
+        "long_factor": [1.5, 3.0, 6.0, 11.0]}}),
+    # MLA (full q_proj; q latent + yarn with mscale_all_dim + half-split rotary), first dense layer, 8 experts in
+    # 4 groups of which 2 are kept, 2 shared experts, a random correction bias
+    "deepseek_v3": ("DeepseekV3Config", {**BASE, "num_key_value_heads": 4, "num_hidden_layers": 3,
+                                         "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                                         "n_group": 4, "topk_group": 2, "moe_intermediate_size": 16,
+                                         "n_shared_experts": 2, "kv_lora_rank": 16, "q_lora_rank": None,
+                                         "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12,
+                                         "routed_scaling_factor": 2.5}),
+    "deepseek_v3-q-lora-yarn": ("DeepseekV3Config", {
+        **BASE, "num_key_value_heads": 4, "first_k_dense_replace": 0, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "n_group": 1, "topk_group": 1, "moe_intermediate_size": 16, "n_shared_experts": 1, "kv_lora_rank": 16,
+        "q_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12, "norm_topk_prob": False,
+        "rope_interleave": False, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                      "original_max_position_embeddings": 16, "mscale": 1.0,
+                                                      "mscale_all_dim": 0.8}}),
     "gpt2": ("GPT2Config", {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
                             "bos_token_id": 256, "eos_token_id": 257}),
 }
 ONE_PER_FAMILY = ["llama3-rope-llama3-tied", "qwen2-mixed-windows", "mistral", "qwen3", "gemma3", "phi3", "gpt2",
-                  "qwen3_5", "gemma2", "olmo3", "granite", "glm4", "gpt_oss"]  # ministral(3), smollm3: Llama's CLI path
-FLEX_DECODE = ("gemma3", "gemma2", "gpt_oss")
+                  "qwen3_5", "gemma2", "olmo3", "granite", "glm4", "gpt_oss",
+                  "deepseek_v3"]  # ministral(3), smollm3: Llama's CLI path
+FLEX_DECODE = ("gemma3", "gemma2", "gpt_oss", "deepseek_v3")
 OFFSET_NORMS = ("Gemma3TextConfig", "Gemma2Config")  # (1 + w) norms: randomised around 0
 
 
@@ -93,6 +115,10 @@ def hf_model(case: str) -> torch.nn.Module:
     randomize_weights(model, seed=sum(map(ord, case)), norms_at_one=config_name not in OFFSET_NORMS)
     if case.startswith("qwen3_5"):
         center_offset_norms(model)
+    with torch.no_grad():  # DeepSeek-V3's router correction bias is a buffer (zeros from transformers' init)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=torch.Generator().manual_seed(len(name))))
     return model
 
 
@@ -132,7 +158,8 @@ def test_windows_and_rope_options_change_the_logits(folders: dict[str, tuple[tor
                                ("granite", "embedding_multiplier", 1.0), ("smollm3", "nope_layers", []),
                                ("glm4", "partial_rotary_factor", 1.0), ("ministral3", "query_scale_beta", 0.0),
                                ("gpt_oss", "layer_types", [FULL] * 3),
-                               ("llama3-rope-llama3-tied", "rope_scaling", None), ("llama-rope-yarn", "rope_scaling", None)):
+                               ("llama3-rope-llama3-tied", "rope_scaling", None), ("llama-rope-yarn", "rope_scaling", None),
+                               ("phi3-longrope", "rope_scaling", None)):
         model = import_hf(folders[case][1]).eval()
         changed = DecoderLM(model.config.model_copy(update={field: plain}))
         changed.load_state_dict(model.state_dict())
@@ -151,7 +178,7 @@ def test_loss_and_one_optimizer_step(case: str, folders: dict[str, tuple[torch.n
     loss = model(ids, LossTargets(labels=labels), normalizers).loss
     loss.backward()
     before = loss.detach()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
     optimizer.step()
     with torch.no_grad():
         after = model(ids, LossTargets(labels=labels), normalizers).loss
@@ -164,7 +191,8 @@ def test_export_loads_in_transformers_with_equal_logits(case: str, folders: dict
                                                         tmp_path: Path) -> None:
     reference, directory = folders[case]
     exported = export_hf(import_hf(directory), tmp_path / "exported", ByteTokenizer())
-    reloaded = _reload(exported)
+    reloaded, warned = load_transformers(exported, "cpu", torch.float32)
+    assert not warned, warned  # e.g. RoPE keys transformers does not know for the rope_type
     assert type(reloaded) is type(reference)
     ids = _ids(seed=3)
     with torch.no_grad():
@@ -178,7 +206,8 @@ def test_export_loads_in_transformers_with_equal_logits(case: str, folders: dict
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_greedy_generation_equals_transformers(case: str, folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
     """Left-padded prompts of different lengths, past the window; float64 on both sides (no argmax ties).
-    Gemma 3 (local + global layers) and the score options (softcap, sinks) also decode through the FlexAttention
+    Gemma 3 (local + global layers), the score options (softcap, sinks) and DeepSeek-V3 (the latent cache) also
+    decode through the FlexAttention
     decode masks (the CUDA-graph path's; eager FlexAttention on CPU is slow, so only there)."""
     reference, directory = folders[case]
     reference = reference.double()
@@ -214,9 +243,10 @@ def test_cli_convert_train_generate_export(case: str, folders: dict[str, tuple[t
 
 
 @pytest.mark.parametrize(("case", "overrides", "field"), [
-    ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
-                                  "long_factor": [2.0] * 4, "original_max_position_embeddings": 32}},
+    ("phi3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
      "rope_parameters.rope_type"),
+    ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
+     "partial_rotary_factor"),  # Phi-4-mini's; longrope itself converts
     ("phi3", {"resid_pdrop": 0.1}, "resid_pdrop"),
     ("qwen3", {"attention_bias": True}, "attention_bias"),
     ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
@@ -245,10 +275,13 @@ def test_unsupported_options_name_the_field(case: str, overrides: dict[str, Any]
 
 
 @pytest.mark.parametrize("kind", ["dense", "flex"])
-def test_packed_documents_with_per_layer_windows(kind: str, folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
+@pytest.mark.parametrize("case", ["gemma3", "deepseek_v3"])
+def test_packed_documents_with_per_layer_windows(case: str, kind: str,
+                                                 folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
     """Training layouts (dense mask on CPU, FlexAttention block masks on GPU; eager FlexAttention here) with
-    local and global layers: a packed row equals its documents run one by one, in float64."""
-    model = import_hf(folders["gemma3"][1]).double().eval()
+    local and global layers (Gemma 3) or latent attention, whose values are narrower than its keys (DeepSeek-V3):
+    a packed row equals its documents run one by one, in float64."""
+    model = import_hf(folders[case][1]).double().eval()
     model.attention_kind = kind
     lengths = (5, 9, 4)
     ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(6))
@@ -258,7 +291,7 @@ def test_packed_documents_with_per_layer_windows(kind: str, folders: dict[str, t
         model.attention_kind = None
         alone = torch.cat([model.logits(piece) for piece in ids.split(lengths, dim=1)], dim=1)
     error = float((packed - alone).abs().max())
-    print(f"gemma3 {kind} packed vs one-by-one float64 max abs err {error:.2e}")
+    print(f"{case} {kind} packed vs one-by-one float64 max abs err {error:.2e}")
     assert error < 1e-10
 
 
@@ -349,18 +382,31 @@ def test_loss_and_gradients_match_transformers_in_float64(case: str,
     assert loss_error < 1e-6 and worst < 1e-5
 
 
-@pytest.mark.parametrize("case", ["llama3-rope-llama3-tied", "llama-rope-linear", "llama-rope-yarn"])
+@pytest.mark.parametrize("case", ["llama3-rope-llama3-tied", "llama-rope-linear", "llama-rope-yarn", "phi3-longrope"])
 def test_scaled_inverse_frequencies_equal_transformers(case: str) -> None:
+    """Bit-equal to transformers' rope init (longrope: the short set, and the long one past the original
+    context); longrope also against its float64 formula 1 / (factor_i * theta^(2i/d))."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from fastlm.layers.rotary import inverse_frequencies
 
     config_name, fields = CASES[case]
     hf_config = getattr(transformers, config_name)(**fields)
-    theirs, factor = ROPE_INIT_FUNCTIONS[hf_config.rope_parameters["rope_type"]](hf_config, "cpu")
     ours = config_from_hf(hf_config.to_dict())
-    assert torch.equal(inverse_frequencies(ours.head_dim, ours.rope_theta, ours.rope_scaling), theirs)
-    assert ours.rope_scaling.cos_sin_scale == pytest.approx(factor, rel=1e-12)
+    for long in (False, True) if case == "phi3-longrope" else (False,):
+        theirs, factor = ROPE_INIT_FUNCTIONS[hf_config.rope_parameters["rope_type"]](
+            hf_config, "cpu", seq_len=ours.rope_scaling.original_max_seq_len + 1 if long else None)
+        frequencies = inverse_frequencies(ours.head_dim, ours.rope_theta, ours.rope_scaling, long=long)
+        assert torch.equal(frequencies, theirs)
+        assert ours.rope_scaling.cos_sin_scale == pytest.approx(factor, rel=1e-12)
+        if case == "phi3-longrope":
+            parameters = hf_config.rope_parameters
+            divisors = torch.tensor(parameters["long_factor" if long else "short_factor"], dtype=torch.float64)
+            exact = 1.0 / (divisors * 1e4 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+            error = float(((frequencies.double() - exact) / exact).abs().max())
+            print(f"longrope {'long' if long else 'short'} factors: max rel err vs float64 {error:.1e}, "
+                  f"cos/sin scale {factor:.6f}")
+            assert error < 1e-6 and factor > 1
 
 
 def test_head_takes_the_architectures_logit_transform(tmp_path: Path) -> None:
@@ -433,3 +479,43 @@ def test_gpt_oss_mxfp4_checkpoint_is_dequantised_at_import(tmp_path: Path) -> No
         error = float((model.logits(ids) - reference(ids).logits).abs().max())
     print(f"gpt_oss from MXFP4: fp32 logits max abs err {error:.2e}")
     assert error <= 1e-5
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_longrope_generation_across_the_original_context(padding: str,
+                                                         folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
+    """Prompts that cross the original context (8) mid-generation, stay below it, or start past it, batched and
+    padded either way: token for token with transformers' Phi-3 `generate`, which recomputes its cache where a
+    sequence crosses (fastlm: `Generator._rebuild_step`; a right-padded prefill's padding does not count)."""
+    reference, directory = folders["phi3-longrope"]
+    reference = reference.double()
+    reference.generation_config.eos_token_id = None
+    model = import_hf(directory).double().eval()
+    prompts = [[5, 17, 250, 3, 9, 44, 7], [101, 2, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+    expected = [reference.generate(torch.tensor([p]), max_new_tokens=7, do_sample=False, pad_token_id=0)[0, len(p):]
+                .tolist() for p in prompts]
+    completions = Generator(model, ByteTokenizer(), cuda_graph=False, padding=padding).generate(
+        prompts, SamplingOptions(max_new_tokens=7, temperature=0.0))
+    assert [completion.tokens for completion in completions] == expected
+
+
+def test_deepseek_multi_token_prediction_layers_are_dropped(folders: dict[str, tuple[torch.nn.Module, Path]],
+                                                            tmp_path: Path) -> None:
+    """DeepSeek-V3 checkpoints carry their MTP module as one more layer (eh_proj, enorm, hnorm and a full block):
+    the import leaves that layer out, as transformers does, and the logits are the main model's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    reference, directory = folders["deepseek_v3"]
+    shutil.copytree(directory, tmp_path, dirs_exist_ok=True)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    mtp = {f"model.layers.3.{name}": torch.randn(shape) for name, shape in (
+        ("eh_proj.weight", (32, 64)), ("enorm.weight", (32,)), ("hnorm.weight", (32,)),
+        ("input_layernorm.weight", (32,)), ("self_attn.q_proj.weight", (64, 32)))}
+    save_file({**tensors, **mtp}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model = import_hf(tmp_path).eval()
+    ids = _ids(seed=9)
+    with torch.no_grad():
+        assert float((model.logits(ids) - reference(ids).logits).abs().max()) <= 1e-5
+    assert len(model.blocks) == 3

@@ -204,7 +204,6 @@ def _hf_dict(kind: str, **overrides: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("kind", "overrides", "field"), [
     ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_parameters.rope_type"),
-    ("llama", {"rope_parameters": {"rope_type": "longrope", "factor": 2.0, "rope_theta": 1e4}}, "rope_parameters.rope_type"),
     ("llama", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type"),
     ("llama", {"attention_bias": True}, "attention_bias"),
     ("llama", {"mlp_bias": True}, "mlp_bias"),

@@ -47,10 +47,12 @@ def test_preset_shapes_match_their_names() -> None:
 
 # Parameter counts of the published checkpoints, from their config.json shapes (tied embeddings counted once):
 # Qwen3-0.6B "0.6B" (0.44B non-embedding), Qwen3-1.7B "1.7B" (1.4B non-embedding), Llama-3.2-1B "1.24B",
-# Gemma-3-1B "1B", Phi-3-mini "3.8B"; the 2026 zoo's smallest sizes in ZOO_PUBLISHED (sources in each preset's comment).
+# Gemma-3-1B "1B", Phi-3-mini "3.8B", Moonlight-16B-A3B "16B" (15.29B total, 2.24B active without the
+# embedding and output matrices: test_moonlight_counts_without_embeddings); the 2026 zoo's smallest sizes in
+# ZOO_PUBLISHED (sources in each preset's comment).
 PUBLISHED = {"qwen3-0.6b": (596_049_920, 151936), "qwen3-1.7b": (1_720_574_976, 151936),
              "llama3.2-1b": (1_235_814_400, 128256), "gemma3-1b": (999_885_952, 262144),
-             "phi3-mini": (3_821_079_552, 32064),
+             "phi3-mini": (3_821_079_552, 32064), "moonlight-16b-a3b": (15_960_110_208, 163840),
              # Qwen3.5 text towers ("0.8B" / "2B" add the vision tower; "35B-A3B": 3.45B active) and
              # Qwen1.5-MoE-A2.7B ("14.3B", 2.69B active): equal to transformers' own count of the same
              # config on the meta device (tests/models/test_qwen3_5.py)
@@ -76,6 +78,16 @@ def test_real_presets_print_the_published_parameter_count(name: str) -> None:
     assert load_preset(name).vocab_size == vocab
     report = describe_run(load_config(PRESET_DIR / f"{name}.yaml", ["data.source.num_documents=20"]))
     assert f"{count:,} parameters ({count / 1e6:.2f} M)" in report
+
+
+def test_moonlight_counts_without_embeddings() -> None:
+    """Moonshot publishes 15.29B total and 2.24B activated parameters, both without the two vocab matrices."""
+    from fastlm.models import active_parameters
+
+    config = load_preset("moonlight-16b-a3b")
+    vocab_matrices = 2 * config.vocab_size * config.hidden_size
+    assert round((num_parameters(config) - vocab_matrices) / 1e9, 2) == 15.29
+    assert round((active_parameters(config) - vocab_matrices) / 1e9, 2) == 2.24
 
 
 def test_meta_model_materialises_with_the_documented_init() -> None:

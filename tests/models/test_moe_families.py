@@ -134,7 +134,8 @@ def test_greedy_generation_equals_transformers(kind: str, saved: dict[str, tuple
         assert completion.tokens == expected and len(set(expected)) > 1
 
 
-@pytest.mark.parametrize("preset", ["mixtral-tiny", "olmoe-1b-7b", "qwen3-moe-tiny"])
+@pytest.mark.parametrize("preset", ["mixtral-tiny", "olmoe-1b-7b", "qwen3-moe-tiny", "deepseek-v3-tiny",
+                                    "moonlight-16b-a3b"])
 def test_sizing_and_rules(preset: str) -> None:
     """Analytic counts equal the built model's; the rules name every tensor; `fastlm validate` prints the
     total and active counts; OLMoE-1B-7B has its published 6.92B parameters, 1.28B active per token."""

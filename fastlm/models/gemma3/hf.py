@@ -48,7 +48,7 @@ _VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "mo
 
 class Gemma3Adapter(LlamaAdapter):
     model_types: ClassVar[tuple[str, ...]] = ("gemma3_text", "gemma3")
-    defaults: ClassVar[dict[str, dict[str, Any]]] = {"gemma3_text": _TEXT_DEFAULTS, "gemma3": {}}
+    defaults: ClassVar[dict[str, dict[str, Any]]] = {"gemma3_text": _TEXT_DEFAULTS, "gemma3": {"tie_word_embeddings": True}}
 
     def fields(self, reader: Reader, model_type: str) -> dict[str, Any]:
         if model_type == "gemma3":  # the multimodal wrapper: its text tower
@@ -59,7 +59,7 @@ class Gemma3Adapter(LlamaAdapter):
             tower = Reader(text, _TEXT_DEFAULTS, reader.source)
             fields = self.fields(tower, "gemma3_text")
             reader.issues += [replace(issue, path=f"text_config.{issue.path}") for issue in tower.issues]
-            return fields
+            return {**fields, "tie_embeddings": reader.get("tie_word_embeddings")}  # the wrapper's flag ties
         hf = reader.hf
         fields = reader.fields({**LLAMA_LIKE_FIELDS, "query_pre_attn_scalar": "query_pre_attn_scalar"})
         reader.expect("hidden_activation", ("gelu_pytorch_tanh", "gelu_tanh"), "the MLP is GeGLU with the tanh GELU")

@@ -34,12 +34,13 @@ LLAMA_LIKE_FIELDS = {
 }
 
 
-def llama_like_fields(reader: Reader) -> dict[str, Any]:
+def llama_like_fields(reader: Reader, rope: tuple[dict[str, Any], str] | None = None) -> dict[str, Any]:
     """The fields every Llama-like config.json has, and the checks they share (SiLU, no attention dropout,
-    RoPE parameters, head_dim)."""
+    RoPE parameters (`rope`: a family's own reading of them, else `rope_parameters(reader)`), head_dim)."""
     fields = reader.fields(LLAMA_LIKE_FIELDS)
     reader.expect("attention_dropout", (0, 0.0), "model.dropout would also drop residual branches")
-    fields["rope_theta"], fields["rope_scaling"] = rope_fields(reader, *rope_parameters(reader), fields["max_seq_len"])
+    fields["rope_theta"], fields["rope_scaling"] = rope_fields(reader, *(rope or rope_parameters(reader)),
+                                                               fields["max_seq_len"])
     return {**fields, "dropout": 0.0}
 
 
