@@ -34,6 +34,13 @@ SHAPE: dict[str, Any] = dict(vocab_size=MODEL_VOCAB, hidden_size=64, intermediat
 SLIDING, FULL = "sliding_attention", "full_attention"
 MOE = dict(num_experts_per_tok=2, intermediate_size=32)
 GEMMA3_TEXT = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, layer_types=[SLIDING, FULL])
+QWEN3_5 = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+               linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])
+QWEN3_5_MOE = {**QWEN3_5, **MOE, "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+QWEN3_5_VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 64,
+                  "patch_size": 2, "spatial_merge_size": 1, "temporal_patch_size": 1}
+YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 1e4,
+        "original_max_position_embeddings": 32}
 # per model_type: the tiny config's keys on top of SHAPE (a dict), or the whole config from SHAPE (a function)
 TINY: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]] = {
     "llama": {},
@@ -54,6 +61,26 @@ TINY: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]] = {
                     "topk_group": 1, "moe_intermediate_size": 16, "first_k_dense_replace": 1, "kv_lora_rank": 16,
                     "q_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12,
                     "routed_scaling_factor": 2.5},
+    "qwen2_moe": {**MOE, "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+    "qwen3_5_text": QWEN3_5,
+    "qwen3_5": lambda shape: {"text_config": {**shape, **QWEN3_5}, "vision_config": QWEN3_5_VISION},
+    "qwen3_5_moe_text": QWEN3_5_MOE,
+    "qwen3_5_moe": lambda shape: {"text_config": {**shape, **QWEN3_5_MOE}, "vision_config": QWEN3_5_VISION},
+    "qwen3_next": QWEN3_5_MOE,
+    "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0},
+    "olmo2": {},
+    "olmo3": {"sliding_window": 8, "layer_types": [SLIDING, FULL], "rope_parameters": {
+        FULL: {"rope_type": "default", "rope_theta": 5e5}, SLIDING: {"rope_type": "default", "rope_theta": 5e5}}},
+    "granite": {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0156,
+                "logits_scaling": 8.0},
+    "smollm3": {"no_rope_layer_interval": 2},
+    "glm4": {"head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+    "ministral": {"head_dim": 16, "sliding_window": 8, "layer_types": [SLIDING, FULL]},
+    "ministral3": {"head_dim": 16, "rope_parameters": {**YARN, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                       "llama_4_scaling_beta": 0.1}},
+    "gpt_oss": {"head_dim": 16, "sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "intermediate_size": 32, "rope_parameters": {**YARN, "truncate": False}},
 }
 
 

@@ -95,6 +95,8 @@ class GptOssAdapter(LlamaAdapter):
         out = dequantized_mxfp4(tensors)
         for key, value in dict(out).items():
             kind = key.rsplit(".", 1)[-1]
+            if not isinstance(value, torch.Tensor):  # a names-only pass (convert --check maps names alone)
+                continue
             if ".mlp.experts." not in key or kind not in EXPERT_TENSORS or value.dim() < 2:
                 continue
             if kind == "gate_up_proj":  # (E, H, 2F) interleaved -> (E * 2F, H) gate rows, then up rows
