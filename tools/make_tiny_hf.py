@@ -8,7 +8,7 @@ download, and for the tests:
 
 `--family` takes a config.json model_type (llama, qwen2, gemma3_text, ...) or a fastlm family name (its first
 model_type). A family added to the registry adds one entry to `TINY` (the keys its tiny transformers config
-changes from `SHAPE`); tests/tools/test_make_tiny_hf.py fails while a registered model_type has none.
+changes from `SHAPE`); tests/models/test_convert_check.py fails while a registered model_type has none.
 """
 
 from __future__ import annotations
