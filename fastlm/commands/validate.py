@@ -17,7 +17,7 @@ from fastlm.data.summary import check_batch_fits, summarize
 from fastlm.data.tokenizer import build_tokenizer
 from fastlm.engine.compile import describe_training_path
 from fastlm.engine.lora_training import lora_base_dtype
-from fastlm.engine.memory import memory_issues, predict_training_memory
+from fastlm.engine.memory import predict_training_memory
 from fastlm.engine.preflight import preflight_issues, run_dir_issues
 from fastlm.engine.runtime import describe_head
 from fastlm.lora.checks import describe_lora
@@ -56,9 +56,6 @@ def describe_run(config: RunConfig) -> str:
     parameters = count_parameters(model)
     device = torch.device("cuda" if config.trainer.device != "cpu" and torch.cuda.is_available() else "cpu")
     memory = predict_training_memory(config, device)
-    issues = memory_issues(config, memory)
-    if issues:
-        raise ConfigError(issues)
     lines = [
         f"model: {config.model.type}, {parameters:,} parameters ({parameters / 1e6:.2f} M), "
         f"{active_parameters(config.model):,} active per token",

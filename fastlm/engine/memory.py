@@ -19,6 +19,7 @@ docs/benchmarks.md ("Long context").
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,8 @@ from fastlm.engine.lora_training import lora_base_dtype
 from fastlm.engine.runtime import autocast_dtype
 from fastlm.losses.config import DEFAULT_LOGITS_MEMORY_MIB
 from fastlm.models import build_model, count_parameters, num_parameters
+from fastlm.models.build import describe_count
+from fastlm.models.hf import available_memory
 
 if TYPE_CHECKING:
     from fastlm.run_config.schema import RunConfig
@@ -40,6 +43,7 @@ WORKSPACE = GIB // 4  # cuBLAS and compiled kernels' workspaces (torch's allocat
 @dataclass(frozen=True)
 class MemoryPrediction:
     parts: dict[str, int]  # bytes per part, in the order they are described
+    state: int  # the floor: weights, their gradients and AdamW's moments (what FSDP shards)
 
     @property
     def total(self) -> int:
@@ -95,7 +99,7 @@ def predict_training_memory(config: RunConfig, device: torch.device) -> MemoryPr
         "workspace": WORKSPACE if device.type == "cuda" else 0,
     }
     peaks = [backward_start, {"grads": 4 * trainable}, _rollout(config, device, kv_width, value)]
-    return MemoryPrediction({**parts, **max(peaks, key=lambda peak: sum(peak.values()))})
+    return MemoryPrediction({**parts, **max(peaks, key=lambda peak: sum(peak.values()))}, weights + 12 * trainable)
 
 
 def _rollout(config: RunConfig, device: torch.device, kv_width: int, value: int) -> dict[str, int]:
@@ -115,25 +119,37 @@ def _dense_mask(config: RunConfig, device: torch.device) -> bool:
     return device.type != "cuda" or config.model.dropout > 0
 
 
-def memory_issues(config: RunConfig, prediction: MemoryPrediction) -> list[ConfigIssue]:
-    """The prediction held against the run's device (`device_memory`): refused, with the numbers, when over."""
-    device = device_memory(config)
-    if device is None or prediction.total <= device[0]:
+def memory_issues(config: RunConfig) -> list[ConfigIssue]:
+    """A run that cannot fit where it would train, refused with the numbers before anything is allocated. On a
+    GPU the whole predicted peak must fit the card; on the CPU the model state (weights, gradients, AdamW: a
+    floor, activations not counted) must fit the memory this host has free, shared by its LOCAL_WORLD_SIZE
+    processes (a GPU config checked on a laptop is refused only for what could not even load). FSDP and tensor
+    parallelism hold a 1/world share of the state (the process group's world, else WORLD_SIZE: `train
+    --nproc-per-node` sets both for its launcher's checks)."""
+    on_gpu = torch.cuda.is_available() and config.trainer.device != "cpu"
+    prediction = predict_training_memory(config, torch.device("cuda" if on_gpu else "cpu"))
+    grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
+    sharded = config.distributed.data_parallel == "fsdp" or config.distributed.tensor_parallel > 1
+    world = torch.distributed.get_world_size() if grouped else int(os.environ.get("WORLD_SIZE", "1") or 1)
+    state = prediction.state // (world if sharded else 1)
+    hint = ("shrink the model (num_layers, hidden_size, moe.num_experts, vocab_size), train adapters only (model.lora), "
+            "or shard it (distributed.data_parallel: fsdp over more GPUs)")
+    if on_gpu:
+        needed = state + prediction.total - prediction.state
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        available = torch.cuda.get_device_properties(local_rank).total_memory
+        if needed <= available:
+            return []
+        return [ConfigIssue("model", f"the step needs an estimated {needed / GIB:,.1f} GiB ({prediction.describe()}), "
+                            f"but GPU {local_rank} ({torch.cuda.get_device_name(local_rank)}) holds only "
+                            f"{available / GIB:,.1f} GiB", hint="turn on trainer.activation_checkpointing (then "
+                            "trainer.activation_offload, trainer.mlp_tile_len), lower data.micro_batch_size or data.seq_len; "
+                            f"or {hint}")]
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    needed, available = state * processes, available_memory()
+    if needed <= available:
         return []
-    return [ConfigIssue("data.seq_len", f"the step does not fit {device[1]} ({device[0] / GIB:.1f} GiB): "
-                        f"{prediction.describe()}", config.data.seq_len,
-                        hint="turn on trainer.activation_checkpointing (then trainer.activation_offload, "
-                        "trainer.mlp_tile_len), use model.lora, or lower data.micro_batch_size or data.seq_len")]
-
-
-def device_memory(config: RunConfig) -> tuple[int, str] | None:
-    """The memory the run's device has and its name, where the run names one: the CUDA card it would use, or
-    this machine's RAM for `trainer.device: cpu`; None for `auto` on a machine without CUDA (a config checked
-    on a laptop for a GPU run is not refused for the laptop's memory)."""
-    if config.trainer.device != "cpu" and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
-    if config.trainer.device == "cpu":
-        import os
-
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
-    return None
+    where = "this host has free" + (f" for its {processes} processes" if processes > 1 else "")
+    return [ConfigIssue("model", f"{describe_count(num_parameters(config.model))} parameters need an estimated "
+                        f"{needed / GIB:,.1f} GiB to train (parameters + gradients + AdamW, activations not counted), "
+                        f"but {where} only {available / GIB:,.1f} GiB", hint=hint)]

@@ -34,10 +34,9 @@ from fastlm.engine.checkpoint import (
     model_changes,
     read_manifest,
 )
+from fastlm.engine.memory import memory_issues
 from fastlm.logging.logger import METRICS_FILE
-from fastlm.models.build import describe_count, estimate_memory, num_parameters
 from fastlm.models.config import ModelConfig
-from fastlm.models.hf import available_memory
 from fastlm.system.run_dir import ASIDE_DIR, LOCK_FILE, REPLACED_DIR, open_run_file
 
 if TYPE_CHECKING:
@@ -47,7 +46,7 @@ if TYPE_CHECKING:
 def preflight_issues(config: RunConfig) -> list[ConfigIssue]:
     """Every problem `train` would hit before its first step that the config alone cannot show."""
     issues = [*_data_file_issues(config), *_checkpoint_issues(config), *_device_issues(config), *_world_issues(config)]
-    return issues or _memory_issues(config)
+    return issues or memory_issues(config)
 
 
 # --- data files ------------------------------------------------------------------------------------
@@ -320,48 +319,6 @@ def _device_issues(config: RunConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue("distributed.backend", "nccl needs CUDA, and this run is on CPU", "nccl",
                                   hint="use 'auto' or 'gloo'"))
     return issues
-
-
-def training_memory(config: RunConfig, device: torch.device) -> int:
-    """The dry run's estimate of a run's training memory in bytes (parameters + gradients + AdamW; with
-    model.lora, the frozen base in its dtype + the adapters'): a floor, activations are not counted."""
-    if config.model.lora is None:
-        return estimate_memory(config.model)
-    from fastlm.engine.lora_training import lora_base_dtype
-    from fastlm.lora.checks import lora_split
-
-    return lora_split(config, lora_base_dtype(config, device))[3]
-
-
-def _memory_issues(config: RunConfig) -> list[ConfigIssue]:
-    """A model whose training memory (the estimate validate prints, a floor) cannot fit where it would train
-    is refused with the numbers, before anything is allocated: the GPU's memory on CUDA, the memory left
-    on this host on CPU (shared by its LOCAL_WORLD_SIZE processes). FSDP and tensor parallelism count a 1/world
-    share of the job's world (the process group's, else WORLD_SIZE: `train --nproc-per-node` sets both for
-    its launcher's checks)."""
-    on_gpu = torch.cuda.is_available() and config.trainer.device != "cpu"
-    device = torch.device("cuda" if on_gpu else "cpu")
-    grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
-    sharded = config.distributed.data_parallel == "fsdp" or config.distributed.tensor_parallel > 1
-    world = torch.distributed.get_world_size() if grouped else int(os.environ.get("WORLD_SIZE", "1") or 1)
-    needed = training_memory(config, device) // (world if sharded else 1)
-    if on_gpu:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        available = torch.cuda.get_device_properties(local_rank).total_memory
-        where = f"GPU {local_rank} ({torch.cuda.get_device_name(local_rank)}) holds"
-    else:
-        processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-        needed *= processes
-        available = available_memory()
-        where = "this host has free" + (f" for its {processes} processes" if processes > 1 else "")
-    if needed <= available:
-        return []
-    count = num_parameters(config.model)
-    return [ConfigIssue("model", f"{describe_count(count)} parameters need an estimated {needed / 2**30:,.1f} GiB to "
-                        f"train (parameters + gradients + AdamW, activations not counted), but {where} only "
-                        f"{available / 2**30:,.1f} GiB",
-                        hint="shrink the model (num_layers, hidden_size, moe.num_experts, vocab_size), train "
-                        "adapters only (model.lora), or shard it (distributed.data_parallel: fsdp over more GPUs)")]
 
 
 def _world_issues(config: RunConfig) -> list[ConfigIssue]:

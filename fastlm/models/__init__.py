@@ -20,7 +20,6 @@ _EXPORTS: dict[str, str] = {
     "count_parameters": "fastlm.models.build",
     "num_parameters": "fastlm.models.build",
     "active_parameters": "fastlm.models.build",
-    "estimate_memory": "fastlm.models.build",
     "model_flops_per_token": "fastlm.models.build",
 }
 

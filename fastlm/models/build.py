@@ -30,14 +30,6 @@ def describe_count(count: int) -> str:
     return f"{count:,}" if count < 10**15 else f"about 10^{int(math.log10(count))}"
 
 
-def estimate_memory(config: ModelConfig, bytes_per_value: int = 4) -> int:
-    """Bytes for parameters + gradients + AdamW's two moments, all fp32 by default (16 bytes/param).
-
-    Activations are not included: they depend on batch shape, precision and recomputation.
-    """
-    return 4 * bytes_per_value * num_parameters(config)
-
-
 def model_flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward), PaLM appendix-B style:
 

@@ -30,13 +30,15 @@ def test_each_saver_removes_what_it_keeps_off_the_device() -> None:
     assert plain["weights"] == 4 * 1_720_574_976 and plain["AdamW"] == 8 * 1_720_574_976
 
 
-def test_validate_refuses_a_step_larger_than_the_device(capsys) -> None:
-    code = main(["validate", "configs/tiny.yaml", "run.name=memory", "data.source.num_documents=5", "trainer.device=cpu",
-                 "data.seq_len=1048576", "model.max_seq_len=1048576"])
-    err = capsys.readouterr().err
-    print(err)
-    assert code == 2
-    assert "data.seq_len: the step does not fit this machine's RAM" in err and "attention mask 16384.00" in err
+def test_the_dense_mask_counts_where_packed_rows_take_it() -> None:
+    """Packed rows attend through a (B, 1, S, S) mask on the CPU (and with dropout on CUDA): at 1M tokens that mask
+    alone is 1 TiB, which the prediction names; FlexAttention's block mask on CUDA is not counted."""
+    config = load_config("configs/tiny.yaml", ["data.seq_len=1048576", "model.max_seq_len=1048576",
+                                               "data.micro_batch_size=1"])
+    cpu = predict_training_memory(config, torch.device("cpu"))
+    assert cpu.parts["attention mask"] == 2**40 and "attention mask 1024.00" in cpu.describe()
+    assert predict_training_memory(config, torch.device("cuda")).parts["attention mask"] == 0
+    assert cpu.state == cpu.parts["weights"] + cpu.parts["AdamW"] * 3 // 2  # weights + grads + AdamW
 
 
 def test_validate_prints_the_prediction(capsys) -> None:
