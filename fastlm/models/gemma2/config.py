@@ -6,11 +6,10 @@ attention scaled by query_pre_attn_scalar^-0.5 with its logits softcapped, and t
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 
-from fastlm.models.base import LayerAttention, Rope
 from fastlm.models.llama.config import LlamaConfig
 
 if TYPE_CHECKING:
@@ -27,16 +26,7 @@ class Gemma2Config(LlamaConfig):
     norm_eps: float = Field(1e-6, gt=0.0)
     tie_embeddings: bool = True
 
-    def is_sliding(self, layer: int) -> bool:
-        if self.sliding_window is None:
-            return False
-        if self.layer_types is None:
-            return (layer + 1) % SLIDING_EVERY != 0
-        return self.layer_types[layer] == "sliding_attention"
-
-    def layer_attention(self, layer: int) -> LayerAttention:
-        return LayerAttention(self.sliding_window if self.is_sliding(layer) else None,
-                              Rope(self.rope_theta, self.rope_scaling))
+    global_every: ClassVar[int | None] = SLIDING_EVERY
 
     @property
     def embedding_scale(self) -> float:

@@ -5,7 +5,7 @@ by sqrt(hidden), attention scaled by query_pre_attn_scalar^-0.5."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 
@@ -26,12 +26,7 @@ class Gemma3Config(LlamaConfig):
     norm_eps: float = Field(1e-6, gt=0.0)
     tie_embeddings: bool = True
 
-    def is_sliding(self, layer: int) -> bool:
-        if self.sliding_window is None:
-            return False
-        if self.layer_types is None:
-            return (layer + 1) % GLOBAL_EVERY != 0
-        return self.layer_types[layer] == "sliding_attention"
+    global_every: ClassVar[int | None] = GLOBAL_EVERY
 
     def layer_attention(self, layer: int) -> LayerAttention:
         if self.is_sliding(layer):

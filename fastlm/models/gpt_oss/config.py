@@ -6,11 +6,10 @@ with biases and the clamped SwiGLU (`clamped_swiglu`: alpha, limit)."""
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from fastlm.models.base import LayerAttention, Rope
 from fastlm.models.moe_family import MoESettings, SparseLlamaConfig
 
 if TYPE_CHECKING:
@@ -56,16 +55,7 @@ class GptOssConfig(SparseLlamaConfig):
     rope_theta: float = Field(150_000.0, gt=0.0)
     moe: GptOssMoESettings = Field(default_factory=GptOssMoESettings)
 
-    def is_sliding(self, layer: int) -> bool:
-        if self.sliding_window is None:
-            return False
-        if self.layer_types is None:
-            return (layer + 1) % SLIDING_EVERY != 0
-        return self.layer_types[layer] == "sliding_attention"
-
-    def layer_attention(self, layer: int) -> LayerAttention:
-        return LayerAttention(self.sliding_window if self.is_sliding(layer) else None,
-                              Rope(self.rope_theta, self.rope_scaling))
+    global_every: ClassVar[int | None] = SLIDING_EVERY
 
     def build_block(self, layer: int) -> nn.Module:
         from fastlm.layers.attention import Attention

@@ -4,7 +4,7 @@ max_window_layers), a head_dim decoupled from hidden / heads. Qwen3, Phi-3 and G
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -59,11 +59,16 @@ class LlamaConfig(DecoderConfig):
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
         return self
 
+    # Without layer_types, which layers slide: all (None), or all but every `global_every`-th (Gemma, OLMo 3, GPT-OSS)
+    global_every: ClassVar[int | None] = None
+
     # --- family interface --------------------------------------------------------------------------
     def is_sliding(self, layer: int) -> bool:
         if self.sliding_window is None:
             return False
-        return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+        if self.layer_types is not None:
+            return self.layer_types[layer] == "sliding_attention"
+        return self.global_every is None or (layer + 1) % self.global_every != 0
 
     def layer_attention(self, layer: int) -> LayerAttention:
         return LayerAttention(self.sliding_window if self.is_sliding(layer) else None,

@@ -4,7 +4,7 @@ e.g. yarn; the sliding layers' is plain)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -19,12 +19,7 @@ class Olmo3Config(Olmo2Config):
     sliding_window: int | None = Field(4096, ge=1)
     rope_local_theta: float = Field(500_000.0, gt=0.0, description="RoPE base of the sliding-window layers (unscaled).")
 
-    def is_sliding(self, layer: int) -> bool:
-        if self.sliding_window is None:
-            return False
-        if self.layer_types is None:
-            return (layer + 1) % GLOBAL_EVERY != 0
-        return self.layer_types[layer] == "sliding_attention"
+    global_every: ClassVar[int | None] = GLOBAL_EVERY
 
     def layer_attention(self, layer: int) -> LayerAttention:
         if self.is_sliding(layer):
