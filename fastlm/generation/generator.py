@@ -29,6 +29,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from fastlm.generation.cuda_graph import capture
 from fastlm.generation.sampling import SamplingOptions, draw_uniforms, pick_tokens, sequence_seeds
 from fastlm.layers.kv_cache import DecodeAttention, KVCache
 from fastlm.lora.attach import merged_weights
@@ -171,7 +172,7 @@ class _DecodeStep:
             self.run = torch.compile(self.forward, fullgraph=True, dynamic=False)
         self.graph: torch.cuda.CUDAGraph | None = None
         if cuda_graph:
-            self._capture()
+            self.graph = capture(self.run, self._rewind)
 
     def forward(self) -> None:
         device, state = self.state.tokens.device, self.state
@@ -182,21 +183,6 @@ class _DecodeStep:
             logits = self.model.head_logits(hidden[:, -1], self.head_weight)
         state.record(logits, self.options, self.pad_id)
         state.columns += 1
-
-    def _capture(self) -> None:
-        """Warm up on a side stream (compiles, picks kernels), then capture. Runs before any prefill, so
-        the warm-up's cache and state writes are overwritten."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                self._rewind()
-                self.run()
-        torch.cuda.current_stream().wait_stream(stream)
-        self._rewind()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.run()
 
     def _rewind(self) -> None:
         """Warm-up and capture write column 0 and slot 0 (in range for any cache and budget)."""

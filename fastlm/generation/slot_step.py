@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from fastlm.generation.cuda_graph import capture
 from fastlm.generation.paged_cache import PagedKVCache
 from fastlm.generation.sampling import SamplingOptions, draw_uniforms, pick_tokens
 from fastlm.models.decoder import DecoderLM
@@ -68,7 +69,7 @@ class SlotStep:
             self.run = torch.compile(self.forward, fullgraph=True, dynamic=False)
         self.graph: torch.cuda.CUDAGraph | None = None
         if cuda_graph:
-            self._capture()
+            self.graph = capture(self.run, self._rewind)
 
     def forward(self) -> None:
         state, rows = self.state, slice(0, self.batch)
@@ -94,20 +95,6 @@ class SlotStep:
         state.columns[rows] += 1
         steps += 1
         state.index += 1
-
-    def _capture(self) -> None:
-        """Warm up on a side stream, then capture; every row dead (zero tables: writes go to scratch)."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                self._rewind()
-                self.run()
-        torch.cuda.current_stream().wait_stream(stream)
-        self._rewind()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.run()
 
     def _rewind(self) -> None:
         state = self.state
