@@ -51,9 +51,12 @@ PREFILL_TOKENS = 4096  # the most (padded) tokens one prefill forward takes (its
 
 
 def engine_supports(model: DecoderLM) -> bool:
-    """Whether the engine can serve this model: every layer is plain attention over a key/value cache and
-    the head is not vocab-parallel (other families, e.g. recurrent-state layers, take the static path)."""
-    return model.tp_group is None and all(type(getattr(b, "attn", None)) is Attention for b in model.blocks)
+    """Whether the engine can serve this model: every layer is plain attention over a key/value cache (no score
+    softcap or sinks) and the head is not vocab-parallel (other families, e.g. recurrent-state or latent layers,
+    Gemma 2's softcap, GPT-OSS's sinks, take the static path)."""
+    return model.tp_group is None and all(
+        type(getattr(b, "attn", None)) is Attention and b.attn.softcap is None and b.attn.sinks is None
+        for b in model.blocks)
 
 
 @dataclass

@@ -95,9 +95,13 @@ class PagedLayer:
         self.keys, self.values, self.slots, self.table, self.block_size, self.mask = (
             keys, values, slots, table, block_size, mask)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write k, v (B, Hkv, S, D) at the tokens' pool columns, then attend q (B, Hq, S, D) over the
-        sequence's blocks under the mask -> (B, Hq, S, D)."""
+        sequence's blocks under the mask -> (B, Hq, S, D). A score softcap or sinks are not served here
+        (`engine_supports` sends those models to the static generator)."""
+        if softcap is not None or sinks is not None:
+            raise ValueError("the paged cache attends without a score softcap or sinks; use the static generator")
         batch, q_heads, seq_len, head_dim = q.shape
         kv_heads = k.shape[1]
         flat = (kv_heads, batch * seq_len, head_dim)

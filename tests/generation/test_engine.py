@@ -122,6 +122,8 @@ def test_backend_picks_the_engine_and_falls_back_for_families_it_cannot_serve() 
     prompts, options = _grouped_prompts(8)[:16], SamplingOptions(6, temperature=1.0, stop_tokens=STOPS)
     _assert_same(static.generate(prompts, options, torch.Generator().manual_seed(4)),
                  engine.generate(prompts, options, torch.Generator().manual_seed(4)))
+    model.blocks[0].attn.softcap = 50.0  # Gemma 2's score softcap (and GPT-OSS's sinks): the static generator's
+    assert NativeBackend(model, TOKENIZER, engine=True).engine is None
     model.blocks[0].attn = torch.nn.Identity()  # a layer that is not cached attention (e.g. a recurrent state)
     backend = NativeBackend(model, TOKENIZER, padding="right", engine=True)
     assert backend.engine is None and isinstance(backend.session(SamplingOptions(2), 8), Continuation)
