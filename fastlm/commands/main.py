@@ -6,8 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from fastlm.config.errors import ConfigError
-from fastlm.run_config.loader import dump_config, load_config
+from fastlm.commands.generate_arguments import add_arguments as add_generate_arguments
+
+# Each command imports its work when it runs (torch and the rest cost seconds): `fastlm --help` and a
+# mistyped command answer at once (tests/commands/test_startup.py).
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,9 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--verify", action="store_true", help="check the set at output_path in full (files, offsets, "
                          "the tokens' sha256, every id) instead of writing it")
     generate = commands.add_parser("generate", help="print a trained model's completions of prompts")
-    from fastlm.commands.generate import add_arguments
-
-    add_arguments(generate)
+    add_generate_arguments(generate)
     return parser
 
 
@@ -79,6 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fastlm.commands.prepare import prepare_command
 
         return prepare_command(args.config, [*args.overrides, *extra], args.verify)
+    from fastlm.config.errors import ConfigError
+    from fastlm.run_config.loader import dump_config, load_config
+
     overrides = [*args.overrides, *extra, *args.set_overrides]
     try:
         config = load_config(args.config, overrides)
