@@ -104,8 +104,8 @@ def main() -> int:
     grad = torch.randn_like(q)
     documents = packed_document_ids(b, s, args.doc_min, args.doc_max, generator)
     positions = document_positions(documents).to(device)
-    causal = attention_layout(b, s, None, None, device)
-    dense = attention_layout(b, s, positions, None, device, kind="dense")
+    causal = attention_layout(b, s, None, None, device, d)
+    dense = attention_layout(b, s, positions, None, device, d, kind="dense")
     reference = dense.attend(q, k, v).float()
     rows: list[dict] = []
 

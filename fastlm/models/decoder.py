@@ -113,8 +113,8 @@ class DecoderLM(nn.Module):
             torch.arange(seq_len, device=input_ids.device)[None] if doc_positions is None else doc_positions
         )
         dropout_active = self.training and self.config.dropout > 0
-        layouts = [attention_layout(batch, seq_len, doc_positions, window, input_ids.device, dropout_active,
-                                    self.attention_kind) for window in self.windows]
+        layouts = [attention_layout(batch, seq_len, doc_positions, window, input_ids.device, self.config.head_dim,
+                                    dropout_active, self.attention_kind) for window in self.windows]
         rotaries = self._rotaries(positions)
         real_tokens = None if padding is None or not self.moe_layers else padding.logical_not().float()
         hidden = self.embeddings(input_ids, positions)
