@@ -1,4 +1,4 @@
-"""`fastlm train | validate | print-config | convert | prepare | generate`: the one command users run."""
+"""`fastlm train | validate | print-config | convert | prepare | generate | init`: the one command users run."""
 
 from __future__ import annotations
 
@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "the tokens' sha256, every id) instead of writing it")
     generate = commands.add_parser("generate", help="print a trained model's completions of prompts")
     add_generate_arguments(generate)
+    init = commands.add_parser("init", help="copy a recipe (configs + reward code: LoRA SFT on chat data, then GRPO, "
+                               "then PEFT export) into a folder")
+    init.add_argument("directory", help="the folder to write (made if missing; existing files are never overwritten)")
+    init.add_argument("--recipe", default="lora_chat", help="which recipe (default: lora_chat)")
     return parser
 
 
@@ -61,8 +65,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # Overrides may also follow flags (`train c.yaml --dry-run a.b=1`), where argparse leaves them over.
     stray = [item for item in extra if item.startswith("-") or "=" not in item]
-    if stray or (extra and args.command in ("convert", "generate")):
+    if stray or (extra and args.command in ("convert", "generate", "init")):
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if args.command == "init":
+        from fastlm.commands.init import init_command
+
+        return init_command(args.directory, args.recipe)
     if args.command == "generate":
         from fastlm.commands.generate import generate_command
 
