@@ -108,11 +108,11 @@ def main() -> int:
     grad = torch.randn_like(q)
     documents = packed_document_ids(b, s, args.doc_min, args.doc_max, generator)
     positions = document_positions(documents).to(device)
-    causal = attention_layout(b, s, None, None, device)
+    causal = attention_layout(b, s, None, None, device, head_dim=d)
     rows: list[dict] = []
     mask_gib = b * s * s / 2**30  # the dense (B, 1, S, S) bool mask, before SDPA's own buffers
     if mask_gib <= DENSE_LIMIT_GIB:
-        dense = attention_layout(b, s, positions, None, device, kind="dense")
+        dense = attention_layout(b, s, positions, None, device, kind="dense", head_dim=d)
         reference = dense.attend(q, k, v).float()
     else:  # 128k tokens: a 16 GiB mask; the flex rows are checked against the causal row's shape only
         dense = reference = None

@@ -231,7 +231,8 @@ class Loop:
         positions = None if batch.documents is None else document_positions(batch.documents)
         rows, seq_len = batch.input_ids.shape
         windows = {attention.window for attention in self.model.layer_attention}
-        kinds = {self.model.attention_kind or attention_layout(rows, seq_len, positions, window, self.device).kind
+        kinds = {self.model.attention_kind or attention_layout(rows, seq_len, positions, window, self.device,
+                                                                       head_dim=self.model.config.head_dim).kind
                  for window in windows}
         return "+".join(sorted(kinds))
 

@@ -215,7 +215,8 @@ def batch_facts(batches: list[StepBatch], model: DecoderLM, device: torch.device
     distinct = torch.unique(torch.cat([b.input_ids.reshape(-1) for b in batches]))
     positions = None if first.documents is None else document_positions(first.documents)
     window = getattr(model.config, "sliding_window", None)
-    layout = model.attention_kind or attention_layout(rows, seq_len, positions, window, device).kind
+    layout = model.attention_kind or attention_layout(rows, seq_len, positions, window, device,
+                                                      head_dim=model.config.head_dim).kind
     masked = [int((b.labels == IGNORE_INDEX).sum()) for b in batches]
     return {
         "batch shape": f"{rows} x {seq_len}",

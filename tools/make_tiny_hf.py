@@ -1,10 +1,11 @@
 """A tiny random Hugging Face checkpoint of any family fastlm converts, saved with a BPE tokenizer trained on
-the generated corpus (with a chat template), and a chat JSONL of addition problems.
+the generated corpus (with a chat template), a chat JSONL of addition problems and a prompt JSONL of them with
+answers (for GRPO).
 
 For trying README's "Fine-tune a Hugging Face model" or `fastlm convert --from-hf DIR --check` without a hub
 download, and for the tests:
 
-    python tools/make_tiny_hf.py demo [--family qwen2]    # writes demo/hf-model/ and demo/chat.jsonl
+    python tools/make_tiny_hf.py demo [--family qwen3]    # writes demo/hf-model/, demo/chat.jsonl, demo/prompts.jsonl
 
 `--family` takes a config.json model_type (llama, qwen2, gemma3_text, ...) or a fastlm family name (its first
 model_type). A family added to the registry adds one entry to `TINY` (the keys its tiny transformers config
@@ -136,6 +137,16 @@ def addition_chat_jsonl(path: Path, count: int, seed: int) -> list[list[dict[str
     return conversations
 
 
+def addition_prompts_jsonl(path: Path, count: int, seed: int) -> None:
+    """`count` GRPO prompts {"prompt": [user "a+b="], "answer": "sum"} (TRL's conversational format)."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(count):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        lines.append(json.dumps({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}) + "\n")
+    path.write_text("".join(lines), encoding="utf-8")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="folder for hf-model/ and chat.jsonl")
@@ -149,7 +160,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model = tiny_hf_checkpoint(args.out / "hf-model", model_type, tokenizer_from=args.tokenizer_from)
     addition_chat_jsonl(args.out / "chat.jsonl", args.conversations, seed=1)
-    print(f"wrote {model} ({model_type}, tokenizer + weights) and {args.out / 'chat.jsonl'}")
+    addition_prompts_jsonl(args.out / "prompts.jsonl", 200, seed=2)
+    print(f"wrote {model} ({model_type}, tokenizer + weights), {args.out / 'chat.jsonl'} and {args.out / 'prompts.jsonl'}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`fastlm train | validate | print-config | convert | prepare | generate`: the one command users run."""
+"""`fastlm train | validate | print-config | convert | prepare | generate | init`: the one command users run."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from fastlm.config.errors import ConfigError
-from fastlm.run_config.loader import dump_config, load_config
+from fastlm.commands.generate_arguments import add_arguments as add_generate_arguments
+
+# Each command imports its work when it runs (torch and the rest cost seconds): `fastlm --help` and a
+# mistyped command answer at once (tests/commands/test_startup.py).
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,9 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--verify", action="store_true", help="check the set at output_path in full (files, offsets, "
                          "the tokens' sha256, every id) instead of writing it")
     generate = commands.add_parser("generate", help="print a trained model's completions of prompts")
-    from fastlm.commands.generate import add_arguments
-
-    add_arguments(generate)
+    add_generate_arguments(generate)
+    init = commands.add_parser("init", help="copy a recipe (configs + reward code: LoRA SFT on chat data, then GRPO, "
+                               "then PEFT export) into a folder")
+    init.add_argument("directory", help="the folder to write (made if missing; existing files are never overwritten)")
+    init.add_argument("--recipe", default="lora_chat", help="which recipe (default: lora_chat)")
     return parser
 
 
@@ -69,8 +73,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # Overrides may also follow flags (`train c.yaml --dry-run a.b=1`), where argparse leaves them over.
     stray = [item for item in extra if item.startswith("-") or "=" not in item]
-    if stray or (extra and args.command in ("convert", "generate")):
+    if stray or (extra and args.command in ("convert", "generate", "init")):
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if args.command == "init":
+        from fastlm.commands.init import init_command
+
+        return init_command(args.directory, args.recipe)
     if args.command == "generate":
         from fastlm.commands.generate import generate_command
 
@@ -92,6 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fastlm.commands.prepare import prepare_command
 
         return prepare_command(args.config, [*args.overrides, *extra], args.verify)
+    from fastlm.config.errors import ConfigError
+    from fastlm.run_config.loader import dump_config, load_config
+
     overrides = [*args.overrides, *extra, *args.set_overrides]
     try:
         config = load_config(args.config, overrides)

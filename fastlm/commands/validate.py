@@ -63,7 +63,7 @@ def describe_run(config: RunConfig) -> str:
         *([] if config.model.lora is None else [describe_lora(config, lora_base_dtype(config, device))]),
         describe_head(config, device),
         describe_training_path(config.trainer.compile, config.trainer.activation_checkpointing, device,
-                               config.distributed.data_parallel),
+                               config.model.head_dim, config.distributed.data_parallel),
         describe_data(config),
         f"run directory: {config.run.directory}",
     ]

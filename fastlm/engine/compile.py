@@ -13,6 +13,8 @@ from typing import Literal, TypeVar
 
 import torch
 
+from fastlm.layers.kv_cache import FLEX_MIN_HEAD_DIM, flex_supported
+from fastlm.layers.packed_attention import packed_kind
 from fastlm.models.decoder import DecoderLM
 from fastlm.system.errors import first_line
 
@@ -26,12 +28,14 @@ def compile_wanted(setting: Literal["auto"] | bool, device: torch.device, data_p
     return bool(setting)
 
 
-def describe_training_path(setting: Literal["auto"] | bool, checkpointing: bool, device: torch.device,
+def describe_training_path(setting: Literal["auto"] | bool, checkpointing: bool, device: torch.device, head_dim: int,
                            data_parallel: str | None = None) -> str:
     """One line for the dry run: compiled or eager blocks, the attention of packed rows, checkpointing."""
     compiled = compile_wanted(setting, device, data_parallel)
     blocks = "blocks compiled" if compiled else "eager blocks"
-    attention = "FlexAttention block mask" if device.type == "cuda" else "SDPA with a dense mask"
+    attention = "FlexAttention block mask" if packed_kind(device, head_dim) == "flex" else "SDPA with a dense mask"
+    if device.type == "cuda" and not flex_supported(device, head_dim):
+        attention += f" (head_dim {head_dim} < {FLEX_MIN_HEAD_DIM}, FlexAttention's minimum)"
     return (f"training path: {blocks} (trainer.compile={str(setting).lower()} on {device.type}), packed rows "
             f"through {attention}, activation checkpointing {'on' if checkpointing else 'off'}")
 

@@ -50,6 +50,20 @@ if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
 DecodeAttention = Literal["sdpa", "flex"]
+FLEX_MIN_HEAD_DIM = 16  # FlexAttention's CUDA kernels refuse q/k/v heads under 16 ("must be at least 16 but got E=8")
+
+
+def flex_supported(device: torch.device | str, head_dim: int) -> bool:
+    """FlexAttention's fused kernels run here: CUDA, heads of at least `FLEX_MIN_HEAD_DIM` (tiny test models
+    have 8). Elsewhere a layout or cache that would use it takes SDPA (CPU callers may still force flex:
+    its unfused reference, which the tests compare)."""
+    return torch.device(device).type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM
+
+
+def decode_attention_for(wanted: DecodeAttention, device: torch.device | str, head_dim: int) -> DecodeAttention:
+    """`wanted`, except on CUDA with heads too small for FlexAttention: SDPA over the whole cache (the
+    additive mask; graph-safe too)."""
+    return "sdpa" if torch.device(device).type == "cuda" and not flex_supported(device, head_dim) else wanted
 DECODE_KEY_BLOCK = 64  # FlexAttention key block of the decode block mask (the flash-decoding kernel's BLOCK_N on H100)
 DECODE_QUERY_BLOCK = 128
 
@@ -180,7 +194,7 @@ class KVCache:
         self.length = length
         self.groups = q_heads // kv_heads
         self.uniform_columns = uniform_columns
-        self.decode_attention = decode_attention
+        self.decode_attention = decode_attention_for(decode_attention, device, head_dim)
 
     @property
     def batch(self) -> int:

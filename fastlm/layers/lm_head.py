@@ -93,7 +93,7 @@ class LMHead(nn.Module):
         return (f"{line}: {plan.tokens} of {tokens} tokens a chunk ({count} chunk{'s' * (count > 1)}{passes}{teacher}) "
                 f"at vocab {vocab} in {str(dtype).removeprefix('torch.')}")
 
-    @torch.compiler.disable
+    @torch._disable_dynamo  # torch.compiler.disable, applied at the first call (its import of dynamo costs ~1 s)
     def forward(
         self,
         hidden: torch.Tensor,

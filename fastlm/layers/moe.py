@@ -14,6 +14,7 @@ is routed like any token (fixed shapes) but left out of the sums: the forward's 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Callable
@@ -141,17 +142,20 @@ def combine(unsorted: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (unsorted.view(tokens, top_k, -1) * weights.to(unsorted.dtype).unsqueeze(-1)).sum(dim=1)
 
 
-FUSED = {swiglu: torch.compile(swiglu), combine: torch.compile(combine)}
-"""The dispatch's elementwise steps compiled, each into one kernel forward and one backward: eager, each
-is 2-4 passes over (T * k) rows (the MoE layer runs outside the blocks' torch.compile in training)."""
+@functools.cache
+def fused(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """One of the dispatch's elementwise steps (`swiglu`, `combine`) compiled, into one kernel forward and
+    one backward: eager, each is 2-4 passes over (T * k) rows (the MoE layer runs outside the blocks'
+    torch.compile in training). Compiled on first use: `torch.compile` at import costs every command ~1 s."""
+    return torch.compile(fn)
 
 
 def _elementwise(fn: Callable[..., torch.Tensor], x: torch.Tensor) -> Callable[..., torch.Tensor]:
-    """`fn`, compiled (`FUSED`) in a CUDA training forward; eager elsewhere: on the CPU (no compile per
+    """`fn`, compiled (`fused`) in a CUDA training forward; eager elsewhere: on the CPU (no compile per
     new shape in tests and laptop runs), inside an outer trace and in the generator (no grad: its decode
     step is traced whole or captured in a CUDA graph, where a first compile must not run)."""
     if x.is_cuda and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        return FUSED[fn]
+        return fused(fn)
     return fn
 
 
@@ -324,7 +328,7 @@ class MoEMLP(nn.Module):
         forward traces into one graph on fixed shapes."""
         return self._eager(x, real_tokens) if torch.is_grad_enabled() else self._forward(x, real_tokens)
 
-    @torch.compiler.disable
+    @torch._disable_dynamo  # torch.compiler.disable, applied at the first call (its import of dynamo costs ~1 s)
     def _eager(self, x: torch.Tensor, real_tokens: torch.Tensor | None) -> torch.Tensor:
         return self._forward(x, real_tokens)
 

@@ -7,9 +7,10 @@ picks the kernel; `AttentionLayout.attend` runs it in every layer:
 - flex (CUDA): packed documents and/or a sliding window -> FlexAttention with a block mask built once
   per batch. Key blocks outside a query block's document are skipped and fully visible blocks skip the
   mask; grouped kv heads are read in place (`enable_gqa`).
-- dense (CPU, or attention dropout on GPU, which FlexAttention lacks): SDPA with a boolean
-  (B, 1, S, S) mask. On CPU it is the fast choice: FlexAttention there is either an unfused fallback
-  that materialises the scores anyway or a C++ compile per shape, which would slow the embedded default.
+- dense (CPU, attention dropout on GPU, which FlexAttention lacks, or heads under `FLEX_MIN_HEAD_DIM`,
+  which its CUDA kernels refuse): SDPA with a boolean (B, 1, S, S) mask. On CPU it is the fast choice:
+  FlexAttention there is either an unfused fallback that materialises the scores anyway or a C++ compile
+  per shape, which would slow the embedded default.
 
 Measured choice (docs/benchmarks.md, "Attention for packed documents"): on the H200, llama-1b shape with
 ~300-token documents, FlexAttention's forward + backward is 2x faster than the dense mask (1.10 vs
@@ -27,12 +28,18 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from fastlm.layers.attention import attend, attention_mask, softcapped
+from fastlm.layers.kv_cache import FLEX_MIN_HEAD_DIM, flex_supported
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
 LayoutKind = Literal["causal", "dense", "flex"]
 BLOCK_SIZE = 128  # FlexAttention's sparse block (query and key)
+
+
+def packed_kind(device: torch.device, head_dim: int, dropout_active: bool = False) -> LayoutKind:
+    """The layout of rows with packed documents or a sliding window: flex where it runs, else dense."""
+    return "flex" if flex_supported(device, head_dim) and not dropout_active else "dense"
 
 
 @dataclass(frozen=True)
@@ -145,16 +152,13 @@ def attention_layout(
     device: torch.device,
     dropout_active: bool = False,
     kind: LayoutKind | None = None,
+    *,
+    head_dim: int = FLEX_MIN_HEAD_DIM,
 ) -> AttentionLayout:
     """The layout for rows with in-document `positions` (None: one document per row); `kind` forces one
-    (tests, benchmarks), else causal when nothing is masked, flex on CUDA, dense on CPU or with dropout."""
+    (tests, benchmarks), else causal when nothing is masked, then `packed_kind` (for heads of `head_dim`)."""
     if kind is None:
-        if positions is None and sliding_window is None:
-            kind = "causal"
-        elif device.type == "cuda" and not dropout_active:
-            kind = "flex"
-        else:
-            kind = "dense"
+        kind = "causal" if positions is None and sliding_window is None else packed_kind(device, head_dim, dropout_active)
     if kind == "causal":
         if positions is not None or sliding_window is not None:
             raise ValueError("the causal layout cannot mask packed documents or a sliding window")

@@ -130,7 +130,7 @@ class DecoderLM(nn.Module):
         )
         dropout_active = self.training and self.config.dropout > 0
         layouts = [attention_layout(batch, seq_len, doc_positions, window, input_ids.device, dropout_active,
-                                    self.attention_kind) for window in self.windows]
+                                    self.attention_kind, head_dim=self.config.head_dim) for window in self.windows]
         rotaries = self._rotaries(positions)
         real_tokens = None if padding is None or not self.moe_layers else padding.logical_not().float()
         hidden = self.embeddings(input_ids, positions)
@@ -235,10 +235,26 @@ def _check_inputs(input_ids: torch.Tensor, document_ids: torch.Tensor | None, vo
         raise ValueError(f"document_ids must be an integer tensor, got {document_ids.dtype}")
 
 
+class _NoRandomFillOnMeta(torch.overrides.TorchFunctionMode):
+    """Skips `normal_` on meta tensors (which hold no values): meta's `normal_` is a Python decomposition
+    whose first call imports torch._dynamo, 1-4 s of every `fastlm validate`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.init.normal_ or func is torch.Tensor.normal_:
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
 def build_model(config: ModelConfig, device: torch.device | str | None = None) -> DecoderLM:
     """Build on `device` (default: torch's current default). On "meta" nothing is allocated: count the
     parameters, or `model.to_empty(device=...)` then `model.init_weights()` to materialise."""
     if device is None:
         return DecoderLM(config)
+    if torch.device(device).type == "meta":
+        with torch.device(device), _NoRandomFillOnMeta():
+            return DecoderLM(config)
     with torch.device(device):
         return DecoderLM(config)

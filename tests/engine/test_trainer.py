@@ -256,7 +256,7 @@ def test_export_hf_writes_a_transformers_folder_at_the_end(tiny_config: Callable
     assert (exported / "config.json").is_file() and (exported / "model.safetensors").is_file()
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(exported)).eval()
     ids = torch.randint(0, 256, (2, 16))
-    trainer.model.eval()
+    trainer.model.cpu().eval()  # the trainer's device is CUDA where there is one; the inputs are on the CPU
     with torch.no_grad():
         ours, theirs = trainer.model.logits(ids), hf_model(ids).logits
     error = float((ours - theirs).abs().max() / theirs.abs().max())

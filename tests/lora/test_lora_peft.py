@@ -98,8 +98,8 @@ def test_peft_round_trip(kind: str, tmp_path: Path) -> None:
     # 3r adapters on each of q, k, v: the same function, PEFT's trainable rows)
     assert main(["convert", "--from-peft", str(adapter), "--to", str(imported), "--from", str(base)]) == 0
     section = yaml.safe_load((imported / "lora.yaml").read_text())["model"]["lora"]
-    restarted = Trainer(_run_config(base, tmp_path / "again", section)).model.eval()
+    restarted = Trainer(_run_config(base, tmp_path / "again", section)).model.eval()  # on the trainer's device (CUDA if any)
     with torch.no_grad():
-        gap = float((restarted.logits(ids) - expected).abs().max())
+        gap = float((restarted.logits(ids.to(restarted.output_weight.device)).cpu() - expected).abs().max())
     print(f"{kind}: a run started from the --from-peft folder vs the trained run: logits gap {gap:.2e}")
     assert gap <= 1e-5

@@ -292,7 +292,7 @@ def test_training_round_trip_stays_loadable(saved: Callable[..., tuple[torch.nn.
     reloaded = _reload(tmp_path / "trained")
     moved = max(float((a - b).abs().max()) for a, b in zip(reference.state_dict().values(), reloaded.state_dict().values()))
     ids, _ = _inputs(seed=5)
-    trainer.model.eval()
+    trainer.model.cpu().eval()  # the trainer's device is CUDA where there is one; the inputs are on the CPU
     with torch.no_grad():
         diff = float((trainer.model.logits(ids) - reloaded(ids).logits).abs().max())
     print(f"trained weights moved by up to {moved:.3e}; trained fastlm vs reloaded HF logits max abs diff {diff:.2e}")

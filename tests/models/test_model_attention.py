@@ -14,7 +14,8 @@ from model_helpers import relative_error
 
 from fastlm.layers.attention import Attention, attention_mask
 from fastlm.layers.embedding import document_positions
-from fastlm.layers.packed_attention import attention_layout
+from fastlm.layers.kv_cache import FLEX_MIN_HEAD_DIM, KVCache, decode_attention_for
+from fastlm.layers.packed_attention import attention_layout, packed_kind
 
 DOCS = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 3, 3]])
 
@@ -84,7 +85,7 @@ def test_layouts_match_naive_float64(kind: str, kv_heads: int, case: str, dtype:
     docs = DOCS if "documents" in case else None
     window = 4 if "window" in case else None
     positions = None if docs is None else document_positions(docs)
-    layout = attention_layout(batch, seq_len, positions, window, q.device, kind=kind)
+    layout = attention_layout(batch, seq_len, positions, window, q.device, kind=kind, head_dim=dim)
     weight = torch.randn(batch, heads, seq_len, dim, dtype=torch.float64)
 
     with_grad = kind != "flex"
@@ -120,7 +121,7 @@ def test_gqa_equals_mha_with_repeated_kv_heads(with_docs: bool) -> None:
         mha.out_proj.weight.copy_(gqa.out_proj.weight)
     x = torch.randn(2, DOCS.shape[1], hidden, dtype=torch.float64)
     positions = document_positions(DOCS) if with_docs else None
-    layout = attention_layout(2, DOCS.shape[1], positions, None, x.device)
+    layout = attention_layout(2, DOCS.shape[1], positions, None, x.device, head_dim=hidden // 4)
     error = relative_error(gqa(x, None, layout), mha(x, None, layout))
     print(f"GQA vs repeated-kv MHA (documents={with_docs}): rel err {error:.2e}")
     assert error < 1e-12
@@ -136,16 +137,31 @@ def test_causal_layout_rejects_masks() -> None:
         attention_layout(2, DOCS.shape[1], document_positions(DOCS), None, torch.device("cpu"), kind="causal")
 
 
+def test_small_heads_on_cuda_take_sdpa_instead_of_flex() -> None:
+    """FlexAttention's CUDA kernels refuse heads under 16 (an InductorError, "must be at least 16 but got
+    E=8"): packed training rows take the dense mask and the KV cache's decode SDPA there; CPU keeps what
+    the caller asked for (the unfused reference the tests compare)."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert FLEX_MIN_HEAD_DIM == 16
+    assert packed_kind(cuda, 8) == "dense" and packed_kind(cuda, 15) == "dense"
+    assert packed_kind(cuda, 16) == "flex" and packed_kind(cuda, 128) == "flex"
+    assert packed_kind(cuda, 64, dropout_active=True) == "dense" and packed_kind(cpu, 64) == "dense"
+    assert decode_attention_for("flex", cuda, 8) == "sdpa" and decode_attention_for("flex", cuda, 16) == "flex"
+    assert decode_attention_for("flex", cpu, 8) == "flex" and decode_attention_for("sdpa", cuda, 64) == "sdpa"
+    assert KVCache(1, 1, 2, 1, 8, 8, torch.float32, "cpu", decode_attention="flex").decode_attention == "flex"
+
+
 def test_layout_choice() -> None:
     """Plain causal rows take flash-capable is_causal; masked rows on CPU the dense mask; dropout never flex."""
     cpu, positions = torch.device("cpu"), document_positions(DOCS)
-    assert attention_layout(2, 12, None, None, cpu).kind == "causal"
-    assert attention_layout(2, 12, positions, None, cpu).kind == "dense"
-    assert attention_layout(2, 12, None, 4, cpu).kind == "dense"
+    assert attention_layout(2, 12, None, None, cpu, head_dim=16).kind == "causal"
+    assert attention_layout(2, 12, positions, None, cpu, head_dim=16).kind == "dense"
+    assert attention_layout(2, 12, None, 4, cpu, head_dim=16).kind == "dense"
     if torch.cuda.is_available():
         cuda = torch.device("cuda")
-        assert attention_layout(2, 12, positions.cuda(), 4, cuda).kind == "flex"
-        assert attention_layout(2, 12, positions.cuda(), None, cuda, dropout_active=True).kind == "dense"
+        assert attention_layout(2, 12, positions.cuda(), 4, cuda, head_dim=16).kind == "flex"
+        assert attention_layout(2, 12, positions.cuda(), None, cuda, dropout_active=True, head_dim=16).kind == "dense"
+        assert attention_layout(2, 12, positions.cuda(), None, cuda, head_dim=8).kind == "dense"
 
 
 def naive_capped_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

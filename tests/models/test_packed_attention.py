@@ -152,7 +152,9 @@ def test_compile_setting() -> None:
     assert not compile_wanted("auto", cpu) and compile_wanted("auto", cuda)
     assert not compile_wanted("auto", cuda, "fsdp") and compile_wanted("auto", cuda, "ddp")
     assert compile_wanted(True, cpu) and not compile_wanted(False, cuda)
-    line = describe_training_path("auto", False, cpu)
+    line = describe_training_path("auto", False, cpu, 64)
     assert "eager blocks" in line and "dense mask" in line and "checkpointing off" in line
-    line = describe_training_path("auto", True, cuda)
+    line = describe_training_path("auto", True, cuda, 64)
     assert "blocks compiled" in line and "FlexAttention" in line and "checkpointing on" in line
+    line = describe_training_path("auto", False, cuda, 8)
+    assert "dense mask (head_dim 8 < 16, FlexAttention's minimum)" in line

@@ -40,7 +40,7 @@ def test_flex_kernels_match_float64_reference(heads: int, kv_heads: int, window:
     ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
 
     positions = document_positions(documents).to(CUDA)
-    layout = attention_layout(batch, seq_len, positions, window, CUDA)
+    layout = attention_layout(batch, seq_len, positions, window, CUDA, head_dim=dim)
     assert layout.kind == "flex"
     inputs = [t.detach().to(CUDA, dtype).requires_grad_() for t in (q, k, v)]
     out = layout.attend(*inputs)
