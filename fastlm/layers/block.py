@@ -53,7 +53,9 @@ class DecoderBlock(nn.Module):
             return checkpoint(self._forward, x, rotary, layout, None, real_tokens, use_reentrant=False)
         return self._forward(x, rotary, layout, cache, real_tokens)
 
-    @torch.compiler.disable  # the input's trip to host memory is eager; `compiled_forward` is the compiled part
+    # torch.compiler.disable, applied at the first call (importing dynamo costs ~1 s): the input's trip to host
+    # memory is eager, `compiled_forward` is the compiled part
+    @torch._disable_dynamo
     def _offloaded_checkpoint(self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None,
                               real_tokens: torch.Tensor | None) -> torch.Tensor:
         assert self.offload is not None

@@ -137,7 +137,7 @@ def flex_block_mask(
     )
 
 
-@torch.compiler.disable  # built eagerly once per length, also when a compiled block asks for it
+@torch._disable_dynamo  # torch.compiler.disable at the first call: built eagerly once per length, also in a compiled block
 @lru_cache(maxsize=8)
 def causal_block_mask(seq_len: int, device: torch.device) -> BlockMask:
     """The plain causal block mask of one row (the causal layout's, for score options SDPA lacks), kept per length."""

@@ -24,7 +24,9 @@ def run_tiled(function: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
     return _tiled(function, tile_len, params, x, *params)
 
 
-@torch.compiler.disable  # its backward calls autograd itself: a compiled block breaks its graph here instead
+# torch.compiler.disable, applied at the first call (importing dynamo costs ~1 s): its backward calls autograd
+# itself, so a compiled block breaks its graph here instead
+@torch._disable_dynamo
 def _tiled(function: Callable, tile_len: int, params: list[torch.Tensor], x: torch.Tensor,
            *inputs: torch.Tensor) -> torch.Tensor:
     return _TiledFunction.apply(function, tile_len, params, x, *inputs)
