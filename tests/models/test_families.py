@@ -81,6 +81,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3-longrope": ("Phi3Config", {**BASE, "original_max_position_embeddings": 8, "rope_parameters": {
         "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 1.7, 2.5],
         "long_factor": [1.5, 3.0, 6.0, 11.0]}}),
+    # Phi-4-mini's shape: RoPE on the first 3/4 of each head (6 of 8 dims, 3 factors), longrope
+    "phi3-partial-longrope": ("Phi3Config", {**BASE, "original_max_position_embeddings": 8, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75, "short_factor": [1.0, 1.4, 2.0],
+        "long_factor": [2.0, 4.0, 9.0]}}),
     # MLA (full q_proj; q latent + yarn with mscale_all_dim + half-split rotary), first dense layer, 8 experts in
     # 4 groups of which 2 are kept, 2 shared experts, a random correction bias
     "deepseek_v3": ("DeepseekV3Config", {**BASE, "num_key_value_heads": 4, "num_hidden_layers": 3,
@@ -245,8 +249,8 @@ def test_cli_convert_train_generate_export(case: str, folders: dict[str, tuple[t
 @pytest.mark.parametrize(("case", "overrides", "field"), [
     ("phi3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
      "rope_parameters.rope_type"),
-    ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
-     "partial_rotary_factor"),  # Phi-4-mini's; longrope itself converts
+    ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.375}},
+     "partial_rotary_factor"),  # 0.375 x head_dim 8: an odd rotary width (Phi-4-mini's 0.75 converts)
     ("phi3", {"resid_pdrop": 0.1}, "resid_pdrop"),
     ("qwen3", {"attention_bias": True}, "attention_bias"),
     ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),

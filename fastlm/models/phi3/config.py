@@ -1,5 +1,6 @@
 """Phi-3 family config: the Llama block (SwiGLU, RoPE, grouped kv heads) with HF's fused qkv and gate_up
-weights, an optional sliding window on every layer, head_dim = hidden / heads, no biases."""
+weights, an optional sliding window on every layer, head_dim = hidden / heads, no biases; RoPE on all of each
+head or its first `partial_rotary_factor` (Phi-4-mini: 0.75)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from fastlm.models.base import LayerAttention, Rope
 from fastlm.models.llama.config import LlamaConfig
 
 
@@ -14,6 +16,8 @@ class Phi3Config(LlamaConfig):
     type: Literal["phi3"] = "phi3"  # type: ignore[assignment]
 
     norm_eps: float = Field(1e-5, gt=0.0)
+    partial_rotary_factor: float = Field(1.0, gt=0.0, le=1.0, description="Share of each head's dims RoPE turns "
+                                         "(the first ones; Phi-4-mini 0.75).")
 
     @model_validator(mode="after")
     def _phi3_shape(self) -> Phi3Config:
@@ -23,4 +27,17 @@ class Phi3Config(LlamaConfig):
             raise ValueError("phi3 applies its sliding_window to every layer; leave layer_types unset")
         if (self.head_dim or 0) * self.num_heads != self.hidden_size:
             raise ValueError(f"phi3 has head_dim = hidden_size / num_heads = {self.hidden_size // self.num_heads}")
+        dims = self.rotary_dims
+        if dims < 2 or dims % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} x head_dim {self.head_dim} = {dims} "
+                             "rotary dims; it must be a positive even number")
         return self
+
+    @property
+    def rotary_dims(self) -> int:
+        return int((self.head_dim or 0) * self.partial_rotary_factor)
+
+    def layer_attention(self, layer: int) -> LayerAttention:
+        attention = super().layer_attention(layer)
+        dims = None if self.partial_rotary_factor == 1.0 else self.rotary_dims
+        return LayerAttention(attention.window, Rope(self.rope_theta, self.rope_scaling, dims))

@@ -2,7 +2,8 @@
 as one `gate_up_proj` (gate rows, then up): our layout, copied as is. RoPE: plain or `longrope` (Phi-3.5 and
 the 128k models: per-frequency short and long factors, switched by the forward's largest position), as
 transformers' Phi-3 reads them: `su` and `yarn` mean longrope there, and the top-level
-`original_max_position_embeddings` (default 4096) is the pretraining context."""
+`original_max_position_embeddings` (default 4096) is the pretraining context. Phi-4-mini turns the first
+`partial_rotary_factor` (0.75) of each head."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ class Phi3Adapter(LlamaAdapter):
 
     def fields(self, reader: Reader, model_type: str) -> dict[str, Any]:
         parameters, key = rope_parameters(reader)
+        partial = parameters.pop("partial_rotary_factor", reader.hf.get("partial_rotary_factor", 1.0))
+        outer, reader = reader, Reader({**reader.hf, "partial_rotary_factor": 1.0}, reader.defaults, reader.source)
         if parameters["rope_type"] in ("su", "yarn"):
             parameters["rope_type"] = "longrope"  # transformers' Phi-3 reads both as longrope
         if parameters["rope_type"] not in ("default", "longrope"):
@@ -40,7 +43,14 @@ class Phi3Adapter(LlamaAdapter):
         hidden, heads = fields["hidden_size"], fields["num_heads"]
         if reader.hf.get("head_dim") is None and isinstance(hidden, int) and isinstance(heads, int) and heads:
             fields["head_dim"] = hidden // heads  # Phi-3 derives it
-        return {"type": "phi3", **fields, "sliding_window": reader.get("sliding_window"), "layer_types": None}
+        width = int(fields.get("head_dim") or 0) * partial if isinstance(partial, (int, float)) else None
+        if width is None or int(width) < 2 or int(width) % 2:
+            outer.fail("partial_rotary_factor", f"RoPE would turn {width:g} dims of each head: it needs a positive "
+                       "even number", partial)
+        sliding_window = reader.get("sliding_window")
+        outer.issues += reader.issues  # the shared RoPE reader refuses partial rotary; Phi-3 takes it above
+        return {"type": "phi3", **fields, "sliding_window": sliding_window, "layer_types": None,
+                "partial_rotary_factor": partial}
 
     def export_issues(self, config: Phi3Config) -> list[ConfigIssue]:  # type: ignore[override]
         issues = []
@@ -55,10 +65,11 @@ class Phi3Adapter(LlamaAdapter):
     def to_hf(self, config: Phi3Config) -> dict[str, Any]:  # type: ignore[override]
         hf = llama_like_to_hf(config)
         hf.pop("head_dim")
+        hf["rope_parameters"] = {**hf["rope_parameters"], "partial_rotary_factor": config.partial_rotary_factor}
         return {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], **hf, "resid_pdrop": 0.0,
                 "embd_pdrop": 0.0, "original_max_position_embeddings": (config.rope_scaling.original_max_seq_len
                                                                         if config.rope_scaling else config.max_seq_len),
-                "sliding_window": config.sliding_window}
+                "sliding_window": config.sliding_window, "partial_rotary_factor": config.partial_rotary_factor}
 
     def layer_rules(self, config: Phi3Config, layer: int, base: str, hf: str) -> list[WeightRule]:  # type: ignore[override]
         return [WeightRule(f"{base}.{ours}", (f"{hf}.{theirs}",)) for ours, theirs in (
