@@ -21,6 +21,16 @@ if TYPE_CHECKING:
     from fastlm.layers.kv_cache import RecurrentShape
 
 
+def rotary_width(head_dim: int | None, partial_rotary_factor: float) -> int:
+    """RoPE's width in each head of a partial-rotary family (GLM-4, Phi-4-mini, Qwen3.5): the first
+    `partial_rotary_factor` of head_dim, which must be a positive even number (ValueError otherwise)."""
+    dims = int((head_dim or 0) * partial_rotary_factor)
+    if dims < 2 or dims % 2:
+        raise ValueError(f"partial_rotary_factor {partial_rotary_factor} x head_dim {head_dim} = {dims} rotary dims; "
+                         "it must be a positive even number")
+    return dims
+
+
 @dataclass(frozen=True)
 class Rope:
     """A layer's rotary embedding: base `theta`, optional frequency `scaling`, the rotated `dims` of each head

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
 
-from fastlm.models.base import LayerAttention, Rope
+from fastlm.models.base import LayerAttention, Rope, rotary_width
 from fastlm.models.llama.config import LlamaConfig
 
 if TYPE_CHECKING:
@@ -22,15 +22,12 @@ class Glm4Config(LlamaConfig):
 
     @model_validator(mode="after")
     def _check_rotary_dims(self) -> Glm4Config:
-        dims = self.rotary_dims
-        if dims < 2 or dims % 2:
-            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} x head_dim {self.head_dim} = {dims} "
-                             "rotary dims; it must be a positive even number")
+        rotary_width(self.head_dim, self.partial_rotary_factor)  # an odd or empty width raises
         return self
 
     @property
     def rotary_dims(self) -> int:
-        return int((self.head_dim or 0) * self.partial_rotary_factor)
+        return rotary_width(self.head_dim, self.partial_rotary_factor)
 
     def layer_attention(self, layer: int) -> LayerAttention:
         attention = super().layer_attention(layer)

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from fastlm.models.base import LayerAttention, Rope
+from fastlm.models.base import LayerAttention, Rope, rotary_width
 from fastlm.models.llama.config import LlamaConfig
 
 
@@ -27,15 +27,12 @@ class Phi3Config(LlamaConfig):
             raise ValueError("phi3 applies its sliding_window to every layer; leave layer_types unset")
         if (self.head_dim or 0) * self.num_heads != self.hidden_size:
             raise ValueError(f"phi3 has head_dim = hidden_size / num_heads = {self.hidden_size // self.num_heads}")
-        dims = self.rotary_dims
-        if dims < 2 or dims % 2:
-            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} x head_dim {self.head_dim} = {dims} "
-                             "rotary dims; it must be a positive even number")
+        rotary_width(self.head_dim, self.partial_rotary_factor)  # an odd or empty width raises
         return self
 
     @property
     def rotary_dims(self) -> int:
-        return int((self.head_dim or 0) * self.partial_rotary_factor)
+        return rotary_width(self.head_dim, self.partial_rotary_factor)
 
     def layer_attention(self, layer: int) -> LayerAttention:
         attention = super().layer_attention(layer)

@@ -19,7 +19,7 @@ from pydantic import Field, model_validator
 
 from fastlm.config.base import ConfigModel
 from fastlm.config.errors import ConfigIssue
-from fastlm.models.base import LayerAttention, Rope
+from fastlm.models.base import LayerAttention, Rope, rotary_width
 from fastlm.models.llama.config import LlamaConfig
 from fastlm.models.moe_family import MoESettings, check_dense_layers, shared_expert_parameters
 
@@ -88,9 +88,7 @@ class Qwen35Config(LlamaConfig):
     def _check_hybrid(self) -> Qwen35Config:
         if self.sliding_window is not None or self.qkv_bias:
             raise ValueError("qwen3_5 has no sliding window and no q/k/v biases (sliding_window: null, qkv_bias: false)")
-        if self.rotary_dim % 2 or self.rotary_dim < 2:
-            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} x head_dim {self.head_dim} must "
-                             "give an even rotary width of at least 2")
+        rotary_width(self.head_dim, self.partial_rotary_factor)  # an odd or empty width raises
         if self.moe is None and (self.shared_expert_size is not None or self.dense_layers):
             raise ValueError("shared_expert_size and dense_layers need a moe section")
         check_dense_layers(self.dense_layers, self.num_layers)
@@ -98,7 +96,7 @@ class Qwen35Config(LlamaConfig):
 
     @property
     def rotary_dim(self) -> int:
-        return int((self.head_dim or 0) * self.partial_rotary_factor)
+        return rotary_width(self.head_dim, self.partial_rotary_factor)
 
     def is_linear(self, layer: int) -> bool:
         if self.layer_types is not None:
