@@ -49,12 +49,13 @@ sys.path.insert(0, str(ROOT))
 
 from fastlm.data.offline_rl import PolicySample  # noqa: E402
 from fastlm.data.tasks import demonstrations  # noqa: E402
+from fastlm.engine.trainer import Trainer  # noqa: E402
 from fastlm.rl.packing import pack_policy_samples, split_into_batches  # noqa: E402
 from fastlm.rl.rollout import Rollout  # noqa: E402
 from fastlm.rl.stream import RolloutStream  # noqa: E402
 from fastlm.rl.teacher import add_teacher_heads  # noqa: E402
-from fastlm.rl.trainer import RLTrainer  # noqa: E402
 from fastlm.run_config.loader import load_config  # noqa: E402
+from fastlm.training.registry import build_trainer  # noqa: E402
 
 PRESETS = ROOT / "configs" / "presets"
 TASK = {"type": "arithmetic_chain", "steps": 2, "max_operand": 5}
@@ -101,18 +102,20 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def eval_reward(trainer: RLTrainer) -> float:
-    return trainer.eval_record()["eval/reward"]
+def eval_reward(trainer: Trainer) -> float:
+    return trainer.objective.evaluate(trainer.step)["eval/reward"]
 
 
-def offline_kd(trainer: RLTrainer, seed: int) -> None:
+def offline_kd(trainer: Trainer, seed: int) -> None:
     """The `kd` arm: each 'rollout' is a fresh set of the task's correct demonstrations (as many samples as a
     rollout has), packed as rollouts are, with the teacher's head input; the policy child sees zero advantages."""
-    setup, teacher = trainer.setup, trainer.teacher
+    setup, teacher = trainer.objective.setup, trainer.objective.teacher
     assert setup is not None and teacher is not None
     count = setup.config.prompts_per_rollout * setup.config.group_size
 
-    def next_rollout(stream: RolloutStream) -> None:
+    stream: RolloutStream = trainer.objective.loader
+
+    def next_rollout() -> None:
         started = time.perf_counter()
         shown = demonstrations(setup.task, count, 0.0, seed + 7919 * (stream.rollouts + 1))
         samples = []
@@ -129,36 +132,36 @@ def offline_kd(trainer: RLTrainer, seed: int) -> None:
                    "old_logprob": 0.0}
         stream.start(Rollout(batches, {"reward": 0.0}, [], seconds))
         for phase, value in seconds.items():
-            trainer.phase_seconds[phase] += value
-        trainer.rollout_seconds += sum(seconds.values())
+            trainer.objective.phase_seconds[phase] += value
+        trainer.objective.rollout_seconds += sum(seconds.values())
 
-    trainer.next_rollout = next_rollout  # type: ignore[method-assign]
+    trainer.objective.next_rollout = next_rollout  # type: ignore[method-assign]
 
 
 def train_arm(name: str, config: Any, args: argparse.Namespace, warmup: int, steps: int, arm: str) -> dict[str, Any]:
     """Warm-up, then `steps` timed steps with the greedy eval every --eval-every steps (and as they start)."""
-    trainer = RLTrainer(config)
+    trainer = build_trainer(config)
     if arm == "kd":
         offline_kd(trainer, args.seed)
     for _ in range(warmup):
         trainer.train_step()
-    trainer.settle()
+    trainer.runner.settle()
     evals = [(0, eval_reward(trainer))]
     timed: list[dict[str, float]] = []
-    stream = trainer.train_loader
+    stream = trainer.objective.loader
     pad = trainer.tokenizer.pad_id
     for step in range(1, steps + 1):
-        trainer.phase_seconds = dict.fromkeys(trainer.phase_seconds, 0.0)
+        trainer.objective.phase_seconds = dict.fromkeys(trainer.objective.phase_seconds, 0.0)
         _sync()
         started = time.perf_counter()
         trainer.train_step()
-        trainer.settle()
-        trainer.take_read_values()
+        trainer.runner.settle()
+        trainer.runner.take_read_values()
         _sync()
         total = time.perf_counter() - started
         trained = sum(int((batch.input_ids != pad).sum()) for batch in stream.batches)
-        timed.append({"step_seconds": total, "teacher_seconds": trainer.phase_seconds["teacher"],
-                      "sampling_seconds": trainer.phase_seconds["sampling"], "trained_tokens": trained,
+        timed.append({"step_seconds": total, "teacher_seconds": trainer.objective.phase_seconds["teacher"],
+                      "sampling_seconds": trainer.objective.phase_seconds["sampling"], "trained_tokens": trained,
                       "sampled_reward": stream.rewards[-1]})
         if step % args.eval_every == 0 or step == steps:
             evals.append((step, eval_reward(trainer)))
@@ -266,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             report["teacher_eval"] = trained["eval_rewards"][-1][1]
         else:
             config = run_config("teacher_eval", args.teacher_preset, args, work, 0, 1)
-            probe = RLTrainer(load_config(Path(work / "teacher_eval.yaml"), [f"run.init_path={teacher}"]))
+            probe = build_trainer(load_config(Path(work / "teacher_eval.yaml"), [f"run.init_path={teacher}"]))
             report["teacher_eval"] = eval_reward(probe)
             del probe
         save(report, args.out)

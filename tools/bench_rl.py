@@ -50,8 +50,8 @@ sys.path.insert(0, str(ROOT))
 from fastlm.data.tokenizer import ByteTokenizer  # noqa: E402
 from fastlm.models.hf import export_hf  # noqa: E402
 from fastlm.rl.prompts import TaskPrompts, task_reward  # noqa: E402
-from fastlm.rl.trainer import RLTrainer  # noqa: E402
 from fastlm.run_config.loader import load_config  # noqa: E402
+from fastlm.training.registry import build_trainer  # noqa: E402
 
 PRESETS = ROOT / "configs" / "presets"
 PHASES = ("rollout", "reward", "old_logprob", "train")
@@ -117,28 +117,28 @@ def _sync() -> None:
 def run_fastlm(preset: str, args: argparse.Namespace, work: Path, device: str) -> tuple[Side, Path]:
     """Warm-up steps, the HF export of those weights (TRL's start), then the timed RL steps."""
     config = fastlm_config(preset, args, work / f"fastlm_{preset}", device)
-    trainer = RLTrainer(config)
+    trainer = build_trainer(config)
     side = Side("fastlm", preset)
     for _ in range(args.warmup_steps):
         trainer.train_step()
-    trainer.settle()
+    trainer.runner.settle()
     hf_dir = export_hf(trainer.model, work / f"hf_{preset}", ByteTokenizer())
     if args.ignore_eos:  # the warm-up's demonstrations end in EOS; the timed rollouts sample the whole budget
-        setup = trainer.setup
+        setup = trainer.objective.setup
         assert setup is not None
-        trainer.setup = replace(setup, options=replace(setup.options, stop_tokens=()))
-    stream = trainer.train_loader
+        trainer.objective.setup = replace(setup, options=replace(setup.options, stop_tokens=()))
+    stream = trainer.objective.loader
     pad = trainer.tokenizer.pad_id
     for _ in range(args.steps):
-        trainer.phase_seconds = dict.fromkeys(trainer.phase_seconds, 0.0)
+        trainer.objective.phase_seconds = dict.fromkeys(trainer.objective.phase_seconds, 0.0)
         _sync()
         started = time.perf_counter()
         trainer.train_step()
-        trainer.settle()
-        trainer.take_read_values()
+        trainer.runner.settle()
+        trainer.runner.take_read_values()
         _sync()
         total = time.perf_counter() - started
-        phases = trainer.phase_seconds
+        phases = trainer.objective.phase_seconds
         trained = sum(int((batch.input_ids != pad).sum()) for batch in stream.batches)
         completion = sum(int((batch.labels != -100).sum()) for batch in stream.batches)
         side.steps.append({"rollout": phases["sampling"], "reward": phases["reward"],

@@ -275,7 +275,7 @@ def trainer_step_work(trainer: Trainer) -> dict[str, str]:
         "loss normalizers": "tokens, documents, micro_batches",
         "per-step checks": "token ids on the host; loss-input checks and the non-finite skip on the device (found_inf)",
         "read-backs": "none inside a step (value checks collected, grad_output applied on the device); every "
-                      "pending step's scalars at read points, " + ("late at log-only ones" if trainer.late_reads
+                      "pending step's scalars at read points, " + ("late at log-only ones" if trainer.runner.late_reads
                                                                     else "on time"),
     }
 
@@ -359,16 +359,16 @@ def decompose(shape: Shape, peak: float, sampler: ClockSampler, deadline: float)
             trainer = Trainer(quiet)
             for _ in range(WARMUP):
                 trainer.train_step()
-            trainer.settle()
+            trainer.runner.settle()
             result.rows.append(timer.run("C", "Trainer.train_step, no read point", lambda: timed_windows(
                 lambda i: trainer.train_step(), shape)))
-            trainer.settle()
+            trainer.runner.settle()
             trainer.config.trainer.log_every = shape.window  # its own read points from here on, as the CLI's
-            late = "late" if trainer.late_reads else "on time"
+            late = "late" if trainer.runner.late_reads else "on time"
             result.rows.append(timer.run("D", f"Trainer.train_step, a log read every {shape.window} ({late})",
                                          lambda: timed_windows(lambda i: trainer.train_step(), shape)))
             profile("C trainer", lambda i: trainer.train_step())
-            trainer.settle()
+            trainer.runner.settle()
             own = loader_batches(real, 2, device)
             facts["trainer"] = setup_facts(trainer.model, trainer.optimizer, trainer.amp_dtype, own, device,
                                            trainer_step_work(trainer))

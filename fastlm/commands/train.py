@@ -19,16 +19,16 @@ from contextlib import contextmanager
 from fastlm.config.errors import ConfigError
 from fastlm.data.datasets import DataError
 from fastlm.engine.checkpoint import CheckpointError
-from fastlm.engine.distill import DistillationTrainer
 from fastlm.engine.distributed import run_distributed, torchrun_env
-from fastlm.engine.dpo import DPOTrainer
+from fastlm.engine.objective import TrainSummary
 from fastlm.engine.preflight import preflight_issues, run_dir_issues
 from fastlm.engine.runtime import select_device
-from fastlm.engine.trainer import NonFiniteError, Trainer, TrainSummary
+from fastlm.engine.step import NonFiniteError
 from fastlm.rl.rewards import RewardError
 from fastlm.run_config.schema import RunConfig
 from fastlm.system.disk_space import DiskFullError
 from fastlm.system.run_dir import RunDirError
+from fastlm.training.registry import build_trainer
 
 
 def run_training(config: RunConfig, resume: bool = False) -> int:
@@ -57,7 +57,7 @@ def _start_checks(config: RunConfig, resume: bool) -> int | None:
 
 def _train(config: RunConfig, resume: bool) -> int:
     try:
-        trainer = trainer_class_for(config)(config)
+        trainer = build_trainer(config)
         summary = trainer.train(resume=resume)
     except ConfigError as error:  # found before anything was written: a user mistake, exit 2 like validate
         _report(error.render())
@@ -68,21 +68,6 @@ def _train(config: RunConfig, resume: bool) -> int:
     if trainer.rank in (None, 0):
         print(describe_summary(summary), file=sys.stderr)
     return 0
-
-
-def trainer_class_for(config: RunConfig) -> type[Trainer]:
-    """RLTrainer for online RL (`rl:` set) or offline RL data; DPOTrainer for a dpo head; DistillationTrainer
-    for a distillation child with a teacher_path; the plain Trainer otherwise."""
-    if config.rl is not None or config.data.source.type == "offline_rl":
-        from fastlm.rl.trainer import RLTrainer  # lazy: the RL stack is only needed by RL runs
-
-        return RLTrainer
-    if config.model.head.is_dpo:
-        return DPOTrainer
-    distill = config.model.head.child_of_type("distillation")
-    if distill is not None and distill[1].teacher_path is not None:
-        return DistillationTrainer
-    return Trainer
 
 
 def _report(message: str) -> None:

@@ -14,15 +14,17 @@ from fastlm.data.datasets import Rows
 
 
 class BatchLoader:
-    """Yields `Batch`es of `batch_size` rows; `state_dict()` / `load_state_dict()` give exact resume."""
+    """Yields `Batch`es of `batch_size` rows (of `batch_type`: preference pairs count their documents in pairs);
+    `state_dict()` / `load_state_dict()` give exact resume."""
 
-    def __init__(self, rows: Rows, batch_size: int, seed: int, shuffle: bool = True):
+    def __init__(self, rows: Rows, batch_size: int, seed: int, shuffle: bool = True, batch_type: type[Batch] = Batch):
         if len(rows) == 0:
             raise ValueError("BatchLoader needs at least one packed row")
         self.rows = rows
         self.batch_size = batch_size
         self.seed = seed
         self.shuffle = shuffle
+        self.batch_type = batch_type
         self.epoch = 0
         self.position = 0
         self._order = self._permutation(0)
@@ -44,7 +46,8 @@ class BatchLoader:
 
     def next_batch(self) -> Batch:
         picks = torch.tensor([self.next_index() for _ in range(self.batch_size)])
-        return batch_from_rows(*self.rows.take(picks))
+        batch = batch_from_rows(*self.rows.take(picks))
+        return batch if self.batch_type is Batch else self.batch_type(**vars(batch))
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "rows": len(self.rows)}

@@ -97,7 +97,7 @@ def reference_model(
 ) -> DecoderLM:
     """The frozen reference of a DPO or policy loss with a KL penalty: a copy of `model` as it is now
     (called before any step: the initial policy, which a resume rebuilds from the seed; an RL run with a
-    supervised warm-up copies the policy at its first RL step instead, rl/trainer.py), or the checkpoint
+    supervised warm-up copies the policy at its first RL step instead, rl/objective.py), or the checkpoint
     at `path` (named by the config key `field`), checked against `model`. A LoRA model's initial policy is
     its base: the same weights with the adapters switched off, no copy."""
     if path is None:

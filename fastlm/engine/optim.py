@@ -7,6 +7,7 @@ gains and biases are 1-D: shrinking them toward zero only fights the normalisati
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -101,6 +102,8 @@ def decay_multiplier(progress: float, config: ScheduleConfig) -> float:
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, total_steps: int, config: ScheduleConfig
+    optimizer: torch.optim.Optimizer, total_steps: int, config: ScheduleConfig,
+    scale: Callable[[int], float] = lambda step: 1.0,
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, config))
+    """The run's schedule times `scale(step)` (an objective's factor, e.g. RL's lr_scale after its warm-up)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, config) * scale(step))

@@ -83,21 +83,15 @@ def _unreadable(path: Path) -> str | None:
 
 
 # --- checkpoints -----------------------------------------------------------------------------------
-_FROZEN_FIELDS = {"distillation": "teacher_path", "dpo": "reference_path"}
-
-
 def _checkpoint_issues(config: RunConfig) -> list[ConfigIssue]:
     issues: list[ConfigIssue] = []
-    for name, child in config.model.head.losses.items():
-        key = _FROZEN_FIELDS.get(child.type)
-        path = getattr(child, key) if key else None
-        if path is None or not Path(path).exists():  # a missing path is cross_check's "checkpoint not found"
+    for child, need in config.model.head.frozen_models():  # the loss children's declared teachers and references
+        if need.path is None or not Path(need.path).exists():  # a missing path is cross_check's "checkpoint not found"
             continue
-        field = f"model.head.losses.{name}.{key}"
-        problem = fastlm_checkpoint_problem(Path(path), config)
+        problem = fastlm_checkpoint_problem(Path(need.path), config)
         if problem is not None:
-            issues.append(ConfigIssue(field, problem, path, hint="point it at a run, checkpoints/ or step-* "
-                                      "directory of a finished fastlm run with the same tokenizer"))
+            issues.append(ConfigIssue(f"{child}.{need.key}", problem, need.path, hint="point it at a run, checkpoints/ "
+                                      "or step-* directory of a finished fastlm run with the same tokenizer"))
     init = Path(config.run.init_path) if config.run.init_path is not None else None
     if init is not None and (init / MANIFEST_FILE).is_file():  # a fastlm checkpoint (resolved by the loader)
         problem = init_checkpoint_problem(init, config)

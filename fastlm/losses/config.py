@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 
 from fastlm.config.base import ConfigModel
 from fastlm.losses.children import CHILD_CLASSES, CHILD_CONFIGS, ChildConfig, CrossEntropyConfig
+from fastlm.losses.frozen_model import FrozenModel
 
 
 class DPOConfig(ChildConfig):
@@ -20,6 +21,9 @@ class DPOConfig(ChildConfig):
     reference_path: str | None = Field(
         None, description="Checkpoint directory of the frozen reference; None means a copy of the initial policy."
     )
+
+    def frozen_model(self) -> FrozenModel:
+        return FrozenModel("reference", "reference_path", self.reference_path)
 
 
 # The shared-softmax children come from the registry (fastlm/losses/children); DPO works on summed
@@ -117,6 +121,11 @@ class LMHeadConfig(ConfigModel):
             if child.type == kind:
                 return name, child
         return None
+
+    def frozen_models(self) -> list[tuple[str, FrozenModel]]:
+        """(dotted path of the child, its declaration) of every child that needs a frozen model."""
+        found = [(f"model.head.losses.{name}", child.frozen_model()) for name, child in self.losses.items()]
+        return [(field, need) for field, need in found if need is not None]
 
     @property
     def is_dpo(self) -> bool:

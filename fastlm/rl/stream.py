@@ -59,7 +59,7 @@ def warmup_demonstrations(setup: RolloutSetup, seed: int) -> list[PolicySample]:
 
 def _batch_state(batch: Batch) -> dict[str, torch.Tensor]:
     """The batch's tensors; not the gkd teacher's head input (its hidden states and output weight: the trainer
-    makes it again from the teacher after a resume, rl/trainer.py `micro_batches`)."""
+    makes it again from the teacher after a resume, rl/objective.py `draw`)."""
     return {f.name: getattr(batch, f.name) for f in fields(batch)
             if getattr(batch, f.name) is not None and f.name != "teacher_head"}
 

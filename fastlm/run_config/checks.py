@@ -121,28 +121,26 @@ def _init_checkpoint_checks(config: RunConfig) -> list[ConfigIssue]:
     return []
 
 
-_CHECKPOINT_KEYS = {"distillation": "teacher_path", "dpo": "reference_path"}  # child type -> checkpoint field
 _TRAIN_TEACHER = "train that model first: fastlm train configs/tiny.yaml (writes runs/tiny/checkpoints/latest)"
 
 
 def _frozen_model_checks(config: RunConfig) -> list[ConfigIssue]:
-    """Distillation needs a teacher and DPO needs preference pairs; checkpoint paths must exist."""
+    """The frozen models the loss children declare: a teacher must come from somewhere, checkpoints must exist,
+    and none is vocab-sharded; DPO needs preference pairs."""
     issues: list[ConfigIssue] = []
     source = config.data.source.type
     rl_teacher = config.rl.teacher if config.rl is not None else None
     gkd = rl_teacher is not None and rl_teacher.objective == "gkd"  # rl.teacher brings the teacher (rl/checks.py)
-    for name, child in config.model.head.losses.items():
-        field = f"model.head.losses.{name}"
-        if child.type == "distillation" and child.teacher_path is None and not gkd:
-            issues.append(ConfigIssue(f"{field}.teacher_path", "distillation needs a teacher, and no data source "
-                                      "brings teacher logits", None, hint="set it to a fastlm checkpoint, e.g. "
+    for child, need in config.model.head.frozen_models():
+        field = f"{child}.{need.key}"
+        if need.role == "teacher" and need.path is None and not gkd:
+            issues.append(ConfigIssue(field, "distillation needs a teacher, and no data source brings teacher "
+                                      "logits", None, hint="set it to a fastlm checkpoint, e.g. "
                                       f"../runs/tiny/checkpoints/latest; {_TRAIN_TEACHER}"))
-        key = _CHECKPOINT_KEYS.get(child.type)
-        path = getattr(child, key) if key else None
-        if path is not None and not Path(path).exists():
-            issues.append(ConfigIssue(f"{field}.{key}", "checkpoint not found", path, hint=_TRAIN_TEACHER))
-        if key is not None and config.distributed.tensor_parallel > 1:
-            issues.append(ConfigIssue("distributed.tensor_parallel", f"the frozen model of {field} is not "
+        if need.path is not None and not Path(need.path).exists():
+            issues.append(ConfigIssue(field, "checkpoint not found", need.path, hint=_TRAIN_TEACHER))
+        if config.distributed.tensor_parallel > 1:
+            issues.append(ConfigIssue("distributed.tensor_parallel", f"the frozen model of {child} is not "
                                       "vocab-sharded", config.distributed.tensor_parallel, hint="use 1 (data parallel only)"))
     if config.model.head.is_dpo and source not in PREFERENCE_SOURCE_TYPES:
         issues.append(ConfigIssue("data.source.type", "the dpo loss trains on preference pairs", source,

@@ -12,13 +12,13 @@ import yaml
 from safetensors.torch import load_file
 
 from fastlm.commands.main import main
-from fastlm.commands.train import trainer_class_for
 from fastlm.config.errors import ConfigError
 from fastlm.engine.init_path import resolve_init_path
 from fastlm.engine.trainer import Trainer
 from fastlm.models.hf import config_from_hf, model_yaml, read_hf_config
-from fastlm.rl.trainer import RLTrainer
+from fastlm.rl.objective import OnlineRLObjective
 from fastlm.run_config.loader import load_config
+from fastlm.training.registry import build_trainer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SMALL = ["trainer.steps=2", "trainer.eval_every=0", "trainer.checkpoint_every=0", "trainer.log_every=1",
@@ -35,8 +35,8 @@ def test_sft_in_fastlm_then_grpo_from_its_run_folder(tmp_path: Path, capsys: pyt
     rl_overrides = [f"run.init_path={tmp_path}/sft", "rl.warmup_steps=0", *SMALL, f"run.output_dir={tmp_path}/rl"]
     config = load_config(CONFIGS / "grpo.yaml", rl_overrides)
     assert config.run.init_path == str(step_dir.resolve())  # the run folder resolves to its latest checkpoint
-    trainer = trainer_class_for(config)(config)
-    assert isinstance(trainer, RLTrainer)
+    trainer = build_trainer(config)
+    assert isinstance(trainer.objective, OnlineRLObjective)
     stored = load_file(str(step_dir / "model.safetensors"))
     for name, value in trainer.model.state_dict().items():
         if name in stored:

@@ -19,7 +19,8 @@ from fastlm.data.datasets import DataError
 from fastlm.data.memmap import memmap_loaders
 from fastlm.data.prepare import PrepareConfig, prepare
 from fastlm.data.tokenizer import ByteTokenizer
-from fastlm.engine.trainer import StepResult, Trainer
+from fastlm.engine.step_scalars import StepResult
+from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
 from fastlm.run_config.schema import RunConfig
 

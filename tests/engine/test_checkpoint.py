@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 
 from fastlm.engine.checkpoint import CheckpointError, load_latest_checkpoint
-from fastlm.engine.trainer import StepResult, Trainer
+from fastlm.engine.step_scalars import StepResult
+from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
 from fastlm.run_config.schema import RunConfig
 

@@ -12,15 +12,15 @@ import pytest
 import torch
 from wandb_reader import read_wandb_run
 
-from fastlm.commands.train import trainer_class_for
 from fastlm.config.errors import ConfigError
-from fastlm.engine.distill import DistillationTrainer
 from fastlm.engine.preflight import preflight_issues
 from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
 from fastlm.losses.spec import IGNORE_INDEX
 from fastlm.run_config.loader import load_config
 from fastlm.run_config.schema import RunConfig
+from fastlm.training.registry import training_kind
+from tests.step_helpers import forward_backward, next_batches
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TEACHER_FIELD = "model.head.losses.distillation.teacher_path"
@@ -52,18 +52,18 @@ def _student(tmp_path: Path, teacher: Path, steps: int, *extra: str) -> RunConfi
 def test_distill_config_kl_falls_and_logs(teacher_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")
     config = _student(tmp_path, teacher_dir, 25, "trainer.eval_every=25", "logging.wandb.enabled=true")
-    assert trainer_class_for(config) is DistillationTrainer
-    trainer = DistillationTrainer(config)
-    assert config.model.hidden_size < trainer.teacher.config.hidden_size  # the student is the smaller model
-    assert not any(p.requires_grad for p in trainer.teacher.parameters()) and not trainer.teacher.training
-    teacher_before = {k: v.clone() for k, v in trainer.teacher.state_dict().items()}
+    assert training_kind(config) == "supervised" and config.model.head.frozen_models()[0][1].role == "teacher"
+    trainer = Trainer(config)
+    assert config.model.hidden_size < trainer.objective.teacher.config.hidden_size  # the student is the smaller model
+    assert not any(p.requires_grad for p in trainer.objective.teacher.parameters()) and not trainer.objective.teacher.training
+    teacher_before = {k: v.clone() for k, v in trainer.objective.teacher.state_dict().items()}
     summary = trainer.train()
 
     records = read_metrics(summary.run_dir / "metrics.jsonl")
     kl = [r["train/loss/distillation"] for r in records]
     print(f"distillation KL per log: {[round(v, 4) for v in kl]}")
     assert kl[-1] < 0.5 * kl[0]
-    assert all(torch.equal(teacher_before[k], v) for k, v in trainer.teacher.state_dict().items())  # frozen
+    assert all(torch.equal(teacher_before[k], v) for k, v in trainer.objective.teacher.state_dict().items())  # frozen
     expected = {"train/loss", "train/loss/distillation", "train/loss/cross_entropy", "train/lr", "train/grad_norm",
                 "train/tokens_per_second", "train/step"}
     assert all(expected <= set(r) for r in records)
@@ -91,15 +91,15 @@ def test_step_matches_float64(teacher_dir: Path, tmp_path: Path, kl: str, budget
     config = _student(tmp_path, teacher_dir, 1, f"model.head.losses.distillation.kl={kl}",
                       "model.head.losses.distillation.temperature=2.0", "data.micro_batch_size=2",
                       f"model.head.logits_memory_mib={budget}")
-    trainer = DistillationTrainer(config)
-    batches = trainer.micro_batches() + trainer.micro_batches()  # two micro-batches share one normaliser
-    prepared = trainer.prepare(batches[0])
+    trainer = Trainer(config)
+    batches = next_batches(trainer) + next_batches(trainer)  # two micro-batches share one normaliser
+    prepared = trainer.objective.prepare(batches[0])
     assert (prepared.teacher_head is not None, prepared.teacher_logits is not None) == (budget > 0, budget == 0)
     labels = torch.cat([b.labels for b in batches])
     assert (labels == IGNORE_INDEX).any() and (labels != IGNORE_INDEX).any()
-    result = trainer.forward_backward(batches)
+    result = forward_backward(trainer, batches)
 
-    student64, teacher64 = copy.deepcopy(trainer.model).double(), copy.deepcopy(trainer.teacher).double()
+    student64, teacher64 = copy.deepcopy(trainer.model).double(), copy.deepcopy(trainer.objective.teacher).double()
     student64.zero_grad(set_to_none=True)
     mask = labels.reshape(-1) != IGNORE_INDEX
     ids = torch.cat([b.input_ids for b in batches])
@@ -153,7 +153,7 @@ def test_teacher_path_forms(teacher_dir: Path, tmp_path: Path) -> None:
     checkpoints = teacher_dir.parent
     step_dir = checkpoints / teacher_dir.read_text().strip()
     states = [
-        DistillationTrainer(_student(tmp_path, path, 1)).teacher.state_dict()
+        Trainer(_student(tmp_path, path, 1)).objective.teacher.state_dict()
         for path in (teacher_dir, checkpoints, checkpoints.parent, step_dir)
     ]
     for state in states[1:]:

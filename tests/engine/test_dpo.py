@@ -14,18 +14,19 @@ import pytest
 import torch
 from wandb_reader import read_wandb_run
 
-from fastlm.commands.train import trainer_class_for
 from fastlm.data.batch import batch_from_rows
 from fastlm.data.config import PreferencesJsonlSource
 from fastlm.data.datasets import DataError
 from fastlm.data.preferences import PreferenceBatch, pack_pairs, read_preference_jsonl
 from fastlm.data.tokenizer import ByteTokenizer
-from fastlm.engine.dpo import DPOTrainer
+from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
 from fastlm.losses.spec import IGNORE_INDEX
 from fastlm.run_config.checks import cross_check
 from fastlm.run_config.loader import load_config
 from fastlm.run_config.schema import RunConfig
+from fastlm.training.registry import training_kind
+from tests.step_helpers import forward_backward, next_batches
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 REWARDS = ("chosen", "rejected", "margins", "accuracies")
@@ -45,8 +46,8 @@ def _dpo(tmp_path: Path, steps: int, *extra: str) -> RunConfig:
 def test_dpo_config_accuracy_above_chance_and_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")
     config = _dpo(tmp_path, 40, "trainer.eval_every=40", "logging.wandb.enabled=true")
-    assert trainer_class_for(config) is DPOTrainer
-    summary = DPOTrainer(config).train()
+    assert training_kind(config) == "supervised" and config.model.head.frozen_models()[0][1].role == "reference"
+    summary = Trainer(config).train()
 
     records = read_metrics(summary.run_dir / "metrics.jsonl")
     accuracy = [r["train/dpo/rewards/accuracies"] for r in records]
@@ -85,17 +86,17 @@ def _sequence_sums64(logits: torch.Tensor, labels: torch.Tensor, documents: torc
 def test_step_matches_float64(tmp_path: Path) -> None:
     """Reference log-probs, loss, reward metrics and gradients of a two-micro-batch step vs float64."""
     config = _dpo(tmp_path, 1, "data.micro_batch_size=2", "model.head.losses.dpo.beta=0.5")
-    trainer = DPOTrainer(config)
+    trainer = Trainer(config)
     with torch.no_grad():  # move the policy away from the reference so rewards are not all zero
         for parameter in trainer.model.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
-    batches = trainer.micro_batches() + trainer.micro_batches()
-    result = trainer.forward_backward(batches)
+    batches = next_batches(trainer) + next_batches(trainer)
+    result = forward_backward(trainer, batches)
 
-    policy64, reference64 = copy.deepcopy(trainer.model).double(), copy.deepcopy(trainer.reference).double()
+    policy64, reference64 = copy.deepcopy(trainer.model).double(), copy.deepcopy(trainer.objective.reference).double()
     policy64.zero_grad(set_to_none=True)
     losses, rewards, pairs = [], {name: [] for name in REWARDS}, 0
-    for batch in batches:
+    for batch in map(trainer.objective.prepare, batches):  # with the reference's sequence log-probs
         labels, documents = batch.labels.reshape(-1), batch.document_ids.reshape(-1)
         assert (labels == IGNORE_INDEX).any()
         policy = _sequence_sums64(policy64.logits(batch.input_ids, batch.document_ids).reshape(labels.numel(), -1),
@@ -181,16 +182,16 @@ def test_pair_longer_than_a_row_is_an_error(tmp_path: Path) -> None:
 
 def test_accumulation_equals_one_big_batch(tmp_path: Path) -> None:
     """Pairs, not sequences, normalise the step: 2 x 4 rows gives the 1 x 8 update."""
-    accumulated = DPOTrainer(_dpo(tmp_path, 1, "run.name=acc", "data.micro_batch_size=4", "trainer.grad_accumulation=2",
+    accumulated = Trainer(_dpo(tmp_path, 1, "run.name=acc", "data.micro_batch_size=4", "trainer.grad_accumulation=2",
                                   "optimizer.grad_clip=null"))
-    big = DPOTrainer(_dpo(tmp_path, 1, "run.name=big", "data.micro_batch_size=8", "optimizer.grad_clip=null"))
+    big = Trainer(_dpo(tmp_path, 1, "run.name=big", "data.micro_batch_size=8", "optimizer.grad_clip=null"))
     with torch.no_grad():  # same policy away from the (shared) reference: a step with a real signal
         for a, b in zip(accumulated.model.parameters(), big.model.parameters(), strict=True):
             a.add_(0.05 * torch.randn_like(a))
             b.copy_(a)
     # Gradients, not weights after AdamW's sign-like first step (which amplifies reordering noise).
-    first = accumulated.forward_backward(accumulated.micro_batches())
-    second = big.forward_backward(big.micro_batches())
+    first = forward_backward(accumulated, next_batches(accumulated))
+    second = forward_backward(big, next_batches(big))
     loss_error = abs(first.loss - second.loss) / abs(second.loss)
     trained = [(a, b) for a, b in zip(accumulated.model.parameters(), big.model.parameters(), strict=True) if b.grad is not None]
     grad_error = max(float((a.grad - b.grad).abs().max() / b.grad.abs().max()) for a, b in trained)
@@ -199,19 +200,19 @@ def test_accumulation_equals_one_big_batch(tmp_path: Path) -> None:
 
 
 def test_reference_is_the_initial_policy_across_resume_or_a_checkpoint(tmp_path: Path) -> None:
-    first = DPOTrainer(_dpo(tmp_path, 3, "trainer.checkpoint_every=2"))
+    first = Trainer(_dpo(tmp_path, 3, "trainer.checkpoint_every=2"))
     initial = {k: v.clone() for k, v in first.model.state_dict().items()}
     first.train()
-    assert not any(p.requires_grad for p in first.reference.parameters())
-    assert all(torch.equal(first.reference.state_dict()[k], v) for k, v in initial.items())  # the policy moved, not it
-    resumed = DPOTrainer(_dpo(tmp_path, 4))
+    assert not any(p.requires_grad for p in first.objective.reference.parameters())
+    assert all(torch.equal(first.objective.reference.state_dict()[k], v) for k, v in initial.items())  # the policy moved, not it
+    resumed = Trainer(_dpo(tmp_path, 4))
     resumed.train(resume=True)
     assert resumed.step == 4
-    assert all(torch.equal(resumed.reference.state_dict()[k], v) for k, v in initial.items())
+    assert all(torch.equal(resumed.objective.reference.state_dict()[k], v) for k, v in initial.items())
 
-    loaded = DPOTrainer(_dpo(tmp_path, 1, "run.name=other", f"model.head.losses.dpo.reference_path={first.run_dir}"))
+    loaded = Trainer(_dpo(tmp_path, 1, "run.name=other", f"model.head.losses.dpo.reference_path={first.run_dir}"))
     trained = resumed.model.state_dict()  # the run dir's latest checkpoint is the resumed run's step 4
-    assert all(torch.equal(loaded.reference.state_dict()[k], trained[k]) for k in trained)
+    assert all(torch.equal(loaded.objective.reference.state_dict()[k], trained[k]) for k in trained)
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,13 @@
 """Late reads: a read point that only logs starts its transfer and waits for it one step later (after the
 next step is queued), so the GPU is not left idle there. CUDA turns them on; these tests turn them on for
-CPU trainers (`trainer.late_reads = True`) to check the bookkeeping: the same records as on-time reads,
+CPU trainers (`trainer.runner.late_reads = True`) to check the bookkeeping: the same records as on-time reads,
 errors raised one step later with every update since held back, nothing read back in between."""
 
 from __future__ import annotations
 
 import math
+import os
+import signal
 from collections.abc import Callable
 
 import pytest
@@ -15,14 +17,16 @@ from test_trainer import _LateBadLabel
 
 from fastlm.data.batch import Batch
 from fastlm.engine.checkpoint import load_latest_checkpoint
+from fastlm.engine.objective import SupervisedObjective
 from fastlm.engine.optim import build_scheduler
-from fastlm.engine.trainer import NonFiniteError, Trainer
+from fastlm.engine.step import NonFiniteError
+from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
 from fastlm.run_config.schema import RunConfig
 
 
 def _late(trainer: Trainer) -> Trainer:
-    trainer.late_reads = True
+    trainer.runner.late_reads = True
     return trainer
 
 
@@ -36,7 +40,7 @@ def test_late_reads_log_the_same_records_as_on_time_reads(tiny_config: Callable[
     sections = {"trainer": {"steps": 8, "log_every": 2, "eval_every": 4}}
     on_time = Trainer(tiny_config("on-time", **sections))
     late = _late(Trainer(tiny_config("late", **sections)))
-    assert [step for step in range(1, 9) if late.read_late_at(step)] == [2, 6]
+    assert [step for step in range(1, 9) if late.runner.read_late_at(step)] == [2, 6]
     config = late.config
     parameter = torch.zeros(1, requires_grad=True)
     optimizer = torch.optim.SGD([parameter], lr=config.optimizer.lr)
@@ -69,37 +73,37 @@ def test_a_late_read_is_waited_for_inside_the_next_step_only(tiny_config: Callab
     with host_reads(monkeypatch) as reads:
         trainer.train_step()
     print(f"step 4 (late read point): {reads}")
-    assert sum(reads.sites.values()) == 0 and trainer.in_flight is not None, str(reads)
-    assert trainer.take_read_values() == []
+    assert sum(reads.sites.values()) == 0 and trainer.runner.in_flight is not None, str(reads)
+    assert trainer.runner.take_read_values() == []
     with host_reads(monkeypatch) as reads:
         trainer.train_step()
     print(f"step 5 (waits for step 4's transfer): {reads}")
     assert reads.at("engine/step_scalars.py", "wait") == 1 and sum(reads.sites.values()) == 1, str(reads)
-    assert [values.step for values in trainer.take_read_values()] == [1, 2, 3, 4]
-    assert trainer.in_flight is None and len(trainer.pending) == 1
+    assert [values.step for values in trainer.runner.take_read_values()] == [1, 2, 3, 4]
+    assert trainer.runner.in_flight is None and len(trainer.runner.pending) == 1
 
 
 class _BadFromStepTwo(_LateBadLabel):
     """A label outside the vocabulary from step 2 on, after the host check: only the loss's checks see it."""
 
     def prepare(self, batch: Batch) -> Batch:
-        return super().prepare(batch) if self.step >= 1 else Trainer.prepare(self, batch)
+        return super().prepare(batch) if self.step >= 1 else SupervisedObjective.prepare(self, batch)
 
 
 def test_a_late_read_raises_the_bad_step_with_every_update_since_held_back(
         tiny_config: Callable[..., RunConfig]) -> None:
     """Read points every 4 steps, a bad label from step 2: step 4's read is late, so step 5 is queued (and
     makes no update) before the read raises the loss's error naming step 2; the weights are step 1's."""
-    trainer = _late(_BadFromStepTwo(tiny_config("late-bad", trainer={"steps": 8, "log_every": 4})))
+    trainer = _late(Trainer(tiny_config("late-bad", trainer={"steps": 8, "log_every": 4}), objective=_BadFromStepTwo))
     trainer.train_step()
     after_first = _weights(trainer)
     for _ in range(3):
         trainer.train_step()  # steps 2-4: held back, step 4's read in flight
-    assert trainer.step == 4 and trainer.in_flight is not None
+    assert trainer.step == 4 and trainer.runner.in_flight is not None
     with pytest.raises(ValueError, match=r"step 2: targets.labels\[\d+\] = 260 is outside the vocabulary"):
         trainer.train_step()
     assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), after_first))
-    assert not trainer.halted and len(trainer.pending) == 0
+    assert not trainer.runner.halted and len(trainer.runner.pending) == 0
 
 
 def test_a_late_nonfinite_stop_saves_the_weights_before_it(tiny_config: Callable[..., RunConfig]) -> None:
@@ -135,11 +139,13 @@ def test_a_stop_right_after_a_late_read_point_still_logs_it(tiny_config: Callabl
     """A stop request (SIGTERM) at step 5, just after step 4's late read point: step 4's record is logged,
     the checkpoint is step 5's, every loss is in the summary."""
 
-    class StopAtFive(Trainer):
-        def _stop_requested(self, stop: object) -> bool:
-            return self.step == 5
+    class StopAtFive(SupervisedObjective):
+        def batches(self, step: int) -> list[Batch]:
+            if step == 4:  # during step 5: the loop sees the request after it
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().batches(step)
 
-    trainer = _late(StopAtFive(tiny_config("stop-after-late", trainer={"steps": 8, "log_every": 4})))
+    trainer = _late(Trainer(tiny_config("stop-after-late", trainer={"steps": 8, "log_every": 4}), objective=StopAtFive))
     summary = trainer.train()
     records = read_metrics(summary.run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [4]

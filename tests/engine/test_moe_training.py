@@ -15,10 +15,9 @@ import torch
 import transformers
 import yaml
 
-from fastlm.commands.train import trainer_class_for
 from fastlm.data.batch import Batch
 from fastlm.data.tokenizer import ByteTokenizer
-from fastlm.engine.trainer import step_normalizers
+from fastlm.engine.step import step_normalizers
 from fastlm.layers.moe import MoEMLP
 from fastlm.logging.jsonl import read_metrics
 from fastlm.losses.spec import LossNormalizers, LossTargets
@@ -26,6 +25,7 @@ from fastlm.models.decoder import build_model
 from fastlm.models.hf import export_hf
 from fastlm.models.mixtral.config import MixtralConfig
 from fastlm.run_config.schema import RunConfig
+from fastlm.training.registry import build_trainer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 VOCAB = 260
@@ -225,7 +225,7 @@ def _run(name: str, tmp_path: Path, steps: int, **sections: Any) -> list[dict]:
     for key, value in sections.items():
         config[key] = {**config.get(key, {}), **value}
     run_config = RunConfig.model_validate(config)
-    summary = trainer_class_for(run_config)(run_config).train()
+    summary = build_trainer(run_config).train()
     return read_metrics(summary.run_dir / "metrics.jsonl")
 
 

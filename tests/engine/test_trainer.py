@@ -14,10 +14,13 @@ from wandb_reader import read_wandb_run
 
 from fastlm.data.batch import Batch
 from fastlm.engine.checkpoint import load_latest_checkpoint
-from fastlm.engine.trainer import NonFiniteError, Trainer
+from fastlm.engine.objective import SupervisedObjective
+from fastlm.engine.step import NonFiniteError
+from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
 from fastlm.run_config.schema import RunConfig
 from fastlm.system.run_dir import RunDirError
+from tests.step_helpers import forward_backward, next_batches
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,8 +70,8 @@ def test_accumulation_equals_one_big_batch(tiny_config: Callable[..., RunConfig]
     accumulated = Trainer(tiny_config("acc", data={"micro_batch_size": 4}, optimizer=no_clip,
                                       trainer={"steps": 1, "grad_accumulation": 2}))
     big = Trainer(tiny_config("big", data={"micro_batch_size": 8}, optimizer=no_clip, trainer={"steps": 1}))
-    first = accumulated.forward_backward(accumulated.micro_batches())
-    second = big.forward_backward(big.micro_batches())
+    first = forward_backward(accumulated, next_batches(accumulated))
+    second = forward_backward(big, next_batches(big))
     loss_error = abs(first.loss - second.loss) / abs(second.loss)
     grad_error = max(
         float((a.grad - b.grad).abs().max() / b.grad.abs().max())
@@ -78,7 +81,7 @@ def test_accumulation_equals_one_big_batch(tiny_config: Callable[..., RunConfig]
     assert loss_error < 1e-6
     assert grad_error < 1e-5
     initial = [p.detach().clone() for p in big.model.parameters()]
-    big.optimizer_step(second)
+    big.runner.optimizer_step(second, big.step + 1)
     assert not any(torch.equal(a, b) for a, b in zip(big.model.parameters(), initial))  # the step moved them
 
 
@@ -107,9 +110,13 @@ def test_nonfinite_stop_writes_checkpoint_and_raises(tiny_config: Callable[..., 
     assert (trainer.checkpoint_dir / "step-00000000" / "manifest.json").is_file()
 
 
-class _LateBadLabel(Trainer):
+class _LateBadLabel(SupervisedObjective):
     """A label outside the vocabulary that appears after the host check (in the per-micro-batch hook),
     so only the loss's own value checks can catch it."""
+
+    def batches(self, step: int) -> list[Batch]:
+        self.step = step  # the step these batches are for
+        return super().batches(step)
 
     def prepare(self, batch: Batch) -> Batch:
         batch = super().prepare(batch)
@@ -120,7 +127,7 @@ class _LateBadLabel(Trainer):
 
 
 def test_loss_value_checks_are_read_once_per_step_and_before_the_update(tiny_config: Callable[..., RunConfig]) -> None:
-    trainer = _LateBadLabel(tiny_config("late-bad", trainer={"steps": 2, "grad_accumulation": 2}))
+    trainer = Trainer(tiny_config("late-bad", trainer={"steps": 2, "grad_accumulation": 2}), objective=_LateBadLabel)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     with pytest.raises(ValueError, match=r"targets.labels\[\d+\] = 260 is outside the vocabulary"):
         trainer.train()
@@ -134,19 +141,19 @@ def test_late_bad_label_between_read_points_holds_every_update_back(tiny_config:
 
     class BadFromStepTwo(_LateBadLabel):
         def prepare(self, batch: Batch) -> Batch:
-            return super().prepare(batch) if self.step >= 1 else Trainer.prepare(self, batch)
+            return super().prepare(batch) if self.step >= 1 else SupervisedObjective.prepare(self, batch)
 
-    trainer = BadFromStepTwo(tiny_config("late-bad-4", trainer={"steps": 8, "log_every": 4}))
+    trainer = Trainer(tiny_config("late-bad-4", trainer={"steps": 8, "log_every": 4}), objective=BadFromStepTwo)
     trainer.train_step()
     after_first = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train_step()
     trainer.train_step()
-    assert trainer.step == 3 and len(trainer.pending) == 3  # nothing read yet: steps 1-3 are pending
+    assert trainer.step == 3 and len(trainer.runner.pending) == 3  # nothing read yet: steps 1-3 are pending
     assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), after_first))
     with pytest.raises(ValueError, match=r"step 2: targets.labels\[\d+\] = 260 is outside the vocabulary"):
         trainer.train_step()
     assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), after_first))
-    assert not trainer.halted  # the flag that held the updates back is cleared with its error
+    assert not trainer.runner.halted  # the flag that held the updates back is cleared with its error
 
 
 def test_nonfinite_stop_between_read_points_saves_the_weights_before_it(tiny_config: Callable[..., RunConfig]) -> None:
@@ -183,7 +190,7 @@ def test_steps_between_read_points_read_nothing_back(
         trainer.train_step()
     print(f"step 4 (read point): {reads}")
     assert reads.at("engine/step_scalars.py", "wait") == 1 and sum(reads.sites.values()) == 1, str(reads)
-    assert [values.step for values in trainer.take_read_values()] == [1, 2, 3, 4]
+    assert [values.step for values in trainer.runner.take_read_values()] == [1, 2, 3, 4]
 
 
 def test_init_path_starts_from_hf_weights(tiny_config: Callable[..., RunConfig], tmp_path) -> None:
@@ -243,7 +250,7 @@ def test_resume_with_more_steps_continues_the_decay(tiny_config: Callable[..., R
     # the anchor is in the checkpoints: resuming at step 6 with the same total gives the same lr for step 7-10
     again = Trainer(tiny_config("extend", trainer={"steps": 10, "checkpoint_every": 2}, **sections))
     again.resume()
-    assert again.step == 10 and again.decay_anchor == resumed.decay_anchor
+    assert again.step == 10 and again.checkpoints.decay_anchor == resumed.checkpoints.decay_anchor
 
 
 def test_export_hf_writes_a_transformers_folder_at_the_end(tiny_config: Callable[..., RunConfig]) -> None:
@@ -274,8 +281,8 @@ def test_eval_source_is_a_separate_eval_set(tiny_config: Callable[..., RunConfig
     split = Trainer(tiny_config("split", trainer={"steps": 1}))
     separate = Trainer(tiny_config("separate", trainer={"steps": 2, "eval_every": 2},
                                    data={"eval_source": {"type": "text", "path": str(story)}}))
-    assert len(separate.train_loader.rows) > len(split.train_loader.rows)  # nothing held out of the train source
-    text = separate.tokenizer.decode(separate.eval_set[0].input_ids[0].tolist())
+    assert len(separate.objective.loader.rows) > len(split.objective.loader.rows)  # nothing held out of the train source
+    text = separate.tokenizer.decode(separate.objective.eval_set[0].input_ids[0].tolist())
     assert "story number" in text  # seq_len 32 cuts the packed documents anywhere
     summary = separate.train()
     assert summary.eval_loss is not None and math.isfinite(summary.eval_loss)

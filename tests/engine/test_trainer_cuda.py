@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA (torch.cuda.set_sync_debug_mode)", allow_module_level=True)
 
 from fastlm.data.batch import Batch
+from fastlm.engine.objective import SupervisedObjective
 from fastlm.engine.step_scalars import StepResult
 from fastlm.engine.trainer import Trainer
 from fastlm.run_config.schema import RunConfig
@@ -45,16 +46,25 @@ def recorded_syncs() -> Iterator[list[str]]:
     sites += [f"{Path(w.filename).name}:{w.lineno}" for w in caught if SYNC_MESSAGE in str(w.message)]
 
 
-class StrictTrainer(Trainer):
-    """Batch copies and updates of steps that are not read points run with syncs raising an error."""
+class StrictObjective(SupervisedObjective):
+    """Batch copies run with syncs raising an error."""
 
     def prepare(self, batch: Batch) -> Batch:
         with sync_debug("error"):
             return super().prepare(batch)
 
-    def optimizer_step(self, result: StepResult) -> None:
-        with sync_debug("default" if self.read_due(self.step + 1) else "error"):
-            super().optimizer_step(result)
+
+def strict_trainer(config: RunConfig) -> Trainer:
+    """Batch copies, and updates of steps that are not read points, run with syncs raising an error."""
+    trainer = Trainer(config, objective=StrictObjective)
+    update = trainer.runner.optimizer_step
+
+    def strict_update(result: StepResult, step: int) -> None:
+        with sync_debug("default" if trainer.runner.read_due(step) else "error"):
+            update(result, step)
+
+    trainer.runner.optimizer_step = strict_update  # type: ignore[method-assign]
+    return trainer
 
 
 def _config(tmp_path: Path, compile: bool | str = "auto") -> RunConfig:
@@ -70,7 +80,7 @@ def _config(tmp_path: Path, compile: bool | str = "auto") -> RunConfig:
 
 
 def test_steps_between_read_points_do_not_sync(tmp_path: Path) -> None:
-    trainer = StrictTrainer(_config(tmp_path))  # trainer.compile auto: compiled blocks, the fused Triton loss
+    trainer = strict_trainer(_config(tmp_path))  # trainer.compile auto: compiled blocks, the fused Triton loss
     trainer.train_step()  # step 1: compilation, optimizer state, pinned host buffers
     trainer.train_step()  # step 2: batch copies and update under "error"
     with recorded_syncs() as sites:
@@ -78,10 +88,10 @@ def test_steps_between_read_points_do_not_sync(tmp_path: Path) -> None:
     print(f"step 3 synchronised at: {sites or 'nowhere'}")
     assert not sites, sites
     trainer.train_step()  # step 4: a read point that only logs: its transfer starts behind the step
-    assert trainer.take_read_values() == [] and trainer.in_flight is not None
+    assert trainer.runner.take_read_values() == [] and trainer.runner.in_flight is not None
     with recorded_syncs() as sites:
         trainer.train_step()  # step 5 is queued before the host waits for step 4's scalars
-    read = trainer.take_read_values()
+    read = trainer.runner.take_read_values()
     print(f"read after step 5 was queued: losses {[round(v.loss, 4) for v in read]}, "
           f"grad norms {[round(v.grad_norm, 3) for v in read]}; step 5 synchronised at: {sites}")
     assert [v.step for v in read] == [1, 2, 3, 4] and all(v.nonfinite is None for v in read)
@@ -93,7 +103,11 @@ def test_bad_label_on_cuda_holds_updates_back_and_raises_at_the_read_point(tmp_p
     """A label out of the vocabulary (after the host check) on CUDA: the fused kernel stays memory-safe,
     the update is skipped on the device, and the (late) read point raises the loss's error naming the step."""
 
-    class LateBadLabel(Trainer):
+    class LateBadLabel(SupervisedObjective):
+        def batches(self, step: int) -> list[Batch]:
+            self.step = step
+            return super().batches(step)
+
         def prepare(self, batch: Batch) -> Batch:
             batch = super().prepare(batch)
             if self.step == 1:
@@ -102,13 +116,13 @@ def test_bad_label_on_cuda_holds_updates_back_and_raises_at_the_read_point(tmp_p
                 batch = Batch(batch.input_ids, labels, batch.document_ids)
             return batch
 
-    trainer = LateBadLabel(_config(tmp_path, compile=False))  # eager blocks: no second compilation
+    trainer = Trainer(_config(tmp_path, compile=False), objective=LateBadLabel)  # eager blocks: no second compilation
     trainer.train_step()
     after_first = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train_step()
     trainer.train_step()
     trainer.train_step()  # step 4, a log-only read point: read late (its transfer in flight)
-    assert trainer.in_flight is not None
+    assert trainer.runner.in_flight is not None
     with pytest.raises(ValueError, match=r"step 2: targets.labels\[0\] = \d+ is outside the vocabulary"):
         trainer.train_step()  # step 5 is queued (and held back) before the read raises
     assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), after_first))

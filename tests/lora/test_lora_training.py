@@ -16,7 +16,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "distributed"))
 
 from dist_helpers import final_weights, run_config, spawn, train_run
 
-from fastlm.commands.train import trainer_class_for
 from fastlm.engine.checkpoint import CheckpointError
 from fastlm.engine.frozen import frozen_logits
 from fastlm.engine.init_path import resolve_init_path
@@ -28,6 +27,8 @@ from fastlm.losses.dpo import label_sequence_logps
 from fastlm.models.decoder import build_model
 from fastlm.run_config.loader import load_config
 from fastlm.run_config.schema import RunConfig
+from fastlm.training.registry import build_trainer
+from tests.step_helpers import forward_backward, next_batches
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 LORA = {"lora": {"rank": 4, "alpha": 8.0, "targets": ["all-linear"]}}
@@ -65,8 +66,8 @@ def test_accumulation_gives_one_big_batch_adapter_gradients(tmp_path: Path) -> N
     no_clip = {"grad_clip": None}
     accumulated = _perturbed(run_config(tmp_path, "acc", model=LORA, optimizer=no_clip, trainer={"grad_accumulation": 2}))
     big = _perturbed(run_config(tmp_path, "big", model=LORA, optimizer=no_clip, data={"micro_batch_size": 4}))
-    accumulated.forward_backward(accumulated.micro_batches())
-    big.forward_backward(big.micro_batches())
+    forward_backward(accumulated, next_batches(accumulated))
+    forward_backward(big, next_batches(big))
     pairs = [(a, b) for (name, a), b in zip(accumulated.model.named_parameters(), big.model.parameters()) if ".lora_" in name]
     error = max(float((a.grad - b.grad).abs().max() / b.grad.abs().max()) for a, b in pairs)
     print(f"accumulation 2x2 vs 1x4: max adapter grad rel err {error:.1e} over {len(pairs)} tensors")
@@ -110,14 +111,15 @@ def test_dpo_reference_is_the_base_without_a_copy(tmp_path: Path) -> None:
         "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=128", "model.max_seq_len=32",
         "data.seq_len=32", "data.micro_batch_size=4", "data.source.num_pairs=60", "data.source.max_operand=4",
         "optimizer.lr=1e-2", "model.lora={rank: 4, targets: [attn.q, attn.v, mlp.*]}"])
-    trainer = trainer_class_for(config)(config)
-    assert isinstance(trainer.reference, BaseView) and trainer.reference.model is trainer.model
+    trainer = build_trainer(config)
+    assert isinstance(trainer.objective.reference, BaseView) and trainer.objective.reference.model is trainer.model
     base = build_model(config.model.model_copy(update={"lora": None}), "cpu")  # a separate frozen copy of the base
     base.load_state_dict({k: v for k, v in trainer.model.state_dict().items() if ".lora_" not in k})
     summary = trainer.train()
     assert abs(summary.losses[0] - math.log(2)) < 1e-6  # step 1: policy == reference (B = 0)
     assert summary.losses[-1] != summary.losses[0]
-    batch = trainer.with_reference(trainer.eval_set[0] if trainer.eval_set else trainer.train_loader.next_batch())
+    objective = trainer.objective
+    batch = objective.prepare(objective.eval_set[0] if objective.eval_set else objective.loader.next_batch())
     logits = frozen_logits(base.eval(), batch.input_ids, batch.document_ids)
     copy_logps = label_sequence_logps(logits.reshape(-1, logits.shape[-1]), batch.labels.reshape(-1),
                                       batch.document_ids.reshape(-1))
@@ -133,13 +135,13 @@ def test_grpo_with_kl_reference_trains_adapters(tmp_path: Path) -> None:
                  "rl.group_size=4", "rl.eval_prompts=0", "data.micro_batch_size=8", "trainer.grad_accumulation=1",
                  "model.head.losses.grpo.beta=0.05"]
     config = load_config(CONFIGS / "grpo_lora.yaml", [*overrides, "trainer.steps=3", "trainer.checkpoint_every=3"])
-    trainer = trainer_class_for(config)(config)
-    assert trainer.reference is None  # taken at the first RL step
+    trainer = build_trainer(config)
+    assert trainer.objective.reference is None  # taken at the first RL step
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
     assert moved == {n for n in before if ".lora_" in n} | {"lm_head_weight"}
-    reference = trainer.reference
+    reference = trainer.objective.reference
     assert isinstance(reference, AdapterSnapshot) and reference.model is trainer.model
     assert set(reference.state) == moved and not torch.equal(reference.output_weight, before["lm_head_weight"])
     assert all(reference.state[n].data_ptr() != p.data_ptr() for n, p in trainer.model.named_parameters() if n in moved)
@@ -148,10 +150,10 @@ def test_grpo_with_kl_reference_trains_adapters(tmp_path: Path) -> None:
     assert records[0]["step"] == 3 and abs(records[0]["train/grpo/kl"]) < 1e-6 and abs(records[0]["train/grpo/kl_old"]) < 1e-6
 
     longer = load_config(CONFIGS / "grpo_lora.yaml", [*overrides, "trainer.steps=4"])
-    resumed = trainer_class_for(longer)(longer)
+    resumed = build_trainer(longer)
     resumed.train(resume=True)
-    assert isinstance(resumed.reference, AdapterSnapshot)
-    assert all(torch.equal(resumed.reference.state[n], v) for n, v in reference.state.items())
+    assert isinstance(resumed.objective.reference, AdapterSnapshot)
+    assert all(torch.equal(resumed.objective.reference.state[n], v) for n, v in reference.state.items())
     last = read_metrics(trainer.run_dir / "metrics.jsonl")[-1]
     assert last["step"] == 4 and last["train/grpo/kl"] > 1e-6  # the policy then moves away from it
 
@@ -161,7 +163,7 @@ def test_distillation_student_with_adapters(tmp_path: Path) -> None:
     train_run(teacher)
     student = run_config(tmp_path, "student", model={**LORA, "head": {"losses": {"distillation": {
         "type": "distillation", "teacher_path": f"{tmp_path}/teacher"}}}}, trainer={"steps": 2})
-    trainer = trainer_class_for(RunConfig.model_validate(student))(RunConfig.model_validate(student))
+    trainer = build_trainer(RunConfig.model_validate(student))
     summary = trainer.train()
     assert summary.steps == 2 and lora_layers(trainer.model)
     assert not any(p.requires_grad for n, p in trainer.model.named_parameters() if ".lora_" not in n)

@@ -19,6 +19,7 @@ from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.checkpoint import load_latest_checkpoint
 from fastlm.engine.trainer import Trainer
 from fastlm.run_config.loader import load_config
+from tests.step_helpers import forward_backward
 
 GOOD = '{"text": "a fine document"}\n'
 
@@ -71,16 +72,16 @@ def test_long_plain_text_documents_are_split_not_refused(tmp_path: Path) -> None
 @pytest.mark.parametrize("tensor", ["input_ids", "labels"])
 def test_out_of_range_token_ids_name_the_tensor(tmp_path: Path, tensor: str) -> None:
     trainer = Trainer(load_config(write_config(tmp_path, "vocab", steps=1)))
-    batch = trainer.train_loader.next_batch()
+    batch = trainer.objective.loader.next_batch()
     values = getattr(batch, tensor).clone()
     values[0, 3] = trainer.config.model.vocab_size + 40  # labels[0, 3] is unmasked: generated text has no prompts
     hostile = Batch(**{**batch.__dict__, tensor: values})
     with pytest.raises(DataError, match=rf"Batch.{tensor} holds token id 300 outside 0..259"):  # one line, exit 1
-        trainer.forward_backward([hostile])
+        forward_backward(trainer, [hostile])
     labels = batch.labels.clone()
     labels[1, 0] = -7  # -100 is the only legal negative label
     with pytest.raises(ValueError, match="Batch.labels holds token id -7"):
-        trainer.forward_backward([Batch(**{**batch.__dict__, "labels": labels})])
+        forward_backward(trainer, [Batch(**{**batch.__dict__, "labels": labels})])
 
 
 def _rewrite_with_checksum(step_dir: Path, name: str, data: bytes) -> None:

@@ -12,7 +12,8 @@ from crash_harness import ROOT, write_config
 
 from fastlm.config.errors import ConfigError
 from fastlm.engine.checkpoint import load_latest_checkpoint
-from fastlm.engine.trainer import NonFiniteError, Trainer
+from fastlm.engine.step import NonFiniteError
+from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
 from fastlm.run_config.loader import load_config
 
@@ -28,13 +29,13 @@ def test_nonfinite_gradient_skips_the_step_and_counts_it(tmp_path: Path) -> None
                                   ["trainer.nonfinite=skip_step"]))
     _poison_gradient_at(trainer, 2)
     snapshots = []
-    original = trainer.optimizer_step
+    original = trainer.runner.optimizer_step
 
-    def step_and_snapshot(result):  # record the weights after every optimizer step
-        original(result)
+    def step_and_snapshot(result, step):  # record the weights after every optimizer step
+        original(result, step)
         snapshots.append([p.detach().clone() for p in trainer.model.parameters()])
 
-    trainer.optimizer_step = step_and_snapshot
+    trainer.runner.optimizer_step = step_and_snapshot
     summary = trainer.train()
     records = read_metrics(summary.run_dir / "metrics.jsonl")
     assert [r["train/skipped_steps"] for r in records] == [0, 1, 1]

@@ -20,6 +20,7 @@ from crash_harness import ROOT, finish, run_dir, start, write_config
 
 from fastlm.commands.main import main
 from fastlm.engine.checkpoint import load_latest_checkpoint
+from fastlm.engine.objective import SupervisedObjective
 from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
 from fastlm.run_config.loader import load_config
@@ -104,10 +105,10 @@ def test_a_held_lock_with_hostile_content_is_one_line(tmp_path: Path, content: s
 
 
 def _fail_first_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(self: Trainer) -> list:
+    def broken(self: SupervisedObjective, step: int) -> list:
         raise RuntimeError("first batch failed")
 
-    monkeypatch.setattr(Trainer, "micro_batches", broken)
+    monkeypatch.setattr(SupervisedObjective, "batches", broken)
 
 
 def test_failed_start_leaves_a_new_directory_absent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,7 +22,7 @@ from crash_harness import ROOT, run_dir, write_config
 
 from fastlm.commands.main import main
 from fastlm.data.datasets import DataError
-from fastlm.engine.trainer import Trainer
+from fastlm.engine.objective import SupervisedObjective
 from fastlm.logging.jsonl import read_metrics
 from fastlm.system.run_dir import REPLACED_DIR, RunDirError, RunDirLock
 from fastlm.system.signals import FAULT_ENV
@@ -137,14 +137,14 @@ def _snapshot(directory: Path) -> dict[str, bytes]:
             if path.is_file() and path.name != ".lock"}
 
 
-def _broken(self: object) -> list:
+def _broken(self: object, step: int) -> list:
     raise DataError("first batch failed")
 
 
-FAILING_TRAIN = ("import sys; from fastlm.data.datasets import DataError; from fastlm.engine.trainer import Trainer; "
-                 "from fastlm.commands.main import main\n"
-                 "def broken(self): raise DataError('first batch failed')\n"
-                 "Trainer.micro_batches = broken; sys.exit(main(['train', sys.argv[1]]))")
+FAILING_TRAIN = ("import sys; from fastlm.data.datasets import DataError; "
+                 "from fastlm.engine.objective import SupervisedObjective; from fastlm.commands.main import main\n"
+                 "def broken(self, step): raise DataError('first batch failed')\n"
+                 "SupervisedObjective.batches = broken; sys.exit(main(['train', sys.argv[1]]))")
 
 
 def test_overwrite_keeps_the_earlier_run_until_the_new_one_checkpoints(trained: Path, tmp_path: Path,
@@ -155,7 +155,7 @@ def test_overwrite_keeps_the_earlier_run_until_the_new_one_checkpoints(trained: 
     config, directory = _copy(trained, tmp_path)
     before = _snapshot(directory)
     with monkeypatch.context() as patch:
-        patch.setattr(Trainer, "micro_batches", _broken)
+        patch.setattr(SupervisedObjective, "batches", _broken)
         assert main(["train", str(config), "run.overwrite=true"]) == 1
     _one_line_error(capsys, "first batch failed")
     assert _snapshot(directory) == before and not (directory / REPLACED_DIR).exists()

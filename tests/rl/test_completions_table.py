@@ -9,8 +9,9 @@ from wandb_reader import read_wandb_run
 
 from fastlm.data.tasks import AdditionTask, Problem, score
 from fastlm.logging.jsonl import read_metrics
-from fastlm.rl.trainer import COMPLETIONS_KEY, RLTrainer
+from fastlm.rl.objective import COMPLETIONS_KEY
 from fastlm.run_config.loader import load_config
+from fastlm.training.registry import build_trainer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -21,7 +22,7 @@ def test_grpo_logs_sample_completions(tmp_path: Path) -> None:
         "rl.group_size=4", "rl.eval_prompts=0", "rl.log_completions=3", "trainer.log_every=1", "trainer.grad_accumulation=1",
         "logging.progress=false", "logging.wandb.mode=offline",
     ])
-    summary = RLTrainer(config).train()
+    summary = build_trainer(config).train()
     records = read_metrics(summary.run_dir / "metrics.jsonl")
     tables = {r["step"]: r[COMPLETIONS_KEY] for r in records if COMPLETIONS_KEY in r}
     # 4 RL steps, 2 updates per rollout: rollouts 1 and 2, each logged once, at its first step

@@ -22,8 +22,8 @@ from fastlm.models.decoder import build_model
 from fastlm.rl.config import TeacherConfig
 from fastlm.rl.packing import pack_policy_samples, split_into_batches
 from fastlm.rl.teacher import Teacher, add_gkd_inputs, teacher_metrics
-from fastlm.rl.trainer import RLTrainer
 from fastlm.run_config.loader import load_config
+from fastlm.training.registry import build_trainer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -97,9 +97,9 @@ def test_a_tiny_gkd_run_trains(tmp_path: Path) -> None:
     quiet = [f"run.output_dir={tmp_path}/{{name}}", "logging.progress=false", "logging.wandb.enabled=false",
              "trainer.steps=2", "rl.warmup_steps=1", "rl.prompts_per_rollout=2", "rl.group_size=2",
              "rl.eval_prompts=2", "trainer.log_every=1", "trainer.eval_every=0", "rl.updates_per_rollout=1"]
-    teacher = RLTrainer(load_config(CONFIGS / "grpo.yaml", quiet)).train()
+    teacher = build_trainer(load_config(CONFIGS / "grpo.yaml", quiet)).train()
     config = load_config(CONFIGS / "gkd.yaml", [*quiet, f"rl.teacher.path={teacher.run_dir}"])
-    student = RLTrainer(config)
+    student = build_trainer(config)
     student.train()
     from fastlm.logging.jsonl import read_metrics
 
@@ -114,12 +114,12 @@ def test_a_resumed_gkd_rollout_gets_its_teacher_head_back(tmp_path: Path) -> Non
     quiet = [f"run.output_dir={tmp_path}/{{name}}", "logging.progress=false", "logging.wandb.enabled=false",
              "trainer.steps=2", "rl.warmup_steps=1", "rl.prompts_per_rollout=2", "rl.group_size=2",
              "rl.eval_prompts=0", "trainer.log_every=1", "trainer.eval_every=0", "rl.updates_per_rollout=1"]
-    teacher = RLTrainer(load_config(CONFIGS / "grpo.yaml", quiet)).train()
+    teacher = build_trainer(load_config(CONFIGS / "grpo.yaml", quiet)).train()
     student = [*quiet, f"rl.teacher.path={teacher.run_dir}", "rl.updates_per_rollout=2", "trainer.log_every=1"]
 
     def run(name: str, steps: int, resume: bool = False) -> dict:
         config = load_config(CONFIGS / "gkd.yaml", [*student, f"run.name={name}", f"trainer.steps={steps}"])
-        summary = RLTrainer(config).train(resume=resume)
+        summary = build_trainer(config).train(resume=resume)
         from fastlm.logging.jsonl import read_metrics
 
         return {r["step"]: r for r in read_metrics(summary.run_dir / "metrics.jsonl")}

@@ -11,8 +11,9 @@ import pytest
 
 from fastlm.engine.checkpoint import CheckpointError
 from fastlm.logging.jsonl import read_metrics
-from fastlm.rl.trainer import REFERENCE_DIR, RLTrainer
+from fastlm.rl.objective import REFERENCE_DIR
 from fastlm.run_config.loader import load_config
+from fastlm.training.registry import build_trainer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 WARMUP = 2
@@ -28,7 +29,7 @@ def _config(tmp_path: Path, steps: int, name: str = "kl"):
 
 
 def test_reference_is_the_policy_at_the_end_of_the_warmup(tmp_path: Path) -> None:
-    straight = RLTrainer(_config(tmp_path, WARMUP + 2, "straight")).train()
+    straight = build_trainer(_config(tmp_path, WARMUP + 2, "straight")).train()
     want = {r["step"]: r for r in read_metrics(straight.run_dir / "metrics.jsonl")}
     first = want[WARMUP + 1]
     print(f"first RL step: kl {first['train/grpo/kl']:.2e}, kl_old {first['train/grpo/kl_old']:.2e}")
@@ -37,13 +38,13 @@ def test_reference_is_the_policy_at_the_end_of_the_warmup(tmp_path: Path) -> Non
     assert want[WARMUP + 2]["train/grpo/kl"] > 1e-6  # the policy then moves away from it
 
     # a resume past the warm-up loads the reference saved then and continues exactly
-    RLTrainer(_config(tmp_path, WARMUP + 1, "resumed")).train()
-    trainer = RLTrainer(_config(tmp_path, WARMUP + 2, "resumed"))
+    build_trainer(_config(tmp_path, WARMUP + 1, "resumed")).train()
+    trainer = build_trainer(_config(tmp_path, WARMUP + 2, "resumed"))
     resumed = trainer.train(resume=True)
-    assert trainer.reference is not None and not any(p.requires_grad for p in trainer.reference.parameters())
+    assert trainer.objective.reference is not None and not any(p.requires_grad for p in trainer.objective.reference.parameters())
     got = {r["step"]: r for r in read_metrics(resumed.run_dir / "metrics.jsonl")}
     assert got[WARMUP + 2]["train/grpo/kl"] == pytest.approx(want[WARMUP + 2]["train/grpo/kl"], rel=1e-5, abs=1e-9)
-    missing = RLTrainer(_config(tmp_path, WARMUP + 3, "resumed"))
+    missing = build_trainer(_config(tmp_path, WARMUP + 3, "resumed"))
     shutil.rmtree(resumed.run_dir / REFERENCE_DIR)
     with pytest.raises(CheckpointError, match="KL reference saved at the end of the warm-up"):
         missing.train(resume=True)

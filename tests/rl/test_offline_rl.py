@@ -9,14 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastlm.commands.train import trainer_class_for
 from fastlm.data.datasets import DataError
 from fastlm.data.offline_rl import load_offline_rl, write_offline_rl
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.rl.checks import rl_issues
 from fastlm.rl.packing import pack_policy_samples, policy_logprobs, rows_to_batch
-from fastlm.rl.trainer import RLTrainer
 from fastlm.run_config.schema import RunConfig
+from fastlm.training.registry import build_trainer, training_kind
 
 GOOD = {"prompt": "2+2=", "completion": "4", "advantage": 1.0, "old_logprobs": [-0.5, -0.1]}
 
@@ -80,8 +79,8 @@ def test_offline_grpo_moves_logprobs_with_advantages(tmp_path: Path) -> None:
         "trainer": {"steps": 12, "log_every": 1, "eval_every": 0, "checkpoint_every": 0},
         "logging": {"wandb": {"enabled": False}, "progress": False},
     })
-    assert trainer_class_for(config) is RLTrainer
-    trainer = RLTrainer(config)
+    assert training_kind(config) == "offline_rl"
+    trainer = build_trainer(config)
     samples = load_offline_rl(path, trainer.tokenizer)
     rows = pack_policy_samples(samples, 32, trainer.tokenizer.pad_id)
     batch = rows_to_batch(rows, torch.arange(len(rows)))
@@ -125,8 +124,8 @@ def test_offline_grpo_with_reference_kl_logs_trl_kl(tmp_path: Path) -> None:
         "trainer": {"steps": 4, "log_every": 1, "eval_every": 0, "checkpoint_every": 0},
         "logging": {"wandb": {"enabled": False}, "progress": False},
     })
-    trainer = RLTrainer(config)
-    assert trainer.reference is not None and not any(p.requires_grad for p in trainer.reference.parameters())
+    trainer = build_trainer(config)
+    assert trainer.objective.reference is not None and not any(p.requires_grad for p in trainer.objective.reference.parameters())
     summary = trainer.train()
     records = [json.loads(line) for line in (summary.run_dir / "metrics.jsonl").read_text().splitlines()]
     kl = [r["train/grpo/kl"] for r in records if "train/grpo/kl" in r]

@@ -11,8 +11,8 @@ import pytest
 
 from fastlm.config.errors import ConfigError
 from fastlm.logging.jsonl import read_metrics
-from fastlm.rl.trainer import RLTrainer
 from fastlm.run_config.loader import load_config
+from fastlm.training.registry import build_trainer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 WARMUP, STEPS = 2, 6
@@ -30,7 +30,7 @@ def _config(tmp_path: Path, source: str, *extra: str):
 def test_sampler_log_probs_train_like_recomputed_ones(tmp_path: Path) -> None:
     runs = {}
     for source in ("trainer", "sampler"):
-        summary = RLTrainer(_config(tmp_path, source)).train()
+        summary = build_trainer(_config(tmp_path, source)).train()
         runs[source] = [r for r in read_metrics(summary.run_dir / "metrics.jsonl") if r["train/rl/warmup"] == 0.0]
     assert len(runs["sampler"]) == STEPS - WARMUP
     for trained, sampled in zip(runs["trainer"], runs["sampler"]):

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from fastlm.logging.jsonl import read_metrics
-from fastlm.rl.trainer import RLTrainer
 from fastlm.run_config.loader import load_config
+from fastlm.training.registry import build_trainer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -17,8 +17,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 @pytest.mark.slow
 def test_opd_student_learns_from_the_grpo_teacher(tmp_path: Path) -> None:
     quiet = [f"run.output_dir={tmp_path}/{{name}}", "logging.progress=false", "logging.wandb.enabled=false"]
-    teacher = RLTrainer(load_config(CONFIGS / "grpo.yaml", quiet)).train()
-    student = RLTrainer(load_config(CONFIGS / "opd.yaml", [*quiet, f"rl.teacher.path={teacher.run_dir}"])).train()
+    teacher = build_trainer(load_config(CONFIGS / "grpo.yaml", quiet)).train()
+    student = build_trainer(load_config(CONFIGS / "opd.yaml", [*quiet, f"rl.teacher.path={teacher.run_dir}"])).train()
     evals = dict(student.eval_rewards)
     start, last = evals[student.rl_start], student.eval_rewards[-1][1]
     kl = [r["train/distill/reverse_kl"] for r in read_metrics(student.run_dir / "metrics.jsonl")

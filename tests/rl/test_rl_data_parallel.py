@@ -20,9 +20,11 @@ from fastlm.data.batch import Batch
 from fastlm.data.tasks import AdditionTask, Problem, score
 from fastlm.data.tokenizer import EOS, ByteTokenizer
 from fastlm.engine.checkpoint import load_latest_checkpoint
+from fastlm.engine.objective import TrainingParts
+from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
 from fastlm.losses.spec import IGNORE_INDEX
-from fastlm.rl.trainer import RLTrainer
+from fastlm.rl.objective import OnlineRLObjective
 from fastlm.run_config.schema import RunConfig
 from tests.distributed.dist_helpers import run_config, spawn
 
@@ -45,23 +47,23 @@ def grpo_config(directory: Path, name: str, steps: int = WARMUP + RL_STEPS - 1) 
     )
 
 
-class RecordingTrainer(RLTrainer):
+class RecordingObjective(OnlineRLObjective):
     """Keeps every micro-batch it trained on, to re-score them outside the loader."""
 
-    def __init__(self, config: RunConfig):
-        super().__init__(config)
+    def __init__(self, parts: TrainingParts):
+        super().__init__(parts)
         self.seen: list[list[Batch]] = []
 
-    def micro_batches(self) -> list[Batch]:
-        batches = super().micro_batches()
+    def batches(self, step: int) -> list[Batch]:
+        batches = super().batches(step)
         self.seen.append([Batch(**{k: v.clone() for k, v in vars(b).items() if v is not None}) for b in batches])
         return batches
 
 
 def run_rank(config: dict[str, Any], resume: bool = False) -> dict[str, Any]:
-    trainer = RecordingTrainer(RunConfig.model_validate(config))
+    trainer = Trainer(RunConfig.model_validate(config), objective=RecordingObjective)
     summary = trainer.train(resume=resume)
-    return {"steps": [[vars(b) for b in step] for step in trainer.seen], "losses": summary.losses,
+    return {"steps": [[vars(b) for b in step] for step in trainer.objective.seen], "losses": summary.losses,
             "rewards": summary.rewards}
 
 

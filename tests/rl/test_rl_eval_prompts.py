@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastlm.engine.trainer import Trainer
 from fastlm.logging.jsonl import read_metrics
 from fastlm.rl.prompts import encode_prompt
-from fastlm.rl.trainer import RLTrainer
 from fastlm.run_config.loader import load_config
+from fastlm.training.registry import build_trainer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MODULE = '''
@@ -34,8 +35,8 @@ def user_setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     sys.modules.pop("eval_rewards", None)
 
 
-def _trainer(tmp_path: Path, eval_prompts: str) -> RLTrainer:
-    return RLTrainer(load_config(CONFIGS / "grpo.yaml", [
+def _trainer(tmp_path: Path, eval_prompts: str) -> Trainer:
+    return build_trainer(load_config(CONFIGS / "grpo.yaml", [
         f"run.output_dir={tmp_path}/run", "run.overwrite=true", "trainer.steps=2", "trainer.eval_every=2",
         "rl.warmup_steps=0", "rl.prompts_per_rollout=2", "rl.updates_per_rollout=1", "trainer.log_every=1",
         "logging.progress=false", "logging.wandb.enabled=false", "model.num_layers=1", f"rl.eval_prompts={eval_prompts}",
@@ -44,16 +45,16 @@ def _trainer(tmp_path: Path, eval_prompts: str) -> RLTrainer:
     ]))
 
 
-def _greedy_reward(trainer: RLTrainer) -> float:
+def _greedy_reward(trainer: Trainer) -> float:
     """Greedy decoding by a plain argmax loop over full forwards, scored by the reward function by hand."""
     model, tokenizer = trainer.model, trainer.tokenizer
-    (eos,) = trainer.setup.options.stop_tokens
+    (eos,) = trainer.objective.setup.options.stop_tokens
     scores = []
     with torch.no_grad():
-        for record in trainer.eval_records:
+        for record in trainer.objective.eval_records:
             ids = encode_prompt(tokenizer, record.text)
             answer: list[int] = []
-            while len(answer) < trainer.rl.max_new_tokens and (not answer or answer[-1] != eos):
+            while len(answer) < trainer.objective.rl.max_new_tokens and (not answer or answer[-1] != eos):
                 answer.append(int(model.logits(torch.tensor([ids + answer]))[0, -1].argmax()))
             text = tokenizer.decode(answer[:-1] if answer[-1] == eos else answer, skip_special=False)
             scores.append(len(text) + (1.0 if text == record.columns["answer"] else 0.0))
@@ -63,8 +64,8 @@ def _greedy_reward(trainer: RLTrainer) -> float:
 def test_held_out_fraction_is_scored_greedily_by_the_training_rewards(user_setup: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     trainer = _trainer(user_setup, "0.2")
-    train_texts = {record.text for record in trainer.setup.prompts.records}
-    eval_texts = [record.text for record in trainer.eval_records]
+    train_texts = {record.text for record in trainer.objective.setup.prompts.records}
+    eval_texts = [record.text for record in trainer.objective.eval_records]
     assert len(eval_texts) == 5 and len(train_texts) == 20 and not train_texts & set(eval_texts)
     assert "eval/reward on 5 prompts held out of" in capsys.readouterr().err
     summary = trainer.train()
@@ -79,5 +80,5 @@ def test_held_out_fraction_is_scored_greedily_by_the_training_rewards(user_setup
 @pytest.mark.parametrize(("eval_prompts", "count"), [("{path: EVAL, prompt_field: text}", 3), ("64", 2), ("0", 0)])
 def test_eval_jsonl_or_a_count(user_setup: Path, eval_prompts: str, count: int) -> None:
     trainer = _trainer(user_setup, eval_prompts.replace("EVAL", str(user_setup / "eval.jsonl")))
-    assert len(trainer.eval_records) == count  # a count holds out at most a tenth of the 25 prompts
-    assert len(trainer.setup.prompts.records) == 25 - (count if eval_prompts == "64" else 0)
+    assert len(trainer.objective.eval_records) == count  # a count holds out at most a tenth of the 25 prompts
+    assert len(trainer.objective.setup.prompts.records) == 25 - (count if eval_prompts == "64" else 0)

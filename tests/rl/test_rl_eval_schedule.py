@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastlm.logging.jsonl import read_metrics
-from fastlm.rl.trainer import RLTrainer
 from fastlm.run_config.loader import load_config
+from fastlm.training.registry import build_trainer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -19,7 +19,7 @@ def test_eval_every_3_with_log_every_2(tmp_path: Path) -> None:
         "rl.warmup_steps=4", "rl.prompts_per_rollout=4", "rl.eval_prompts=8", "logging.progress=false",
         "logging.wandb.enabled=false",
     ])
-    summary = RLTrainer(config).train()
+    summary = build_trainer(config).train()
     records = read_metrics(summary.run_dir / "metrics.jsonl")
     by_step = {r["step"]: r for r in records}
     print({step: sorted(k for k in r if k.startswith("eval/") or k == "train/reward") for step, r in by_step.items()})

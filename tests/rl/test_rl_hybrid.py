@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastlm.logging.jsonl import read_metrics
-from fastlm.rl.trainer import RLTrainer
 from fastlm.run_config.loader import load_config
 from fastlm.run_config.schema import RunConfig
+from fastlm.training.registry import build_trainer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 HYBRID = {"type": "qwen3_5", "vocab_size": 260, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
@@ -25,7 +25,7 @@ def test_grpo_runs_on_the_hybrid_family(tmp_path: Path) -> None:
     values = shipped.model_dump(mode="json")
     values["model"] = {**HYBRID, "head": values["model"]["head"]}
     config = RunConfig.model_validate(values)
-    summary = RLTrainer(config).train()
+    summary = build_trainer(config).train()
     records = [r for r in read_metrics(summary.run_dir / "metrics.jsonl") if r["train/rl/warmup"] == 0.0]
     gap = max(r["train/sampling/logp_diff/max"] for r in records)
     print(f"qwen3_5 GRPO: {len(records)} RL steps, rewards {summary.rewards}, sampler vs training log-prob gap {gap:.2e}")

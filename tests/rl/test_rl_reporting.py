@@ -6,14 +6,13 @@ import io
 from pathlib import Path
 
 import pytest
-import torch
 
 from fastlm.commands.train import describe_summary
+from fastlm.engine.objective import TrainSummary
 from fastlm.engine.optim import lr_multiplier
-from fastlm.engine.trainer import TrainSummary
 from fastlm.logging.progress import ProgressLine
-from fastlm.rl.trainer import rl_scheduler
 from fastlm.run_config.schema import RunConfig
+from fastlm.training.registry import build_trainer
 
 
 def test_progress_line_shows_rewards_when_logged() -> None:
@@ -38,16 +37,17 @@ def test_summary_names_eval_loss_only_when_there_is_one(eval_loss: float | None,
     assert ("eval/loss 1.5000, " in line) == (eval_loss is not None) and "n/a" not in line
 
 
-def test_lr_scale_applies_from_the_first_rl_step() -> None:
+def test_lr_scale_applies_from_the_first_rl_step(tmp_path: Path) -> None:
     config = RunConfig.model_validate({
+        "run": {"output_dir": str(tmp_path / "{name}")},
         "model": {"type": "llama", "hidden_size": 32, "num_layers": 1, "num_heads": 2},
         "optimizer": {"lr": 2e-3},
         "schedule": {"warmup_steps": 2, "decay": "cosine", "min_lr_ratio": 0.1},
         "trainer": {"steps": 10},
         "rl": {"warmup_steps": 4, "lr_scale": 0.25},
     })
-    optimizer = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=config.optimizer.lr)
-    scheduler = rl_scheduler(optimizer, config, config.rl)
+    trainer = build_trainer(config)  # the schedule times the RL objective's lr_scale
+    optimizer, scheduler = trainer.optimizer, trainer.scheduler
     seen = []
     for step in range(config.trainer.steps):
         want = 2e-3 * lr_multiplier(step, 10, config.schedule) * (0.25 if step >= 4 else 1.0)
@@ -59,7 +59,7 @@ def test_lr_scale_applies_from_the_first_rl_step() -> None:
 
 
 def test_summary_names_the_eval_as_rl_starts_and_the_rl_only_gain(tmp_path: Path) -> None:
-    from fastlm.rl.trainer import RLSummary, describe_rl
+    from fastlm.rl.objective import RLSummary, describe_rl
 
     summary = RLSummary(steps=160, first_loss=2.0, last_loss=0.1, tokens_per_second=1.0, skipped_steps=0, eval_loss=None,
                         run_dir=tmp_path, rewards=[0.2, 0.3, 0.4, 0.6], eval_rewards=[(10, 0.0), (60, 0.25), (160, 0.75)],

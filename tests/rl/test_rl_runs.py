@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from wandb_reader import read_wandb_run
 
-from fastlm.commands.train import trainer_class_for
 from fastlm.logging.jsonl import read_metrics
-from fastlm.rl.trainer import COMPLETIONS_KEY, RLSummary, RLTrainer, window_means
+from fastlm.rl.objective import COMPLETIONS_KEY, RLSummary, window_means
 from fastlm.run_config.loader import load_config
 from fastlm.run_config.schema import RunConfig
+from fastlm.training.registry import build_trainer, training_kind
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 ROLLOUT_KEYS = {
@@ -72,8 +72,8 @@ def _check_logged(summary: RLSummary, policy: str, config: RunConfig) -> list[di
 @pytest.mark.parametrize("policy", ["grpo", "gspo"])
 def test_config_learns_and_logs(policy: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tiny_run(policy, tmp_path)
-    assert trainer_class_for(config) is RLTrainer
-    summary = RLTrainer(config).train()
+    assert training_kind(config) == "online_rl"
+    summary = build_trainer(config).train()
     assert isinstance(summary, RLSummary) and summary.steps == config.trainer.steps
     records = _check_logged(summary, policy, config)
     first, last = window_means(summary.rewards)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from fastlm.logging.jsonl import read_metrics
-from fastlm.rl.trainer import RLTrainer, window_means
+from fastlm.rl.objective import window_means
 from fastlm.run_config.loader import load_config
+from fastlm.training.registry import build_trainer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -21,9 +22,9 @@ def test_grpo_tools_calls_the_tool_and_reward_rises(tmp_path: Path) -> None:
         f"run.output_dir={tmp_path}/run", "trainer.steps=490", "rl.warmup_steps=450", "trainer.log_every=1",
         "rl.eval_prompts=0", "logging.progress=false", "logging.wandb.enabled=false",
     ])
-    trainer = RLTrainer(config)
+    trainer = build_trainer(config)
     summary = trainer.train()
-    batches = trainer.train_loader.batches  # the last rollout: one label per policy token, none on tool replies
+    batches = trainer.objective.loader.batches  # the last rollout: one label per policy token, none on tool replies
     targets = sum(int((batch.labels != -100).sum()) for batch in batches)
     replies = sum("### tool" in trainer.tokenizer.decode(row.tolist()) for batch in batches for row in batch.input_ids)
     records = [r for r in read_metrics(summary.run_dir / "metrics.jsonl") if r["train/rl/warmup"] == 0.0]

@@ -12,8 +12,8 @@ import pytest
 
 from fastlm.logging.jsonl import read_metrics
 from fastlm.rl.rewards import RewardError
-from fastlm.rl.trainer import RLTrainer
 from fastlm.run_config.loader import load_config
+from fastlm.training.registry import build_trainer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MODULE = '''
@@ -46,7 +46,7 @@ def _config(tmp_path: Path, *extra: str):
 
 
 def test_prompt_data_set_with_user_reward(user_setup: Path) -> None:
-    summary = RLTrainer(_config(user_setup)).train()
+    summary = build_trainer(_config(user_setup)).train()
     records = read_metrics(summary.run_dir / "metrics.jsonl")
     assert len(records) == 4
     for record in records:
@@ -55,15 +55,15 @@ def test_prompt_data_set_with_user_reward(user_setup: Path) -> None:
 
 
 def test_failing_reward_checkpoints_then_resume_continues(user_setup: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    trainer = RLTrainer(_config(user_setup, "rl.updates_per_rollout=1", "trainer.steps=3"))
+    trainer = build_trainer(_config(user_setup, "rl.updates_per_rollout=1", "trainer.steps=3"))
     trainer.config.trainer.steps = 1
     trainer.train()  # step 1 finished (its own checkpoint at the end)
     monkeypatch.setenv("FASTLM_TEST_REWARD_FAILS", "1")
     config = _config(user_setup, "rl.updates_per_rollout=1", "trainer.steps=3")
     with pytest.raises(RewardError, match=r"reward function 'digits' \(user_rewards:digits\) raised RuntimeError: "
                                           r"the grader is down \(prompt index 0 .*checkpoint of step 1 saved"):
-        RLTrainer(config).train(resume=True)
+        build_trainer(config).train(resume=True)
     monkeypatch.delenv("FASTLM_TEST_REWARD_FAILS")
-    summary = RLTrainer(config).train(resume=True)
+    summary = build_trainer(config).train(resume=True)
     assert summary.steps == 3
     assert [r["step"] for r in read_metrics(summary.run_dir / "metrics.jsonl")] == [1, 2, 3]

@@ -66,7 +66,7 @@ def test_panels_cover_dpo_and_rl_with_the_warmup_boundary(tmp_path: Path) -> Non
 def _rl_record(step: int) -> dict:
     """One GRPO log record with the keys the code that logs them produces: the rollout, sampler-gap and
     per-function reward metrics from their own functions, the trainer's and the RL trainer's scalars, and a
-    loss child's metrics (as RLTrainer.log_record assembles them)."""
+    loss child's metrics (as the RL objective's metrics assemble them)."""
     import torch
 
     from fastlm.rl.advantages import rollout_metrics

@@ -28,6 +28,7 @@ import torch
 from pydantic import Field
 
 from fastlm.config.base import ConfigModel
+from fastlm.losses.frozen_model import FrozenModel
 from fastlm.losses.metrics import Sums
 from fastlm.losses.spec import LossNormalizers, LossTargets, safe_inverse
 
@@ -41,6 +42,10 @@ class ChildConfig(ConfigModel):
     def triton_supported(self) -> bool:
         """Whether the fused Triton kernel runs this child with these options (its type is in the kernel)."""
         return True
+
+    def frozen_model(self) -> FrozenModel | None:
+        """The frozen model this child needs beside the trained one (a teacher, a reference), if any."""
+        return None
 
     def to_child(self, name: str) -> LossChild:
         """The plain object the loss paths run (no pydantic past this point)."""

@@ -36,6 +36,7 @@ import torch
 from pydantic import Field
 
 from fastlm.losses.children.base import ChildConfig, KernelSlot, LossChild, ReferenceInputs, Tail, TailInputs
+from fastlm.losses.frozen_model import FrozenModel
 from fastlm.losses.spec import LossTargets, safe_inverse
 
 
@@ -62,6 +63,9 @@ class DistillationConfig(ChildConfig):
     teacher_path: str | None = Field(
         None, description="Checkpoint directory of the frozen teacher; None means the batch brings teacher logits."
     )
+
+    def frozen_model(self) -> FrozenModel:
+        return FrozenModel("teacher", "teacher_path", self.teacher_path)
 
     @property
     def mixed_jsd(self) -> bool:

@@ -49,6 +49,7 @@ from pydantic import Field, model_validator
 
 from fastlm.losses.children.base import ChildConfig, KernelSlot, LossChild, ReferenceInputs, Tail, TailInputs
 from fastlm.losses.document_weights import launched_document_means
+from fastlm.losses.frozen_model import FrozenModel
 from fastlm.losses.metrics import k3_kl
 from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets, safe_inverse
 
@@ -91,6 +92,10 @@ class PolicyConfig(ChildConfig):
             raise ValueError("use_bias_correction_kl corrects the KL penalty, which is off at beta 0; set beta > 0 "
                              "(e.g. 0.04) or remove use_bias_correction_kl")
         return self
+
+    def frozen_model(self) -> FrozenModel | None:
+        """A KL penalty's reference (beta > 0)."""
+        return FrozenModel("reference", "reference_path", self.reference_path) if self.beta > 0 else None
 
     def first_update_slope(self) -> float:
         """d(token loss)/d(new_logp) per unit of advantage at ratio 1 (a rollout's first update) on a token the
