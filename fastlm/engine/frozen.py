@@ -92,34 +92,16 @@ def load_frozen_copy(path: Path, model: torch.nn.Module, device: torch.device) -
     return AdapterSnapshot(source, state)  # type: ignore[return-value]
 
 
-def reference_model(
-    model: torch.nn.Module, path: str | None, field: str, device: torch.device, seq_len: int
-) -> DecoderLM:
+def reference_model(model: torch.nn.Module, path: str | None, field: str, device: torch.device) -> DecoderLM:
     """The frozen reference of a DPO or policy loss with a KL penalty: a copy of `model` as it is now
     (called before any step: the initial policy, which a resume rebuilds from the seed; an RL run with a
     supervised warm-up copies the policy at its first RL step instead, rl/objective.py), or the checkpoint
-    at `path` (named by the config key `field`), checked against `model`. A LoRA model's initial policy is
+    at `path` (named by the config key `field`; preflight checked it fits). A LoRA model's initial policy is
     its base: the same weights with the adapters switched off, no copy."""
     if path is None:
         source = getattr(model, "module", model)
         return BaseView(source) if lora_layers(source) else copy_frozen(model, device)
-    reference = load_frozen_model(path, field, device)
-    check_compatible(reference, getattr(model, "module", model), field, seq_len)
-    return reference
-
-
-def check_compatible(frozen: DecoderLM, trained: DecoderLM, field: str, seq_len: int) -> None:
-    """Same vocab (same tokenizer, logits of one shape) and room for the run's sequences."""
-    if frozen.config.vocab_size != trained.config.vocab_size:
-        raise CheckpointError(
-            f"{field}: the checkpoint's model.vocab_size is {frozen.config.vocab_size}, but this run's is "
-            f"{trained.config.vocab_size}; both models must share the tokenizer and vocab"
-        )
-    if frozen.config.max_seq_len < seq_len:
-        raise CheckpointError(
-            f"{field}: the checkpoint's model.max_seq_len {frozen.config.max_seq_len} is shorter than "
-            f"data.seq_len {seq_len}; lower data.seq_len"
-        )
+    return load_frozen_model(path, field, device)  # its vocab and length were checked at the start (preflight)
 
 
 def frozen_logits(model: DecoderLM, input_ids: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from fastlm.data.loader import BatchLoader
 from fastlm.data.summary import eval_repeat_note
 from fastlm.data.tokenizer import Tokenizer
 from fastlm.engine.distributed import Parallel, RankShardLoader, sum_over
-from fastlm.engine.frozen import check_compatible, frozen_head_input, frozen_logits, load_frozen_model, reference_model
+from fastlm.engine.frozen import frozen_head_input, frozen_logits, load_frozen_model, reference_model
 from fastlm.engine.step import global_normalizers
 from fastlm.layers.lm_head import LMHead
 from fastlm.losses.dpo import label_sequence_logps
@@ -155,10 +155,9 @@ class SupervisedObjective(Objective):
         for child, need in config.model.head.frozen_models():
             name = f"{child}.{need.key}"
             if need.role == "teacher" and need.path is not None:
-                self.teacher = load_frozen_model(need.path, name, self.device)
-                check_compatible(self.teacher, self.model, name, config.data.seq_len)
+                self.teacher = load_frozen_model(need.path, name, self.device)  # checked by the start (preflight)
             elif need.role == "reference":
-                self.reference = reference_model(self.model, need.path, name, self.device, config.data.seq_len)
+                self.reference = reference_model(self.model, need.path, name, self.device)
 
     @torch.no_grad()
     def prepare(self, batch: Batch) -> Batch:

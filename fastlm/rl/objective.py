@@ -147,7 +147,7 @@ class PolicyObjective(Objective):
         if self.reference_after_warmup:
             return self.copy_reference_after_warmup(step)
         child, need = self.kl_child
-        return reference_model(self.model, need.path, f"{child}.{need.key}", self.device, self.config.data.seq_len)
+        return reference_model(self.model, need.path, f"{child}.{need.key}", self.device)
 
     def copy_reference_after_warmup(self, step: int) -> DecoderLM:
         """The policy as the first RL step starts (the end of the warm-up), not the random initial model:

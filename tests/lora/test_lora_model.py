@@ -187,7 +187,7 @@ def test_reference_is_the_base_with_adapters_off(train_head: bool) -> None:
     with torch.no_grad():
         model.lm_head_weight.add_(0.5)  # what training the head would do (frozen unless train_head)
     model.train()
-    reference = reference_model(model, None, "model.head.losses.dpo.reference_path", torch.device("cpu"), 12)
+    reference = reference_model(model, None, "model.head.losses.dpo.reference_path", torch.device("cpu"))
     assert reference.model is model
     ids, _ = _ids_and_labels(50, seed=4)
     documents = torch.zeros_like(ids)
