@@ -13,7 +13,7 @@ import pytest
 
 import fastlm.commands.train  # noqa: F401 - every module that binds a check is loaded before the counters go in
 import fastlm.engine.trainer  # noqa: F401
-import fastlm.rl.trainer  # noqa: F401
+import fastlm.rl.objective  # noqa: F401
 from fastlm.commands.main import main
 from fastlm.engine.preflight import preflight_issues, run_dir_issues
 from fastlm.run_config.checks import cross_check
