@@ -115,7 +115,7 @@ def offline_kd(trainer: Trainer, seed: int) -> None:
 
     stream: RolloutStream = trainer.objective.loader
 
-    def next_rollout() -> None:
+    def next_rollout(step: int) -> None:
         started = time.perf_counter()
         shown = demonstrations(setup.task, count, 0.0, seed + 7919 * (stream.rollouts + 1))
         samples = []

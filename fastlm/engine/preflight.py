@@ -330,6 +330,11 @@ def _world_issues(config: RunConfig) -> list[ConfigIssue]:
     if config.distributed.data_parallel == "fsdp" and tp > 1:
         issues.append(ConfigIssue("distributed.data_parallel", "fsdp with tensor_parallel > 1 is not supported", "fsdp",
                                   hint="use ddp, or tensor_parallel: 1"))
+    lag = config.rl.max_policy_lag if config.rl is not None else 0
+    if lag and world > 1:
+        issues.append(ConfigIssue("rl.max_policy_lag", f"rollouts sampled ahead run on a worker thread of one process, "
+                                  f"and the job has {world} processes (a sampler rank beside trainer ranks is not built "
+                                  "yet)", lag, hint="set rl.max_policy_lag: 0, or run one process"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available() and config.trainer.device != "cpu" and local_rank >= torch.cuda.device_count():
         issues.append(ConfigIssue("trainer.device", f"LOCAL_RANK {local_rank} has no GPU: this node has "

@@ -51,6 +51,21 @@ def _run_issues(config: RunConfig) -> list[ConfigIssue]:
             "trainer.log_every", f"is not a multiple of rl.updates_per_rollout ({updates}): the logged steps would "
             "alternate between a rollout's first update (ratio 1, kl_old 0) and later ones, so the KL and clip "
             "panels zigzag", every, hint=f"set trainer.log_every: {updates * -(-every // updates)} (or 1)"))
+    return [*issues, *_policy_lag_issues(config)]
+
+
+def _policy_lag_issues(config: RunConfig) -> list[ConfigIssue]:
+    """A lag that leaves each rollout sampled ahead at least its first update (one process: preflight's world
+    check refuses more)."""
+    rl = config.rl
+    if rl is None or not rl.max_policy_lag:
+        return []
+    issues = []
+    if rl.max_policy_lag < rl.updates_per_rollout and rl.stale_samples == "drop":
+        issues.append(ConfigIssue("rl.max_policy_lag", f"is below rl.updates_per_rollout ({rl.updates_per_rollout}): "
+                                  "a rollout sampled one rollout ahead is that many steps old at its first update, so "
+                                  "every one would be dropped", rl.max_policy_lag,
+                                  hint=f"set it to at least {rl.updates_per_rollout}, or rl.stale_samples: keep"))
     return issues
 
 

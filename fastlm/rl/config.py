@@ -164,6 +164,15 @@ class RLConfig(ConfigModel):
         "packed rollout (the first update's ratio is 1; the sampler gap is measured and corrected); 'sampler' "
         "takes the generator's own and skips that forward (verl's bypass mode): the ratio then holds the "
         "sampler-vs-trainer gap and the clip bounds it.")
+    max_policy_lag: int = Field(
+        0, ge=0, le=64, description="0: each rollout is sampled by the current policy, then trained (synchronous). "
+        "k >= 1: the next rollout is sampled one rollout ahead on a worker thread, from a copy of the weights, while "
+        "the current one trains; a rollout trains at most k optimizer steps after the weights that sampled it "
+        "(see rl.stale_samples). The ratio's old log-probs are the sampling weights' (rl.old_logprobs).")
+    stale_samples: Literal["drop", "keep"] = Field(
+        "drop", description="With rl.max_policy_lag: a rollout's updates that would come more than max_policy_lag "
+        "steps after its sampling weights are dropped (the next rollout is served instead), or kept: trained "
+        "anyway, re-weighted by the ratio to the sampler's log-probs and rl.importance_sampling's correction.")
     generation: Literal["engine", "static"] = Field(
         "engine", description="Rollout sampler: 'engine' (continuous batching over rl.decode_slots slots, a paged "
         "KV cache, a prompt's prefill shared by its group; families it cannot serve fall back to 'static') or "

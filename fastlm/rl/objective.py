@@ -29,6 +29,7 @@ from __future__ import annotations
 import random
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,9 +55,10 @@ from fastlm.rl.consistency import tempered_transform
 from fastlm.rl.eval_prompts import eval_records
 from fastlm.rl.evaluation import greedy_eval
 from fastlm.rl.packing import PolicyBatchLoader, pack_policy_samples, policy_logprobs
+from fastlm.rl.prefetch import RolloutPrefetch, sampler_replica
 from fastlm.rl.prompts import PromptRecord
 from fastlm.rl.rewards import RewardError
-from fastlm.rl.rollout import RolloutSetup, RolloutShard, collect_rollout
+from fastlm.rl.rollout import Rollout, RolloutSetup, RolloutShard, collect_rollout
 from fastlm.rl.stream import RolloutStream, rank_rows
 from fastlm.rl.teacher import add_teacher_heads, load_teacher
 
@@ -230,6 +232,12 @@ class OnlineRLObjective(PolicyObjective):
         self.backend = rollout_backend(self.model, parts.tokenizer, self.rl, parts.amp_dtype,
                                        multi_turn=self.setup.environment is not None)
         self.phase_seconds = dict.fromkeys(("sampling", "reward", "teacher", "old_logprob"), 0.0)  # summed over steps
+        # rl.max_policy_lag: the next rollout is sampled ahead from a replica of the weights (rl/prefetch.py)
+        self.prefetch = RolloutPrefetch(sampler_replica(self.model)) if self.rl.max_policy_lag else None
+        self.sampler_backend = self.backend if self.prefetch is None else rollout_backend(
+            self.prefetch.replica, parts.tokenizer, self.rl, parts.amp_dtype, multi_turn=self.setup.environment is not None)
+        self.lags: list[int] = []  # per trained micro-batch since the last record: steps since its sampling weights
+        self.stale = 0  # micro-batch slots dropped as too stale since the last record
         self.teacher = None if self.rl.teacher is None else load_teacher(
             self.rl.teacher, self.rl.temperature, self.device, parts.amp_dtype, self.policy_head.logits_memory_mib)
         self.eval_problems: list[Problem] = []  # the built-in task's
@@ -265,33 +273,55 @@ class OnlineRLObjective(PolicyObjective):
         """The step's micro-batches, drawing a fresh rollout whenever the latest one is used up. A failing reward
         function or environment stops the run after a checkpoint of the last finished step (the stream is as
         before the rollout). GKD's teacher heads join each rollout batch once (a checkpoint leaves them out)."""
-        batches = []
+        batches, stream = [], self.loader
         for _ in range(self.config.trainer.grad_accumulation):
-            if self.loader.rollout_due:
+            if (self.prefetch is not None and not stream.rollout_due and self.rl.stale_samples == "drop"
+                    and step - stream.version > self.rl.max_policy_lag):
+                self.stale += stream.expire()  # its remaining updates would train on samples too old
+            if stream.rollout_due:
                 try:
-                    self.next_rollout()
+                    self.next_rollout(step)
                 except RewardError as error:
                     path = self.parts.save()
                     raise RewardError(f"{error}; the run stopped before step {step + 1}, checkpoint of step {step} "
                                       f"saved to {path}: fix it and continue with --resume") from error
-            batches.append(self.loader.next_batch())
+            batches.append(stream.next_batch())
+            if self.prefetch is not None and not self.in_warmup(step):
+                self.lags.append(step - stream.version)
         if self.teacher is not None and self.teacher.config.objective == "gkd" and not self.in_warmup(step):
             resumed = [batch for batch in batches if batch.teacher_head is None]
             if resumed:
                 add_teacher_heads(resumed, self.teacher)
         return batches
 
-    def next_rollout(self) -> None:
-        """Draw a rollout of the current policy (rl/rollout.py) and serve it from this step on. A failure leaves
-        the stream's prompt and sampling generators as they were."""
+    def collect(self, model: DecoderLM) -> Rollout:
+        """One rollout sampled by `model` (the policy, or the sampler's replica of it); a failure leaves the
+        stream's prompt and sampling generators as they were."""
         stream = self.loader
+        backend = self.backend if model is self.model else self.sampler_backend
         with stream.restored_on_failure():
-            rollout = collect_rollout(self.model, self.policy_head, self.backend, self.setup, stream.prompt_rng,
-                                      stream.generator, self.parts.amp_dtype, self.teacher)
-        stream.start(rollout)
+            return collect_rollout(model, self.policy_head, backend, self.setup, stream.prompt_rng, stream.generator,
+                                   self.parts.amp_dtype, self.teacher)
+
+    def next_rollout(self, step: int) -> None:
+        """Serve a new rollout from this step (`step` optimizer steps done) on: one sampled now by the current
+        policy, or (rl.max_policy_lag) the one sampled ahead at the previous due point, after which the replica
+        takes the current weights and samples the next while this one trains. Rollout seconds are the wait."""
+        stream, started = self.loader, time.perf_counter()
+        if self.prefetch is None:
+            rollout, version = self.collect(self.model), step
+        else:
+            if stream.pending is None:  # the first rollout (or a resume that held none): sampled by the current weights
+                self.prefetch.sync(self.model, step)
+                stream.pending, stream.pending_version = self.prefetch.submit(self.collect), step
+            pending, version, stream.pending = stream.pending, stream.pending_version, None
+            rollout = self.prefetch.wait(pending)
+            self.prefetch.sync(self.model, step)
+            stream.pending, stream.pending_version = self.prefetch.submit(self.collect), step
+        stream.start(rollout, version)
         for phase, seconds in rollout.seconds.items():
             self.phase_seconds[phase] += seconds
-        self.rollout_seconds += sum(rollout.seconds.values())
+        self.rollout_seconds += time.perf_counter() - started if self.prefetch else sum(rollout.seconds.values())
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The greedy eval (rl/evaluation.py: eval/reward and the task's accuracy or the reward functions'
@@ -305,6 +335,11 @@ class OnlineRLObjective(PolicyObjective):
     def metrics(self, step: int, times: StepTimes) -> dict[str, Any]:
         """The time split, then the latest rollout's statistics and (once per rollout) its completions table."""
         record = super().metrics(step, times)
+        if self.prefetch is not None and (self.lags or self.stale):
+            lags = self.lags or [0]
+            record.update({"train/rollout/policy_lag": sum(lags) / len(lags), "train/rollout/policy_lag_max": max(lags),
+                           "train/rollout/stale_fraction": self.stale / (self.stale + len(self.lags))})
+            self.lags, self.stale = [], 0
         stream = self.loader
         if stream.metrics and step > self.warmup_steps:
             record.update({f"train/{name}": value for name, value in stream.metrics.items()})
@@ -316,6 +351,11 @@ class OnlineRLObjective(PolicyObjective):
 
     def rewards(self) -> list[float]:
         return list(self.loader.rewards)
+
+    def finish(self, summary: TrainSummary) -> RLSummary:
+        if self.prefetch is not None:  # a rollout still sampled ahead is not needed: wait for the worker to end
+            self.prefetch.close()
+        return super().finish(summary)
 
 
 def window_means(values: list[float], window: int = SUMMARY_WINDOW) -> tuple[float, float] | None:

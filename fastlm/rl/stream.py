@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import fields
 from typing import Any
@@ -64,6 +65,17 @@ def _batch_state(batch: Batch) -> dict[str, torch.Tensor]:
             if getattr(batch, f.name) is not None and f.name != "teacher_head"}
 
 
+def _rollout_state(rollout: Rollout, version: int) -> dict[str, Any]:
+    """A rollout sampled ahead, for a checkpoint (plain tensors, numbers and text)."""
+    return {"batches": [_batch_state(b) for b in rollout.batches], "metrics": dict(rollout.metrics),
+            "examples": list(rollout.examples), "seconds": dict(rollout.seconds), "version": version}
+
+
+def _rollout_from_state(state: dict[str, Any]) -> Rollout:
+    return Rollout([Batch(**tensors) for tensors in state["batches"]], {k: float(v) for k, v in state["metrics"].items()},
+                   list(state["examples"]), {k: float(v) for k, v in state["seconds"].items()})
+
+
 class RolloutStream:
     """Warm-up demonstrations, then the trainer's rollouts (see the module docstring)."""
 
@@ -86,6 +98,9 @@ class RolloutStream:
         self.metrics: dict[str, float] = {}
         self.examples: list[dict[str, Any]] = []  # the latest rollout's, for the completions table
         self.rewards: list[float] = []  # mean reward of every rollout, in order
+        self.version = 0  # the policy version (optimizer steps) the served rollout was sampled with
+        self.pending: Future[Rollout] | None = None  # the rollout sampled ahead (rl.max_policy_lag; rl/prefetch.py)
+        self.pending_version = 0
 
     @property
     def in_warmup(self) -> bool:
@@ -111,13 +126,18 @@ class RolloutStream:
             self.generator.set_state(saved[1])
             raise
 
-    def start(self, rollout: Rollout) -> None:
-        """Serve `rollout`'s batches from the next micro-batch on."""
-        self.batches, self.position = rollout.batches, 0
+    def start(self, rollout: Rollout, version: int = 0) -> None:
+        """Serve `rollout`'s batches, sampled with the weights of `version` steps, from the next micro-batch on."""
+        self.batches, self.position, self.version = rollout.batches, 0, version
         self.metrics = rollout.metrics
         self.examples = rollout.examples
         self.rewards.append(rollout.metrics["reward"])
         self.rollouts += 1
+
+    def expire(self) -> int:
+        """End the served rollout now (its samples are too stale to train on); the slots it leaves unserved."""
+        left, self.position = self.served_per_rollout - self.position, self.served_per_rollout
+        return left
 
     def next_batch(self) -> Batch:
         if self.in_warmup:
@@ -137,7 +157,8 @@ class RolloutStream:
         Collective under data parallelism: `ranks` holds every dp rank's generator and in-flight rollout
         (rank 0 writes the checkpoint); the rest is the same on every rank.
         """
-        version, internal, gauss = self.prompt_rng.getstate()
+        pending = _rollout_state(self.pending.result(), self.pending_version) if self.pending is not None else None
+        version, internal, gauss = self.prompt_rng.getstate()  # read after the rollout sampled ahead has finished
         own = {"batches": [_batch_state(b) for b in self.batches], "generator": self.generator.get_state()}
         return {
             "drawn": self.drawn,
@@ -148,12 +169,20 @@ class RolloutStream:
             "rewards": list(self.rewards),
             "prompt_rng": [version, list(internal), gauss],
             "demos": self.demos.state_dict() if self.demos is not None else None,
+            "version": self.version,
+            "pending": pending,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A checkpoint from another dp size drops the in-flight rollout (a fresh one is drawn next) and
         re-seeds sampling past the rollouts drawn; the same dp size resumes exactly."""
         self.drawn, self.position, self.rollouts = int(state["drawn"]), int(state["position"]), int(state["rollouts"])
+        self.version = int(state.get("version", 0))
+        self.pending = None
+        if state.get("pending") is not None:  # the rollout that was sampled ahead, served as it would have been
+            self.pending = Future()
+            self.pending.set_result(_rollout_from_state(state["pending"]))
+            self.pending_version = int(state["pending"]["version"])
         self.metrics = {k: float(v) for k, v in state["metrics"].items()}
         self.rewards = [float(v) for v in state["rewards"]]
         version, internal, gauss = state["prompt_rng"]
