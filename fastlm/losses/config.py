@@ -106,7 +106,7 @@ class LMHeadConfig(ConfigModel):
             if options:
                 raise ValueError(
                     f"use_triton: true, but the fused Triton kernel has no path for the options of {options} "
-                    "(distillation kl: jsd with 0 < beta < 1 needs a second vocab pass for the mixture); "
+                    "(docs/losses.md says which); "
                     "set use_triton: null or false (the compiled path runs it)"
                 )
         return self

@@ -215,7 +215,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-TP_MIXES = {"ce+z+kd": {"softcap": 3.0}, "ce+grpo+kd_rev": {"logit_scale": 0.8}, "gspo+kd_rev": {}, "gspo+kd_both": {}}
+TP_MIXES = {"ce+z+kd": {"softcap": 3.0}, "ce+grpo+kd_rev": {"logit_scale": 0.8}, "gspo+kd_rev": {}, "gspo+kd_both": {},
+            "ce+kd_jsd_both": {"softcap": 3.0}}  # the generalized JSD: its vocab pass's sums all-reduced too
 
 
 def _tp_worker(rank: int, world: int, port: int, folder: str) -> None:
@@ -237,7 +238,7 @@ def _tp_worker(rank: int, world: int, port: int, folder: str) -> None:
 
 def test_tensor_parallel_two_ranks(tmp_path: os.PathLike) -> None:
     """gloo, world size 2: each rank holds 19 of 38 vocab ids (looped blocks of 16 with a tail); the
-    teacher's max, sum-exp and cross sum are all-reduced with the student's."""
+    teacher's max, sum-exp and cross sum are all-reduced with the student's (and the JSD pass's sums)."""
     world = 2
     mp.spawn(_tp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]

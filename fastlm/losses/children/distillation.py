@@ -22,8 +22,9 @@ arXiv:2306.13649, eq. 1): M = beta*q + (1-beta)*p, loss beta*KL(q || M) + (1-bet
 the forward KL and beta 1 the reverse one (TRL's endpoints, run as `forward`/`reverse`). For 0 < beta < 1
 (`jsd_beta`) d/dp_j of the loss is (1-beta) log(p_j/M_j), so d/dx_j = (1-beta) p_j (l_j - E_p[l]) with
 l = log p - log M: the whole term per element (teacher coefficient k*(1-beta)/T_s). M needs both
-normalised softmaxes, so the compiled path adds a vocab pass once the log-partitions are known; the
-fused Triton kernel has no such pass, so mixed beta runs compiled (`triton_supported`).
+normalised softmaxes, so every path adds a vocab pass once the log-partitions are known: the compiled
+path per sub-chunk (`compiled._chunk_jsd`), the Triton path between its statistics and gradient launches
+(`triton.kernel.jsd_sums_kernel`; the single fused launch has no room for a third pass over the row).
 """
 
 from __future__ import annotations
@@ -67,11 +68,6 @@ class DistillationConfig(ChildConfig):
     def mixed_jsd(self) -> bool:
         """kl: jsd strictly between its endpoints (beta 0 and 1 are the forward and reverse KL)."""
         return self.kl == "jsd" and 0.0 < self.beta < 1.0
-
-    @property
-    def triton_supported(self) -> bool:
-        """The fused kernel has one vocab pass for statistics; the mixture M needs a second (see the module doc)."""
-        return not self.mixed_jsd
 
     def to_child(self, name: str) -> Distillation:
         reverse = self.kl == "reverse" or (self.kl == "jsd" and self.beta == 1.0)
@@ -146,12 +142,12 @@ class Distillation(LossChild):
     def slot(self) -> KernelSlot:
         """The teacher's slot: its statistics and gradient term live in the kernel's vocab loop
         (`tempered`: the student at x/T there too)."""
+        scalars = {"weight": self.weight, "inv_temperature": 1.0 / self.temperature, "kd_scale": self.loss_scale}
         if self.jsd_beta is not None:
-            raise ValueError(f"distillation loss '{self.name}': kl: jsd with 0 < beta < 1 has no fused Triton path "
-                             "(the mixture needs a second vocab pass); set use_triton: false or null")
-        return KernelSlot(self.kind, ("loss",), {"weight": self.weight, "inv_temperature": 1.0 / self.temperature,
-                                                 "kd_scale": self.loss_scale},
-                          {"reverse": self.reverse, "tempered": self.student_inv_temperature != 1.0})
+            scalars["beta"] = self.jsd_beta
+        return KernelSlot(self.kind, ("loss",), scalars,
+                          {"reverse": self.reverse, "tempered": self.student_inv_temperature != 1.0,
+                           "jsd": self.jsd_beta is not None})
 
     def check_targets(self, targets: LossTargets, tokens: int) -> None:
         if targets.teacher_logits is None:
