@@ -106,7 +106,7 @@ class LMHeadConfig(ConfigModel):
             if options:
                 raise ValueError(
                     f"use_triton: true, but the fused Triton kernel has no path for the options of {options} "
-                    "(docs/losses.md says which); "
+                    "(distillation top_k: the teacher's top-k support runs compiled only); "
                     "set use_triton: null or false (the compiled path runs it)"
                 )
         return self
