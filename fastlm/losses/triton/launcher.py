@@ -73,6 +73,7 @@ from fastlm.losses.triton.kernel import (
 from fastlm.losses.validation import check_inputs, raise_on_bad_values, value_flags, vocab_shard
 
 MAX_BLOCK = 32768
+JSD_BLOCK = 4096  # the generalized JSD's vocab pass (`_jsd_sums`): columns per step, untuned (no GPU sweep yet)
 # With distillation a row longer than this many columns is split (`default_split`) into segments of
 # about this size, one program each, walked in 16384-column blocks on 8 warps: the fastest of the H100
 # sweeps in tuning-log entry 19 (CE+kd's kernel alone, 2048 rows: 0.796 -> 0.615 ms at V=131072,
@@ -417,13 +418,13 @@ def _jsd_sums(launch: _Launch, student_lse: torch.Tensor, teacher_lse: torch.Ten
     distill = launch.spec.teacher
     rows = launch.rows(4)
     rows[0], rows[1] = student_lse, teacher_lse
-    block = min(launch.block, MAX_BLOCK)
+    block = min(launch.block, JSD_BLOCK)  # whole-block temporaries (no lane folding): kept register-sized
     jsd_sums_kernel[(launch.logits.shape[0],)](
         launch.logits, launch.logits.stride(0), launch.teacher, launch.teacher.stride(0), launch.labels, rows,
         rows.stride(0), launch.logits.shape[1], float(launch.spec.logit_scale),
         float(launch.spec.softcap) if launch.spec.softcap is not None else 1.0, launch.interface.inv_temperature,
         float(distill.jsd_beta), HAS_SOFTCAP=launch.spec.softcap is not None,
-        TEMPERED=distill.student_inv_temperature != 1.0, BLOCK=block, num_warps=launch.num_warps,
+        TEMPERED=distill.student_inv_temperature != 1.0, BLOCK=block, num_warps=default_num_warps(block, True),
     )
     sums = rows[2:]
     if group is not None:
