@@ -27,6 +27,11 @@ for Hinton's, 1 for TRL's GKD) times the KL of p_T = softmax(x/T), and its gradi
 (reverse kd_scale/T*p_T*((x/T - u) - E_pT[x/T - u])) is written whole per element from p_T, next to the
 untempered p the label children use.
 
+The generalized JSD (TEACHER.jsd, 0 < beta < 1: M = beta*q + (1-beta)*p_s) has no online form, since M
+mixes the two normalised softmaxes: it never runs FUSED. The launcher runs STATS, then `jsd_sums_kernel`
+(a vocab pass from the merged log-partitions: the JSD and KL(p_s || M) per token), the torch tail, then
+GRAD with KD_JSD, whose per-element term is k*(1-beta)*p_s*(log p_s - log M - KL(p_s || M)).
+
 One program handles one token row; math is fp32 whatever the input dtypes, in base 2 inside (x*log2 e,
 so each exponential is one `exp2`) and natural units at the interface. The row is walked in blocks:
 every block but the last is read without a bounds check, running sums are per-thread vectors
