@@ -64,12 +64,13 @@ def test_chunked_head_with_teacher_head_matches_float64(name: str) -> None:
     assert max(errors.values()) < FP32_TOL, errors
 
 
-@pytest.mark.parametrize(("beta", "block"), [(0.0, 16), (0.5, 16), (1.0, 16), (0.3, 16), (0.3, 32768)],
-                         ids=["0-looped", "0.5-looped", "1-looped", "0.3-looped", "0.3-single"])
-def test_triton_matches_float64(beta: float, block: int) -> None:
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0, 0.3])
+def test_triton_matches_float64(beta: float) -> None:
     """`kl: jsd` at every beta (the endpoints run as the forward / reverse KL) with cross entropy, a
-    softcap and a logit scale, ~30% masked labels: loss, each child and the gradient within fp32 rounding
-    of the float64 reference; masked rows get a zero gradient."""
+    softcap and a logit scale, ~30% masked labels, looped vocab blocks of 16 with a tail (the single-block
+    row: test_trl_formulas.py's, V = 11): loss, each child and the gradient within fp32 rounding of the
+    float64 reference; masked rows get a zero gradient."""
+    block = 16
     child = DistillationConfig(kl="jsd", beta=beta, temperature=1.7).to_child("kd")
     spec = LossSpec((make_spec("ce").children[0], child), logit_scale=1.3, softcap=4.0)
     logits, targets, normalizers = make_case(seed_of(f"jsd-triton{beta}"), spec=spec)
