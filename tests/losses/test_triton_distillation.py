@@ -134,7 +134,7 @@ def test_teacher_dtypes(teacher_dtype: torch.dtype, block: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("kinds", ["ce+z+kd", "ce+kd_rev", "ce+kd_rev_both"])
+@pytest.mark.parametrize("kinds", ["ce+z+kd", "ce+kd_rev", "ce+kd_rev_both", "ce+kd_jsd_both"])
 def test_half_precision_student_and_teacher(dtype: torch.dtype, kinds: str) -> None:
     """16-bit student and teacher, looped: the gradient comes back in the logits dtype."""
     spec, logits, targets, normalizers = _case(kinds, seed=6, dtype=dtype)
@@ -144,7 +144,7 @@ def test_half_precision_student_and_teacher(dtype: torch.dtype, kinds: str) -> N
     _check(f"{kinds} {dtype}", result, grad, expected, expected_grad, HALF_TOL[dtype])
 
 
-@pytest.mark.parametrize("kinds", ["gspo+kd", "z+gspo_len+kd_rev"])
+@pytest.mark.parametrize("kinds", ["gspo+kd", "z+gspo_len+kd_rev", "gspo+kd_jsd_both"])
 @pytest.mark.parametrize("block", list(BLOCKS))
 def test_gspo_with_distillation_uses_stats_and_grad_launches(kinds: str, block: str) -> None:
     """GSPO forces fused launch (no gradient) -> seam -> grad launch; the teacher stats ride along."""
