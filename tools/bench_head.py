@@ -5,6 +5,7 @@ full-logits head, the fused-linear peers and the three-GEMM floor, in one run.
     python tools/bench_head.py --specs ce ce+z --tokens 16384
     python tools/bench_head.py --cpu-smoke        # tiny shapes on CPU (the compiled path), seconds
     python tools/bench_head.py --specs ce+kd --splits 1 8   # the chunked head at 1 and 8 programs per row, side by side
+    python tools/bench_head.py --specs ce+kd ce+jsd ce+kd_top64 --tokens 16384   # distillation's objectives
 
 One call = forward + backward of the head: hidden (T, H) bf16 and weight (V, H) bf16, both requiring
 grad, gradients by `torch.autograd.grad` (no accumulation into .grad). Columns:
@@ -66,6 +67,9 @@ SPECS: dict[str, dict] = {
     "ce+z": {"cross_entropy": {}, "z_loss": {"weight": 1e-4}},
     "ce+z+grpo": {"cross_entropy": {}, "z_loss": {"weight": 1e-4}, "grpo": {"eps_low": 0.2, "eps_high": 0.2}},
     "ce+kd": {"cross_entropy": {}, "distillation": {"temperature": 2.0}},
+    # the generalized JSD (Triton: stats, the mixture's vocab pass, grad) and the top-k support (compiled path)
+    "ce+jsd": {"cross_entropy": {}, "distillation": {"temperature": 2.0, "kl": "jsd", "beta": 0.5}},
+    "ce+kd_top64": {"cross_entropy": {}, "distillation": {"temperature": 2.0, "top_k": 64}},
     "gspo+z": {"gspo": {"eps_low": 3e-4, "eps_high": 4e-4}, "z_loss": {"weight": 1e-4}},
 }
 DEFAULT_SPECS = ["ce", "ce+z+grpo", "ce+kd"]

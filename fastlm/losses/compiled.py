@@ -150,12 +150,14 @@ def _chunk_grad(
     reverse: bool,
     student_inv_temperature: float,
     jsd_beta: float,
+    extra: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gradient of the total loss wrt the raw logits z of one chunk, in z's dtype (the coefficient
     form of children/base.py; the teacher term is -k*q_j, or k*p_j*(x_j - u_j) for reverse KL, with
     their p_j part in prob_coeff; with a tempered student the whole term, k*(p_T,j - q_j) or
     k*p_T,j*((x_j/T - u_j) - E_pT[x/T - u]), from its own softmax `student_lse`; the generalized JSD
-    (0 < `jsd_beta` < 1, else 0) k*p_T,j*(l_j - KL(p_T || M)), l = log p_T - log M, KL in `teacher_gap`)."""
+    (0 < `jsd_beta` < 1, else 0) k*p_T,j*(l_j - KL(p_T || M)), l = log p_T - log M, KL in `teacher_gap`);
+    `extra`: a teacher term computed outside (the teacher's top-k support, `_topk_terms`), per element of x."""
     x = transform_logits(_upcast(z), scale, softcap)
     p = torch.exp(x - lse[:, None])
     hit = torch.arange(x.shape[-1], device=x.device) == local_label[:, None]
@@ -177,6 +179,8 @@ def _chunk_grad(
             grad = grad + teacher_coeff[:, None] * p * (x - u)
         else:
             grad = grad - teacher_coeff[:, None] * torch.exp(u - teacher_lse[:, None])
+    if extra is not None:
+        grad = grad + extra
     if x_coeff is not None:
         grad = grad + x_coeff[:, None] * p * x
     if softcap is not None:
@@ -213,6 +217,32 @@ def _chunk_jsd(
     student_kl = (log_p.exp() * (log_p - log_m)).sum(-1)
     teacher_kl = (log_q.exp() * (log_q - log_m)).sum(-1)
     return torch.stack([beta * teacher_kl + (1.0 - beta) * student_kl, student_kl], dim=-1)
+
+
+def _topk_terms(
+    z: torch.Tensor, teacher: torch.Tensor, scale: float, softcap: float | None, inv_temperature: float,
+    student_inv_temperature: float, top_k: int, reverse: bool, beta: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The divergence over the teacher's top-k support S, both renormalised over S (children/distillation.py):
+    (S's column indices (T, k), the divergence per token (T,), its gradient wrt y_S = x_S * T_s^-1 (T, k)),
+    in closed form: forward p_S - q_S; reverse p_S (l - KL), l = log p_S - log q_S; the generalized JSD
+    (1 - beta) p_S (l - KL(p_S || M)), l = log p_S - log M."""
+    u = _upcast(teacher) * inv_temperature
+    support = u.topk(min(top_k, u.shape[-1]), dim=-1).indices
+    y = transform_logits(_upcast(z), scale, softcap).gather(-1, support) * student_inv_temperature
+    log_p, log_q = torch.log_softmax(y, dim=-1), torch.log_softmax(u.gather(-1, support), dim=-1)
+    p = log_p.exp()
+    if beta:
+        _, _, log_m = _log_mixture(y, torch.logsumexp(y, dim=-1), u.gather(-1, support),
+                                   torch.logsumexp(u.gather(-1, support), dim=-1), beta)
+        student_kl = (p * (log_p - log_m)).sum(-1)
+        value = beta * (log_q.exp() * (log_q - log_m)).sum(-1) + (1.0 - beta) * student_kl
+        return support, value, (1.0 - beta) * p * (log_p - log_m - student_kl[:, None])
+    if reverse:
+        value = (p * (log_p - log_q)).sum(-1)
+        return support, value, p * (log_p - log_q - value[:, None])
+    q = log_q.exp()
+    return support, (q * (log_q - log_p)).sum(-1), p - q
 
 
 chunk_max = MaybeCompiled(_chunk_max)
@@ -268,6 +298,11 @@ def _teacher_numbers(spec: LossSpec) -> tuple[float, bool, float, float]:
     return 1.0 / distill.temperature, distill.reverse, distill.student_inv_temperature, distill.jsd_beta or 0.0
 
 
+def _top_k(spec: LossSpec) -> int | None:
+    """The distillation child's top-k support (None: the whole vocab, or no teacher)."""
+    return None if spec.teacher is None else spec.teacher.top_k
+
+
 def _local_labels(logits: torch.Tensor, targets: LossTargets, group: ProcessGroup | None) -> torch.Tensor:
     """Labels as column indices of this rank's vocab shard; -1 where masked or in another shard."""
     offset, _ = vocab_shard(logits, group)
@@ -285,14 +320,22 @@ def compiled_stats(
 ) -> torch.Tensor:
     """Pass 1: the (tokens, 4, 8 or 10) statistics table (all-reduced under `group`), columns max[, teacher
     max], sum e, sum e*x, label logit[, sum e_q, KL cross term, sum e_s[, JSD, KL(p_s || M)]]; the
-    generalized JSD's columns come from a second vocab pass per sub-chunk (they need the log-partitions)."""
+    generalized JSD's columns come from a second vocab pass per sub-chunk (they need the log-partitions);
+    with the teacher's top-k support, (tokens, 5): the student's columns and the divergence over it."""
     local_label = _local_labels(logits, targets, group)
     teacher = targets.teacher_logits if spec.teacher is not None else None
     inv_t, reverse, inv_s, beta = _teacher_numbers(spec)
     numbers = (spec.logit_scale, spec.softcap, inv_t)
+    top_k = _top_k(spec)
     stats = []
     for rows in _sub_chunks(logits.shape[0], spec):
         chunk_teacher = None if teacher is None else teacher[rows]
+        if top_k is not None:  # no tensor parallelism (validation): the student's sums and the top-k divergence
+            maxima = chunk_max(logits[rows], None, *numbers)
+            sums = chunk_sums(logits[rows], None, maxima, local_label[rows], *numbers, reverse, inv_s)
+            _, value, _ = _topk_terms(logits[rows], chunk_teacher, *numbers, inv_s, top_k, reverse, beta)
+            stats.append(torch.cat([maxima, sums, value[:, None].to(sums.dtype)], dim=-1))
+            continue
         maxima = _all_reduce(chunk_max(logits[rows], chunk_teacher, *numbers), dist.ReduceOp.MAX, group)
         sums = chunk_sums(logits[rows], chunk_teacher, maxima, local_label[rows], *numbers, reverse, inv_s)
         columns = [maxima, _all_reduce(sums, dist.ReduceOp.SUM, group)]
@@ -301,7 +344,7 @@ def compiled_stats(
             jsd = chunk_jsd(logits[rows], chunk_teacher, student_lse, teacher_lse, *numbers, inv_s, beta)
             columns.append(_all_reduce(jsd, dist.ReduceOp.SUM, group))
         stats.append(torch.cat(columns, dim=-1))
-    columns = 4 if teacher is None else 10 if beta else 8
+    columns = 4 if teacher is None else 5 if top_k is not None else 10 if beta else 8
     return torch.cat(stats) if stats else logits.new_zeros((0, columns), dtype=torch.promote_types(logits.dtype, torch.float32))
 
 
@@ -341,11 +384,14 @@ def compiled_finish(
     distill = spec.teacher
     teacher = distill is not None
     _, _, inv_s, beta = _teacher_numbers(spec)
-    sums = table[:, 2:] if teacher else table[:, 1:]
+    top_k = _top_k(spec)
+    sums = table[:, 2:] if teacher and top_k is None else table[:, 1:]
     lse = table[:, 0] + torch.log(sums[:, 0])
     token_stats = {"lse": lse, "new_logp": sums[:, 2] - lse, "entropy": lse - sums[:, 1] / sums[:, 0]}
     teacher_lse, student_lse = lse, lse
-    if teacher:
+    if top_k is not None:  # the divergence over the teacher's top-k support
+        token_stats["teacher_kl"] = sums[:, 3]
+    elif teacher:
         teacher_lse, student_lse = _log_partitions(table, sums[:, 3:], inv_s)
         if beta:  # the JSD pass's columns: the loss per token and KL(p_s || M)
             token_stats.update({"teacher_kl": sums[:, 6], "teacher_gap": sums[:, 7]})
@@ -370,9 +416,16 @@ def compiled_grad(
     inv_t, reverse, inv_s, beta = _teacher_numbers(spec)
     numbers = (spec.logit_scale, spec.softcap, inv_t)
     c = coefficients
+    top_k = _top_k(spec)
     for rows in _sub_chunks(logits.shape[0], spec):
+        chunk_teacher, extra = None if teacher is None else teacher[rows], None
+        if top_k is not None and chunk_teacher is not None:  # the top-k term, scattered on its support
+            support, _, term = _topk_terms(logits[rows], chunk_teacher, *numbers, inv_s, top_k, reverse, beta)
+            extra = torch.zeros(logits[rows].shape, dtype=term.dtype, device=term.device)
+            extra.scatter_(-1, support, c.teacher[rows, None].to(term.dtype) * term)
+            chunk_teacher = None
         grad[rows] = chunk_grad(
-            logits[rows], None if teacher is None else teacher[rows], local_label[rows], c.lse[rows], c.prob[rows],
+            logits[rows], chunk_teacher, local_label[rows], c.lse[rows], c.prob[rows],
             c.label[rows], c.teacher_lse[rows], c.teacher[rows], None if c.x is None else c.x[rows],
-            c.student_lse[rows], c.teacher_gap[rows], *numbers, reverse, inv_s, beta,
+            c.student_lse[rows], c.teacher_gap[rows], *numbers, reverse, inv_s, beta, extra,
         )

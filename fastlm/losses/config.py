@@ -110,7 +110,7 @@ class LMHeadConfig(ConfigModel):
             if options:
                 raise ValueError(
                     f"use_triton: true, but the fused Triton kernel has no path for the options of {options} "
-                    "(distillation kl: jsd with 0 < beta < 1 needs a second vocab pass for the mixture); "
+                    "(distillation top_k: the teacher's top-k support runs compiled only); "
                     "set use_triton: null or false (the compiled path runs it)"
                 )
         return self

@@ -288,6 +288,9 @@ def check_teacher_head(teacher: TeacherHead, tokens: int, vocab: int, group: Pro
 def _check_teacher(logits: torch.Tensor, targets: LossTargets, spec: LossSpec, group: ProcessGroup | None) -> None:
     if spec.teacher is None:
         return
+    if spec.teacher.top_k is not None and group is not None:
+        raise ValueError(f"distillation loss '{spec.teacher.name}': top_k needs the teacher's whole row, which a "
+                         "vocab-parallel head shards; set top_k: null or run without tensor parallelism")
     teacher = targets.teacher_logits
     if teacher.shape != logits.shape:
         raise ValueError(

@@ -134,7 +134,7 @@ def test_teacher_dtypes(teacher_dtype: torch.dtype, block: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("kinds", ["ce+z+kd", "ce+kd_rev", "ce+kd_rev_both"])
+@pytest.mark.parametrize("kinds", ["ce+z+kd", "ce+kd_rev", "ce+kd_rev_both", "ce+kd_jsd_both"])
 def test_half_precision_student_and_teacher(dtype: torch.dtype, kinds: str) -> None:
     """16-bit student and teacher, looped: the gradient comes back in the logits dtype."""
     spec, logits, targets, normalizers = _case(kinds, seed=6, dtype=dtype)
@@ -144,7 +144,7 @@ def test_half_precision_student_and_teacher(dtype: torch.dtype, kinds: str) -> N
     _check(f"{kinds} {dtype}", result, grad, expected, expected_grad, HALF_TOL[dtype])
 
 
-@pytest.mark.parametrize("kinds", ["gspo+kd", "z+gspo_len+kd_rev"])
+@pytest.mark.parametrize("kinds", ["gspo+kd", "z+gspo_len+kd_rev", "gspo+kd_jsd_both"])
 @pytest.mark.parametrize("block", list(BLOCKS))
 def test_gspo_with_distillation_uses_stats_and_grad_launches(kinds: str, block: str) -> None:
     """GSPO forces fused launch (no gradient) -> seam -> grad launch; the teacher stats ride along."""
@@ -215,7 +215,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-TP_MIXES = {"ce+z+kd": {"softcap": 3.0}, "ce+grpo+kd_rev": {"logit_scale": 0.8}, "gspo+kd_rev": {}, "gspo+kd_both": {}}
+TP_MIXES = {"ce+z+kd": {"softcap": 3.0}, "ce+grpo+kd_rev": {"logit_scale": 0.8}, "gspo+kd_rev": {}, "gspo+kd_both": {},
+            "ce+kd_jsd_both": {"softcap": 3.0}}  # the generalized JSD: its vocab pass's sums all-reduced too
 
 
 def _tp_worker(rank: int, world: int, port: int, folder: str) -> None:
@@ -237,7 +238,7 @@ def _tp_worker(rank: int, world: int, port: int, folder: str) -> None:
 
 def test_tensor_parallel_two_ranks(tmp_path: os.PathLike) -> None:
     """gloo, world size 2: each rank holds 19 of 38 vocab ids (looped blocks of 16 with a tail); the
-    teacher's max, sum-exp and cross sum are all-reduced with the student's."""
+    teacher's max, sum-exp and cross sum are all-reduced with the student's (and the JSD pass's sums)."""
     world = 2
     mp.spawn(_tp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]

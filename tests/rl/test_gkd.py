@@ -28,16 +28,23 @@ from fastlm.training.registry import build_trainer
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-def _jsd64(student: torch.Tensor, teacher: torch.Tensor, beta: float, temperature: float) -> torch.Tensor:
-    """Per-token beta*KL(q || M) + (1-beta)*KL(p || M), M = beta*q + (1-beta)*p, in float64 (TRL's definition)."""
-    p = torch.log_softmax(student.double() / temperature, -1)
-    q = torch.log_softmax(teacher.double() / temperature, -1)
+def _jsd64(student: torch.Tensor, teacher: torch.Tensor, beta: float, temperature: float,
+           top_k: int | None = None) -> torch.Tensor:
+    """Per-token beta*KL(q || M) + (1-beta)*KL(p || M), M = beta*q + (1-beta)*p, in float64 (TRL's definition);
+    with `top_k` both over the teacher's k largest logits, renormalised there."""
+    student, teacher = student.double() / temperature, teacher.double() / temperature
+    if top_k is not None:
+        support = teacher.topk(top_k, dim=-1).indices
+        student, teacher = student.gather(-1, support), teacher.gather(-1, support)
+    p = torch.log_softmax(student, -1)
+    q = torch.log_softmax(teacher, -1)
     m = torch.logaddexp(p + math.log1p(-beta), q + math.log(beta))
     return beta * (q.exp() * (q - m)).sum(-1) + (1 - beta) * (p.exp() * (p - m)).sum(-1)
 
 
-@pytest.mark.parametrize("budget", [0.0, 0.002], ids=["full-logits", "chunked"])
-def test_rollout_batches_carry_the_teacher_head_and_the_loss_is_the_float64_jsd(budget: float) -> None:
+@pytest.mark.parametrize(("budget", "top_k"), [(0.0, None), (0.002, None), (0.002, 5)],
+                         ids=["full-logits", "chunked", "chunked-top5"])
+def test_rollout_batches_carry_the_teacher_head_and_the_loss_is_the_float64_jsd(budget: float, top_k: int | None) -> None:
     torch.manual_seed(4)
     teacher_model = build_model(LlamaConfig(hidden_size=48, num_layers=2, num_heads=4, max_seq_len=48, init_std=0.2)).eval()
     student = build_model(LlamaConfig(hidden_size=32, num_layers=1, num_heads=2, max_seq_len=48, init_std=0.2))
@@ -54,7 +61,7 @@ def test_rollout_batches_carry_the_teacher_head_and_the_loss_is_the_float64_jsd(
     head = LMHead(LMHeadConfig(losses={"grpo": {"type": "grpo", "weight": 0.0},
                                        "kd": {"type": "distillation", "kl": "jsd", "beta": beta,
                                               "temperature": temperature, "temperature_mode": "both",
-                                              "kd_scale": "none"}},
+                                              "kd_scale": "none", "top_k": top_k}},
                                logits_memory_mib=budget))
     tokens = batch.labels != IGNORE_INDEX
     result = student(batch.input_ids, batch.targets(), LossNormalizers(float(tokens.sum()), 2.0), batch.document_ids,
@@ -63,13 +70,13 @@ def test_rollout_batches_carry_the_teacher_head_and_the_loss_is_the_float64_jsd(
         teacher_logits = copy.deepcopy(teacher_model).double().logits(batch.input_ids, batch.document_ids) * 1.25
         teacher_logits = 5.0 * torch.tanh(teacher_logits / 5.0)
         student_logits = copy.deepcopy(student).double().logits(batch.input_ids, batch.document_ids)
-    want = _jsd64(student_logits, teacher_logits, beta, temperature)[tokens].mean()
+    want = _jsd64(student_logits, teacher_logits, beta, temperature, top_k)[tokens].mean()
     u = torch.log_softmax(teacher_logits, -1).gather(-1, batch.labels.clamp_min(0)[..., None])[..., 0][tokens]
     metrics = teacher_metrics(sums)  # the sampled tokens' log-probs from the same hidden states
     assert metrics["distill/teacher_logp"] == pytest.approx(float(u.mean()), rel=1e-5)
     assert metrics["distill/reverse_kl"] == pytest.approx(float((batch.old_logp[tokens] - u).mean()), rel=1e-5)
     error = abs(float(result.losses["kd"]) - float(want)) / float(want)
-    print(f"gkd jsd beta {beta} ({'chunked' if budget else 'full logits'}): {float(result.losses['kd']):.6f} "
+    print(f"gkd jsd beta {beta} top_k {top_k} ({'chunked' if budget else 'full logits'}): {float(result.losses['kd']):.6f} "
           f"vs float64 {float(want):.6f}, rel err {error:.1e}")
     assert error < 1e-5
     result.loss.backward()

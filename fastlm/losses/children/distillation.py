@@ -22,8 +22,15 @@ arXiv:2306.13649, eq. 1): M = beta*q + (1-beta)*p, loss beta*KL(q || M) + (1-bet
 the forward KL and beta 1 the reverse one (TRL's endpoints, run as `forward`/`reverse`). For 0 < beta < 1
 (`jsd_beta`) d/dp_j of the loss is (1-beta) log(p_j/M_j), so d/dx_j = (1-beta) p_j (l_j - E_p[l]) with
 l = log p - log M: the whole term per element (teacher coefficient k*(1-beta)/T_s). M needs both
-normalised softmaxes, so the compiled path adds a vocab pass once the log-partitions are known; the
-fused Triton kernel has no such pass, so mixed beta runs compiled (`triton_supported`).
+normalised softmaxes, so every path adds a vocab pass once the log-partitions are known: the compiled
+path per sub-chunk (`compiled._chunk_jsd`), the Triton path between its statistics and gradient launches
+(`triton.kernel.jsd_sums_kernel`; the single fused launch has no room for a third pass over the row).
+
+`top_k: k` takes the divergence over the teacher's k largest logits S only, both distributions renormalised
+over S (NeMo RL's `DistillationLossFn` with `zero_outside_topk: false`): q_S = softmax(u_S), p_S =
+softmax(x_S) (x/T with a tempered student), then the same forward / reverse / JSD formula on the k entries;
+columns outside S get no gradient. It runs on the reference and compiled paths (a config error with
+`use_triton: true`; under tensor parallelism, where no rank sees the whole row, a clear error).
 """
 
 from __future__ import annotations
@@ -63,6 +70,16 @@ class DistillationConfig(ChildConfig):
     teacher_path: str | None = Field(
         None, description="Checkpoint directory of the frozen teacher; None means the batch brings teacher logits."
     )
+    top_k: int | None = Field(
+        None, ge=1,
+        description="The divergence over the teacher's k largest logits only, teacher and student renormalised over "
+        "them (NeMo RL's zero_outside_topk: false); None = the whole vocab. Compiled path only (not use_triton: true).",
+    )
+
+    @property
+    def triton_supported(self) -> bool:
+        """The fused kernel streams whole rows; a per-token top-k support is not in it (compiled path)."""
+        return self.top_k is None
 
     def frozen_model(self) -> FrozenModel:
         return FrozenModel("teacher", "teacher_path", self.teacher_path)
@@ -72,15 +89,10 @@ class DistillationConfig(ChildConfig):
         """kl: jsd strictly between its endpoints (beta 0 and 1 are the forward and reverse KL)."""
         return self.kl == "jsd" and 0.0 < self.beta < 1.0
 
-    @property
-    def triton_supported(self) -> bool:
-        """The fused kernel has one vocab pass for statistics; the mixture M needs a second (see the module doc)."""
-        return not self.mixed_jsd
-
     def to_child(self, name: str) -> Distillation:
         reverse = self.kl == "reverse" or (self.kl == "jsd" and self.beta == 1.0)
         return Distillation(name, self.weight, self.temperature, reverse, self.temperature_mode == "both",
-                            self.kd_scale == "t_squared", self.beta if self.mixed_jsd else None)
+                            self.kd_scale == "t_squared", self.beta if self.mixed_jsd else None, self.top_k)
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,7 @@ class Distillation(LossChild):
     tempered_student: bool = False  # temperature_mode both: p_T = softmax(x / T)
     t_squared: bool = True  # with a tempered student: loss T^2 KL (Hinton), else KL (GKD)
     jsd_beta: float | None = None  # generalized JSD's beta, strictly in (0, 1); None = a plain KL
+    top_k: int | None = None  # the teacher's k largest logits as the support of both distributions; None = all
 
     @property
     def student_inv_temperature(self) -> float:
@@ -124,6 +137,9 @@ class Distillation(LossChild):
         if self.weight == 0:
             return
         k = inputs.mask.to(inputs.dtype) * (self.weight * inputs.per_token)
+        if self.top_k is not None:  # s/T_s * (d divergence / d(x_S / T_s)), scattered on S: the whole teacher term
+            out.teacher = k * (self.loss_scale * self.student_inv_temperature)
+            return
         if self.jsd_beta is not None:  # s (1-beta)/T_s * p_T,j (l_j - E[l]): all in the teacher term
             out.teacher = k * (self.loss_scale * (1.0 - self.jsd_beta) * self.student_inv_temperature)
             return
@@ -136,6 +152,10 @@ class Distillation(LossChild):
     def reference(self, inputs: ReferenceInputs) -> torch.Tensor:
         student = torch.log_softmax(inputs.x / self.temperature, dim=-1) if self.tempered_student else inputs.log_probs
         teacher = torch.log_softmax(inputs.targets.teacher_logits.to(student.dtype) / self.temperature, dim=-1)
+        if self.top_k is not None:  # both renormalised over the teacher's top k
+            support = teacher.topk(min(self.top_k, teacher.shape[-1]), dim=-1).indices
+            student = torch.log_softmax(student.gather(-1, support), dim=-1)
+            teacher = torch.log_softmax(teacher.gather(-1, support), dim=-1)
         if self.jsd_beta is not None:
             beta = self.jsd_beta
             mixture = torch.logaddexp(student + math.log1p(-beta), teacher + math.log(beta))
@@ -150,12 +170,15 @@ class Distillation(LossChild):
     def slot(self) -> KernelSlot:
         """The teacher's slot: its statistics and gradient term live in the kernel's vocab loop
         (`tempered`: the student at x/T there too)."""
+        if self.top_k is not None:
+            raise ValueError(f"distillation loss '{self.name}': top_k has no Triton path (the kernel streams whole "
+                             "rows); set model.head.use_triton: false or null")
+        scalars = {"weight": self.weight, "inv_temperature": 1.0 / self.temperature, "kd_scale": self.loss_scale}
         if self.jsd_beta is not None:
-            raise ValueError(f"distillation loss '{self.name}': kl: jsd with 0 < beta < 1 has no fused Triton path "
-                             "(the mixture needs a second vocab pass); set use_triton: false or null")
-        return KernelSlot(self.kind, ("loss",), {"weight": self.weight, "inv_temperature": 1.0 / self.temperature,
-                                                 "kd_scale": self.loss_scale},
-                          {"reverse": self.reverse, "tempered": self.student_inv_temperature != 1.0})
+            scalars["beta"] = self.jsd_beta
+        return KernelSlot(self.kind, ("loss",), scalars,
+                          {"reverse": self.reverse, "tempered": self.student_inv_temperature != 1.0,
+                           "jsd": self.jsd_beta is not None})
 
     def check_targets(self, targets: LossTargets, tokens: int) -> None:
         if targets.teacher_logits is None:

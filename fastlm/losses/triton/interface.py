@@ -17,8 +17,9 @@ The namedtuples are flat on purpose: Triton 3.6 (the GPU image's) passes a named
 @triton.jit function only when its fields are plain values, not tuples.
 
 A spec runs fused when every child has a slot, each label-form one with a function in terms.TERMS (a
-per-document one with a seam in documents.SEAMS) and at most MAX_SLOTS of them; otherwise the Triton
-path runs the children's torch tail between a stats and a grad launch (launcher.py).
+per-document one with a seam in documents.SEAMS) and at most MAX_SLOTS of them, and no generalized JSD
+(its mixture needs a vocab pass after the statistics, `jsd_sums_kernel`); otherwise the Triton path runs
+the children's torch tail between a stats and a grad launch (launcher.py).
 """
 
 from __future__ import annotations
@@ -114,18 +115,21 @@ class Rows(NamedTuple):
 class Teacher(NamedTuple):
     """The distillation slot (kernel constexpr TEACHER): its statistics and gradient term live in the vocab
     loop. `stats`/`grad`: this launch keeps the teacher's statistics / writes its gradient term; `weight`
-    and `kd_scale` are offsets into the parameter buffer (its 1/T is the kernel argument
-    `inv_temperature`: the vocab loop multiplies every element by it); `loss_row` its term row (FUSED),
-    else -1."""
+    and `kd_scale` (and `beta` with `jsd`) are offsets into the parameter buffer (its 1/T is the kernel
+    argument `inv_temperature`: the vocab loop multiplies every element by it); `loss_row` its term row
+    (FUSED), else -1. `jsd`: the generalized JSD with 0 < beta < 1, whose mixture needs a vocab pass
+    between the statistics and the gradient (`jsd_sums_kernel`), so it never runs FUSED."""
 
     present: bool = False
     stats: bool = False
     grad: bool = False
     reverse: bool = False
     tempered: bool = False
+    jsd: bool = False
     loss_row: int = -1
     weight: int = 0
     kd_scale: int = 0
+    beta: int = 0
 
 
 @dataclass(frozen=True)
@@ -158,8 +162,11 @@ class FusedLayout:
 
 def teacher_grad_stats(slot: KernelSlot) -> tuple[str, ...]:
     """The per-token statistics the grad launch reads for the teacher (a tail's stats keys): its
-    log-partition, and with a tempered student the student's at x/T and E_pT[x/T - u] (`teacher_gap`)."""
-    return ("teacher_lse", "student_lse", "teacher_gap") if slot.switches["tempered"] else ("teacher_lse",)
+    log-partition, and with a tempered student the student's at x/T and E_pT[x/T - u] (`teacher_gap`); with the
+    generalized JSD the student's log-partition of its KL softmax and KL(p_s || M) (`teacher_gap`)."""
+    if slot.switches["tempered"] or slot.switches["jsd"]:
+        return ("teacher_lse", "student_lse", "teacher_gap")
+    return ("teacher_lse",)
 
 
 def stats_rows(spec: LossSpec) -> tuple[str, ...]:
@@ -203,7 +210,8 @@ class Interface:
 
 def _runs_fused(spec: LossSpec, slots: dict[str, KernelSlot | None]) -> bool:
     labelled = [child for child in spec.children if not child.uses_teacher]
-    return (all(slot is not None for slot in slots.values()) and len(labelled) <= MAX_SLOTS
+    jsd = spec.teacher is not None and slots[spec.teacher.name].switches["jsd"]
+    return (not jsd and all(slot is not None for slot in slots.values()) and len(labelled) <= MAX_SLOTS
             and all(slots[child.name].kind in TERMS for child in labelled)
             and all(slots[child.name].kind in SEAMS for child in spec.per_document))
 
@@ -241,8 +249,7 @@ def interface(spec: LossSpec) -> Interface:
         slot = slots[spec.teacher.name]
         numbers = dict(slot.scalars)
         inv_temperature = numbers.pop("inv_temperature")
-        teacher = Teacher(True, reverse=slot.switches["reverse"], tempered=slot.switches["tempered"],
-                          **offsets(numbers))
+        teacher = Teacher(True, **slot.switches, **offsets(numbers))
     if not _runs_fused(spec, slots):
         return Interface(False, tuple(params), inv_temperature, teacher)
     layout = _fused_layout(spec, slots)

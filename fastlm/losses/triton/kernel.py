@@ -27,6 +27,11 @@ for Hinton's, 1 for TRL's GKD) times the KL of p_T = softmax(x/T), and its gradi
 (reverse kd_scale/T*p_T*((x/T - u) - E_pT[x/T - u])) is written whole per element from p_T, next to the
 untempered p the label children use.
 
+The generalized JSD (TEACHER.jsd, 0 < beta < 1: M = beta*q + (1-beta)*p_s) has no online form, since M
+mixes the two normalised softmaxes: it never runs FUSED. The launcher runs STATS, then `jsd_sums_kernel`
+(a vocab pass from the merged log-partitions: the JSD and KL(p_s || M) per token), the torch tail, then
+GRAD with KD_JSD, whose per-element term is k*(1-beta)*p_s*(log p_s - log M - KL(p_s || M)).
+
 One program handles one token row; math is fp32 whatever the input dtypes, in base 2 inside (x*log2 e,
 so each exponential is one `exp2`) and natural units at the interface. The row is walked in blocks:
 every block but the last is read without a bounds check, running sums are per-thread vectors
@@ -229,16 +234,29 @@ def _merge_block(
 
 
 @triton.jit
-def _grad(p, x2, u2, prob_coeff, kd_coeff, x_coeff, teacher_lse2, inv_t, student_lse2, kd_gap2, label_term,
-          inv_softcap2, HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr,
-          KD_TEMPERED: tl.constexpr, X_TERM: tl.constexpr):
+def _grad(p, x2, u2, prob_coeff, kd_coeff, x_coeff, teacher_lse2, inv_t, student_lse2, kd_gap2, log2_beta, log2_rest,
+          label_term, inv_softcap2, HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr,
+          KD_TEMPERED: tl.constexpr, KD_JSD: tl.constexpr, X_TERM: tl.constexpr):
     """d loss / d z for a block (or the label element, `label_term` != 0) from the student softmax p.
     The coefficients already carry grad_scale and logit_scale (and ln 2 for the reverse-KL term), so
     without a softcap this is one multiply per element: (prob_coeff*p - label_term + kd term) * dx/dz.
     KD_TEMPERED: the whole KL term from the tempered softmax p_T = 2^(x2/T - student_lse2) (inv_t =
-    1/T; kd_gap2 = E_pT[x/T - u] in base 2): k*(p_T - q), or k*p_T*((x2/T - u2) - kd_gap2) (reverse)."""
+    1/T; kd_gap2 = E_pT[x/T - u] in base 2): k*(p_T - q), or k*p_T*((x2/T - u2) - kd_gap2) (reverse).
+    KD_JSD (the generalized JSD, 0 < beta < 1): k*p_s*(l - kd_gap2), l = log2 p_s - log2 M, M = beta*q +
+    (1-beta)*p_s (log2_beta, log2_rest: log2 beta, log2 (1-beta)), kd_gap2 = KL(p_s || M) in base 2; p_s is
+    p_T with KD_TEMPERED, else p."""
     grad = prob_coeff * p - label_term
-    if KD_GRAD and KD_TEMPERED:
+    if KD_GRAD and KD_JSD:
+        x_s2 = x2
+        if KD_TEMPERED:
+            x_s2 = x2 * inv_t
+        log_p2 = x_s2 - student_lse2
+        student_part = log_p2 + log2_rest
+        teacher_part = (u2 - teacher_lse2) + log2_beta
+        top = tl.maximum(student_part, teacher_part)
+        log_m2 = top + tl.log2(tl.exp2(student_part - top) + tl.exp2(teacher_part - top))
+        grad += kd_coeff * tl.exp2(log_p2) * (log_p2 - log_m2 - kd_gap2)
+    elif KD_GRAD and KD_TEMPERED:
         x_t2 = x2 * inv_t
         p_t = tl.exp2(x_t2 - student_lse2)
         if KD_REVERSE:
@@ -261,15 +279,16 @@ def _grad(p, x2, u2, prob_coeff, kd_coeff, x_coeff, teacher_lse2, inv_t, student
 @triton.jit
 def _write_grad_block(
     grad_row_ptr, offsets, n_cols, p, x2, u2, prob_coeff, kd_coeff, x_coeff, teacher_lse2, inv_t, student_lse2,
-    kd_gap2, inv_softcap2, HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr,
-    KD_TEMPERED: tl.constexpr, X_TERM: tl.constexpr, MASKED: tl.constexpr,
+    kd_gap2, log2_beta, log2_rest, inv_softcap2, HAS_SOFTCAP: tl.constexpr, KD_GRAD: tl.constexpr,
+    KD_REVERSE: tl.constexpr, KD_TEMPERED: tl.constexpr, KD_JSD: tl.constexpr, X_TERM: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """Store one block's gradient (without the label term) in the buffer's dtype, streaming past L2."""
     if MASKED:  # finite past the row end (those columns are not stored): no inf*0 in the softcap/KD terms
         x2 = tl.where(offsets < n_cols, x2, 0.0)
         u2 = tl.where(offsets < n_cols, u2, 0.0)
-    grad = _grad(p, x2, u2, prob_coeff, kd_coeff, x_coeff, teacher_lse2, inv_t, student_lse2, kd_gap2, 0.0,
-                 inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE, KD_TEMPERED, X_TERM)
+    grad = _grad(p, x2, u2, prob_coeff, kd_coeff, x_coeff, teacher_lse2, inv_t, student_lse2, kd_gap2, log2_beta,
+                 log2_rest, 0.0, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE, KD_TEMPERED, KD_JSD, X_TERM)
     value = grad.to(grad_row_ptr.dtype.element_ty)
     if MASKED:
         tl.store(grad_row_ptr + offsets, value, mask=offsets < n_cols, cache_modifier=".cs")
@@ -280,8 +299,9 @@ def _write_grad_block(
 @triton.jit
 def _store_grad_block(
     grad_row_ptr, z_raw, teacher_raw, offsets, n_cols, x_scale, softcap, u_scale, lse2, teacher_lse2, inv_t,
-    student_lse2, kd_gap2, prob_coeff, kd_coeff, x_coeff, inv_softcap2, HAS_SOFTCAP: tl.constexpr,
-    KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr, KD_TEMPERED: tl.constexpr, X_TERM: tl.constexpr,
+    student_lse2, kd_gap2, log2_beta, log2_rest, prob_coeff, kd_coeff, x_coeff, inv_softcap2, HAS_SOFTCAP: tl.constexpr,
+    KD_GRAD: tl.constexpr, KD_REVERSE: tl.constexpr, KD_TEMPERED: tl.constexpr, KD_JSD: tl.constexpr,
+    X_TERM: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     """Second pass: the gradient of one loaded block."""
@@ -290,8 +310,8 @@ def _store_grad_block(
     if KD_GRAD:
         u2 = teacher_raw.to(tl.float32) * u_scale
     _write_grad_block(grad_row_ptr, offsets, n_cols, tl.exp2(x2 - lse2), x2, u2, prob_coeff, kd_coeff, x_coeff,
-                      teacher_lse2, inv_t, student_lse2, kd_gap2, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE,
-                      KD_TEMPERED, X_TERM, MASKED)
+                      teacher_lse2, inv_t, student_lse2, kd_gap2, log2_beta, log2_rest, inv_softcap2, HAS_SOFTCAP,
+                      KD_GRAD, KD_REVERSE, KD_TEMPERED, KD_JSD, X_TERM, MASKED)
 
 
 @triton.jit
@@ -437,6 +457,7 @@ def lm_loss_kernel(
     KD_GRAD: tl.constexpr = TEACHER.grad  # distillation term in the gradient (FUSED, GRAD; weight != 0)
     KD_REVERSE: tl.constexpr = TEACHER.reverse
     KD_TEMPERED: tl.constexpr = TEACHER.tempered  # temperature_mode both at T != 1: the KL's student at x/T
+    KD_JSD: tl.constexpr = TEACHER.jsd  # the generalized JSD (0 < beta < 1): GRAD only (jsd_sums_kernel before it)
     X_TERM: tl.constexpr = LAYOUT.x_term  # entropy bonus p_j * x_j in the gradient
     N_ROWS: tl.constexpr = LAYOUT.n_rows  # rows of the per-token buffer
     # Base-2 units inside (exp2 is one instruction); natural units in and out.
@@ -479,6 +500,8 @@ def lm_loss_kernel(
         teacher_lse2 = 0.0
         student_lse2 = 0.0  # KD_TEMPERED: log-partition of x/T and E_pT[x/T - u], base 2
         kd_gap2 = 0.0
+        log2_beta = 0.0  # KD_JSD: log2 beta and log2 (1 - beta), the mixture's weights
+        log2_rest = 0.0
         x_coeff = 0.0
         if MODE == MODE_GRAD:
             token_rows = rows_ptr + row  # this token's column of the per-token rows
@@ -489,10 +512,14 @@ def lm_loss_kernel(
                 x_coeff = tl.load(token_rows + LAYOUT.x_coeff * rows_stride)
             if KD_GRAD:
                 teacher_lse2 = tl.load(token_rows + LAYOUT.teacher_lse * rows_stride) * LOG2E
-                if KD_TEMPERED:
+                if KD_TEMPERED or KD_JSD:
                     student_lse2 = tl.load(token_rows + LAYOUT.student_lse * rows_stride) * LOG2E
-                    if KD_REVERSE:
+                    if KD_REVERSE or KD_JSD:
                         kd_gap2 = tl.load(token_rows + LAYOUT.teacher_gap * rows_stride) * LOG2E
+                if KD_JSD:
+                    kd_beta = tl.load(params_ptr + TEACHER.beta)
+                    log2_beta = tl.log2(kd_beta)
+                    log2_rest = tl.log2(1.0 - kd_beta)
         else:
             m = float("-inf")
             s = tl.zeros([ACC], dtype=tl.float32)
@@ -627,7 +654,9 @@ def lm_loss_kernel(
             prob_coeff = prob_coeff * grad_coeff
             label_coeff = label_coeff * grad_coeff
             kd_weight, kd_scale = _teacher_numbers(params_ptr, TEACHER)
-            kd_grad_coeff = kd_weight * token_scale * grad_coeff * (LN2 if KD_REVERSE else 1.0)
+            kd_grad_coeff = kd_weight * token_scale * grad_coeff * (LN2 if KD_REVERSE or KD_JSD else 1.0)
+            if KD_JSD:  # d/dp_s of the JSD is (1 - beta) log(p_s / M)
+                kd_grad_coeff = kd_grad_coeff * (1.0 - tl.exp2(log2_beta))
             if KD_TEMPERED:  # kd_scale * d/dx of a KL of x/T
                 kd_grad_coeff = kd_grad_coeff * (kd_scale * inv_temperature)
             x_coeff = x_coeff * grad_coeff * LN2
@@ -638,8 +667,8 @@ def lm_loss_kernel(
                 else:
                     p = e * (1.0 / s)
                 _write_grad_block(grad_row, offsets, n_cols, p, x2, u2, prob_coeff, kd_grad_coeff, x_coeff,
-                                  teacher_lse2, inv_temperature, student_lse2, kd_gap2, inv_softcap2, HAS_SOFTCAP,
-                                  KD_GRAD, KD_REVERSE, KD_TEMPERED, X_TERM, True)
+                                  teacher_lse2, inv_temperature, student_lse2, kd_gap2, log2_beta, log2_rest,
+                                  inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE, KD_TEMPERED, KD_JSD, X_TERM, True)
             else:
                 # Backwards, so the blocks the stats pass read last are the first re-read (L2 hits); the
                 # re-read is evict-first. In place is safe: each thread stores only elements it loaded
@@ -652,8 +681,9 @@ def lm_loss_kernel(
                     tail = n_full * BLOCK + offsets
                     z_raw, teacher_raw = _load_pair(logits_row, teacher_row, tail, n_cols, KD_GRAD, True, "evict_first")
                     _store_grad_block(grad_row, z_raw, teacher_raw, tail, n_cols, x_scale, softcap, u_scale, lse2,
-                                      teacher_lse2, inv_temperature, student_lse2, kd_gap2, prob_coeff, kd_grad_coeff,
-                                      x_coeff, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE, KD_TEMPERED, X_TERM, True)
+                                      teacher_lse2, inv_temperature, student_lse2, kd_gap2, log2_beta, log2_rest,
+                                      prob_coeff, kd_grad_coeff, x_coeff, inv_softcap2, HAS_SOFTCAP, KD_GRAD,
+                                      KD_REVERSE, KD_TEMPERED, KD_JSD, X_TERM, True)
                 for step in range(0, end_full - first):
                     block_offsets = (end_full - 1 - step) * BLOCK + offsets
                     if PREFETCH:
@@ -665,9 +695,9 @@ def lm_loss_kernel(
                         z_raw, teacher_raw = _load_pair(logits_row, teacher_row, block_offsets, n_cols, KD_GRAD, False,
                                                         "evict_first")
                     _store_grad_block(grad_row, z_raw, teacher_raw, block_offsets, n_cols, x_scale, softcap, u_scale,
-                                      lse2, teacher_lse2, inv_temperature, student_lse2, kd_gap2, prob_coeff,
-                                      kd_grad_coeff, x_coeff, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE,
-                                      KD_TEMPERED, X_TERM, False)
+                                      lse2, teacher_lse2, inv_temperature, student_lse2, kd_gap2, log2_beta,
+                                      log2_rest, prob_coeff, kd_grad_coeff, x_coeff, inv_softcap2, HAS_SOFTCAP,
+                                      KD_GRAD, KD_REVERSE, KD_TEMPERED, KD_JSD, X_TERM, False)
             if owns_label:
                 # The label's element: the blocks above left out -label_coeff; rewrite it once the
                 # whole CTA's block stores are done (the barrier orders them before this one).
@@ -676,8 +706,9 @@ def lm_loss_kernel(
                 if KD_GRAD:
                     u2_label = _load_u2(teacher_row + local_label, 0, 1, u_scale, False, "evict_first")
                 label_grad = _grad(tl.exp2(x2_label - lse2), x2_label, u2_label, prob_coeff, kd_grad_coeff, x_coeff,
-                                   teacher_lse2, inv_temperature, student_lse2, kd_gap2, label_coeff, inv_softcap2,
-                                   HAS_SOFTCAP, KD_GRAD, KD_REVERSE, KD_TEMPERED, X_TERM)
+                                   teacher_lse2, inv_temperature, student_lse2, kd_gap2, log2_beta, log2_rest,
+                                   label_coeff, inv_softcap2, HAS_SOFTCAP, KD_GRAD, KD_REVERSE, KD_TEMPERED, KD_JSD,
+                                   X_TERM)
                 tl.store(grad_row + local_label, label_grad.to(grad_ptr.dtype.element_ty))
     else:
         # Neutral, finite values: a masked row contributes nothing and never makes a NaN.
@@ -704,6 +735,53 @@ def lm_loss_kernel(
             if own_tail:
                 tail = n_full * BLOCK + offsets
                 tl.store(grad_row + tail, zeros, mask=tail < n_cols, cache_modifier=".cs")
+
+
+@triton.jit
+def jsd_sums_kernel(
+    logits_ptr, logits_stride, teacher_ptr, teacher_stride, labels_ptr, rows_ptr, rows_stride, n_cols, logit_scale,
+    softcap, inv_temperature, beta, HAS_SOFTCAP: tl.constexpr, TEMPERED: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The generalized JSD's second vocab pass (0 < beta < 1), one program per token row, once the
+    log-partitions are known: M = beta*q + (1-beta)*p_s is a mixture of the two normalised softmaxes, so
+    unlike the KLs it has no online form. Reads rows 0 and 1 (the student's log-partition of its KL
+    softmax p_s, at x/T with TEMPERED; the teacher's of u = t/T), writes row 2 = beta*KL(q || M) +
+    (1-beta)*KL(p_s || M) (the loss) and row 3 = KL(p_s || M) (the gradient's mean term), both sums over
+    this program's columns (additive over vocab shards); 0 on masked rows."""
+    row = tl.program_id(0).to(tl.int64)
+    token_rows = rows_ptr + row
+    student_kl = 0.0
+    teacher_kl = 0.0
+    if tl.load(labels_ptr + row) != IGNORE_INDEX:
+        x_scale = logit_scale / softcap if HAS_SOFTCAP else logit_scale * LOG2E
+        u_scale = inv_temperature * LOG2E
+        student_lse2 = tl.load(token_rows) * LOG2E
+        teacher_lse2 = tl.load(token_rows + rows_stride) * LOG2E
+        log2_beta = tl.log2(beta)
+        log2_rest = tl.log2(1.0 - beta)
+        offsets = tl.arange(0, BLOCK)
+        student_lanes = tl.zeros([BLOCK], dtype=tl.float32)
+        teacher_lanes = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            columns = start + offsets
+            valid = columns < n_cols
+            x2 = _x2_of(_load_raw(logits_ptr + row * logits_stride, columns, n_cols, True, "evict_first"), columns,
+                        n_cols, x_scale, softcap, HAS_SOFTCAP, True)
+            if TEMPERED:
+                x2 = x2 * inv_temperature
+            u2 = _load_u2(teacher_ptr + row * teacher_stride, columns, n_cols, u_scale, True, "evict_first")
+            log_p2 = tl.where(valid, x2 - student_lse2, 0.0)
+            log_q2 = tl.where(valid, u2 - teacher_lse2, 0.0)
+            student_part = log_p2 + log2_rest
+            teacher_part = log_q2 + log2_beta
+            top = tl.maximum(student_part, teacher_part)
+            log_m2 = top + tl.log2(tl.exp2(student_part - top) + tl.exp2(teacher_part - top))
+            student_lanes += tl.where(valid, tl.exp2(log_p2) * (log_p2 - log_m2), 0.0)
+            teacher_lanes += tl.where(valid, tl.exp2(log_q2) * (log_q2 - log_m2), 0.0)
+        student_kl = tl.sum(student_lanes, 0) * LN2
+        teacher_kl = tl.sum(teacher_lanes, 0) * LN2
+    tl.store(token_rows + 2 * rows_stride, beta * teacher_kl + (1.0 - beta) * student_kl)
+    tl.store(token_rows + 3 * rows_stride, student_kl)
 
 
 @triton.jit

@@ -5,8 +5,9 @@
 - tensor parallelism (`group`), or a child the fused kernel has no slot for (`interface.fused` false:
   no `slot`, e.g. a call-wide entropy quantile, the bias-corrected KL, a token-mean entropy weight
   apart from the loss_type's; or no per-token function in terms.py): stats launch, all-reduce of the
-  mergeable pieces (student and teacher; none without a group), every child's tail in torch
-  (`coefficients.tail`), grad launch;
+  mergeable pieces (student and teacher; none without a group), with the generalized JSD (0 < beta < 1)
+  its vocab pass from the merged log-partitions (`jsd_sums_kernel`, its sums all-reduced too), every
+  child's tail in torch (`coefficients.tail`), grad launch;
 - a per-document child (GSPO) without tensor parallelism: the fused launch without the gradient
   (which also writes the per-token state), that child's seam launch on the term buffer (the
   sync-free seam: its loss and document metrics rows, its coefficients added to the state), then the
@@ -65,12 +66,14 @@ from fastlm.losses.triton.kernel import (
     SPLIT_EXCHANGE,
     SPLIT_PUBLISH,
     SPLIT_READ,
+    jsd_sums_kernel,
     lm_loss_kernel,
     row_sums_kernel,
 )
 from fastlm.losses.validation import check_inputs, raise_on_bad_values, value_flags, vocab_shard
 
 MAX_BLOCK = 32768
+JSD_BLOCK = 4096  # the generalized JSD's vocab pass (`_jsd_sums`): columns per step, untuned (no GPU sweep yet)
 # With distillation a row longer than this many columns is split (`default_split`) into segments of
 # about this size, one program each, walked in 16384-column blocks on 8 warps: the fastest of the H100
 # sweeps in tuning-log entry 19 (CE+kd's kernel alone, 2048 rows: 0.796 -> 0.615 ms at V=131072,
@@ -401,8 +404,32 @@ def _reduce_stats(launch: _Launch, group: ProcessGroup | None) -> dict[str, torc
     student_sum = sums[4] if tempered else sums[0]
     stats["student_lse"] = maxima[0] * inv_t + torch.log(student_sum) if tempered else lse
     stats["teacher_lse"] = maxima[1] + torch.log(sums[3])
-    stats.update(distill.token_stats(stats["student_lse"], stats["teacher_lse"], sums[-1], student_sum, sums[3]))
+    if distill.jsd_beta is not None:
+        stats["teacher_kl"], stats["teacher_gap"] = _jsd_sums(launch, stats["student_lse"], stats["teacher_lse"], group)
+    else:
+        stats.update(distill.token_stats(stats["student_lse"], stats["teacher_lse"], sums[-1], student_sum, sums[3]))
     return stats
+
+
+def _jsd_sums(launch: _Launch, student_lse: torch.Tensor, teacher_lse: torch.Tensor,
+              group: ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The generalized JSD's vocab pass (`jsd_sums_kernel`) from the merged log-partitions, its two sums
+    all-reduced over `group`: (the JSD per token, KL(p_s || M))."""
+    distill = launch.spec.teacher
+    rows = launch.rows(4)
+    rows[0], rows[1] = student_lse, teacher_lse
+    block = min(launch.block, JSD_BLOCK)  # whole-block temporaries (no lane folding): kept register-sized
+    jsd_sums_kernel[(launch.logits.shape[0],)](
+        launch.logits, launch.logits.stride(0), launch.teacher, launch.teacher.stride(0), launch.labels, rows,
+        rows.stride(0), launch.logits.shape[1], float(launch.spec.logit_scale),
+        float(launch.spec.softcap) if launch.spec.softcap is not None else 1.0, launch.interface.inv_temperature,
+        float(distill.jsd_beta), HAS_SOFTCAP=launch.spec.softcap is not None,
+        TEMPERED=distill.student_inv_temperature != 1.0, BLOCK=block, num_warps=default_num_warps(block, True),
+    )
+    sums = rows[2:]
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+    return sums[0], sums[1]
 
 
 def triton_loss(
