@@ -50,7 +50,7 @@ from pydantic import Field, model_validator
 from fastlm.losses.children.base import ChildConfig, KernelSlot, LossChild, ReferenceInputs, Tail, TailInputs
 from fastlm.losses.document_weights import launched_document_means
 from fastlm.losses.metrics import k3_kl
-from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets, safe_inverse
+from fastlm.losses.tensors import IGNORE_INDEX, LossNormalizers, LossTargets, safe_inverse
 
 LossType = Literal["dapo", "grpo", "bnpo", "dr_grpo"]
 POLICY_INPUTS = ("old_logp", "advantages")
