@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from fastlm.commands.main import main
+from fastlm.logging.jsonl import read_metrics
 from fastlm.rl.rewards import load_reward_functions
 from fastlm.run_config.loader import load_config
 
@@ -85,22 +86,26 @@ class Countdown:
 def test_an_environment_module_next_to_the_config_validates_and_trains(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """rl.environment's class is found in the YAML's folder from another working directory, as rewards are: by
-    `fastlm validate`, by `fastlm train` (one step), and by the child process that runs the episodes."""
+    `fastlm validate`, by `fastlm train` (one step), and by the child process that runs the episodes; the
+    environment scores the prompts of a JSONL beside it (no rl.rewards)."""
     project = tmp_path / "project"
     project.mkdir()
     (project / "beside_config_envs.py").write_text(ENVIRONMENT)
+    (project / "prompts.jsonl").write_text('{"prompt": "2+2="}\n{"prompt": "3+3="}\n')
     config = project / "envs.yaml"
     config.write_text(yaml.safe_dump({
         "base": str(CONFIGS / "grpo_tools.yaml"), "run": {"output_dir": str(tmp_path / "run")},
         "trainer": {"steps": 1, "eval_every": 0, "log_every": 1}, "logging": {"progress": False, "wandb": {"enabled": False}},
         "rl": {"environment": {"name": "beside_config_envs:Countdown", "max_turns": 1},
-               "task": {"type": "addition"}, "warmup_steps": 0, "eval_prompts": 0, "group_size": 2,
+               "prompts": {"path": "prompts.jsonl"}, "warmup_steps": 0, "eval_prompts": 0, "group_size": 2,
                "prompts_per_rollout": 2, "updates_per_rollout": 1, "max_new_tokens": 4}}))
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     assert main(["validate", str(config)]) == 0, capsys.readouterr().err
     assert main(["train", str(config)]) == 0, capsys.readouterr().err
-    assert (tmp_path / "run").is_dir()
+    (metrics,) = (tmp_path / "run").rglob("metrics.jsonl")
+    rewards = [record["train/reward"] for record in read_metrics(metrics) if "train/reward" in record]
+    assert len(rewards) == 1 and rewards[0] >= 0.0  # the environment scored the step's episodes
     sys.modules.pop("beside_config_envs", None)
 
 
