@@ -28,13 +28,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench_train import packed_document_ids  # noqa: E402 - tools/ is the script directory, on sys.path
 
+from fastlm.layers.attention_kernels import flex_attend  # noqa: E402
 from fastlm.layers.embedding import document_positions  # noqa: E402 - after the path fix
-from fastlm.layers.packed_attention import (  # noqa: E402
-    attention_layout,
-    document_mask_mod,
-    flex_attend,
-    flex_block_mask,
-)
+from fastlm.layers.packed_attention import attention_layout, document_mask_mod, flex_block_mask  # noqa: E402
 
 DENSE_LIMIT_GIB = 4.0  # the dense candidate runs up to this mask size (a 128k row's is 16 GiB)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from fastlm.commands.errors import exit_status
 from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.data.tokenizer import TokenizerError
 from fastlm.engine.checkpoint import CheckpointError
@@ -35,12 +36,8 @@ def convert_command(from_hf: str | None, to: str | None, from_fastlm: str | None
             raise ConfigError(f"--from {from_fastlm} is a LoRA run: add --merge-lora (or use --to-peft DIR)")
         print(f"wrote {save_hf(config, state, to_hf, tokenizer)} ({hf_model_type(config)}, {tokenizer.name} tokenizer)")
         return 0
-    except ConfigError as error:
-        print(error.render(), file=sys.stderr)
-        return 2
-    except TokenizerError as error:
-        print(f"fastlm convert: {error}", file=sys.stderr)
-        return 2
+    except (ConfigError, TokenizerError) as error:
+        return exit_status(error, command="fastlm convert")
 
 
 def check_command(from_hf: str | None, to: str | None, device: str, tokens: int, new_tokens: int,
@@ -58,8 +55,7 @@ def check_command(from_hf: str | None, to: str | None, device: str, tokens: int,
 
         report = parity_report(from_hf, device, tokens, new_tokens, tolerance)
     except ConfigError as error:
-        print(error.render(), file=sys.stderr)
-        return 2
+        return exit_status(error)
     print(report.table())
     return 0 if report.passed else 1
 
@@ -86,5 +82,4 @@ def lora_convert_command(source: str | None, to: str | None, to_hf: str | None, 
             print(f"wrote {save_merged_fastlm(merged_model(model), tokenizer, to)} (merged, fastlm)")
         return 0
     except (ConfigError, CheckpointError, PeftFormatError, TokenizerError) as error:
-        print(error.render() if isinstance(error, ConfigError) else f"fastlm convert: {error}", file=sys.stderr)
-        return 2
+        return exit_status(error, command="fastlm convert")

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
+from fastlm.commands.errors import exit_status
 from fastlm.commands.generate_arguments import DEFAULT_MAX_NEW_TOKENS
 from fastlm.config.errors import ConfigError
 from fastlm.data.chat import ChatError, check_messages, encode_chat_prompt
@@ -142,8 +143,7 @@ def generate_command(args: argparse.Namespace) -> int:
         generator = torch.Generator(device=device).manual_seed(seed)
         completions = Generator(loaded.model, tokenizer, amp).generate(encoded, options, generator)
     except (ConfigError, DataError, CheckpointError, ValueError) as error:
-        print(error.render() if isinstance(error, ConfigError) else f"fastlm: {error}", file=sys.stderr)
-        return 2
+        return exit_status(error)
     print(f"# {loaded.origin}: temperature {options.temperature:g}, top_p {options.top_p:g}, "
           f"max_new_tokens {options.max_new_tokens}, seed {seed}", file=sys.stderr)
     try:

@@ -5,8 +5,9 @@ from any working directory; README "Recipe" walks through it."""
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
+
+from fastlm.commands.errors import exit_status
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_RECIPE = "lora_chat"
@@ -24,18 +25,15 @@ def init_command(directory: str, recipe: str) -> int:
     """Copies the recipe's files into `directory` (made if missing); refuses, before copying anything, to
     overwrite a file that is there."""
     if recipe not in recipe_names():
-        print(f"fastlm init: no recipe {recipe!r}; the recipes are {', '.join(recipe_names())}", file=sys.stderr)
-        return 2
+        return exit_status(f"no recipe {recipe!r}; the recipes are {', '.join(recipe_names())}", command="fastlm init")
     target = Path(directory)
     if target.exists() and not target.is_dir():
-        print(f"fastlm init: {target} is a file, not a folder; name a new or existing folder", file=sys.stderr)
-        return 2
+        return exit_status(f"{target} is a file, not a folder; name a new or existing folder", command="fastlm init")
     files = recipe_files(recipe)
     taken = [target / file.name for file in files if (target / file.name).exists()]
     if taken:
-        print(f"fastlm init: {taken[0]} exists (and {len(taken) - 1} more of the recipe's files); copy into another "
-              "folder or move them away", file=sys.stderr)
-        return 2
+        return exit_status(f"{taken[0]} exists (and {len(taken) - 1} more of the recipe's files); copy into another "
+                           "folder or move them away", command="fastlm init")
     target.mkdir(parents=True, exist_ok=True)
     for file in files:
         shutil.copyfile(file, target / file.name)

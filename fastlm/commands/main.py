@@ -100,6 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fastlm.commands.prepare import prepare_command
 
         return prepare_command(args.config, [*args.overrides, *extra], args.verify)
+    from fastlm.commands.errors import exit_status
     from fastlm.config.errors import ConfigError
     from fastlm.run_config.loader import dump_config, load_config
 
@@ -107,8 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(args.config, overrides)
     except ConfigError as error:
-        print(error.render(), file=sys.stderr)
-        return 2
+        return exit_status(error)
     if args.command == "print-config":
         if args.describe:
             from fastlm.run_config.describe import describe_config

@@ -3,10 +3,9 @@ fastlm/data/prepare.py's `prepare` (or `verify_prepared`), with one line and an 
 
 from __future__ import annotations
 
-import sys
-
 from pydantic import ValidationError
 
+from fastlm.commands.errors import RUN_TIME, exit_status
 from fastlm.config.errors import ConfigError
 from fastlm.data.datasets import DataError
 from fastlm.data.prepare import PrepareConfig, PrepareStopped, prepare
@@ -35,18 +34,12 @@ def prepare_command(path: str, overrides: list[str], verify: bool = False) -> in
             try:
                 print(verify_prepared(config.output_path))
             except DataError as error:
-                print(f"fastlm prepare --verify: {error}", file=sys.stderr)
-                return 1
+                return exit_status(error, RUN_TIME, "fastlm prepare --verify")
             return 0
         summary = prepare(config)
-    except ConfigError as error:
-        print(error.render(), file=sys.stderr)
-        return 2
-    except (DataError, TokenizerError) as error:
-        print(f"fastlm prepare: {error}", file=sys.stderr)
-        return 2
+    except (ConfigError, DataError, TokenizerError) as error:
+        return exit_status(error, command="fastlm prepare")
     except (DiskFullError, RunDirError, PrepareStopped) as error:  # run-time trouble, not bad input: 1
-        print(f"fastlm prepare: {error}", file=sys.stderr)
-        return 1
+        return exit_status(error, RUN_TIME, "fastlm prepare")
     print(summary.describe())
     return 0

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from fastlm.commands.errors import RUN_TIME, exit_status
 from fastlm.config.errors import ConfigError
 from fastlm.data.datasets import DataError
 from fastlm.engine.checkpoint import CheckpointError
@@ -47,11 +48,9 @@ def _start_checks(config: RunConfig, resume: bool) -> int | None:
     try:
         issues = [*preflight_issues(config), *run_dir_issues(config, resume)]
     except RunDirError as error:
-        _report(f"fastlm: {error}")
-        return 1
+        return exit_status(error, RUN_TIME)
     if issues:
-        _report(ConfigError(issues).render())
-        return 2
+        return exit_status(ConfigError(issues))
     return None
 
 
@@ -60,20 +59,14 @@ def _train(config: RunConfig, resume: bool) -> int:
         trainer = build_trainer(config)
         summary = trainer.train(resume=resume)
     except ConfigError as error:  # found before anything was written: a user mistake, exit 2 like validate
-        _report(error.render())
-        return 2
+        return exit_status(error)
     except (NonFiniteError, DataError, CheckpointError, RunDirError, DiskFullError, RewardError) as error:  # says what to fix
-        _report(f"fastlm: {error}")
-        return 1
+        return exit_status(error, RUN_TIME)
     if trainer.rank in (None, 0):
         print(describe_summary(summary), file=sys.stderr)
     return 0
 
 
-def _report(message: str) -> None:
-    """A clean error, printed once: by the single process, or by rank 0 of a torchrun job."""
-    if os.environ.get("RANK", "0") == "0":
-        print(message, file=sys.stderr, flush=True)
 
 
 def launch_processes(config: RunConfig, processes: int, argv: Sequence[str]) -> int:
@@ -96,9 +89,8 @@ def launch_processes(config: RunConfig, processes: int, argv: Sequence[str]) -> 
         run(launcher)
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
-        print(f"fastlm: the job failed: rank {rank} exited with status {failure.exitcode} (its message is above)",
-              file=sys.stderr)
-        return failure.exitcode if failure.exitcode > 0 else 1
+        return exit_status(f"the job failed: rank {rank} exited with status {failure.exitcode} (its message is above)",
+                           failure.exitcode if failure.exitcode > 0 else RUN_TIME)
     return 0
 
 

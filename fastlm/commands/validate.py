@@ -4,11 +4,11 @@ has checked the config), then the report of what training would do: model size a
 from __future__ import annotations
 
 import os
-import sys
 from typing import TYPE_CHECKING
 
 import torch
 
+from fastlm.commands.errors import exit_status
 from fastlm.config.errors import ConfigError
 from fastlm.data.config import PREPARED_SOURCE_TYPES
 from fastlm.data.datasets import DataError
@@ -37,12 +37,8 @@ def validate_command(config: RunConfig, dry_run: bool, resume: bool) -> int:
         if issues:
             raise ConfigError(issues)
         report = describe_run(config)
-    except ConfigError as error:
-        print(error.render(), file=sys.stderr)
-        return 2
-    except (DataError, RunDirError) as error:
-        print(f"fastlm: {error}", file=sys.stderr)
-        return 2
+    except (ConfigError, DataError, RunDirError) as error:
+        return exit_status(error)
     print(dump_config(config), end="")
     print("---")
     print(report)

@@ -1,4 +1,5 @@
-"""User code that a config names (`rl.rewards: [{function: "my_rewards:exact"}]`), imported where users expect it.
+"""User code that a config names (`rl.rewards: [{function: "my_rewards:exact"}]`, `rl.environment: {name:
+"my_envs:Game"}`), imported where users expect it.
 
 `python train.py` finds modules next to the script; a `fastlm train my/run.yaml` user expects the same of
 the modules the YAML names: they are imported with the folder of the config file that named them, the
@@ -19,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel, PrivateAttr
 
 from fastlm.config.base import ConfigModel
+from fastlm.config.errors import ConfigIssue
 
 
 class UserCodeConfig(ConfigModel):
@@ -42,6 +44,12 @@ class UserCodeConfig(ConfigModel):
             sys.path[:0] = added
             importlib.invalidate_caches()
         return importlib.import_module(name)
+
+    def import_issue(self, where: str, name: str, value: str, error: BaseException) -> ConfigIssue:
+        """The problem of a module `import_module` could not import: why, and where it was looked for."""
+        return ConfigIssue(where, f"cannot import module '{name}': {type(error).__name__}: {error}", value,
+                           hint=f"looked in {', '.join(self.search_folders)} and PYTHONPATH; put the module next to "
+                                "the config file or in the working directory")
 
 
 def user_code_sections(node: Any, path: str = "") -> Iterator[tuple[str, UserCodeConfig]]:

@@ -6,11 +6,8 @@ the special tokens at 256..259 the ids equal `ByteTokenizer`'s exactly.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from fastlm.data.tokenizer import ByteTokenizer
 
 BYTE_CHAT_TEMPLATE = (
     "{% for message in messages %}### {{ message['role'] }}\n{{ message['content'] }}\n{% endfor %}"
@@ -18,20 +15,20 @@ BYTE_CHAT_TEMPLATE = (
 )
 
 
-def save_byte_tokenizer(tokenizer: ByteTokenizer, directory: Path) -> None:
+def save_byte_tokenizer(directory: Path, special_tokens: Mapping[int, str], bos_id: int, eos_id: int, pad_id: int,
+                        sep_id: int) -> None:
+    """`ByteTokenizer.save_pretrained`: its special tokens (id -> text) and the ids of each role."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
-    from fastlm.data.tokenizer import SPECIAL_TOKENS
 
     vocab = {char: byte for byte, char in _gpt2_byte_table().items()}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([SPECIAL_TOKENS[i] for i in sorted(SPECIAL_TOKENS)])
+    backend.add_special_tokens([special_tokens[i] for i in sorted(special_tokens)])
     wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=SPECIAL_TOKENS[tokenizer.bos_id], eos_token=SPECIAL_TOKENS[tokenizer.eos_id],
-        pad_token=SPECIAL_TOKENS[tokenizer.pad_id], sep_token=SPECIAL_TOKENS[tokenizer.sep_id],
+        tokenizer_object=backend, bos_token=special_tokens[bos_id], eos_token=special_tokens[eos_id],
+        pad_token=special_tokens[pad_id], sep_token=special_tokens[sep_id],
     )
     wrapped.chat_template = BYTE_CHAT_TEMPLATE
     wrapped.save_pretrained(str(directory))

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from fastlm.config.base import ConfigModel
+from fastlm.data.prepared_layout import prepared_files
 
 
 class GeneratedSource(ConfigModel):
@@ -86,8 +87,6 @@ class MemmapSource(ConfigModel):
 
     def data_files(self) -> list[str]:
         """The files training reads (the checkpoint's data fingerprint hashes them)."""
-        from fastlm.data.prepared import prepared_files
-
         return prepared_files(self.path)
 
 
@@ -104,8 +103,6 @@ class BlendSource(ConfigModel):
 
     def data_files(self) -> list[str]:
         """The files training reads, source by source (the checkpoint's data fingerprint hashes them)."""
-        from fastlm.data.prepared import prepared_files
-
         return [file for entry in self.sources for file in prepared_files(entry.path)]
 
 

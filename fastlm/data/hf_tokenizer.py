@@ -17,7 +17,7 @@ import numpy as np
 from fastlm.data.chat_template import TemplateError, render_template
 from fastlm.data.config import HuggingFaceTokenizerConfig
 from fastlm.data.token_stream import smallest_unsigned
-from fastlm.data.tokenizer import HF_TOKENIZER_FILES, Message, TokenizerError
+from fastlm.data.tokenizer_interface import HF_TOKENIZER_FILES, Message, TokenizerError
 
 _INSTALL_HINT = 'reinstall fastlm with its dependencies: pip install -e .'
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from fastlm.config.errors import ConfigIssue
 from fastlm.data.datasets import DataError
+from fastlm.data.prepared_layout import METADATA_FILE, OFFSETS_FILE, TARGETS_FILE, TOKENS_FILE
 from fastlm.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from fastlm.system.json_text import JsonTextError, parse_json
 
@@ -41,19 +42,11 @@ if TYPE_CHECKING:
 
 FORMAT = "fastlm-prepared"
 VERSION = 2  # 2: every file checksummed (1 had the tokens' only)
-TOKENS_FILE, OFFSETS_FILE, TARGETS_FILE, METADATA_FILE = "tokens.bin", "documents.npy", "targets.bin", "metadata.json"
 TOKEN_DTYPES = ("uint16", "uint32")
 SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 4096
 MAX_METADATA_BYTES = 16 << 20
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 1 << 22  # elements per chunk when scanning offsets or ids (bounded memory)
-
-
-def prepared_files(path: str | Path) -> list[str]:
-    """The files of a prepared directory that exist, metadata first (targets.bin only when written)."""
-    directory = Path(path)
-    names = (METADATA_FILE, TOKENS_FILE, OFFSETS_FILE, TARGETS_FILE)
-    return [str(directory / name) for name in names if (directory / name).is_file()]
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -9,12 +9,20 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+# The interface, importable from here too (with the byte tokenizer and the factory, as most callers do)
+from fastlm.data.tokenizer_interface import HF_TOKENIZER_FILES, Message, Tokenizer, TokenizerError
+
 if TYPE_CHECKING:
     from fastlm.data.config import TokenizerConfig
+
+__all__ = [
+    "BOS", "BYTE_TOKENS", "EOS", "HF_TOKENIZER_FILES", "PAD", "SEP", "SPECIAL_TOKENS", "ByteTokenizer", "Message",
+    "Tokenizer", "TokenizerError", "build_tokenizer", "holds_hf_tokenizer",
+]
 
 BYTE_TOKENS = 256
 BOS = 256
@@ -22,45 +30,6 @@ EOS = 257
 PAD = 258
 SEP = 259
 SPECIAL_TOKENS: dict[int, str] = {BOS: "<bos>", EOS: "<eos>", PAD: "<pad>", SEP: "<sep>"}
-
-Message = dict[str, str]  # {"role": "user" | "assistant" | "system", "content": str}
-
-# Files that make a directory a Hugging Face tokenizer (any one of them).
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-class TokenizerError(ValueError):
-    """A tokenizer that cannot serve the run (missing files, no EOS); the message names the file and the fix."""
-
-
-class Tokenizer(Protocol):
-    """What fastlm needs from a tokenizer. `bos_id` may be None (Qwen2 has no BOS); `eos_id` never is."""
-
-    name: str
-    bos_id: int | None
-    eos_id: int
-    pad_id: int
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def fingerprint(self) -> str: ...
-
-    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]: ...
-
-    def encode_array(self, text: str) -> np.ndarray:
-        """The text's ids (no BOS/EOS) as an array of the narrowest unsigned dtype holding the vocab: what a long
-        document is kept as (a list takes 8 bytes or more an id)."""
-        ...
-
-    def encode_batch(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
-        """`encode` of each text, in one call (a Hugging Face tokenizer encodes a batch in Rust)."""
-        ...
-
-    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str: ...
-
-    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str: ...
 
 
 class ByteTokenizer:
@@ -122,7 +91,7 @@ class ByteTokenizer:
         """Write a `tokenizers` file that transformers loads and that gives the same ids (fastlm/data/byte_export.py)."""
         from fastlm.data.byte_export import save_byte_tokenizer
 
-        save_byte_tokenizer(self, Path(directory))
+        save_byte_tokenizer(Path(directory), SPECIAL_TOKENS, self.bos_id, self.eos_id, self.pad_id, self.sep_id)
 
 
 def holds_hf_tokenizer(directory: str | Path) -> bool:

@@ -13,7 +13,7 @@ from typing import Literal, TypeVar
 
 import torch
 
-from fastlm.layers.kv_cache import FLEX_MIN_HEAD_DIM, flex_supported
+from fastlm.layers.attention_kernels import FLEX_MIN_HEAD_DIM, flex_supported
 from fastlm.layers.packed_attention import packed_kind
 from fastlm.models.decoder import DecoderLM
 from fastlm.system.errors import first_line

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from fastlm.layers.attention_kernels import flex_attend
 from fastlm.layers.kv_cache import DECODE_QUERY_BLOCK, DecodeAttention
 
 if TYPE_CHECKING:
@@ -108,8 +109,6 @@ class PagedLayer:
         self.keys[0].index_copy_(1, self.slots, k.to(self.keys.dtype).transpose(0, 1).reshape(flat))
         self.values[0].index_copy_(1, self.slots, v.to(self.values.dtype).transpose(0, 1).reshape(flat))
         if self.mask.blocks is not None:
-            from fastlm.layers.packed_attention import flex_attend  # lazy, as kv_cache.py does
-
             return flex_attend(q.to(self.keys.dtype), self.keys, self.values, self.mask.blocks, scale).to(q.dtype)
         columns = (self.table[:, :, None] * self.block_size + torch.arange(self.block_size, device=q.device)).flatten(1)
         keys = self.keys[0][:, columns].transpose(0, 1)  # (B, Hkv, W * block_size, D)

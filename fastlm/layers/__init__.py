@@ -1,6 +1,7 @@
 """Building blocks of the decoders. `LMHead` lives in `fastlm.layers.lm_head` (import it from there)."""
 
-from fastlm.layers.attention import Attention, attend, attention_mask
+from fastlm.layers.attention import Attention
+from fastlm.layers.attention_kernels import attend, attention_mask
 from fastlm.layers.block import DecoderBlock
 from fastlm.layers.embedding import Embeddings, document_positions
 from fastlm.layers.init import init_linear

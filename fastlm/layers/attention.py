@@ -3,8 +3,9 @@
 The decoder builds one `AttentionLayout` per forward (fastlm/layers/packed_attention.py) and every
 layer attends through it: SDPA `is_causal` when nothing else is masked (flash attention on GPU),
 FlexAttention with a document / sliding-window block mask for packed rows on GPU, or SDPA with the
-boolean (B, 1, S, S) mask "causal AND same document AND within the window" built here. Layers with
-different windows (sliding vs global) get different layouts; the decoder builds one per distinct window.
+boolean (B, 1, S, S) mask "causal AND same document AND within the window" (the kernels and the mask are
+fastlm/layers/attention_kernels.py's). Layers with different windows (sliding vs global) get different
+layouts; the decoder builds one per distinct window.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fastlm.layers.init import init_linear
@@ -24,84 +24,6 @@ if TYPE_CHECKING:
     from fastlm.layers.packed_attention import AttentionLayout
 
 Rotary = tuple[torch.Tensor, ...]  # cos, sin [, the queries' (B or 1, S) scale after RoPE]
-
-
-def attention_mask(
-    seq_len: int, positions: torch.Tensor | None, sliding_window: int | None, device: torch.device
-) -> torch.Tensor | None:
-    """Boolean mask, True = may attend; None means plain causal (use `is_causal`).
-
-    `positions` (B, S) are the in-document positions of packed documents (see `document_positions`):
-    since documents are contiguous runs, key j is in query i's document iff 0 <= i - j <= positions[i].
-    The sliding window keeps the last `sliding_window` tokens including the query: i - j < window.
-    """
-    if positions is None and sliding_window is None:
-        return None
-    index = torch.arange(seq_len, device=device)
-    distance = index[:, None] - index[None, :]  # (S, S): query i, key j
-    allowed = (distance >= 0)[None]
-    if positions is not None:
-        allowed = allowed & (distance[None] <= positions[:, :, None])
-    if sliding_window is not None:
-        allowed = allowed & (distance < sliding_window)[None]
-    return allowed[:, None]
-
-
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float = 0.0,
-    scale: float | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v for q (B, Hq, S, D) and k, v (B, Hkv, S, D), Hq = g * Hkv
-    (scale None: 1/sqrt(D)); with a `softcap` or `sinks`, `explicit_attention` (SDPA has neither).
-
-    The causal path passes `enable_gqa` (flash attention handles grouped heads natively). On CUDA the
-    masked path repeats k/v per group first, because the memory-efficient kernel that takes a mask does
-    not accept `enable_gqa` and SDPA would fall back to the slow math kernel; the CPU kernels take both.
-    """
-    if softcap is not None or sinks is not None:
-        if dropout_p:
-            raise ValueError("attention softcapping and sinks have no attention dropout; set model.dropout: 0.0")
-        return explicit_attention(q, k, v, mask, scale, softcap, sinks)
-    groups = q.shape[1] // k.shape[1]
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
-                                              enable_gqa=groups > 1)
-    if groups > 1 and q.device.type == "cuda":
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-        groups = 1
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-                                          enable_gqa=groups > 1)
-
-
-def softcapped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
-    """Gemma 2's attention logit softcapping: softcap * tanh(scores / softcap)."""
-    return torch.tanh(scores / softcap) * softcap
-
-
-def explicit_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None,
-    softcap: float | None = None, sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The scores written out, for what SDPA cannot do: q (B, Hq, Sq, D), k, v (B, Hkv, Sk, D); `mask`
-    boolean (True = may attend) or additive, broadcast to (B, Hq, Sq, Sk), None = causal (Sq = Sk).
-    `softcap`: the scores are softcapped before the mask (Gemma 2). `sinks` (Hq,): a learned logit per
-    head that joins each row's softmax denominator and attends to nothing (GPT-OSS). Softmax in fp32 at least."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if softcap is not None:
-        scores = softcapped(scores, softcap)
-    if mask is None:
-        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
-    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    if sinks is not None:
-        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
-    else:
-        probs = scores.softmax(dim=-1)
-    return probs.to(v.dtype) @ v
 
 
 class Attention(nn.Module):

@@ -46,20 +46,12 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn.functional as F
 
+from fastlm.layers.attention_kernels import explicit_attention, flex_attend, flex_supported
+
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
 DecodeAttention = Literal["sdpa", "flex"]
-FLEX_MIN_HEAD_DIM = 16  # FlexAttention's CUDA kernels refuse q/k/v heads under 16 ("must be at least 16 but got E=8")
-
-
-def flex_supported(device: torch.device | str, head_dim: int) -> bool:
-    """FlexAttention's fused kernels run here: CUDA, heads of at least `FLEX_MIN_HEAD_DIM` (tiny test models
-    have 8). Elsewhere a layout or cache that would use it takes SDPA (CPU callers may still force flex:
-    its unfused reference, which the tests compare)."""
-    return torch.device(device).type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM
-
-
 def decode_attention_for(wanted: DecodeAttention, device: torch.device | str, head_dim: int) -> DecodeAttention:
     """`wanted`, except on CUDA with heads too small for FlexAttention: SDPA over the whole cache (the
     additive mask; graph-safe too)."""
@@ -98,16 +90,10 @@ class LayerCache:
             else:
                 buffer.scatter_(2, self.columns[:, None, :, None].expand(batch, kv_heads, seq_len, new.shape[-1]), new)
         if self.mask.blocks is not None:
-            from fastlm.layers.packed_attention import (
-                flex_attend,  # lazy: packed_attention imports this module (via attention.py)
-            )
-
             return flex_attend(q.to(self.keys.dtype), self.keys, self.values, self.mask.blocks, scale,
                                softcap, sinks).to(q.dtype)
         keys, values = self.keys[:, :, : self.span], self.values[:, :, : self.span]
         if softcap is not None or sinks is not None:  # the mask's first S rows: it repeats them per group
-            from fastlm.layers.attention import explicit_attention
-
             mask = self.mask.additive[:, :, :seq_len] if self.mask.additive is not None else None
             return explicit_attention(q.to(keys.dtype), keys, values, mask, scale, softcap, sinks).to(q.dtype)
         grouped_q = q.reshape(batch, kv_heads, q_heads // kv_heads * seq_len, head_dim).to(keys.dtype)

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache, cached_property, lru_cache
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from fastlm.layers.attention import attend, attention_mask, softcapped
-from fastlm.layers.kv_cache import FLEX_MIN_HEAD_DIM, flex_supported
+from fastlm.layers.attention_kernels import FLEX_MIN_HEAD_DIM, attend, attention_mask, flex_attend, flex_supported
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -168,45 +167,3 @@ def attention_layout(
                                positions=positions)
     return AttentionLayout("dense", dense_mask=attention_mask(seq_len, positions, sliding_window, device),
                            positions=positions)
-
-
-@cache
-def _compiled_flex_attention() -> Callable:
-    """FlexAttention is only fused under torch.compile; eager callers (an uncompiled model) use this."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
-
-
-@cache
-def softcap_score_mod(softcap: float) -> Callable:
-    """FlexAttention score_mod of `softcapped` (applied before the mask, as in the explicit path); one object
-    per value, so a compiled FlexAttention is not guarded on a new closure every forward."""
-
-    def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor,
-                  k: torch.Tensor) -> torch.Tensor:
-        return softcapped(score, softcap)
-
-    return score_mod
-
-
-def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,
-                scale: float | None = None, softcap: float | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """FlexAttention of q (B, Hq, S, D) over k, v (B, Hkv, S, D) under `block_mask`, grouped heads in place.
-    `softcap` is a score_mod; `sinks` (Hq,) rescale the output by the share the keys keep of a softmax
-    whose denominator also holds exp(sink): out * exp(lse) / (exp(lse) + exp(sink)) = out * sigmoid(lse - sink)."""
-    if q.device.type == "cuda" and not torch.compiler.is_compiling():
-        flex = _compiled_flex_attention()
-    else:  # inside a compiled block, or CPU (tests: the unfused reference kernel, float64 included)
-        from torch.nn.attention.flex_attention import flex_attention as flex
-    options = {"score_mod": softcap_score_mod(softcap)} if softcap is not None else {}
-    if sinks is None:
-        return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1], **options)
-    from torch.nn.attention.flex_attention import AuxRequest
-
-    out, aux = flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                    return_aux=AuxRequest(lse=True), **options)
-    compute = torch.promote_types(out.dtype, torch.float32)
-    kept = torch.sigmoid(aux.lse.to(compute) - sinks.to(compute).view(1, -1, 1))
-    return (out.to(compute) * kept.unsqueeze(-1)).to(out.dtype)

@@ -1,7 +1,8 @@
 """Losses of the LM head: configs, the plain-number spec, implementations and their dispatch."""
 
 from fastlm.losses.dispatch import describe_implementation, monolithic_loss, resolve_implementation
-from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets, transform_logits
+from fastlm.losses.spec import LossSpec
+from fastlm.losses.tensors import LossNormalizers, LossResult, LossTargets, transform_logits
 
 __all__ = [
     "LossNormalizers",

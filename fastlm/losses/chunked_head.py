@@ -45,7 +45,8 @@ from typing import Any
 import torch
 
 from fastlm.losses.dispatch import get_implementation, get_phases
-from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets, ProcessGroup, TeacherHead
+from fastlm.losses.spec import LossSpec
+from fastlm.losses.tensors import LossNormalizers, LossResult, LossTargets, ProcessGroup, TeacherHead
 from fastlm.losses.validation import (
     check_inputs,
     check_teacher_head,

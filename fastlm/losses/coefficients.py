@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from fastlm.losses.children.base import Tail, TailInputs
-from fastlm.losses.spec import LossNormalizers, LossSpec, LossTargets
+from fastlm.losses.spec import LossSpec
+from fastlm.losses.tensors import LossNormalizers, LossTargets
 
 
 def tail(

@@ -39,16 +39,8 @@ import torch
 import torch.distributed as dist
 
 from fastlm.losses.coefficients import tail
-from fastlm.losses.spec import (
-    IGNORE_INDEX,
-    LossNormalizers,
-    LossResult,
-    LossSpec,
-    LossTargets,
-    ProcessGroup,
-    assemble_result,
-    transform_logits,
-)
+from fastlm.losses.spec import LossSpec, assemble_result
+from fastlm.losses.tensors import IGNORE_INDEX, LossNormalizers, LossResult, LossTargets, ProcessGroup, transform_logits
 from fastlm.losses.validation import check_inputs, raise_on_bad_values, value_flags, vocab_shard
 
 COMPILE_ENV = "FASTLM_COMPILE"

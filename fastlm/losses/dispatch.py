@@ -16,7 +16,8 @@ import torch
 from fastlm.losses.compiled import compile_wanted, compiled_finish, compiled_grad, compiled_loss, compiled_stats
 from fastlm.losses.config import TRITON_CHILD_TYPES, MonolithicLossConfig
 from fastlm.losses.function import LossImplementation, LossPhases, apply_loss
-from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets, ProcessGroup
+from fastlm.losses.spec import LossSpec
+from fastlm.losses.tensors import LossNormalizers, LossResult, LossTargets, ProcessGroup
 
 IMPLEMENTATIONS: tuple[str, ...] = ("triton", "compiled")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fastlm.losses.spec import LossNormalizers, LossResult, LossTargets, label_logp, safe_inverse
+from fastlm.losses.tensors import LossNormalizers, LossResult, LossTargets, label_logp, safe_inverse
 
 
 def sequence_logps(token_logp: torch.Tensor, sequence_index: torch.Tensor, num_sequences: int) -> torch.Tensor:

@@ -12,7 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
-from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets, ProcessGroup
+from fastlm.losses.spec import LossSpec
+from fastlm.losses.tensors import LossNormalizers, LossResult, LossTargets, ProcessGroup
 
 
 class LossImplementation(Protocol):

@@ -10,15 +10,8 @@ from __future__ import annotations
 import torch
 
 from fastlm.losses.children.base import ReferenceInputs
-from fastlm.losses.spec import (
-    IGNORE_INDEX,
-    LossNormalizers,
-    LossResult,
-    LossSpec,
-    LossTargets,
-    pick_labels,
-    transform_logits,
-)
+from fastlm.losses.spec import LossSpec
+from fastlm.losses.tensors import IGNORE_INDEX, LossNormalizers, LossResult, LossTargets, pick_labels, transform_logits
 
 
 def reference_loss(logits: torch.Tensor, targets: LossTargets, normalizers: LossNormalizers, spec: LossSpec) -> LossResult:

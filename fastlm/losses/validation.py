@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossSpec, LossTargets, ProcessGroup, TeacherHead
+from fastlm.losses.spec import LossSpec
+from fastlm.losses.tensors import IGNORE_INDEX, LossNormalizers, LossTargets, ProcessGroup, TeacherHead
 
 
 def vocab_shard(logits: torch.Tensor, group: ProcessGroup | None) -> tuple[int, int]:

@@ -233,9 +233,10 @@ class RLConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check_prompt_source(self) -> RLConfig:
-        if self.prompts is not None and not self.rewards:
-            raise ValueError("rl.prompts (a prompt data set) needs rl.rewards: the built-in reward scores the "
-                             "built-in task only; add e.g. rewards: [{function: 'mypkg.rewards:exact', weight: 1.0}]")
+        if self.prompts is not None and not self.rewards and self.environment is None:
+            raise ValueError("rl.prompts (a prompt data set) needs rl.rewards (or an rl.environment, which scores its "
+                             "episodes): the built-in reward scores the built-in task only; add e.g. rewards: "
+                             "[{function: 'mypkg.rewards:exact', weight: 1.0}]")
         if isinstance(self.eval_prompts, float) and self.prompts is None:
             raise ValueError(f"rl.eval_prompts {self.eval_prompts} is a fraction of rl.prompts held out for eval, but "
                              "rl.prompts is not set; the built-in task takes a count (e.g. eval_prompts: 64)")

@@ -64,9 +64,7 @@ def load_reward_functions(configs: list[RewardConfig], timeout_s: float = DEFAUL
         try:
             module = config.import_module(module_name)
         except Exception as error:  # noqa: BLE001 - any import failure of user code is a config problem
-            issues.append(ConfigIssue(where, f"cannot import module '{module_name}': {type(error).__name__}: {error}",
-                                      config.function, hint=f"looked in {', '.join(config.search_folders)} and "
-                                      "PYTHONPATH; put the module next to the config file or in the working directory"))
+            issues.append(config.import_issue(where, module_name, config.function, error))
             continue
         function = getattr(module, attribute, None)
         if not callable(function):

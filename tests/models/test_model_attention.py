@@ -12,9 +12,10 @@ import pytest
 import torch
 from model_helpers import relative_error
 
-from fastlm.layers.attention import Attention, attention_mask
+from fastlm.layers.attention import Attention
+from fastlm.layers.attention_kernels import FLEX_MIN_HEAD_DIM, attention_mask
 from fastlm.layers.embedding import document_positions
-from fastlm.layers.kv_cache import FLEX_MIN_HEAD_DIM, KVCache, decode_attention_for
+from fastlm.layers.kv_cache import KVCache, decode_attention_for
 from fastlm.layers.packed_attention import attention_layout, packed_kind
 
 DOCS = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 3, 3]])

@@ -1,4 +1,5 @@
-"""tools/import_graph.py finds the imports that point up a floor and the package cycles, on a real package tree."""
+"""tools/import_graph.py finds the imports that point up a floor, the package cycles and the file cycles, on a real
+package tree."""
 
 from __future__ import annotations
 
@@ -60,6 +61,24 @@ def test_upward_lazy_type_checking_and_cycles(tmp_path: Path, capsys: pytest.Cap
     assert code == 1  # a cycle fails --max-upward even within its count
 
 
+def test_file_cycles_count_lazy_and_type_checking_imports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Files tied only by an import inside a function or under TYPE_CHECKING are a cycle; a one-way chain is not."""
+    root = _package(tmp_path, {
+        "__init__.py": "",
+        "low/__init__.py": "",
+        "low/a.py": "def f():\n    from pkg.low import b\n",
+        "low/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.low.a import f\n",
+        "low/c.py": "from .a import f\nfrom pkg.low import b\n",
+    })
+    code = import_graph.main(["--root", str(root), "--floors", str(tmp_path / "arch.md"), "--max-file-cycles", "0"])
+    out = capsys.readouterr().out
+    assert "file cycles: 1\n  2 files: pkg.low.a, pkg.low.b\n" in out
+    assert "pkg.low.a -> pkg.low.b  pkg/low/a.py:2" in out and "pkg.low.b -> pkg.low.a  pkg/low/b.py:3" in out
+    assert "pkg.low.c" not in out  # c imports a and b, nothing imports c
+    assert code == 1
+    assert import_graph.main(["--root", str(root), "--floors", str(tmp_path / "arch.md"), "--max-file-cycles", "1"]) == 0
+
+
 def test_a_package_without_a_floor_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = _package(tmp_path, {"low/a.py": "from pkg.extra import y\n", "extra/__init__.py": ""})
     assert import_graph.main(["--root", str(root), "--floors", str(tmp_path / "arch.md")]) == 2
@@ -74,9 +93,9 @@ def test_every_fastlm_package_has_a_floor(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_fastlm_floors_point_down(capsys: pytest.CaptureFixture[str]) -> None:
-    """The repository's own graph (issue 39): at most 2 imports up a floor, and no package cycle."""
-    code = import_graph.main(["--max-upward", "2"])
+    """The repository's own graph (issues 39 and 51): at most 2 imports up a floor, no package cycle, no file cycle."""
+    code = import_graph.main(["--max-upward", "2", "--max-file-cycles", "0"])
     out = capsys.readouterr().out
     print(out)
     upward = int(out.split("upward imports: ")[1].split()[0])
-    assert code == 0 and upward <= 2 and "package cycles: 0" in out
+    assert code == 0 and upward <= 2 and "package cycles: 0" in out and "file cycles: 0" in out

@@ -30,7 +30,7 @@ from pydantic import Field
 from fastlm.config.base import ConfigModel
 from fastlm.losses.frozen_model import FrozenModel
 from fastlm.losses.metrics import Sums
-from fastlm.losses.spec import LossNormalizers, LossTargets, safe_inverse
+from fastlm.losses.tensors import LossNormalizers, LossTargets, safe_inverse
 
 
 class ChildConfig(ConfigModel):

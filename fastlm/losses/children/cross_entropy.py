@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fastlm.losses.children.base import ChildConfig, KernelSlot, LossChild, ReferenceInputs, Tail, TailInputs
-from fastlm.losses.spec import safe_inverse
+from fastlm.losses.tensors import safe_inverse
 
 
 class CrossEntropyConfig(ChildConfig):

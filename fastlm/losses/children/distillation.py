@@ -44,7 +44,7 @@ from pydantic import Field
 
 from fastlm.losses.children.base import ChildConfig, KernelSlot, LossChild, ReferenceInputs, Tail, TailInputs
 from fastlm.losses.frozen_model import FrozenModel
-from fastlm.losses.spec import LossTargets, safe_inverse
+from fastlm.losses.tensors import LossTargets, safe_inverse
 
 
 class DistillationConfig(ChildConfig):

@@ -31,7 +31,7 @@ from fastlm.losses.children.base import KernelSlot, ReferenceInputs, Tail, TailI
 from fastlm.losses.children.grpo import RATIO_METRICS, ClippedPolicyConfig, clipped_surrogate
 from fastlm.losses.children.policy import LossType, PolicyChild, document_slots, dual_clip, reference_documents
 from fastlm.losses.metrics import clip_fractions
-from fastlm.losses.spec import safe_inverse
+from fastlm.losses.tensors import safe_inverse
 
 
 class GSPOConfig(ClippedPolicyConfig):

@@ -51,7 +51,7 @@ from fastlm.losses.children.base import ChildConfig, KernelSlot, LossChild, Refe
 from fastlm.losses.document_weights import launched_document_means
 from fastlm.losses.frozen_model import FrozenModel
 from fastlm.losses.metrics import k3_kl
-from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets, safe_inverse
+from fastlm.losses.tensors import IGNORE_INDEX, LossNormalizers, LossTargets, safe_inverse
 
 LossType = Literal["dapo", "grpo", "bnpo", "dr_grpo"]
 POLICY_INPUTS = ("old_logp", "advantages")

@@ -9,7 +9,7 @@ import torch
 from pydantic import Field
 
 from fastlm.losses.children.base import ChildConfig, KernelSlot, LossChild, ReferenceInputs, Tail, TailInputs
-from fastlm.losses.spec import safe_inverse
+from fastlm.losses.tensors import safe_inverse
 
 
 class ZLossConfig(ChildConfig):

@@ -28,18 +28,50 @@ Two passes use it:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
 
-from fastlm.losses.spec import IGNORE_INDEX, LossNormalizers, LossTargets, safe_inverse
+from fastlm.losses.tensors import IGNORE_INDEX, LossNormalizers, LossTargets, safe_inverse
 from fastlm.losses.triton.terms import expm1
 
-if TYPE_CHECKING:
-    from fastlm.losses.children.gspo import GSPO
-    from fastlm.losses.triton.interface import FusedLayout
+
+class SeamChild(Protocol):
+    """What `gspo_seam` reads of its child, children/gspo.py's `GSPO` (a protocol: the children reach this
+    file through document_weights.py, so it names none of them back)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def weight(self) -> float: ...
+    @property
+    def loss_type(self) -> str: ...
+    @property
+    def beta(self) -> float: ...
+    @property
+    def entropy_coeff(self) -> float: ...
+    @property
+    def entropy_weighted_apart(self) -> bool: ...
+    @property
+    def eps_low(self) -> float: ...
+    @property
+    def eps_high(self) -> float: ...
+    @property
+    def delta(self) -> float: ...
+    def call_weights(self, targets: LossTargets, normalizers: LossNormalizers) -> torch.Tensor | None: ...
+    def call_entropy_weights(self, targets: LossTargets, normalizers: LossNormalizers) -> torch.Tensor: ...
+
+
+class SeamRows(Protocol):
+    """What `gspo_seam` reads of the fused launch's row layout, interface.py's `FusedLayout` (which imports this
+    file for `SEAMS`)."""
+
+    state: int
+    state_names: tuple[str, ...]
+
+    def row(self, child: str, name: str) -> int: ...
 
 MAX_BLOCK = 1024  # tokens per program (one 16k-token call: 16 programs)
 WARPS = 4
@@ -265,7 +297,7 @@ def _gspo_seam_kernel(
         tl.store(terms_ptr + label_row * n + t, label, mask=unmasked)
 
 
-def gspo_seam(child: GSPO, terms: torch.Tensor, layout: FusedLayout, targets: LossTargets,
+def gspo_seam(child: SeamChild, terms: torch.Tensor, layout: SeamRows, targets: LossTargets,
               normalizers: LossNormalizers, max_block: int = MAX_BLOCK) -> None:
     """GSPO's tail in one launch on the fused launch's term buffer `terms` (rows by `layout`): its loss
     and document metrics rows, its coefficients added to the state rows. `max_block`: tokens per program."""

@@ -38,15 +38,8 @@ import torch.distributed as dist
 import triton
 
 from fastlm.losses.coefficients import tail
-from fastlm.losses.spec import (
-    LossNormalizers,
-    LossResult,
-    LossSpec,
-    LossTargets,
-    ProcessGroup,
-    assemble_result,
-    safe_inverse,
-)
+from fastlm.losses.spec import LossSpec, assemble_result
+from fastlm.losses.tensors import LossNormalizers, LossResult, LossTargets, ProcessGroup, safe_inverse
 from fastlm.losses.triton.interface import (
     FusedLayout,
     LaunchConfig,

@@ -3,14 +3,24 @@ attention scaled by query_pre_attn_scalar^-0.5 and its logits softcapped."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from fastlm.layers.block import DecoderBlock
 from fastlm.layers.mlp import GatedMLP
 from fastlm.layers.norm import build_norm
-from fastlm.models.gemma2.config import Gemma2Config
-from fastlm.models.llama.blocks import llama_attention
+from fastlm.models.llama.blocks import LlamaShape, llama_attention
 
 
-def gemma2_block(config: Gemma2Config, layer: int) -> DecoderBlock:
+class Gemma2Shape(LlamaShape, Protocol):
+    """What the Gemma 2 block reads of `Gemma2Config` beyond the Llama fields."""
+
+    attn_logit_softcap: float | None
+
+    @property
+    def attention_scale(self) -> float: ...
+
+
+def gemma2_block(config: Gemma2Shape, layer: int) -> DecoderBlock:
     def norm() -> object:
         return build_norm("rmsnorm_offset", config.hidden_size, config.norm_eps)
 

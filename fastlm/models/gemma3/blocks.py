@@ -3,14 +3,22 @@ GeGLU (tanh), attention scaled by query_pre_attn_scalar^-0.5."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from fastlm.layers.block import DecoderBlock
 from fastlm.layers.mlp import GatedMLP
 from fastlm.layers.norm import build_norm
-from fastlm.models.gemma3.config import Gemma3Config
-from fastlm.models.llama.blocks import llama_attention
+from fastlm.models.llama.blocks import LlamaShape, llama_attention
 
 
-def gemma3_block(config: Gemma3Config, layer: int) -> DecoderBlock:
+class Gemma3Shape(LlamaShape, Protocol):
+    """What the Gemma 3 block reads of `Gemma3Config` beyond the Llama fields."""
+
+    @property
+    def attention_scale(self) -> float: ...
+
+
+def gemma3_block(config: Gemma3Shape, layer: int) -> DecoderBlock:
     def norm() -> object:
         return build_norm("rmsnorm_offset", config.hidden_size, config.norm_eps)
 

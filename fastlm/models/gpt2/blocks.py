@@ -6,10 +6,10 @@ from fastlm.layers.attention import Attention
 from fastlm.layers.block import DecoderBlock
 from fastlm.layers.mlp import GeluMLP
 from fastlm.layers.norm import build_norm
-from fastlm.models.gpt2.config import GPT2Config
+from fastlm.models.base import DecoderConfig
 
 
-def gpt2_block(config: GPT2Config) -> DecoderBlock:
+def gpt2_block(config: DecoderConfig) -> DecoderBlock:
     hidden = config.hidden_size
     attention = Attention(hidden, config.num_heads, config.num_heads, qkv_bias=True, out_bias=True,
                           dropout=config.dropout)

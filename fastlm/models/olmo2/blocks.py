@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from fastlm.layers.block import DecoderBlock
 from fastlm.layers.norm import build_norm
-from fastlm.models.llama.blocks import llama_attention, swiglu
-from fastlm.models.olmo2.config import Olmo2Config
+from fastlm.models.llama.blocks import LlamaShape, llama_attention, swiglu
 
 
-def olmo2_block(config: Olmo2Config, layer: int) -> DecoderBlock:
+def olmo2_block(config: LlamaShape, layer: int) -> DecoderBlock:
     attention = llama_attention(config, qk_norm="rmsnorm", qk_norm_per_head=False)
     return DecoderBlock(None, attention, None, swiglu(config), config.dropout,
                         post_attn_norm=build_norm("rmsnorm", config.hidden_size, config.norm_eps),

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from fastlm.layers.attention import Attention
 from fastlm.layers.block import DecoderBlock
-from fastlm.models.llama.blocks import llama_attention, pre_norm_block, swiglu
-from fastlm.models.qwen3.config import Qwen3Config
+from fastlm.models.llama.blocks import LlamaShape, llama_attention, pre_norm_block, swiglu
 
 
-def qwen3_attention(config: Qwen3Config) -> Attention:
+def qwen3_attention(config: LlamaShape) -> Attention:
     return llama_attention(config, qk_norm="rmsnorm")
 
 
-def qwen3_block(config: Qwen3Config, layer: int) -> DecoderBlock:
+def qwen3_block(config: LlamaShape, layer: int) -> DecoderBlock:
     return pre_norm_block(config, qwen3_attention(config), swiglu(config))

@@ -27,7 +27,6 @@ with the class, the method and the prompt index.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -150,10 +149,9 @@ def load_environment(config: EnvironmentConfig, format_reward: float,
     module_name, attribute = config.name.split(":")
     where = "rl.environment.name"
     try:
-        module = importlib.import_module(module_name)
+        module = config.import_module(module_name)
     except Exception as error:
-        raise ConfigError(ConfigIssue(where, f"cannot import module '{module_name}': {type(error).__name__}: {error}",
-                                      config.name, hint="check the module path and that it is on PYTHONPATH")) from error
+        raise ConfigError(config.import_issue(where, module_name, config.name, error)) from error
     cls = getattr(module, attribute, None)
     if not callable(cls):
         raise ConfigError(ConfigIssue(where, f"module '{module_name}' has no class '{attribute}'", config.name))
