@@ -108,7 +108,10 @@ class Attention(nn.Module):
     """Fused qkv projection (q heads, then k heads, then v heads), optional per-head q/k norm (QK-norm:
     Qwen3, Gemma 3), optional RoPE, output projection. `head_dim` may differ from hidden / heads;
     `scale` replaces 1/sqrt(head_dim) (Gemma's query_pre_attn_scalar^-0.5); `softcap` softcaps the scores
-    (Gemma 2); `sinks` adds a learned per-head sink logit to the softmax (GPT-OSS)."""
+    (Gemma 2); `sinks` adds a learned per-head sink logit to the softmax (GPT-OSS). `values_from_keys`: no
+    value projection, the values are the keys' projection before the key norm and RoPE (Gemma 4's
+    attention_k_eq_v: qkv_proj holds q and k rows only); `value_norm`: the values RMS-normalised per head
+    without a weight (Gemma 4's v_norm)."""
 
     def __init__(
         self,
@@ -125,6 +128,8 @@ class Attention(nn.Module):
         qk_norm_per_head: bool = True,
         softcap: float | None = None,
         sinks: bool = False,
+        values_from_keys: bool = False,
+        value_norm: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -135,8 +140,9 @@ class Attention(nn.Module):
         self.dropout = dropout
         self.scale = scale
         q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
-        self.split_sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
+        self.values_from_keys = values_from_keys
+        self.split_sizes = (q_size, kv_size) if values_from_keys else (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(hidden_size, sum(self.split_sizes), bias=qkv_bias)
         self.qk_norm_per_head = qk_norm_per_head  # False: one norm over all q (k) heads together (OLMoE)
         q_width, k_width = (self.head_dim, self.head_dim) if qk_norm_per_head else (q_size, kv_size)
         self.q_norm = None if qk_norm is None else build_norm(qk_norm, q_width, norm_eps)
@@ -144,6 +150,7 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(q_size, hidden_size, bias=out_bias)
         self.softcap = softcap
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
+        self.v_norm = nn.RMSNorm(self.head_dim, eps=norm_eps, elementwise_affine=False) if value_norm else None
 
     def forward(
         self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None, cache: LayerCache | None = None
@@ -153,7 +160,8 @@ class Attention(nn.Module):
         from `attention_layout`, built once per forward for this layer's window. Generation passes a `cache`
         instead of a layout: keys/values go into it and attention reads it (fastlm/layers/kv_cache.py)."""
         batch, seq_len, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q, k, *v_rows = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        v = k if self.values_from_keys else v_rows[0]
         if not self.qk_norm_per_head and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(batch, seq_len, self.num_heads, self.head_dim)
@@ -161,7 +169,8 @@ class Attention(nn.Module):
         if self.qk_norm_per_head and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        v = (v if self.v_norm is None else self.v_norm(v)).transpose(1, 2)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary[:2]), apply_rotary(k, *rotary[:2])
             if len(rotary) > 2:  # a per-position query scale (Rope.query_scale)

@@ -34,14 +34,17 @@ def rotary_width(head_dim: int | None, partial_rotary_factor: float) -> int:
 @dataclass(frozen=True)
 class Rope:
     """A layer's rotary embedding: base `theta`, optional frequency `scaling`, the rotated `dims` of each head
-    (None: all; fewer: partial rotary), and `query_scale` (beta, period): the rotated queries times
-    1 + beta * log(1 + floor(position / period)) (Llama 4's and Ministral 3's attention temperature)
+    (None: all; fewer: partial rotary), `query_scale` (beta, period): the rotated queries times
+    1 + beta * log(1 + floor(position / period)) (Llama 4's and Ministral 3's attention temperature), and
+    `turning`: only the first `turning` of the dims / 2 frequencies turn, the others are 0 (their pairs pass
+    unchanged; Gemma 4's proportional RoPE, whose frequencies stay those of the whole width)
     (hashable: layers sharing it share one cos/sin per forward)."""
 
     theta: float
     scaling: RopeScaling | None = None
     dims: int | None = None
     query_scale: tuple[float, int] | None = None
+    turning: int | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,12 @@ class DecoderConfig(ConfigModel):
     @property
     def ffn_size(self) -> int:
         raise NotImplementedError
+
+    def layer_kv_shape(self, layer: int) -> tuple[int, int]:
+        """(kv heads, head width) of layer `layer`'s keys and values: the model's (`kv_cache_shape`) unless the
+        layers differ (Gemma 4's global layers: wider heads, fewer kv heads)."""
+        kv_heads, key_width, _ = self.kv_cache_shape()
+        return kv_heads, key_width
 
     def kv_cache_shape(self) -> tuple[int, int, int | None]:
         """The generation cache per token and layer: (kv heads, key width, value width when the values are the

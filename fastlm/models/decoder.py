@@ -158,7 +158,7 @@ class DecoderLM(nn.Module):
         rotaries: list[Rotary | None] = []
         for rope in self.ropes:
             rotary = None if rope is None else rotary_angles(positions, rope.dims or head_dim, rope.theta, rope.scaling,
-                                                             longest)
+                                                             longest, rope.turning)
             if rope is not None and rope.query_scale is not None:
                 beta, period = rope.query_scale
                 rotary = (*rotary, 1 + beta * torch.log(1 + torch.floor(positions / period)))

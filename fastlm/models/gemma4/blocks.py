@@ -1,0 +1,42 @@
+"""Gemma 4 block composition: Gemma 3's sandwich (plain RMSNorms here) around attention with QK-norm, a
+weightless value norm and scale 1 (per-layer head width and kv heads; global layers may take the keys as
+values) and the GeGLU (tanh) MLP; the block's output times the layer's fixed scalar (HF `layer_scalar`)."""
+
+from __future__ import annotations
+
+import torch
+
+from fastlm.layers.attention import Attention
+from fastlm.layers.block import DecoderBlock
+from fastlm.layers.mlp import GatedMLP
+from fastlm.layers.norm import build_norm
+from fastlm.models.gemma4.config import Gemma4Config
+
+
+class ScaledBlock(DecoderBlock):
+    """A `DecoderBlock` whose output (residual stream included) is multiplied by `layer_scalar`, a stored
+    constant (a buffer: the checkpoint's value, not trained), 1 at init."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.register_buffer("layer_scalar", torch.ones(1))
+
+    def _forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        return super()._forward(*args, **kwargs) * self.layer_scalar  # type: ignore[arg-type]
+
+    def reset_parameters(self, std: float, residual_std: float) -> None:
+        super().reset_parameters(std, residual_std)
+        torch.nn.init.ones_(self.layer_scalar)
+
+
+def gemma4_block(config: Gemma4Config, layer: int) -> ScaledBlock:
+    def norm() -> torch.nn.Module:
+        return build_norm("rmsnorm", config.hidden_size, config.norm_eps)
+
+    kv_heads, width = config.layer_kv_shape(layer)
+    attention = Attention(config.hidden_size, config.num_heads, kv_heads, qkv_bias=False, out_bias=False,
+                          dropout=config.dropout, head_dim=width, qk_norm="rmsnorm", norm_eps=config.norm_eps,
+                          scale=1.0, values_from_keys=config.values_from_keys and not config.is_sliding(layer),
+                          value_norm=True)
+    return ScaledBlock(norm(), attention, norm(), GatedMLP(config.hidden_size, config.ffn_size, "gelu_tanh"),
+                       config.dropout, post_attn_norm=norm(), post_mlp_norm=norm())
