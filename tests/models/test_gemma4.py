@@ -1,0 +1,82 @@
+"""Gemma 4 beyond the shared family cases (tests/models/test_families.py): the published files' spelling of the
+global layers' shape, the multimodal checkpoint's text tower, the refusal of per-layer input embeddings (on in
+transformers' default config), and the preset's parameter count against transformers' own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from fastlm.config.errors import ConfigError
+from fastlm.models.build import num_parameters
+from fastlm.models.hf import config_from_hf, import_hf
+from tests.models.model_helpers import PRESET_DIR, load_preset, randomize_weights
+from tests.models.test_families import CASES, FULL, SLIDING, VOCAB
+
+
+def test_published_global_shape_keys_read_as_per_layer_config() -> None:
+    """Google's config.json spells the global layers' shape `global_head_dim` / `num_global_key_value_heads`
+    (transformers 5.25 saves `per_layer_config`): both read to the same model."""
+    _, fields = CASES["gemma4"]
+    saved = transformers.Gemma4TextConfig(**fields).to_dict()
+    published = {key: value for key, value in saved.items() if key != "per_layer_config"}
+    published |= {"global_head_dim": fields["global_head_dim"],
+                  "num_global_key_value_heads": fields["num_global_key_value_heads"]}
+    assert config_from_hf(published).architecture() == config_from_hf(saved).architecture()
+    assert config_from_hf(saved).layer_kv_shape(1) == (1, 32)
+    # without attention_k_eq_v transformers ignores num_global_key_value_heads: the global layers keep num_kv_heads
+    plain = config_from_hf(published | {"attention_k_eq_v": False})
+    assert plain.layer_kv_shape(1) == (fields["num_key_value_heads"], 32)
+
+
+def test_per_layer_inputs_are_refused_naming_the_feature() -> None:
+    """transformers' default Gemma 4 text config turns per-layer input embeddings on (E2B / E4B): one line names
+    the feature and the key."""
+    _, fields = CASES["gemma4"]
+    with pytest.raises(ConfigError) as caught:
+        config_from_hf(transformers.Gemma4TextConfig(**{**fields, "hidden_size_per_layer_input": 256}).to_dict())
+    message = caught.value.render()
+    print(message)
+    assert "hidden_size_per_layer_input" in message and "per-layer input embeddings (PLE" in message
+
+
+def test_multimodal_gemma4_imports_its_text_tower(tmp_path: Path) -> None:
+    """A Gemma4ForConditionalGeneration folder with a vision tower: the text tower comes in (vision tensors left
+    out) and its logits equal the multimodal model's on text."""
+    _, fields = CASES["gemma4"]
+    vision = transformers.Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                                             position_embedding_size=64)
+    config = transformers.Gemma4Config(text_config=transformers.Gemma4TextConfig(**fields).to_dict(),
+                                       vision_config=vision.to_dict(), audio_config=None)
+    config.text_config._attn_implementation = "eager"
+    reference = transformers.Gemma4ForConditionalGeneration(config).eval()
+    randomize_weights(reference, seed=13)
+    reference.save_pretrained(tmp_path)
+    model = import_hf(tmp_path).eval()
+    assert model.config.type == "gemma4"
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ours = torch.tanh(model.logits(ids) / 3.0) * 3.0  # the final softcap of the case
+        error = float((ours - reference(input_ids=ids).logits).abs().max())
+    print(f"multimodal gemma4 text tower: fp32 logits max abs err {error:.2e}")
+    assert error <= 1e-5
+
+
+def test_preset_count_equals_transformers_count() -> None:
+    """The gemma4-31b preset's analytic count equals transformers' parameter count of the same text config (meta)."""
+    config = load_preset("gemma4-31b")
+    hf = transformers.Gemma4TextConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads, num_key_value_heads=config.kv_heads,
+        head_dim=config.head_dim, global_head_dim=config.global_head_dim, attention_k_eq_v=True,
+        num_global_key_value_heads=config.num_global_kv_heads, sliding_window=config.sliding_window,
+        hidden_size_per_layer_input=0, final_logit_softcapping=30.0,
+        layer_types=[SLIDING if config.is_sliding(i) else FULL for i in range(config.num_layers)])
+    with torch.device("meta"):
+        model = transformers.Gemma4ForCausalLM(hf)
+    assert (PRESET_DIR / "gemma4-31b.yaml").exists()
+    assert sum(p.numel() for p in model.parameters()) == num_parameters(config) == 30_697_345_280
