@@ -35,11 +35,12 @@ SHAPE: dict[str, Any] = dict(vocab_size=MODEL_VOCAB, hidden_size=64, intermediat
 SLIDING, FULL = "sliding_attention", "full_attention"
 MOE = dict(num_experts_per_tok=2, intermediate_size=32)
 GEMMA3_TEXT = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, layer_types=[SLIDING, FULL])
-# Gemma 4: global layers with wider heads, one kv head and keys as values (31B's shape); PLE, shared KV and the MoE
-# block off (fastlm refuses them: docs/architecture.md, family table)
-GEMMA4_TEXT = dict(head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
-                   sliding_window=8, layer_types=[SLIDING, FULL], hidden_size_per_layer_input=0,
-                   final_logit_softcapping=30.0)
+# Gemma 4: every text option fastlm converts: global layers with wider heads, one kv head and keys as values (31B),
+# per-layer input embeddings and the last two layers sharing KV with double-wide MLPs (E2B / E4B)
+GEMMA4_TEXT = dict(num_hidden_layers=4, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                   attention_k_eq_v=True, sliding_window=8, layer_types=[SLIDING, FULL, SLIDING, FULL],
+                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=MODEL_VOCAB, num_kv_shared_layers=2,
+                   use_double_wide_mlp=True, final_logit_softcapping=30.0)
 QWEN3_5 = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])
 QWEN3_5_MOE = {**QWEN3_5, **MOE, "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}

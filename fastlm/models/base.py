@@ -150,6 +150,17 @@ class DecoderConfig(ConfigModel):
     def build_final_norm(self) -> nn.Module:
         raise NotImplementedError
 
+    def build_layer_inputs(self) -> nn.Module | None:
+        """The per-layer input embeddings (`fastlm.layers.layer_inputs.PerLayerInputs`: Gemma 4 E2B / E4B), whose
+        (B, S, layers, width) output hands each block its slice; None (the default): no such inputs."""
+        return None
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys and values layer `layer` attends over: itself by default; an earlier one where
+        layers share KV (Gemma 4's num_kv_shared_layers: no key/value projections of their own, and in
+        generation they read that layer's cache)."""
+        return layer
+
     def device_issues(self, on_gpu: bool) -> list[ConfigIssue]:
         """What this machine lacks for the model's chosen kernels (`fastlm.engine.preflight`); none by default."""
         return []

@@ -46,6 +46,10 @@ class DecoderLM(nn.Module):
         # The blocks' MoE layers, found once (a plain list: the state dict keeps its keys); empty in a dense model.
         self.moe_layers: list[MoEMLP] = [module for module in self.blocks.modules() if isinstance(module, MoEMLP)]
         self.final_norm = config.build_final_norm()
+        self.layer_inputs = config.build_layer_inputs()  # per-layer input embeddings (Gemma 4 E2B / E4B) or None
+        for layer, block in enumerate(self.blocks):  # layers that attend over an earlier layer's keys and values
+            if config.kv_source(layer) != layer:
+                block.attn.share_keys_and_values(self.blocks[config.kv_source(layer)].attn)
         self.layer_attention: list[LayerAttention] = [config.layer_attention(i) for i in range(config.num_layers)]
         # The distinct windows and rotary embeddings, and each layer's index into them (plain lists: a compiled
         # decode step traces these loops without hashing config objects).
@@ -80,6 +84,8 @@ class DecoderLM(nn.Module):
         for block in self.blocks:
             block.reset_parameters(std, residual_std)
         self.final_norm.reset_parameters()
+        if self.layer_inputs is not None:
+            self.layer_inputs.reset_parameters(std)
         if self.lm_head_weight is not None:
             nn.init.normal_(self.lm_head_weight, mean=0.0, std=std)
 
@@ -134,13 +140,22 @@ class DecoderLM(nn.Module):
         rotaries = self._rotaries(positions)
         real_tokens = None if padding is None or not self.moe_layers else padding.logical_not().float()
         hidden = self.embeddings(input_ids, positions)
+        layer_inputs = self._layer_inputs(input_ids, hidden)
         if self.activation_offload is not None:
             self.activation_offload.start()
         # Compiled blocks serve the training forward only: evaluation and sampling (no grad, other shapes) stay eager.
         training_forward = self._compiled_blocks is not None and torch.is_grad_enabled()
-        for block, (window, rope) in zip(self._compiled_blocks if training_forward else self.blocks, self.layer_kinds):
-            hidden = block(hidden, rotaries[rope], layouts[window], real_tokens=real_tokens)
+        blocks = self._compiled_blocks if training_forward else self.blocks
+        for index, (block, (window, rope)) in enumerate(zip(blocks, self.layer_kinds)):
+            hidden = block(hidden, rotaries[rope], layouts[window], real_tokens=real_tokens, **layer_inputs(index))
         return self.final_norm(hidden)
+
+    def _layer_inputs(self, input_ids: torch.Tensor, embedded: torch.Tensor) -> Callable[[int], dict[str, torch.Tensor]]:
+        """Each block's extra keyword arguments: its slice of the per-layer inputs, where the model has them."""
+        if self.layer_inputs is None:
+            return lambda index: {}
+        inputs = self.layer_inputs(input_ids, embedded)
+        return lambda index: {"layer_input": inputs[:, :, index]}
 
     @property
     def rope_switch_positions(self) -> list[int]:
@@ -174,8 +189,10 @@ class DecoderLM(nn.Module):
         masks = [cache.attention_mask(columns, span, window) for window in self.windows]
         rotaries = self._rotaries(positions, None if last is None else cache.positions(last[:, None]))
         hidden = self.embeddings(input_ids, positions)
+        layer_inputs = self._layer_inputs(input_ids, hidden)
         for index, (block, (window, rope)) in enumerate(zip(self.blocks, self.layer_kinds)):
-            hidden = block(hidden, rotaries[rope], None, cache.layer(index, columns, span, masks[window]))
+            layer_cache = cache.layer(self.config.kv_source(index), columns, span, masks[window])
+            hidden = block(hidden, rotaries[rope], None, layer_cache, **layer_inputs(index))
         return self.final_norm(hidden)
 
     def head_logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:

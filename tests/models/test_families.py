@@ -107,6 +107,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                     "layer_types": [SLIDING, FULL, FULL], "hidden_size_per_layer_input": 0,
                                     "final_logit_softcapping": 3.0}),
     # separate values and the sliding layers' kv heads on the global ones (no k = v), plain RoPE there
+    # E2B / E4B's options: per-layer input embeddings (width 8), the last 2 of 5 layers attending over the last
+    # earlier layer of their kind (3 and 4 over 1 and 2; no k/v projections of their own), double-wide MLPs there
+    "gemma4-per-layer-inputs-shared-kv": ("Gemma4TextConfig", {
+        **BASE, "num_hidden_layers": 5, "head_dim": 8, "global_head_dim": 16, "sliding_window": WINDOW,
+        "layer_types": [SLIDING, SLIDING, FULL, SLIDING, FULL], "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": VOCAB, "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+        "final_logit_softcapping": 3.0}),
     "gemma4-values-full-rope": ("Gemma4TextConfig", {
         **BASE, "num_hidden_layers": 3, "head_dim": 8, "global_head_dim": 16, "sliding_window": WINDOW,
         "layer_types": [SLIDING, FULL, FULL], "hidden_size_per_layer_input": 0,
@@ -281,8 +288,6 @@ def test_cli_convert_train_generate_export(case: str, folders: dict[str, tuple[t
     ("gpt_oss", {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}, "quantization_config"),
     ("gpt_oss", {"attention_bias": False}, "attention_bias"),
     ("qwen2-mixed-windows", {"num_hidden_layers": 10**15, "layer_types": None}, "num_hidden_layers"),
-    ("gemma4", {"hidden_size_per_layer_input": 256}, "hidden_size_per_layer_input"),  # transformers' default: on
-    ("gemma4", {"num_kv_shared_layers": 1}, "num_kv_shared_layers"),
     ("gemma4", {"enable_moe_block": True}, "enable_moe_block"),
     ("gemma4", {"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
     ("gemma4", {"rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 1e4}, FULL: {
@@ -379,7 +384,8 @@ def test_multimodal_gemma3_imports_its_text_tower(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("case", ["qwen3", "gemma3", "llama-rope-yarn", "phi3", "gemma2", "granite", "glm4", "gpt_oss",
-                                  "olmo3", "smollm3", "ministral3", "gemma4"])
+                                  "olmo3", "smollm3", "ministral3", "gemma4",
+                                  "gemma4-per-layer-inputs-shared-kv"])
 def test_loss_and_gradients_match_transformers_in_float64(case: str,
                                                           folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
     """Our CE vs cross_entropy on transformers' float64 logits, every gradient mapped back to HF names.

@@ -1,6 +1,6 @@
 """Gemma 4 beyond the shared family cases (tests/models/test_families.py): the published files' spelling of the
-global layers' shape, the multimodal checkpoint's text tower, the refusal of per-layer input embeddings (on in
-transformers' default config), and the preset's parameter count against transformers' own."""
+global layers' shape, the multimodal checkpoint's text tower, the MoE block's refusal, shared KV under
+activation checkpointing, and the preset's parameter count against transformers' own."""
 
 from __future__ import annotations
 
@@ -32,15 +32,45 @@ def test_published_global_shape_keys_read_as_per_layer_config() -> None:
     assert plain.layer_kv_shape(1) == (fields["num_key_value_heads"], 32)
 
 
-def test_per_layer_inputs_are_refused_naming_the_feature() -> None:
-    """transformers' default Gemma 4 text config turns per-layer input embeddings on (E2B / E4B): one line names
-    the feature and the key."""
+def test_moe_block_is_refused_naming_the_feature() -> None:
+    """26B-A4B's MoE block (a dense MLP and routed experts side by side) is not built: one line names it and the key."""
     _, fields = CASES["gemma4"]
     with pytest.raises(ConfigError) as caught:
-        config_from_hf(transformers.Gemma4TextConfig(**{**fields, "hidden_size_per_layer_input": 256}).to_dict())
+        config_from_hf(transformers.Gemma4TextConfig(**{**fields, "enable_moe_block": True, "num_experts": 4,
+                                                        "top_k_experts": 2, "moe_intermediate_size": 16}).to_dict())
     message = caught.value.render()
     print(message)
-    assert "hidden_size_per_layer_input" in message and "per-layer input embeddings (PLE" in message
+    assert "enable_moe_block" in message and "the Gemma 4 MoE block (26B-A4B) is not built" in message
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_shared_kv_and_per_layer_inputs_under_activation_checkpointing(offload: bool) -> None:
+    """KV-sharing layers read their source layer's keys and values from its last forward: with every block
+    recomputed in backward (and its input offloaded) loss and gradients equal the plain step's, in float64."""
+    from fastlm.losses.spec import LossNormalizers, LossTargets
+    from fastlm.models.decoder import build_model
+
+    _, fields = CASES["gemma4-per-layer-inputs-shared-kv"]
+    config = config_from_hf(transformers.Gemma4TextConfig(**fields).to_dict())
+    torch.manual_seed(0)
+    model = build_model(config).double()
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1).reshape(-1)
+    normalizers = LossNormalizers(tokens=float((labels != -100).sum()))
+
+    def step() -> tuple[float, list[torch.Tensor]]:
+        model.zero_grad()
+        loss = model(ids, LossTargets(labels=labels), normalizers).loss
+        loss.backward()
+        return float(loss), [p.grad.clone() for p in model.parameters()]
+
+    plain_loss, plain = step()
+    model.set_memory_savers(checkpointing=True, offload=offload)
+    loss, grads = step()
+    worst = max(float((g - p).abs().max()) for g, p in zip(grads, plain))
+    print(f"shared KV + PLE, checkpointing (offload {offload}): loss diff {abs(loss - plain_loss):.2e}, grad {worst:.2e}")
+    assert abs(loss - plain_loss) < 1e-12 and worst < 1e-12
+    assert all(p.grad is not None for p in model.layer_inputs.parameters())
 
 
 def test_multimodal_gemma4_imports_its_text_tower(tmp_path: Path) -> None:

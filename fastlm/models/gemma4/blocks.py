@@ -1,6 +1,8 @@
 """Gemma 4 block composition: Gemma 3's sandwich (plain RMSNorms here) around attention with QK-norm, a
 weightless value norm and scale 1 (per-layer head width and kv heads; global layers may take the keys as
-values) and the GeGLU (tanh) MLP; the block's output times the layer's fixed scalar (HF `layer_scalar`)."""
+values) and the GeGLU (tanh) MLP, then the per-layer input's mixer (E2B / E4B); the block's output times the
+layer's fixed scalar (HF `layer_scalar`). KV-sharing layers have no key/value projections (the decoder wires
+them to their source layer: `DecoderConfig.kv_source`)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import torch
 
 from fastlm.layers.attention import Attention
 from fastlm.layers.block import DecoderBlock
+from fastlm.layers.layer_inputs import LayerInputMixer
 from fastlm.layers.mlp import GatedMLP
 from fastlm.layers.norm import build_norm
 from fastlm.models.gemma4.config import Gemma4Config
@@ -37,6 +40,9 @@ def gemma4_block(config: Gemma4Config, layer: int) -> ScaledBlock:
     attention = Attention(config.hidden_size, config.num_heads, kv_heads, qkv_bias=False, out_bias=False,
                           dropout=config.dropout, head_dim=width, qk_norm="rmsnorm", norm_eps=config.norm_eps,
                           scale=1.0, values_from_keys=config.values_from_keys and not config.is_sliding(layer),
-                          value_norm=True)
-    return ScaledBlock(norm(), attention, norm(), GatedMLP(config.hidden_size, config.ffn_size, "gelu_tanh"),
-                       config.dropout, post_attn_norm=norm(), post_mlp_norm=norm())
+                          value_norm=True, shared_kv=config.kv_source(layer) != layer)
+    mixer = LayerInputMixer(config.hidden_size, config.per_layer_input_width, config.norm_eps) \
+        if config.per_layer_input_width else None
+    mlp = GatedMLP(config.hidden_size, config.layer_ffn_size(layer), "gelu_tanh")
+    return ScaledBlock(norm(), attention, norm(), mlp, config.dropout, post_attn_norm=norm(), post_mlp_norm=norm(),
+                       layer_input_mixer=mixer)

@@ -3,8 +3,10 @@ plain (w, not 1 + w) RMSNorms, an unscaled attention (scale 1: the QK-norms set 
 RMS-normalised without a weight, global layers with their own head width and kv heads (and, with
 `values_from_keys`, no value projection: HF attention_k_eq_v) under proportional RoPE (the first
 `partial_rotary_factor` of the frequencies of the whole head turn), a fixed scalar on each layer's output, and
-the final logits softcapped. Per-layer input embeddings, KV shared across layers and the MoE block are refused
-at import (fastlm/models/gemma4/hf.py)."""
+the final logits softcapped. E2B / E4B's options: per-layer input embeddings (`per_layer_input_width`:
+fastlm/layers/layer_inputs.py), the last `kv_shared_layers` attending over the keys and values of the last
+earlier layer of their kind (no k/v projections of their own; in generation that layer's cache), and those
+layers' MLPs twice as wide (`double_wide_mlp`). The MoE block is refused at import (fastlm/models/gemma4/hf.py)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,12 @@ class Gemma4Config(LlamaConfig):
     num_global_kv_heads: int | None = Field(None, ge=1, description="kv heads of the global layers; default num_kv_heads.")
     values_from_keys: bool = Field(False, description="Global layers: values = the key projection (HF attention_k_eq_v).")
     final_logit_softcap: float | None = Field(None, gt=0.0, description="The head's softcap (HF final_logit_softcapping).")
+    per_layer_input_width: int = Field(0, ge=0, description="Per-layer input embeddings' width per layer (HF "
+                                                            "hidden_size_per_layer_input); 0: none.")
+    per_layer_vocab_size: int | None = Field(None, ge=1, description="Their vocabulary; default vocab_size.")
+    kv_shared_layers: int = Field(0, ge=0, description="The last layers that reuse an earlier layer's keys and values "
+                                                       "(HF num_kv_shared_layers).")
+    double_wide_mlp: bool = Field(False, description="The KV-sharing layers' MLPs are twice intermediate_size.")
     norm_eps: float = Field(1e-6, gt=0.0)
     tie_embeddings: bool = True
 
@@ -44,6 +52,16 @@ class Gemma4Config(LlamaConfig):
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_global_kv_heads {self.global_kv_heads}")
         if self.global_width % 2:
             raise ValueError(f"global_head_dim {self.global_width} must be even for rotary embeddings")
+        if self.kv_shared_layers >= self.num_layers:
+            raise ValueError(f"kv_shared_layers {self.kv_shared_layers} must leave a layer that computes keys and "
+                             f"values (num_layers {self.num_layers})")
+        if self.kv_shared_layers:
+            first = self.num_layers - self.kv_shared_layers
+            own = {self.is_sliding(layer) for layer in range(first)}
+            if any(self.is_sliding(layer) not in own for layer in range(first, self.num_layers)):
+                raise ValueError("a KV-sharing layer has no earlier layer of its kind (sliding / full) to share with")
+        if self.per_layer_input_width and (self.per_layer_vocab_size or self.vocab_size) < self.vocab_size:
+            raise ValueError(f"per_layer_vocab_size {self.per_layer_vocab_size} must cover vocab_size {self.vocab_size}")
         return self
 
     @property
@@ -60,6 +78,24 @@ class Gemma4Config(LlamaConfig):
         None: all of them."""
         turning = int(self.partial_rotary_factor * self.global_width // 2)
         return None if turning == self.global_width // 2 else turning
+
+    def kv_source(self, layer: int) -> int:
+        """transformers' rule: a layer of the last kv_shared_layers reads the last earlier layer of its kind."""
+        first = self.num_layers - self.kv_shared_layers
+        if layer < first:
+            return layer
+        return max(earlier for earlier in range(first) if self.is_sliding(earlier) == self.is_sliding(layer))
+
+    def layer_ffn_size(self, layer: int) -> int:
+        return self.ffn_size * (2 if self.double_wide_mlp and self.kv_source(layer) != layer else 1)
+
+    def build_layer_inputs(self) -> nn.Module | None:
+        if not self.per_layer_input_width:
+            return None
+        from fastlm.layers.layer_inputs import PerLayerInputs
+
+        return PerLayerInputs(self.per_layer_vocab_size or self.vocab_size, self.hidden_size, self.num_layers,
+                              self.per_layer_input_width, self.norm_eps)
 
     def layer_kv_shape(self, layer: int) -> tuple[int, int]:
         if self.is_sliding(layer):
@@ -93,11 +129,22 @@ class Gemma4Config(LlamaConfig):
         return build_norm("rmsnorm", self.hidden_size, self.norm_eps)
 
     def block_parameters(self, layer: int) -> int:
-        """Four sandwich norms, q_norm and k_norm (the value norm has no weight), q/k(/v)/o, the GeGLU MLP."""
+        """Four sandwich norms, q_norm and k_norm (the value norm has no weight), q/k(/v)/o (q/o alone in a
+        KV-sharing layer), the GeGLU MLP, the per-layer input's gate, projection and norm."""
         kv_heads, width = self.layer_kv_shape(layer)
         values = 0 if self.values_from_keys and not self.is_sliding(layer) else kv_heads * width
-        attention = self.hidden_size * (2 * self.num_heads * width + kv_heads * width + values)
-        return 4 * self.hidden_size + 2 * width + attention + 3 * self.hidden_size * self.ffn_size
+        own_kv = self.kv_source(layer) == layer
+        keys_values = self.hidden_size * (kv_heads * width + values) + width if own_kv else 0  # with k_norm
+        attention = self.hidden_size * 2 * self.num_heads * width + width + keys_values  # q, o, q_norm
+        layer_input = (2 * self.per_layer_input_width + 1) * self.hidden_size if self.per_layer_input_width else 0
+        return 4 * self.hidden_size + attention + 3 * self.hidden_size * self.layer_ffn_size(layer) + layer_input
+
+    def embedding_parameters(self) -> int:
+        """Tokens (+ untied head), and the per-layer inputs' table, projection and norm."""
+        width = self.per_layer_input_width * self.num_layers
+        per_layer = (self.per_layer_vocab_size or self.vocab_size) * width + self.hidden_size * width + \
+            self.per_layer_input_width if width else 0
+        return super().embedding_parameters() + per_layer
 
     def blocks_parameters(self) -> int:
         """Sliding and global layers differ in size (the adapter refuses an implausible layer count)."""

@@ -4,9 +4,12 @@ kv heads (transformers 5.25 saves them as `per_layer_config`, the published file
 `num_global_key_value_heads`) and without `v_proj` under `attention_k_eq_v`; RoPE per layer type
 (`proportional` on the global layers: partial_rotary_factor of the frequencies turn).
 
-Refused, naming the key: per-layer input embeddings (`hidden_size_per_layer_input` > 0: Gemma 4 E2B / E4B),
-KV shared across layers (`num_kv_shared_layers` > 0: E2B / E4B), the MoE block (`enable_moe_block`: 26B-A4B),
-bidirectional attention (`use_bidirectional_attention: all`), RoPE scaling. A multimodal `gemma4`
+E2B / E4B's per-layer input embeddings (`hidden_size_per_layer_input`: `embed_tokens_per_layer`,
+`per_layer_model_projection`, `per_layer_projection_norm`, and per layer `per_layer_input_gate`,
+`per_layer_projection`, `post_per_layer_input_norm`), KV shared across the last `num_kv_shared_layers` (their
+k/v projections and norms, which checkpoints may still hold and transformers ignores, are left out too) and their
+double-wide MLPs (`use_double_wide_mlp`) convert. Refused, naming the key: the MoE block (`enable_moe_block`:
+26B-A4B), bidirectional attention (`use_bidirectional_attention: all`), RoPE scaling. A multimodal `gemma4`
 checkpoint imports as its text tower (`text_config`; the vision and audio towers and their embedders are
 left out). Export always writes `gemma4_text`."""
 
@@ -27,7 +30,8 @@ _TEXT_DEFAULTS = {
     "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072, "tie_word_embeddings": True,
     "attention_bias": False, "sliding_window": 512, "layer_types": None, "final_logit_softcapping": None,
     "use_bidirectional_attention": None, "hidden_size_per_layer_input": 256, "attention_k_eq_v": False,
-    "num_kv_shared_layers": 0, "enable_moe_block": False, "global_head_dim": 512,
+    "num_kv_shared_layers": 0, "enable_moe_block": False, "global_head_dim": 512, "use_double_wide_mlp": False,
+    "vocab_size_per_layer_input": 262_144,
     "num_global_key_value_heads": None, "per_layer_config": None, "rope_parameters": None}
 _DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
                  FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
@@ -41,6 +45,10 @@ _NORMS = (("attn_norm", "input_layernorm"), ("post_attn_norm", "post_attention_l
 
 class Gemma4Adapter(LlamaAdapter):
     model_types: ClassVar[tuple[str, ...]] = ("gemma4_text", "gemma4")
+    # KV-sharing layers' k/v projections and k_norm, which published checkpoints hold and transformers ignores (a
+    # layer that computes keys and values names them among its rules, so a missing one is still an error)
+    ignored_suffixes: ClassVar[tuple[str, ...]] = (*LlamaAdapter.ignored_suffixes, ".self_attn.k_proj.weight",
+                                                   ".self_attn.v_proj.weight", ".self_attn.k_norm.weight")
     defaults: ClassVar[dict[str, dict[str, Any]]] = {"gemma4_text": _TEXT_DEFAULTS, "gemma4": {"tie_word_embeddings": True}}
 
     def fields(self, reader: Reader, model_type: str) -> dict[str, Any]:
@@ -58,9 +66,6 @@ class Gemma4Adapter(LlamaAdapter):
         reader.expect("attention_bias", (False,), "Gemma 4 has no projection biases")
         reader.expect("attention_dropout", (0, 0.0), "model.dropout would also drop residual branches")
         reader.expect("use_bidirectional_attention", (None, "vision"), "decoder-only, causal attention over text")
-        reader.expect("hidden_size_per_layer_input", (0, None),
-                      "per-layer input embeddings (PLE, Gemma 4 E2B / E4B) are not built in fastlm")
-        reader.expect("num_kv_shared_layers", (0,), "KV shared across layers (Gemma 4 E2B / E4B) is not built in fastlm")
         reader.expect("enable_moe_block", (False,), "the Gemma 4 MoE block (26B-A4B) is not built in fastlm")
         fields.update(self._rope(reader))
         num_layers = fields["num_layers"]
@@ -76,7 +81,11 @@ class Gemma4Adapter(LlamaAdapter):
         values_from_keys = reader.get("attention_k_eq_v")
         global_shape = self._global_shape(reader, kinds, values_from_keys, fields)
         return {"type": "gemma4", **fields, **windows, **global_shape, "values_from_keys": values_from_keys,
-                "final_logit_softcap": reader.get("final_logit_softcapping"), "dropout": 0.0}
+                "final_logit_softcap": reader.get("final_logit_softcapping"), "dropout": 0.0,
+                "per_layer_input_width": reader.get("hidden_size_per_layer_input") or 0,
+                "per_layer_vocab_size": reader.get("vocab_size_per_layer_input"),
+                "kv_shared_layers": reader.get("num_kv_shared_layers"),
+                "double_wide_mlp": reader.get("use_double_wide_mlp")}
 
     @staticmethod
     def _rope(reader: Reader) -> dict[str, Any]:
@@ -162,17 +171,34 @@ class Gemma4Adapter(LlamaAdapter):
                 "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
                 "attention_bias": False, "attention_dropout": 0.0, "sliding_window": config.sliding_window or 512,
                 "layer_types": kinds, "final_logit_softcapping": config.final_logit_softcap,
-                "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, "enable_moe_block": False,
+                "hidden_size_per_layer_input": config.per_layer_input_width,
+                "vocab_size_per_layer_input": config.per_layer_vocab_size or config.vocab_size,
+                "num_kv_shared_layers": config.kv_shared_layers, "use_double_wide_mlp": config.double_wide_mlp,
+                "enable_moe_block": False,
                 "attention_k_eq_v": config.values_from_keys,
                 "per_layer_config": {str(layer): override for layer, kind in enumerate(kinds) if kind == FULL},
                 "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": config.rope_local_theta},
                                     FULL: {**full, "rope_theta": config.rope_theta}}}
 
+    def weight_rules(self, config: Gemma4Config) -> list[WeightRule]:  # type: ignore[override]
+        rules = super().weight_rules(config)
+        if not config.per_layer_input_width:
+            return rules
+        return rules + [WeightRule("layer_inputs.tokens.weight", ("model.embed_tokens_per_layer.weight",)),
+                        WeightRule("layer_inputs.projection.weight", ("model.per_layer_model_projection.weight",)),
+                        WeightRule("layer_inputs.norm.weight", ("model.per_layer_projection_norm.weight",))]
+
     def layer_rules(self, config: Gemma4Config, layer: int, base: str, hf: str) -> list[WeightRule]:  # type: ignore[override]
         kv_heads, width = config.layer_kv_shape(layer)
-        q_size, kv_size, ffn = config.num_heads * width, kv_heads * width, config.ffn_size
+        q_size, kv_size, ffn = config.num_heads * width, kv_heads * width, config.layer_ffn_size(layer)
         projections = ("q", "k") if config.values_from_keys and not config.is_sliding(layer) else ("q", "k", "v")
-        return [*(WeightRule(f"{base}.{ours}.weight", (f"{hf}.{theirs}.weight",)) for ours, theirs in _NORMS),
+        own_kv = config.kv_source(layer) == layer
+        projections = projections if own_kv else ("q",)
+        norms = _NORMS if own_kv else _NORMS[:-1]
+        mixer = ((("layer_input_mixer.gate", "per_layer_input_gate"),
+                  ("layer_input_mixer.projection", "per_layer_projection"),
+                  ("layer_input_mixer.norm", "post_per_layer_input_norm")) if config.per_layer_input_width else ())
+        return [*(WeightRule(f"{base}.{ours}.weight", (f"{hf}.{theirs}.weight",)) for ours, theirs in norms + mixer),
                 WeightRule(f"{base}.layer_scalar", (f"{hf}.layer_scalar",)),
                 WeightRule(f"{base}.attn.qkv_proj.weight", tuple(f"{hf}.self_attn.{p}_proj.weight" for p in projections),
                            (q_size, kv_size, kv_size)[:len(projections)]),
