@@ -110,3 +110,26 @@ def test_preset_count_equals_transformers_count() -> None:
         model = transformers.Gemma4ForCausalLM(hf)
     assert (PRESET_DIR / "gemma4-31b.yaml").exists()
     assert sum(p.numel() for p in model.parameters()) == num_parameters(config) == 30_697_345_280
+
+
+def test_kv_sharing_layers_unused_tensors_are_ignored(tmp_path: Path) -> None:
+    """Published E2B / E4B files keep k/v projections and k_norm for the KV-sharing layers, which transformers
+    ignores: the import leaves them out too, and the logits stay transformers'."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.models.test_families import hf_model
+
+    reference = hf_model("gemma4-per-layer-inputs-shared-kv")
+    reference.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    tensors = load_file(weights)
+    for layer in (3, 4):  # the two KV-sharing layers of the case
+        prefix = f"model.layers.{layer}.self_attn"
+        tensors |= {f"{prefix}.k_proj.weight": torch.randn(16, 32), f"{prefix}.v_proj.weight": torch.randn(16, 32),
+                    f"{prefix}.k_norm.weight": torch.randn(8)}
+    save_file(tensors, weights, metadata={"format": "pt"})
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+    model = import_hf(tmp_path).eval()
+    with torch.no_grad():
+        error = float((torch.tanh(model.logits(ids) / 3.0) * 3.0 - reference(ids).logits).abs().max())
+    assert error <= 1e-5
