@@ -41,6 +41,9 @@ GEMMA4_TEXT = dict(num_hidden_layers=4, head_dim=16, global_head_dim=32, num_glo
                    attention_k_eq_v=True, sliding_window=8, layer_types=[SLIDING, FULL, SLIDING, FULL],
                    hidden_size_per_layer_input=8, vocab_size_per_layer_input=MODEL_VOCAB, num_kv_shared_layers=2,
                    use_double_wide_mlp=True, final_logit_softcapping=30.0)
+GEMMA4_MOE = dict(head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                  sliding_window=8, layer_types=[SLIDING, FULL], hidden_size_per_layer_input=0, enable_moe_block=True,
+                  num_experts=4, top_k_experts=2, moe_intermediate_size=32, final_logit_softcapping=30.0)  # 26B-A4B
 QWEN3_5 = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])
 QWEN3_5_MOE = {**QWEN3_5, **MOE, "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
@@ -60,7 +63,7 @@ TINY: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]] = {
         "vision_config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
                           "num_attention_heads": 2, "image_size": 28, "patch_size": 14}},
     "gemma4_text": GEMMA4_TEXT,
-    "gemma4": lambda shape: {"text_config": {**shape, **GEMMA4_TEXT}, "vision_config": None, "audio_config": None},
+    "gemma4": lambda shape: {"text_config": {**shape, **GEMMA4_MOE}, "vision_config": None, "audio_config": None},
     "phi3": {},
     "gpt2": {},
     "mixtral": {**MOE, "num_local_experts": 4},

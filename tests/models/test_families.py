@@ -114,6 +114,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "layer_types": [SLIDING, SLIDING, FULL, SLIDING, FULL], "hidden_size_per_layer_input": 8,
         "vocab_size_per_layer_input": VOCAB, "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
         "final_logit_softcapping": 3.0}),
+    # 26B-A4B's MoE block: 4 GeGLU experts (top 2, scaled router, per-expert scales) beside the dense MLP
+    "gemma4-moe": ("Gemma4TextConfig", {**BASE, "num_hidden_layers": 2, "head_dim": 8, "global_head_dim": 16,
+                                        "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+                                        "sliding_window": WINDOW, "layer_types": [SLIDING, FULL],
+                                        "hidden_size_per_layer_input": 0, "enable_moe_block": True, "num_experts": 4,
+                                        "top_k_experts": 2, "moe_intermediate_size": 16}),
     "gemma4-values-full-rope": ("Gemma4TextConfig", {
         **BASE, "num_hidden_layers": 3, "head_dim": 8, "global_head_dim": 16, "sliding_window": WINDOW,
         "layer_types": [SLIDING, FULL, FULL], "hidden_size_per_layer_input": 0,
@@ -288,7 +294,6 @@ def test_cli_convert_train_generate_export(case: str, folders: dict[str, tuple[t
     ("gpt_oss", {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}, "quantization_config"),
     ("gpt_oss", {"attention_bias": False}, "attention_bias"),
     ("qwen2-mixed-windows", {"num_hidden_layers": 10**15, "layer_types": None}, "num_hidden_layers"),
-    ("gemma4", {"enable_moe_block": True}, "enable_moe_block"),
     ("gemma4", {"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
     ("gemma4", {"rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 1e4}, FULL: {
         "rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6, "factor": 8.0}}},
@@ -385,7 +390,7 @@ def test_multimodal_gemma3_imports_its_text_tower(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("case", ["qwen3", "gemma3", "llama-rope-yarn", "phi3", "gemma2", "granite", "glm4", "gpt_oss",
                                   "olmo3", "smollm3", "ministral3", "gemma4",
-                                  "gemma4-per-layer-inputs-shared-kv"])
+                                  "gemma4-per-layer-inputs-shared-kv", "gemma4-moe"])
 def test_loss_and_gradients_match_transformers_in_float64(case: str,
                                                           folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
     """Our CE vs cross_entropy on transformers' float64 logits, every gradient mapped back to HF names.

@@ -1,5 +1,5 @@
 """Gemma 4 beyond the shared family cases (tests/models/test_families.py): the published files' spelling of the
-global layers' shape, the multimodal checkpoint's text tower, the MoE block's refusal, shared KV under
+global layers' shape, the multimodal checkpoint's text tower, the bidirectional-attention refusal, shared KV under
 activation checkpointing, and the preset's parameter count against transformers' own."""
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ def test_published_global_shape_keys_read_as_per_layer_config() -> None:
     assert plain.layer_kv_shape(1) == (fields["num_key_value_heads"], 32)
 
 
-def test_moe_block_is_refused_naming_the_feature() -> None:
-    """26B-A4B's MoE block (a dense MLP and routed experts side by side) is not built: one line names it and the key."""
+def test_bidirectional_attention_is_refused_naming_the_feature() -> None:
+    """`use_bidirectional_attention: all` (every token sees every other) is not a decoder's attention: one line
+    names the key and the fix."""
     _, fields = CASES["gemma4"]
     with pytest.raises(ConfigError) as caught:
-        config_from_hf(transformers.Gemma4TextConfig(**{**fields, "enable_moe_block": True, "num_experts": 4,
-                                                        "top_k_experts": 2, "moe_intermediate_size": 16}).to_dict())
+        config_from_hf(transformers.Gemma4TextConfig(**{**fields, "use_bidirectional_attention": "all"}).to_dict())
     message = caught.value.render()
     print(message)
-    assert "enable_moe_block" in message and "the Gemma 4 MoE block (26B-A4B) is not built" in message
+    assert "use_bidirectional_attention" in message and "causal attention over text" in message
 
 
 @pytest.mark.parametrize("offload", [False, True])

@@ -2,7 +2,8 @@
 weightless value norm and scale 1 (per-layer head width and kv heads; global layers may take the keys as
 values) and the GeGLU (tanh) MLP, then the per-layer input's mixer (E2B / E4B); the block's output times the
 layer's fixed scalar (HF `layer_scalar`). KV-sharing layers have no key/value projections (the decoder wires
-them to their source layer: `DecoderConfig.kv_source`)."""
+them to their source layer: `DecoderConfig.kv_source`). With `moe` (26B-A4B) the MLP slot holds the dense MLP
+and the routed experts side by side, each between its norms (`DenseAndExperts`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from fastlm.layers.attention import Attention
 from fastlm.layers.block import DecoderBlock
+from fastlm.layers.dense_and_experts import DenseAndExperts, ScaledRouterExperts
 from fastlm.layers.layer_inputs import LayerInputMixer
 from fastlm.layers.mlp import GatedMLP
 from fastlm.layers.norm import build_norm
@@ -44,5 +46,11 @@ def gemma4_block(config: Gemma4Config, layer: int) -> ScaledBlock:
     mixer = LayerInputMixer(config.hidden_size, config.per_layer_input_width, config.norm_eps) \
         if config.per_layer_input_width else None
     mlp = GatedMLP(config.hidden_size, config.layer_ffn_size(layer), "gelu_tanh")
-    return ScaledBlock(norm(), attention, norm(), mlp, config.dropout, post_attn_norm=norm(), post_mlp_norm=norm(),
-                       layer_input_mixer=mixer)
+    if config.moe is None:
+        return ScaledBlock(norm(), attention, norm(), mlp, config.dropout, post_attn_norm=norm(),
+                           post_mlp_norm=norm(), layer_input_mixer=mixer)
+    moe = config.moe
+    experts = ScaledRouterExperts(config.hidden_size, moe.ffn_size, moe.num_experts, moe.top_k, config.norm_eps,
+                                  moe.backend, moe.aux_loss_coef, moe.z_loss_coef)
+    return ScaledBlock(norm(), attention, None, DenseAndExperts(norm(), mlp, norm(), experts, norm()), config.dropout,
+                       post_attn_norm=norm(), post_mlp_norm=norm(), layer_input_mixer=mixer)

@@ -6,7 +6,8 @@ RMS-normalised without a weight, global layers with their own head width and kv 
 the final logits softcapped. E2B / E4B's options: per-layer input embeddings (`per_layer_input_width`:
 fastlm/layers/layer_inputs.py), the last `kv_shared_layers` attending over the keys and values of the last
 earlier layer of their kind (no k/v projections of their own; in generation that layer's cache), and those
-layers' MLPs twice as wide (`double_wide_mlp`). The MoE block is refused at import (fastlm/models/gemma4/hf.py)."""
+layers' MLPs twice as wide (`double_wide_mlp`). 26B-A4B's MoE block (`moe`): routed experts beside the dense
+MLP in every layer (fastlm/layers/dense_and_experts.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pydantic import Field, model_validator
 
 from fastlm.models.base import LayerAttention, Rope
 from fastlm.models.llama.config import LlamaConfig
+from fastlm.models.moe_family import MoESettings
 
 if TYPE_CHECKING:
     from torch import nn
@@ -41,6 +43,8 @@ class Gemma4Config(LlamaConfig):
     kv_shared_layers: int = Field(0, ge=0, description="The last layers that reuse an earlier layer's keys and values "
                                                        "(HF num_kv_shared_layers).")
     double_wide_mlp: bool = Field(False, description="The KV-sharing layers' MLPs are twice intermediate_size.")
+    moe: MoESettings | None = Field(None, description="Routed GeGLU experts beside the dense MLP in every layer "
+                                                      "(HF enable_moe_block); None: dense only.")
     norm_eps: float = Field(1e-6, gt=0.0)
     tie_embeddings: bool = True
 
@@ -137,7 +141,21 @@ class Gemma4Config(LlamaConfig):
         keys_values = self.hidden_size * (kv_heads * width + values) + width if own_kv else 0  # with k_norm
         attention = self.hidden_size * 2 * self.num_heads * width + width + keys_values  # q, o, q_norm
         layer_input = (2 * self.per_layer_input_width + 1) * self.hidden_size if self.per_layer_input_width else 0
-        return 4 * self.hidden_size + attention + 3 * self.hidden_size * self.layer_ffn_size(layer) + layer_input
+        return 4 * self.hidden_size + attention + 3 * self.hidden_size * self.layer_ffn_size(layer) + layer_input + \
+            self._experts_parameters(active=False)
+
+    def _experts_parameters(self, active: bool) -> int:
+        """A layer's router (weight, channel and expert scales), its experts (all, or the top_k one token uses)
+        and the three extra norms (pre-experts, after the dense MLP, after the experts)."""
+        if self.moe is None:
+            return 0
+        moe, hidden = self.moe, self.hidden_size
+        experts = moe.top_k if active else moe.num_experts
+        return moe.num_experts * (hidden + 1) + hidden + experts * 3 * hidden * moe.ffn_size + 3 * hidden
+
+    def active_blocks_parameters(self) -> int:
+        inactive = self._experts_parameters(active=False) - self._experts_parameters(active=True)
+        return self.blocks_parameters() - self.num_layers * inactive
 
     def embedding_parameters(self) -> int:
         """Tokens (+ untied head), and the per-layer inputs' table, projection and norm."""
@@ -164,4 +182,5 @@ class Gemma4Config(LlamaConfig):
                                  for layer in range(self.num_layers)]
         values["global_head_dim"] = self.global_width
         values["num_global_kv_heads"] = self.global_kv_heads
+        values["moe"] = None if self.moe is None else self.moe.architecture()
         return values

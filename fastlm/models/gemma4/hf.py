@@ -8,8 +8,10 @@ E2B / E4B's per-layer input embeddings (`hidden_size_per_layer_input`: `embed_to
 `per_layer_model_projection`, `per_layer_projection_norm`, and per layer `per_layer_input_gate`,
 `per_layer_projection`, `post_per_layer_input_norm`), KV shared across the last `num_kv_shared_layers` (their
 k/v projections and norms, which checkpoints may still hold and transformers ignores, are left out too) and their
-double-wide MLPs (`use_double_wide_mlp`) convert. Refused, naming the key: the MoE block (`enable_moe_block`:
-26B-A4B), bidirectional attention (`use_bidirectional_attention: all`), RoPE scaling. A multimodal `gemma4`
+double-wide MLPs (`use_double_wide_mlp`) convert, and so does 26B-A4B's MoE block (`enable_moe_block`: `router`
+proj / scale / per_expert_scale, `experts` gate_up_proj (E, 2F, H) and down_proj (E, H, F), stored here as row
+stacks, and the norms `pre_feedforward_layernorm_2`, `post_feedforward_layernorm_1` / `_2`). Refused, naming
+the key: bidirectional attention (`use_bidirectional_attention: all`), RoPE scaling. A multimodal `gemma4`
 checkpoint imports as its text tower (`text_config`; the vision and audio towers and their embedders are
 left out). Export always writes `gemma4_text`."""
 
@@ -31,13 +33,14 @@ _TEXT_DEFAULTS = {
     "attention_bias": False, "sliding_window": 512, "layer_types": None, "final_logit_softcapping": None,
     "use_bidirectional_attention": None, "hidden_size_per_layer_input": 256, "attention_k_eq_v": False,
     "num_kv_shared_layers": 0, "enable_moe_block": False, "global_head_dim": 512, "use_double_wide_mlp": False,
-    "vocab_size_per_layer_input": 262_144,
+    "vocab_size_per_layer_input": 262_144, "num_experts": None, "top_k_experts": None, "moe_intermediate_size": None,
     "num_global_key_value_heads": None, "per_layer_config": None, "rope_parameters": None}
 _DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
                  FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
 # multimodal checkpoint names of the text tower -> the text model's; the other towers are left out
 _TEXT_TOWER = (("model.language_model.", "model."),)
 _OTHER_TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+_EXPERT_STACKS = (".experts.gate_up_proj", ".experts.down_proj")
 _NORMS = (("attn_norm", "input_layernorm"), ("post_attn_norm", "post_attention_layernorm"),
           ("mlp_norm", "pre_feedforward_layernorm"), ("post_mlp_norm", "post_feedforward_layernorm"),
           ("attn.q_norm", "self_attn.q_norm"), ("attn.k_norm", "self_attn.k_norm"))
@@ -66,7 +69,6 @@ class Gemma4Adapter(LlamaAdapter):
         reader.expect("attention_bias", (False,), "Gemma 4 has no projection biases")
         reader.expect("attention_dropout", (0, 0.0), "model.dropout would also drop residual branches")
         reader.expect("use_bidirectional_attention", (None, "vision"), "decoder-only, causal attention over text")
-        reader.expect("enable_moe_block", (False,), "the Gemma 4 MoE block (26B-A4B) is not built in fastlm")
         fields.update(self._rope(reader))
         num_layers = fields["num_layers"]
         kinds = reader.hf.get("layer_types")
@@ -85,7 +87,14 @@ class Gemma4Adapter(LlamaAdapter):
                 "per_layer_input_width": reader.get("hidden_size_per_layer_input") or 0,
                 "per_layer_vocab_size": reader.get("vocab_size_per_layer_input"),
                 "kv_shared_layers": reader.get("num_kv_shared_layers"),
-                "double_wide_mlp": reader.get("use_double_wide_mlp")}
+                "double_wide_mlp": reader.get("use_double_wide_mlp"), "moe": self._moe(reader)}
+
+    @staticmethod
+    def _moe(reader: Reader) -> dict[str, Any] | None:
+        if not reader.get("enable_moe_block"):
+            return None
+        return {"num_experts": reader.get("num_experts"), "top_k": reader.get("top_k_experts"),
+                "ffn_size": reader.get("moe_intermediate_size"), "normalize_top_k": True}
 
     @staticmethod
     def _rope(reader: Reader) -> dict[str, Any]:
@@ -136,7 +145,8 @@ class Gemma4Adapter(LlamaAdapter):
                 "num_global_kv_heads": override.get("num_key_value_heads")}
 
     def normalise_keys(self, tensors: dict[str, Any]) -> dict[str, Any]:
-        """A multimodal checkpoint's text tower under the text model's names; its other towers dropped."""
+        """A multimodal checkpoint's text tower under the text model's names; its other towers dropped; the
+        experts' (E, 2F, H) / (E, H, F) stacks as fastlm's (E * 2F, H) / (E * H, F) row stacks."""
         renamed = {}
         for key, value in tensors.items():
             if key.startswith(_OTHER_TOWERS):
@@ -145,8 +155,18 @@ class Gemma4Adapter(LlamaAdapter):
                 if key.startswith(prefix):
                     key = text + key.removeprefix(prefix)
                     break
-            renamed[key] = value
+            stacked = key.endswith(_EXPERT_STACKS) and getattr(value, "dim", lambda: 0)() == 3
+            renamed[key] = value.reshape(-1, value.shape[-1]) if stacked else value
         return renamed
+
+    def checkpoint_layout(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """Inverse of `normalise_keys`' reshape: the experts as transformers stacks them, (E, rows, columns)."""
+        out = dict(tensors)
+        for key, value in tensors.items():
+            if key.endswith(_EXPERT_STACKS):
+                experts = tensors[key.rsplit(".", 2)[0] + ".router.per_expert_scale"].shape[0]
+                out[key] = value.reshape(experts, -1, value.shape[-1]).contiguous()
+        return out
 
     def export_issues(self, config: Gemma4Config) -> list[ConfigIssue]:  # type: ignore[override]
         issues = [ConfigIssue("model.dropout", "HF Gemma 4 has attention dropout only", config.dropout,
@@ -174,7 +194,9 @@ class Gemma4Adapter(LlamaAdapter):
                 "hidden_size_per_layer_input": config.per_layer_input_width,
                 "vocab_size_per_layer_input": config.per_layer_vocab_size or config.vocab_size,
                 "num_kv_shared_layers": config.kv_shared_layers, "use_double_wide_mlp": config.double_wide_mlp,
-                "enable_moe_block": False,
+                "enable_moe_block": config.moe is not None,
+                **({} if config.moe is None else {"num_experts": config.moe.num_experts, "top_k_experts": config.moe.top_k,
+                                                  "moe_intermediate_size": config.moe.ffn_size}),
                 "attention_k_eq_v": config.values_from_keys,
                 "per_layer_config": {str(layer): override for layer, kind in enumerate(kinds) if kind == FULL},
                 "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": config.rope_local_theta},
@@ -198,11 +220,24 @@ class Gemma4Adapter(LlamaAdapter):
         mixer = ((("layer_input_mixer.gate", "per_layer_input_gate"),
                   ("layer_input_mixer.projection", "per_layer_projection"),
                   ("layer_input_mixer.norm", "post_per_layer_input_norm")) if config.per_layer_input_width else ())
-        return [*(WeightRule(f"{base}.{ours}.weight", (f"{hf}.{theirs}.weight",)) for ours, theirs in norms + mixer),
+        if config.moe is not None:  # the dense MLP's pre-norm is inside the MLP slot, beside the experts' norms
+            mlp = f"{base}.mlp"
+            norms = tuple(pair for pair in norms if pair[0] != "mlp_norm") + (
+                ("mlp.dense_norm", "pre_feedforward_layernorm"), ("mlp.post_dense_norm", "post_feedforward_layernorm_1"),
+                ("mlp.post_experts_norm", "post_feedforward_layernorm_2"),
+                ("mlp.experts.expert_norm", "pre_feedforward_layernorm_2"), ("mlp.experts.router", "router.proj"))
+            experts = [WeightRule(f"{mlp}.experts.router_scale", (f"{hf}.router.scale",)),
+                       WeightRule(f"{mlp}.experts.per_expert_scale", (f"{hf}.router.per_expert_scale",)),
+                       WeightRule(f"{mlp}.experts.gate_up_proj", (f"{hf}.experts.gate_up_proj",)),
+                       WeightRule(f"{mlp}.experts.down_proj", (f"{hf}.experts.down_proj",))]
+            base_mlp = f"{base}.mlp.dense"
+        else:
+            experts, base_mlp = [], f"{base}.mlp"
+        return [*experts, *(WeightRule(f"{base}.{ours}.weight", (f"{hf}.{theirs}.weight",)) for ours, theirs in norms + mixer),
                 WeightRule(f"{base}.layer_scalar", (f"{hf}.layer_scalar",)),
                 WeightRule(f"{base}.attn.qkv_proj.weight", tuple(f"{hf}.self_attn.{p}_proj.weight" for p in projections),
                            (q_size, kv_size, kv_size)[:len(projections)]),
                 WeightRule(f"{base}.attn.out_proj.weight", (f"{hf}.self_attn.o_proj.weight",)),
-                WeightRule(f"{base}.mlp.gate_up_proj.weight", (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"),
+                WeightRule(f"{base_mlp}.gate_up_proj.weight", (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"),
                            (ffn, ffn)),
-                WeightRule(f"{base}.mlp.down_proj.weight", (f"{hf}.mlp.down_proj.weight",))]
+                WeightRule(f"{base_mlp}.down_proj.weight", (f"{hf}.mlp.down_proj.weight",))]
