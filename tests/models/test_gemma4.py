@@ -96,20 +96,27 @@ def test_multimodal_gemma4_imports_its_text_tower(tmp_path: Path) -> None:
     assert error <= 1e-5
 
 
-def test_preset_count_equals_transformers_count() -> None:
-    """The gemma4-31b preset's analytic count equals transformers' parameter count of the same text config (meta)."""
-    config = load_preset("gemma4-31b")
+@pytest.mark.parametrize("name", ["gemma4-e2b", "gemma4-31b"])
+def test_preset_count_equals_transformers_count(name: str) -> None:
+    """The presets' analytic counts equal transformers' parameter count of the same text config (meta device);
+    E2B without its per-layer embedding table is Google's "2.3B effective"."""
+    config = load_preset(name)
     hf = transformers.Gemma4TextConfig(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_size,
         num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads, num_key_value_heads=config.kv_heads,
-        head_dim=config.head_dim, global_head_dim=config.global_head_dim, attention_k_eq_v=True,
+        head_dim=config.head_dim, global_head_dim=config.global_head_dim, attention_k_eq_v=config.values_from_keys,
         num_global_key_value_heads=config.num_global_kv_heads, sliding_window=config.sliding_window,
-        hidden_size_per_layer_input=0, final_logit_softcapping=30.0,
+        hidden_size_per_layer_input=config.per_layer_input_width, vocab_size_per_layer_input=config.vocab_size,
+        num_kv_shared_layers=config.kv_shared_layers, use_double_wide_mlp=config.double_wide_mlp,
+        final_logit_softcapping=30.0,
         layer_types=[SLIDING if config.is_sliding(i) else FULL for i in range(config.num_layers)])
     with torch.device("meta"):
         model = transformers.Gemma4ForCausalLM(hf)
-    assert (PRESET_DIR / "gemma4-31b.yaml").exists()
-    assert sum(p.numel() for p in model.parameters()) == num_parameters(config) == 30_697_345_280
+    assert (PRESET_DIR / f"{name}.yaml").exists()
+    assert sum(p.numel() for p in model.parameters()) == num_parameters(config)
+    if name == "gemma4-e2b":
+        table = config.vocab_size * config.num_layers * config.per_layer_input_width
+        assert round((num_parameters(config) - table) / 1e9, 1) == 2.3
 
 
 def test_kv_sharing_layers_unused_tensors_are_ignored(tmp_path: Path) -> None:
