@@ -140,3 +140,38 @@ def test_kv_sharing_layers_unused_tensors_are_ignored(tmp_path: Path) -> None:
     with torch.no_grad():
         error = float((torch.tanh(model.logits(ids) / 3.0) * 3.0 - reference(ids).logits).abs().max())
     assert error <= 1e-5
+
+
+def test_lora_on_keys_as_values_and_shared_kv_layers() -> None:
+    """All-linear LoRA: a global layer's fused projection holds q and k rows only (keys are the values), a
+    KV-sharing layer's q rows only; with perturbed adapters the logits equal the merged model's (float64), whose
+    layer scalars (buffers, not parameters) came along."""
+    from fastlm.engine.lora_convert import merged_model
+    from fastlm.lora.attach import attach_lora, lora_layers
+    from fastlm.models.decoder import build_model
+    from fastlm.models.lora_config import LoraConfig
+
+    _, fields = CASES["gemma4-per-layer-inputs-shared-kv"]
+    hf = transformers.Gemma4TextConfig(**{**fields, "attention_k_eq_v": True, "num_global_key_value_heads": 1})
+    config = config_from_hf(hf.to_dict())
+    torch.manual_seed(0)
+    model = build_model(config)
+    attach_lora(model, LoraConfig(rank=2, targets=["all-linear"]))
+    model.double()
+    layers = lora_layers(model)
+    assert [s.role for s in layers["blocks.2.attn.qkv_proj"].slices] == ["q", "k"]  # global, keys as values
+    assert [s.role for s in layers["blocks.4.attn.qkv_proj"].slices] == ["q"]  # shares layer 2's keys and values
+    with torch.no_grad():
+        for layer in layers.values():
+            for up in layer.lora_B.values():
+                up.normal_(std=0.1)
+        for block in model.blocks:
+            block.layer_scalar.fill_(0.7)
+        ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+        merged = merged_model(model).double()
+        error = float((model.logits(ids) - merged.logits(ids)).abs().max())  # the merged model is stored in fp32
+        base = build_model(config).double()
+        base.load_state_dict({name: value for name, value in model.state_dict().items() if name in base.state_dict()})
+        adapted = float((model.logits(ids) - base.logits(ids)).abs().max())
+    print(f"LoRA vs merged max abs err {error:.2e} (adapters move the logits by {adapted:.2e})")
+    assert error < 1e-5 < 1e-3 < adapted
