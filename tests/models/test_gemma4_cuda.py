@@ -20,11 +20,12 @@ from fastlm.models.gemma4.config import Gemma4Config
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
-def tiny(moe: bool) -> Gemma4Config:
+def tiny(moe: bool, widths: tuple[int, int] = (32, 64)) -> Gemma4Config:
     """Every converted option: k = v global layers of another width, PLE, the last 2 layers sharing KV (and
-    double-wide), optionally the experts beside the dense MLP."""
-    return Gemma4Config(vocab_size=260, hidden_size=128, num_layers=5, num_heads=4, num_kv_heads=2, head_dim=32,
-                        global_head_dim=64, num_global_kv_heads=1, values_from_keys=True, intermediate_size=256,
+    double-wide), optionally the experts beside the dense MLP; `widths`: the sliding and global head widths
+    (the published models': 256 and 512)."""
+    return Gemma4Config(vocab_size=260, hidden_size=128, num_layers=5, num_heads=4, num_kv_heads=2, head_dim=widths[0],
+                        global_head_dim=widths[1], num_global_kv_heads=1, values_from_keys=True, intermediate_size=256,
                         sliding_window=16, layer_types=[SLIDING, SLIDING, FULL, SLIDING, FULL],
                         per_layer_input_width=16, kv_shared_layers=2, double_wide_mlp=True, final_logit_softcap=30.0,
                         max_seq_len=512, moe={"num_experts": 4, "top_k": 2, "ffn_size": 64} if moe else None)
@@ -40,9 +41,11 @@ def model_of(config: Gemma4Config) -> torch.nn.Module:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("moe", [False, True])
-def test_flex_block_masks_equal_the_dense_mask(moe: bool) -> None:
-    model = model_of(tiny(moe))
+@pytest.mark.parametrize(("moe", "widths"), [(False, (32, 64)), (True, (32, 64)), (False, (256, 512))])
+def test_flex_block_masks_equal_the_dense_mask(moe: bool, widths: tuple[int, int]) -> None:
+    """Packed documents through FlexAttention block masks (the training layout on CUDA) vs the dense mask,
+    with the published head widths too (global heads of 512)."""
+    model = model_of(tiny(moe, widths))
     lengths = (40, 90, 30)
     ids = torch.randint(0, 260, (1, sum(lengths)), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     documents = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].cuda()
@@ -52,7 +55,7 @@ def test_flex_block_masks_equal_the_dense_mask(moe: bool) -> None:
         model.attention_kind = "dense"
         dense = model.logits(ids, documents)
     error = float((flex - dense).abs().max())
-    print(f"gemma4 moe={moe}: flex vs dense fp32 max abs err {error:.2e}")
+    print(f"gemma4 moe={moe} heads {widths}: flex vs dense fp32 max abs err {error:.2e}")
     assert error < 1e-4
 
 
