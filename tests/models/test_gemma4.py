@@ -175,3 +175,16 @@ def test_lora_on_keys_as_values_and_shared_kv_layers() -> None:
         adapted = float((model.logits(ids) - base.logits(ids)).abs().max())
     print(f"LoRA vs merged max abs err {error:.2e} (adapters move the logits by {adapted:.2e})")
     assert error < 1e-5 < 1e-3 < adapted
+
+
+def test_native_config_survives_the_export() -> None:
+    """A fastlm-written Gemma 4 section (per-layer vocabulary left to default) reads back from its export as
+    the same architecture, so a run may start from the exported checkpoint."""
+    from fastlm.data.tokenizer import ByteTokenizer
+    from fastlm.models.hf import config_to_hf
+
+    _, fields = CASES["gemma4-per-layer-inputs-shared-kv"]
+    native = config_from_hf(transformers.Gemma4TextConfig(**fields).to_dict()).model_copy(
+        update={"per_layer_vocab_size": None})
+    again = config_from_hf(config_to_hf(native, ByteTokenizer()))
+    assert again.architecture() == native.architecture()

@@ -183,4 +183,6 @@ class Gemma4Config(LlamaConfig):
         values["global_head_dim"] = self.global_width
         values["num_global_kv_heads"] = self.global_kv_heads
         values["moe"] = None if self.moe is None else self.moe.architecture()
+        values["per_layer_vocab_size"] = (self.per_layer_vocab_size or self.vocab_size) if self.per_layer_input_width \
+            else None
         return values

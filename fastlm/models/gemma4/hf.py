@@ -85,7 +85,8 @@ class Gemma4Adapter(LlamaAdapter):
         return {"type": "gemma4", **fields, **windows, **global_shape, "values_from_keys": values_from_keys,
                 "final_logit_softcap": reader.get("final_logit_softcapping"), "dropout": 0.0,
                 "per_layer_input_width": reader.get("hidden_size_per_layer_input") or 0,
-                "per_layer_vocab_size": reader.get("vocab_size_per_layer_input"),
+                "per_layer_vocab_size": reader.get("vocab_size_per_layer_input")
+                if reader.get("hidden_size_per_layer_input") else None,
                 "kv_shared_layers": reader.get("num_kv_shared_layers"),
                 "double_wide_mlp": reader.get("use_double_wide_mlp"), "moe": self._moe(reader)}
 
