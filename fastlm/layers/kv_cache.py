@@ -181,14 +181,18 @@ class KVCache:
         dtype: torch.dtype, device: torch.device | str, uniform_columns: bool = False,
         decode_attention: DecodeAttention = "sdpa", recurrent: list[RecurrentShape | None] | None = None,
         value_dim: int | None = None, layer_shapes: list[tuple[int, int]] | None = None,
+        kv_sources: list[int] | None = None,
     ) -> None:
         """`recurrent`: per layer, the state of a linear-attention layer (no keys and values) or None.
         `layer_shapes`: per layer (kv heads, head_dim) where the layers differ (Gemma 4's global layers);
-        the masks are built for `kv_heads` and re-cut per layer for the others (`LayerCache.attend`)."""
+        the masks are built for `kv_heads` and re-cut per layer for the others (`LayerCache.attend`).
+        `kv_sources`: per layer, the layer whose cache it reads (Gemma 4's shared KV: `DecoderConfig.kv_source`);
+        a layer that reads another's holds no columns of its own."""
         recurrent = recurrent or [None] * num_layers
         shapes = layer_shapes or [(kv_heads, head_dim)] * num_layers
-        self.keys = [torch.zeros((batch, heads, 0 if r else length, width), dtype=dtype, device=device)
-                     for r, (heads, width) in zip(recurrent, shapes)]
+        owns = [source == index for index, source in enumerate(kv_sources or range(num_layers))]
+        self.keys = [torch.zeros((batch, heads, length if own and not r else 0, width), dtype=dtype, device=device)
+                     for r, own, (heads, width) in zip(recurrent, owns, shapes)]
         self.values_in_keys = value_dim is not None  # a latent cache (module docstring)
         self.values = ([keys[..., :value_dim] for keys in self.keys] if value_dim is not None else
                        [torch.zeros_like(keys) for keys in self.keys])

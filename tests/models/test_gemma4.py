@@ -188,3 +188,18 @@ def test_native_config_survives_the_export() -> None:
         update={"per_layer_vocab_size": None})
     again = config_from_hf(config_to_hf(native, ByteTokenizer()))
     assert again.architecture() == native.architecture()
+
+
+def test_kv_sharing_layers_hold_no_cache_of_their_own() -> None:
+    """The generator's cache gives each layer its own shape (global heads wider, fewer) and no columns to the
+    KV-sharing layers, which read their source layer's (greedy decoding equal to transformers:
+    tests/models/test_families.py)."""
+    from fastlm.layers.kv_cache import KVCache
+
+    _, fields = CASES["gemma4-per-layer-inputs-shared-kv"]
+    config = config_from_hf(transformers.Gemma4TextConfig(**fields).to_dict())
+    layers = range(config.num_layers)
+    cache = KVCache(config.num_layers, 2, config.num_heads, config.kv_heads, 32, config.head_dim, torch.float32, "cpu",
+                    layer_shapes=[config.layer_kv_shape(i) for i in layers], kv_sources=[config.kv_source(i) for i in layers])
+    assert [config.kv_source(i) for i in layers] == [0, 1, 2, 1, 2]
+    assert [tuple(keys.shape[1:]) for keys in cache.keys] == [(2, 32, 8), (2, 32, 8), (2, 32, 16), (2, 0, 8), (2, 0, 16)]
