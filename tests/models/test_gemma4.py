@@ -74,14 +74,16 @@ def test_shared_kv_and_per_layer_inputs_under_activation_checkpointing(offload: 
 
 
 def test_multimodal_gemma4_imports_its_text_tower(tmp_path: Path) -> None:
-    """A Gemma4ForConditionalGeneration folder with a vision tower: the text tower comes in (vision tensors left
-    out) and its logits equal the multimodal model's on text."""
+    """A Gemma4ForConditionalGeneration folder with vision and audio towers: the text tower comes in (the other
+    towers' tensors left out) and its logits equal the multimodal model's on text."""
     _, fields = CASES["gemma4"]
     vision = transformers.Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                              num_attention_heads=2, num_key_value_heads=2, head_dim=8,
                                              position_embedding_size=64)
+    audio = transformers.Gemma4AudioConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                           subsampling_conv_channels=[8, 4], output_proj_dims=16)
     config = transformers.Gemma4Config(text_config=transformers.Gemma4TextConfig(**fields).to_dict(),
-                                       vision_config=vision.to_dict(), audio_config=None)
+                                       vision_config=vision.to_dict(), audio_config=audio.to_dict())
     config.text_config._attn_implementation = "eager"
     reference = transformers.Gemma4ForConditionalGeneration(config).eval()
     randomize_weights(reference, seed=13)
