@@ -209,6 +209,10 @@ class Attention(nn.Module):
         v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim)
         return k, (v if self.v_norm is None else self.v_norm(v)).transpose(1, 2)
 
+    def __getstate__(self) -> dict[str, object]:
+        """Copies and pickles leave the last forward's kept keys and values behind (they hold autograd graph tensors)."""
+        return {**self.__dict__, "kept_kv": None}
+
     def share_keys_and_values(self, source: Attention) -> None:
         """Attend over `source`'s keys and values (an earlier layer's, same shape) instead of projecting our own:
         `source` keeps its last forward's (`kept_kv`); this layer was built with `shared_kv` (no k/v rows)."""

@@ -205,3 +205,21 @@ def test_kv_sharing_layers_hold_no_cache_of_their_own() -> None:
                     layer_shapes=[config.layer_kv_shape(i) for i in layers], kv_sources=[config.kv_source(i) for i in layers])
     assert [config.kv_source(i) for i in layers] == [0, 1, 2, 1, 2]
     assert [tuple(keys.shape[1:]) for keys in cache.keys] == [(2, 32, 8), (2, 32, 8), (2, 32, 16), (2, 0, 8), (2, 0, 16)]
+
+
+def test_a_model_copies_after_a_training_forward() -> None:
+    """The KV-sharing source keeps its last forward's keys and values (graph tensors, which deepcopy refuses): a
+    copy (the DPO reference, a generation replica) leaves them behind, and its sharing layers point at its own
+    source layers."""
+    import copy
+
+    from fastlm.models.decoder import build_model
+
+    _, fields = CASES["gemma4-per-layer-inputs-shared-kv"]
+    model = build_model(config_from_hf(transformers.Gemma4TextConfig(**fields).to_dict()))
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(4))
+    model.logits(ids).sum().backward()  # a forward with grad: kept keys and values carry a graph
+    twin = copy.deepcopy(model)
+    assert twin.blocks[2].attn.kept_kv is None and twin.blocks[4].attn.kv_from[0] is twin.blocks[2].attn
+    with torch.no_grad():
+        assert torch.equal(twin.logits(ids), model.logits(ids))
