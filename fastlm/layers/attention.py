@@ -111,8 +111,9 @@ class Attention(nn.Module):
     (Gemma 2); `sinks` adds a learned per-head sink logit to the softmax (GPT-OSS). `values_from_keys`: no
     value projection, the values are the keys' projection before the key norm and RoPE (Gemma 4's
     attention_k_eq_v: qkv_proj holds q and k rows only); `value_norm`: the values RMS-normalised per head
-    without a weight (Gemma 4's v_norm); `shared_kv`: no key/value projections, the layer attends over an earlier
-    layer's keys and values (`share_keys_and_values`; Gemma 4's num_kv_shared_layers)."""
+    without a weight (Gemma 4's v_norm); `shared_kv`: no key/value projections, the layer attends over the keys
+    and values of an earlier layer (Gemma 4's num_kv_shared_layers), which the decoder passes to `forward` (that
+    layer's `keeps_kv`: its forward leaves them in `kept_kv` for the decoder to take)."""
 
     def __init__(
         self,
@@ -155,13 +156,13 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
         self.v_norm = nn.RMSNorm(self.head_dim, eps=norm_eps, elementwise_affine=False) \
             if value_norm and not shared_kv else None
-        # keys and values shared across layers (`share_keys_and_values`): the source keeps its last forward's
-        self.kv_from: list[Attention] = []
+        # a layer whose keys and values later layers share: its forward leaves them here, the decoder takes them
         self.keeps_kv = False
         self.kept_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(
-        self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None, cache: LayerCache | None = None
+        self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None, cache: LayerCache | None = None,
+        shared_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x (B, S, H) -> (B, S, H); rotary = (cos, sin) from `rotary_angles` [+ the queries' scale per
         position], or None (GPT-2); `layout`
@@ -179,9 +180,9 @@ class Attention(nn.Module):
             q = apply_rotary(q, *rotary[:2])
             if len(rotary) > 2:  # a per-position query scale (Rope.query_scale)
                 q = q * rotary[2][:, None, :, None].to(q.dtype)
-        if self.kv_from:  # an earlier layer's keys and values (in generation: its cache, which the decoder passes)
-            assert self.kv_from[0].kept_kv is not None, "the layer sharing its keys and values runs first"
-            k, v = self.kv_from[0].kept_kv
+        if len(self.split_sizes) == 1:  # an earlier layer's keys and values (in generation: its cache too)
+            assert shared_kv is not None, "a layer without key/value projections needs the shared_kv of its source"
+            k, v = shared_kv
         else:
             k, v = self._keys_values(kv_rows, batch, seq_len, rotary)
             if self.keeps_kv:
@@ -212,15 +213,6 @@ class Attention(nn.Module):
     def __getstate__(self) -> dict[str, object]:
         """Copies and pickles leave the last forward's kept keys and values behind (they hold autograd graph tensors)."""
         return {**self.__dict__, "kept_kv": None}
-
-    def share_keys_and_values(self, source: Attention) -> None:
-        """Attend over `source`'s keys and values (an earlier layer's, same shape) instead of projecting our own:
-        `source` keeps its last forward's (`kept_kv`); this layer was built with `shared_kv` (no k/v rows)."""
-        if self.split_sizes != self.split_sizes[:1] or (source.num_kv_heads, source.head_dim) != \
-                (self.num_kv_heads, self.head_dim):
-            raise ValueError("a layer sharing another's keys and values needs shared_kv=True and the same kv shape")
-        self.kv_from = [source]  # a plain list: not a submodule (its parameters stay the source layer's)
-        source.keeps_kv = True
 
     def reset_parameters(self, std: float, residual_std: float) -> None:
         init_linear(self.qkv_proj, std)

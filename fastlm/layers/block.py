@@ -47,35 +47,42 @@ class DecoderBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None,
                 cache: LayerCache | None = None, real_tokens: torch.Tensor | None = None,
-                layer_input: torch.Tensor | None = None) -> torch.Tensor:
+                layer_input: torch.Tensor | None = None,
+                shared_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """With activation checkpointing (and grad on), only x is kept; backward recomputes the block.
         Generation passes a `cache` (and no layout). `real_tokens` (B, S), 1 real and 0 padding, reaches an
         MoE MLP (its router losses leave padding out); a dense MLP has nothing to count. `layer_input`
-        (B, S, width): this layer's per-layer input, for the `layer_input_mixer`."""
+        (B, S, width): this layer's per-layer input, for the `layer_input_mixer`. `shared_kv`: an earlier
+        layer's keys and values for an attention without its own (inputs of the recomputation too)."""
         if self.activation_checkpointing and torch.is_grad_enabled() and cache is None:
             if self.offload is not None:
-                return self._offloaded_checkpoint(x, rotary, layout, real_tokens, layer_input)
-            return checkpoint(self._forward, x, rotary, layout, None, real_tokens, layer_input, use_reentrant=False)
-        return self._forward(x, rotary, layout, cache, real_tokens, layer_input)
+                return self._offloaded_checkpoint(x, rotary, layout, real_tokens, layer_input, shared_kv)
+            return checkpoint(self._forward, x, rotary, layout, None, real_tokens, layer_input, shared_kv,
+                              use_reentrant=False)
+        return self._forward(x, rotary, layout, cache, real_tokens, layer_input, shared_kv)
 
     # torch.compiler.disable, applied at the first call (importing dynamo costs ~1 s): the input's trip to host
     # memory is eager, `compiled_forward` is the compiled part
     @torch._disable_dynamo
     def _offloaded_checkpoint(self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None,
-                              real_tokens: torch.Tensor | None, layer_input: torch.Tensor | None) -> torch.Tensor:
+                              real_tokens: torch.Tensor | None, layer_input: torch.Tensor | None,
+                              shared_kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         assert self.offload is not None
         return checkpoint(self._forward_offloaded, self.offload.store(x), rotary, layout, real_tokens, layer_input,
-                          use_reentrant=False)
+                          shared_kv, use_reentrant=False)
 
     def _forward_offloaded(self, stored: OffloadedInput, rotary: Rotary | None, layout: AttentionLayout | None,
-                           real_tokens: torch.Tensor | None, layer_input: torch.Tensor | None) -> torch.Tensor:
+                           real_tokens: torch.Tensor | None, layer_input: torch.Tensor | None,
+                           shared_kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         forward = self.compiled_forward or self._forward
-        return forward(stored.take(), rotary, layout, None, real_tokens, layer_input)
+        return forward(stored.take(), rotary, layout, None, real_tokens, layer_input, shared_kv)
 
     def _forward(self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None,
                  cache: LayerCache | None = None, real_tokens: torch.Tensor | None = None,
-                 layer_input: torch.Tensor | None = None) -> torch.Tensor:
-        attended = self.attn(x if self.attn_norm is None else self.attn_norm(x), rotary, layout, cache)
+                 layer_input: torch.Tensor | None = None,
+                 shared_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        shared = {} if shared_kv is None else {"shared_kv": shared_kv}  # only attention that shares takes it
+        attended = self.attn(x if self.attn_norm is None else self.attn_norm(x), rotary, layout, cache, **shared)
         if self.post_attn_norm is not None:
             attended = self.post_attn_norm(attended)
         if self.residual_scale != 1.0:

@@ -47,9 +47,10 @@ class DecoderLM(nn.Module):
         self.moe_layers: list[MoEMLP] = [module for module in self.blocks.modules() if isinstance(module, MoEMLP)]
         self.final_norm = config.build_final_norm()
         self.layer_inputs = config.build_layer_inputs()  # per-layer input embeddings (Gemma 4 E2B / E4B) or None
-        for layer, block in enumerate(self.blocks):  # layers that attend over an earlier layer's keys and values
-            if config.kv_source(layer) != layer:
-                block.attn.share_keys_and_values(self.blocks[config.kv_source(layer)].attn)
+        # layers that attend over an earlier layer's keys and values (Gemma 4's shared KV), and those sources
+        self.kv_sources: list[int] = [config.kv_source(layer) for layer in range(config.num_layers)]
+        for source in {source for layer, source in enumerate(self.kv_sources) if source != layer}:
+            self.blocks[source].attn.keeps_kv = True
         self.layer_attention: list[LayerAttention] = [config.layer_attention(i) for i in range(config.num_layers)]
         # The distinct windows and rotary embeddings, and each layer's index into them (plain lists: a compiled
         # decode step traces these loops without hashing config objects).
@@ -146,16 +147,30 @@ class DecoderLM(nn.Module):
         # Compiled blocks serve the training forward only: evaluation and sampling (no grad, other shapes) stay eager.
         training_forward = self._compiled_blocks is not None and torch.is_grad_enabled()
         blocks = self._compiled_blocks if training_forward else self.blocks
+        kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for index, (block, (window, rope)) in enumerate(zip(blocks, self.layer_kinds)):
-            hidden = block(hidden, rotaries[rope], layouts[window], real_tokens=real_tokens, **layer_inputs(index))
+            hidden = block(hidden, rotaries[rope], layouts[window], real_tokens=real_tokens,
+                           **self._block_extras(index, layer_inputs, kept))
         return self.final_norm(hidden)
 
-    def _layer_inputs(self, input_ids: torch.Tensor, embedded: torch.Tensor) -> Callable[[int], dict[str, torch.Tensor]]:
-        """Each block's extra keyword arguments: its slice of the per-layer inputs, where the model has them."""
-        if self.layer_inputs is None:
-            return lambda index: {}
-        inputs = self.layer_inputs(input_ids, embedded)
-        return lambda index: {"layer_input": inputs[:, :, index]}
+    def _layer_inputs(self, input_ids: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor | None:
+        """(B, S, layers, width) per-layer inputs (Gemma 4 E2B / E4B), or None."""
+        return None if self.layer_inputs is None else self.layer_inputs(input_ids, embedded)
+
+    def _block_extras(self, index: int, layer_inputs: torch.Tensor | None,
+                      kept: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, object]:
+        """Block `index`'s extra keyword arguments: its slice of the per-layer inputs, and the keys and values of
+        its KV source (taken from a source layer's attention once it has run: `kept`, this forward's)."""
+        extras: dict[str, object] = {}
+        if layer_inputs is not None:
+            extras["layer_input"] = layer_inputs[:, :, index]
+        source = self.kv_sources[index]
+        if source != index:
+            if source not in kept:
+                attention = self.blocks[source].attn
+                kept[source], attention.kept_kv = attention.kept_kv, None
+            extras["shared_kv"] = kept[source]
+        return extras
 
     @property
     def rope_switch_positions(self) -> list[int]:
@@ -190,9 +205,10 @@ class DecoderLM(nn.Module):
         rotaries = self._rotaries(positions, None if last is None else cache.positions(last[:, None]))
         hidden = self.embeddings(input_ids, positions)
         layer_inputs = self._layer_inputs(input_ids, hidden)
+        kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for index, (block, (window, rope)) in enumerate(zip(self.blocks, self.layer_kinds)):
-            layer_cache = cache.layer(self.config.kv_source(index), columns, span, masks[window])
-            hidden = block(hidden, rotaries[rope], None, layer_cache, **layer_inputs(index))
+            layer_cache = cache.layer(self.kv_sources[index], columns, span, masks[window])
+            hidden = block(hidden, rotaries[rope], None, layer_cache, **self._block_extras(index, layer_inputs, kept))
         return self.final_norm(hidden)
 
     def head_logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:

@@ -45,8 +45,9 @@ def test_bidirectional_attention_is_refused_naming_the_feature() -> None:
 
 @pytest.mark.parametrize("offload", [False, True])
 def test_shared_kv_and_per_layer_inputs_under_activation_checkpointing(offload: bool) -> None:
-    """KV-sharing layers read their source layer's keys and values from its last forward: with every block
-    recomputed in backward (and its input offloaded) loss and gradients equal the plain step's, in float64."""
+    """KV-sharing layers take their source layer's keys and values as block inputs: with every block recomputed
+    in backward (and its input offloaded), even after another forward in between, loss and gradients equal the
+    plain step's, in float64."""
     from fastlm.losses.spec import LossNormalizers, LossTargets
     from fastlm.models.decoder import build_model
 
@@ -61,6 +62,8 @@ def test_shared_kv_and_per_layer_inputs_under_activation_checkpointing(offload: 
     def step() -> tuple[float, list[torch.Tensor]]:
         model.zero_grad()
         loss = model(ids, LossTargets(labels=labels), normalizers).loss
+        with torch.no_grad():  # another forward before the backward recomputes the blocks
+            model.logits(ids.flip(1))
         loss.backward()
         return float(loss), [p.grad.clone() for p in model.parameters()]
 
@@ -208,9 +211,9 @@ def test_kv_sharing_layers_hold_no_cache_of_their_own() -> None:
 
 
 def test_a_model_copies_after_a_training_forward() -> None:
-    """The KV-sharing source keeps its last forward's keys and values (graph tensors, which deepcopy refuses): a
-    copy (the DPO reference, a generation replica) leaves them behind, and its sharing layers point at its own
-    source layers."""
+    """A KV-sharing source leaves its keys and values for the decoder (graph tensors, which deepcopy refuses;
+    the decoder takes them within the forward): a copy (the DPO reference, a generation replica) has none and
+    decodes the same."""
     import copy
 
     from fastlm.models.decoder import build_model
@@ -220,6 +223,6 @@ def test_a_model_copies_after_a_training_forward() -> None:
     ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(4))
     model.logits(ids).sum().backward()  # a forward with grad: kept keys and values carry a graph
     twin = copy.deepcopy(model)
-    assert twin.blocks[2].attn.kept_kv is None and twin.blocks[4].attn.kv_from[0] is twin.blocks[2].attn
+    assert twin.blocks[2].attn.keeps_kv and twin.blocks[2].attn.kept_kv is None
     with torch.no_grad():
         assert torch.equal(twin.logits(ids), model.logits(ids))
