@@ -295,6 +295,7 @@ def test_cli_convert_train_generate_export(case: str, folders: dict[str, tuple[t
     ("gpt_oss", {"attention_bias": False}, "attention_bias"),
     ("qwen2-mixed-windows", {"num_hidden_layers": 10**15, "layer_types": None}, "num_hidden_layers"),
     ("gemma4", {"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+    ("gemma4", {"layer_types": [SLIDING, FULL]}, "layer_types"),  # one entry short
     ("gemma4", {"rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 1e4}, FULL: {
         "rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6, "factor": 8.0}}},
      f"rope_parameters.{FULL}.factor"),

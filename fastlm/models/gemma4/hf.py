@@ -76,8 +76,9 @@ class Gemma4Adapter(LlamaAdapter):
             kinds = [SLIDING if (i + 1) % GLOBAL_EVERY else FULL for i in range(num_layers)]
         if isinstance(kinds, list) and kinds and kinds[-1] == SLIDING:
             kinds = [*kinds[:-1], FULL]  # transformers forces the last layer global
-        windows = window_fields(Reader({**reader.hf, "layer_types": kinds}, reader.defaults, reader.source),
-                                reader.get("sliding_window"), num_layers)
+        derived = Reader({**reader.hf, "layer_types": kinds}, reader.defaults, reader.source)
+        windows = window_fields(derived, reader.get("sliding_window"), num_layers)
+        reader.issues += derived.issues
         if windows["layer_types"] is None and windows["sliding_window"] is not None:  # every layer slides
             windows["layer_types"] = [SLIDING] * num_layers
         values_from_keys = reader.get("attention_k_eq_v")
@@ -100,8 +101,8 @@ class Gemma4Adapter(LlamaAdapter):
     @staticmethod
     def _rope(reader: Reader) -> dict[str, Any]:
         """The sliding layers' plain RoPE base, the global layers' base and proportional factor."""
-        hf = reader.hf if reader.hf.get("rope_parameters") else {**reader.hf, "rope_parameters": _DEFAULT_ROPE}
-        reader = Reader(hf, reader.defaults, reader.source) if hf is not reader.hf else reader
+        if not reader.hf.get("rope_parameters"):  # transformers' defaults (no problems to report in them)
+            reader = Reader({**reader.hf, "rope_parameters": _DEFAULT_ROPE}, reader.defaults, reader.source)
         local, local_key = rope_parameters(reader, SLIDING)
         full, full_key = rope_parameters(reader, FULL)
         if local.get("rope_type") != "default":
