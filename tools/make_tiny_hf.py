@@ -35,6 +35,15 @@ SHAPE: dict[str, Any] = dict(vocab_size=MODEL_VOCAB, hidden_size=64, intermediat
 SLIDING, FULL = "sliding_attention", "full_attention"
 MOE = dict(num_experts_per_tok=2, intermediate_size=32)
 GEMMA3_TEXT = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, layer_types=[SLIDING, FULL])
+# Gemma 4: every text option fastlm converts: global layers with wider heads, one kv head and keys as values (31B),
+# per-layer input embeddings and the last two layers sharing KV with double-wide MLPs (E2B / E4B)
+GEMMA4_TEXT = dict(num_hidden_layers=4, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                   attention_k_eq_v=True, sliding_window=8, layer_types=[SLIDING, FULL, SLIDING, FULL],
+                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=MODEL_VOCAB, num_kv_shared_layers=2,
+                   use_double_wide_mlp=True, final_logit_softcapping=30.0)
+GEMMA4_MOE = dict(head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                  sliding_window=8, layer_types=[SLIDING, FULL], hidden_size_per_layer_input=0, enable_moe_block=True,
+                  num_experts=4, top_k_experts=2, moe_intermediate_size=32, final_logit_softcapping=30.0)  # 26B-A4B
 QWEN3_5 = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])
 QWEN3_5_MOE = {**QWEN3_5, **MOE, "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
@@ -53,6 +62,8 @@ TINY: dict[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]] = {
         "text_config": {**shape, **GEMMA3_TEXT}, "mm_tokens_per_image": 4,
         "vision_config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
                           "num_attention_heads": 2, "image_size": 28, "patch_size": 14}},
+    "gemma4_text": GEMMA4_TEXT,
+    "gemma4": lambda shape: {"text_config": {**shape, **GEMMA4_MOE}, "vision_config": None, "audio_config": None},
     "phi3": {},
     "gpt2": {},
     "mixtral": {**MOE, "num_local_experts": 4},

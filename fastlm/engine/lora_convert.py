@@ -45,9 +45,10 @@ LORA_YAML = "lora.yaml"
 
 
 def merged_model(model: DecoderLM) -> DecoderLM:
-    """A plain model (no model.lora) holding W + scale B A."""
+    """A plain model (no model.lora) holding W + scale B A, and the base's stored buffers (Gemma 4's layer scalars)."""
     plain = build_model(model.config.model_copy(update={"lora": None}), "cpu")
-    plain.load_state_dict(dict(merged_weights(model)), strict=True)
+    stored = {name: buffer for name, buffer in model.named_buffers() if name in plain.state_dict()}
+    plain.load_state_dict({**stored, **dict(merged_weights(model))}, strict=True)
     return plain
 
 

@@ -52,11 +52,14 @@ PREFILL_TOKENS = 4096  # the most (padded) tokens one prefill forward takes (its
 
 def engine_supports(model: DecoderLM) -> bool:
     """Whether the engine can serve this model: every layer is plain attention over a key/value cache (no score
-    softcap or sinks) and the head is not vocab-parallel (other families, e.g. recurrent-state or latent layers,
-    Gemma 2's softcap, GPT-OSS's sinks, take the static path)."""
+    softcap or sinks), of one key/value shape, and the head is not vocab-parallel (other families, e.g.
+    recurrent-state or latent layers, Gemma 2's softcap, GPT-OSS's sinks, Gemma 4's wider global layers and shared
+    KV, take the static path)."""
+    shape = model.config.kv_cache_shape()[:2]
     return model.tp_group is None and all(
         type(getattr(b, "attn", None)) is Attention and b.attn.softcap is None and b.attn.sinks is None
-        for b in model.blocks)
+        and model.config.layer_kv_shape(layer) == shape and model.config.kv_source(layer) == layer
+        for layer, b in enumerate(model.blocks))
 
 
 @dataclass

@@ -323,7 +323,9 @@ class Generator:
         kv_heads, key_width, value_width = config.kv_cache_shape()
         cache = KVCache(config.num_layers, batch, config.num_heads, kv_heads, length, key_width, dtype, self.device,
                         uniform_columns=self.padding == "left", decode_attention=self.decode_attention,
-                        recurrent=recurrent, value_dim=value_width)
+                        recurrent=recurrent, value_dim=value_width,
+                        layer_shapes=[config.layer_kv_shape(layer) for layer in range(config.num_layers)],
+                        kv_sources=[config.kv_source(layer) for layer in range(config.num_layers)])
         state = DecodeState.empty(batch, self.vocab, options, self.device)
         cache.frozen = state.done  # a finished row's steps leave linear-attention states alone
         return _DecodeStep(model, cache, state, options, self.pad_id, head_weight, self.amp_dtype, self.cuda_graph,

@@ -96,8 +96,11 @@ class LayerCache:
         if softcap is not None or sinks is not None:  # the mask's first S rows: it repeats them per group
             mask = self.mask.additive[:, :, :seq_len] if self.mask.additive is not None else None
             return explicit_attention(q.to(keys.dtype), keys, values, mask, scale, softcap, sinks).to(q.dtype)
-        grouped_q = q.reshape(batch, kv_heads, q_heads // kv_heads * seq_len, head_dim).to(keys.dtype)
-        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=self.mask.additive, scale=scale)
+        groups, mask = q_heads // kv_heads, self.mask.additive
+        if mask is not None and mask.shape[2] != groups * seq_len:  # a layer grouped unlike the cache's default
+            mask = mask[:, :, :seq_len].repeat(1, 1, groups, 1)
+        grouped_q = q.reshape(batch, kv_heads, groups * seq_len, head_dim).to(keys.dtype)
+        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask, scale=scale)
         return out.reshape(batch, q_heads, seq_len, -1).to(q.dtype)
 
 
@@ -163,16 +166,22 @@ class KVCache:
         self, num_layers: int, batch: int, q_heads: int, kv_heads: int, length: int, head_dim: int,
         dtype: torch.dtype, device: torch.device | str, uniform_columns: bool = False,
         decode_attention: DecodeAttention = "sdpa", recurrent: list[RecurrentShape | None] | None = None,
-        value_dim: int | None = None,
+        value_dim: int | None = None, layer_shapes: list[tuple[int, int]] | None = None,
+        kv_sources: list[int] | None = None,
     ) -> None:
-        """`recurrent`: per layer, the state of a linear-attention layer (no keys and values) or None."""
+        """`recurrent`: per layer, the state of a linear-attention layer (no keys and values) or None.
+        `layer_shapes`: per layer (kv heads, head_dim) where the layers differ (Gemma 4's global layers);
+        the masks are built for `kv_heads` and re-cut per layer for the others (`LayerCache.attend`).
+        `kv_sources`: per layer, the layer whose cache it reads (Gemma 4's shared KV: `DecoderConfig.kv_source`);
+        a layer that reads another's holds no columns of its own."""
         recurrent = recurrent or [None] * num_layers
-        shape = (batch, kv_heads, length, head_dim)
-        empty = (batch, kv_heads, 0, head_dim)
-        self.keys = [torch.zeros(empty if r else shape, dtype=dtype, device=device) for r in recurrent]
+        shapes = layer_shapes or [(kv_heads, head_dim)] * num_layers
+        owns = [source == index for index, source in enumerate(kv_sources or range(num_layers))]
+        self.keys = [torch.zeros((batch, heads, length if own and not r else 0, width), dtype=dtype, device=device)
+                     for r, own, (heads, width) in zip(recurrent, owns, shapes)]
         self.values_in_keys = value_dim is not None  # a latent cache (module docstring)
         self.values = ([keys[..., :value_dim] for keys in self.keys] if value_dim is not None else
-                       [torch.zeros(empty if r else shape, dtype=dtype, device=device) for r in recurrent])
+                       [torch.zeros_like(keys) for keys in self.keys])
         self.states = {index: RecurrentState.empty(r, batch, dtype, device) for index, r in enumerate(recurrent) if r}
         self.start = torch.zeros(batch, dtype=torch.int64, device=device)
         self.ends = torch.full((batch,), length, dtype=torch.int64, device=device)
@@ -180,7 +189,7 @@ class KVCache:
         self.length = length
         self.groups = q_heads // kv_heads
         self.uniform_columns = uniform_columns
-        self.decode_attention = decode_attention_for(decode_attention, device, head_dim)
+        self.decode_attention = decode_attention_for(decode_attention, device, min(width for _, width in shapes))
 
     @property
     def batch(self) -> int:

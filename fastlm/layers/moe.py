@@ -125,6 +125,12 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def geglu_tanh(gate_up: torch.Tensor) -> torch.Tensor:
+    """Gemma 4's expert activation: (N, 2F) gate then up -> (N, F) gelu_tanh(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """GPT-OSS's expert activation: (N, 2F) gate then up -> (up + 1) * g * sigmoid(alpha * g), with
     g = min(gate, limit) and up clamped to [-limit, limit]."""
@@ -339,12 +345,16 @@ class MoEMLP(nn.Module):
         self.router_sums = router_sums(routing, counts, real_tokens)
         biases = None if self.gate_up_bias is None or self.down_bias is None else (
             self.gate_up_bias.view(self.num_experts, -1), self.down_bias.view(self.num_experts, -1))
-        return dispatch(flat, routing, *self.expert_weights(), self.backend, counts, self.activation,
-                        biases).reshape(x.shape)
+        return dispatch(self.expert_input(flat), routing, *self.expert_weights(), self.backend, counts,
+                        self.activation, biases).reshape(x.shape)
 
     def route(self, flat: torch.Tensor) -> Routing:
         """(T, H) tokens -> their routing (softmax top-k, GPT-OSS's router bias; a subclass may route otherwise)."""
         return route(flat, self.router.weight, self.top_k, self.normalize_top_k, self.router.bias)
+
+    def expert_input(self, flat: torch.Tensor) -> torch.Tensor:
+        """What the experts read of the (T, H) tokens the router read: the same (a subclass may norm them)."""
+        return flat
 
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles leave the last forward's sums behind (they hold autograd graph tensors)."""

@@ -75,14 +75,17 @@ def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: RopeScal
 
 
 def rotary_angles(positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None,
-                  longest: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  longest: torch.Tensor | None = None, turning: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position * inverse frequency, fp32, shape positions.shape + (head_dim/2,)
     (times yarn's or longrope's attention factor when scaled so). longrope, as transformers does for one
     sequence: a row's positions take the long factors once the row's largest position passes the pretraining
     context, the short ones otherwise (chosen on the device, no host read; a packed row by its longest
     document; `longest` (rows, 1): each row's largest real position when padding follows it); the generator
-    recomputes its cache where a row crosses (`DecoderLM.rope_switch_positions`), as transformers' Phi-3 does."""
+    recomputes its cache where a row crosses (`DecoderLM.rope_switch_positions`), as transformers' Phi-3 does.
+    `turning`: only the first `turning` frequencies turn, the rest are 0 (cos 1, sin 0: Gemma 4's proportional RoPE)."""
     inv_freq = inverse_frequencies(head_dim, theta, scaling, positions.device)
+    if turning is not None:
+        inv_freq = torch.cat((inv_freq[:turning], torch.zeros_like(inv_freq[turning:])))
     if scaling is not None and scaling.type == "longrope":
         assert scaling.original_max_seq_len is not None
         long = inverse_frequencies(head_dim, theta, scaling, positions.device, long=True)

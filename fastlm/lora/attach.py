@@ -65,6 +65,7 @@ def _slices(name: str, linear: nn.Linear, parent: nn.Module) -> list[Slice]:
         stem = leaf.removesuffix("_proj")
         return [Slice(ROLE_ALIASES.get(stem, stem), 0, linear.out_features)]
     sizes = tuple(getattr(parent, "split_sizes", ())) or (linear.out_features // len(roles),) * len(roles)
+    roles = roles[:len(sizes)]  # q and k rows only where the values are the keys (Gemma 4's attention_k_eq_v)
     if len(sizes) != len(roles) or sum(sizes) != linear.out_features:
         raise ValueError(f"{name}: cannot cut {linear.out_features} rows into {roles} of sizes {sizes}")
     starts = [sum(sizes[:i]) for i in range(len(sizes))]

@@ -34,14 +34,17 @@ def rotary_width(head_dim: int | None, partial_rotary_factor: float) -> int:
 @dataclass(frozen=True)
 class Rope:
     """A layer's rotary embedding: base `theta`, optional frequency `scaling`, the rotated `dims` of each head
-    (None: all; fewer: partial rotary), and `query_scale` (beta, period): the rotated queries times
-    1 + beta * log(1 + floor(position / period)) (Llama 4's and Ministral 3's attention temperature)
+    (None: all; fewer: partial rotary), `query_scale` (beta, period): the rotated queries times
+    1 + beta * log(1 + floor(position / period)) (Llama 4's and Ministral 3's attention temperature), and
+    `turning`: only the first `turning` of the dims / 2 frequencies turn, the others are 0 (their pairs pass
+    unchanged; Gemma 4's proportional RoPE, whose frequencies stay those of the whole width)
     (hashable: layers sharing it share one cos/sin per forward)."""
 
     theta: float
     scaling: RopeScaling | None = None
     dims: int | None = None
     query_scale: tuple[float, int] | None = None
+    turning: int | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,12 @@ class DecoderConfig(ConfigModel):
     def ffn_size(self) -> int:
         raise NotImplementedError
 
+    def layer_kv_shape(self, layer: int) -> tuple[int, int]:
+        """(kv heads, head width) of layer `layer`'s keys and values: the model's (`kv_cache_shape`) unless the
+        layers differ (Gemma 4's global layers: wider heads, fewer kv heads)."""
+        kv_heads, key_width, _ = self.kv_cache_shape()
+        return kv_heads, key_width
+
     def kv_cache_shape(self) -> tuple[int, int, int | None]:
         """The generation cache per token and layer: (kv heads, key width, value width when the values are the
         first columns of the keys (a latent cache: multi-head latent attention), else None: values as keys)."""
@@ -140,6 +149,17 @@ class DecoderConfig(ConfigModel):
 
     def build_final_norm(self) -> nn.Module:
         raise NotImplementedError
+
+    def build_layer_inputs(self) -> nn.Module | None:
+        """The per-layer input embeddings (`fastlm.layers.layer_inputs.PerLayerInputs`: Gemma 4 E2B / E4B), whose
+        (B, S, layers, width) output hands each block its slice; None (the default): no such inputs."""
+        return None
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys and values layer `layer` attends over: itself by default; an earlier one where
+        layers share KV (Gemma 4's num_kv_shared_layers: no key/value projections of their own, and in
+        generation they read that layer's cache)."""
+        return layer
 
     def device_issues(self, on_gpu: bool) -> list[ConfigIssue]:
         """What this machine lacks for the model's chosen kernels (`fastlm.engine.preflight`); none by default."""

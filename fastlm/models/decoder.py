@@ -46,6 +46,11 @@ class DecoderLM(nn.Module):
         # The blocks' MoE layers, found once (a plain list: the state dict keeps its keys); empty in a dense model.
         self.moe_layers: list[MoEMLP] = [module for module in self.blocks.modules() if isinstance(module, MoEMLP)]
         self.final_norm = config.build_final_norm()
+        self.layer_inputs = config.build_layer_inputs()  # per-layer input embeddings (Gemma 4 E2B / E4B) or None
+        # layers that attend over an earlier layer's keys and values (Gemma 4's shared KV), and those sources
+        self.kv_sources: list[int] = [config.kv_source(layer) for layer in range(config.num_layers)]
+        for source in {source for layer, source in enumerate(self.kv_sources) if source != layer}:
+            self.blocks[source].attn.keeps_kv = True
         self.layer_attention: list[LayerAttention] = [config.layer_attention(i) for i in range(config.num_layers)]
         # The distinct windows and rotary embeddings, and each layer's index into them (plain lists: a compiled
         # decode step traces these loops without hashing config objects).
@@ -80,6 +85,8 @@ class DecoderLM(nn.Module):
         for block in self.blocks:
             block.reset_parameters(std, residual_std)
         self.final_norm.reset_parameters()
+        if self.layer_inputs is not None:
+            self.layer_inputs.reset_parameters(std)
         if self.lm_head_weight is not None:
             nn.init.normal_(self.lm_head_weight, mean=0.0, std=std)
 
@@ -134,13 +141,36 @@ class DecoderLM(nn.Module):
         rotaries = self._rotaries(positions)
         real_tokens = None if padding is None or not self.moe_layers else padding.logical_not().float()
         hidden = self.embeddings(input_ids, positions)
+        layer_inputs = self._layer_inputs(input_ids, hidden)
         if self.activation_offload is not None:
             self.activation_offload.start()
         # Compiled blocks serve the training forward only: evaluation and sampling (no grad, other shapes) stay eager.
         training_forward = self._compiled_blocks is not None and torch.is_grad_enabled()
-        for block, (window, rope) in zip(self._compiled_blocks if training_forward else self.blocks, self.layer_kinds):
-            hidden = block(hidden, rotaries[rope], layouts[window], real_tokens=real_tokens)
+        blocks = self._compiled_blocks if training_forward else self.blocks
+        kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for index, (block, (window, rope)) in enumerate(zip(blocks, self.layer_kinds)):
+            hidden = block(hidden, rotaries[rope], layouts[window], real_tokens=real_tokens,
+                           **self._block_extras(index, layer_inputs, kept))
         return self.final_norm(hidden)
+
+    def _layer_inputs(self, input_ids: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor | None:
+        """(B, S, layers, width) per-layer inputs (Gemma 4 E2B / E4B), or None."""
+        return None if self.layer_inputs is None else self.layer_inputs(input_ids, embedded)
+
+    def _block_extras(self, index: int, layer_inputs: torch.Tensor | None,
+                      kept: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, object]:
+        """Block `index`'s extra keyword arguments: its slice of the per-layer inputs, and the keys and values of
+        its KV source (taken from a source layer's attention once it has run: `kept`, this forward's)."""
+        extras: dict[str, object] = {}
+        if layer_inputs is not None:
+            extras["layer_input"] = layer_inputs[:, :, index]
+        source = self.kv_sources[index]
+        if source != index:
+            if source not in kept:
+                attention = self.blocks[source].attn
+                kept[source], attention.kept_kv = attention.kept_kv, None
+            extras["shared_kv"] = kept[source]
+        return extras
 
     @property
     def rope_switch_positions(self) -> list[int]:
@@ -158,7 +188,7 @@ class DecoderLM(nn.Module):
         rotaries: list[Rotary | None] = []
         for rope in self.ropes:
             rotary = None if rope is None else rotary_angles(positions, rope.dims or head_dim, rope.theta, rope.scaling,
-                                                             longest)
+                                                             longest, rope.turning)
             if rope is not None and rope.query_scale is not None:
                 beta, period = rope.query_scale
                 rotary = (*rotary, 1 + beta * torch.log(1 + torch.floor(positions / period)))
@@ -174,8 +204,11 @@ class DecoderLM(nn.Module):
         masks = [cache.attention_mask(columns, span, window) for window in self.windows]
         rotaries = self._rotaries(positions, None if last is None else cache.positions(last[:, None]))
         hidden = self.embeddings(input_ids, positions)
+        layer_inputs = self._layer_inputs(input_ids, hidden)
+        kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for index, (block, (window, rope)) in enumerate(zip(self.blocks, self.layer_kinds)):
-            hidden = block(hidden, rotaries[rope], None, cache.layer(index, columns, span, masks[window]))
+            layer_cache = cache.layer(self.kv_sources[index], columns, span, masks[window])
+            hidden = block(hidden, rotaries[rope], None, layer_cache, **self._block_extras(index, layer_inputs, kept))
         return self.final_norm(hidden)
 
     def head_logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:

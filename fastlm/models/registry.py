@@ -33,6 +33,7 @@ FAMILY_PACKAGES = (
     "ministral3",
     "gpt_oss",
     "deepseek_v3",
+    "gemma4",
 )
 DEFAULT_FAMILY = "llama"  # the model section's `type:` when a config leaves it out
 

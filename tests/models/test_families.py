@@ -100,13 +100,38 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "rope_interleave": False, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                       "original_max_position_embeddings": 16, "mscale": 1.0,
                                                       "mscale_all_dim": 0.8}}),
+    # Gemma 4 (31B's shape): global layers with wider heads, one kv head, keys as values, proportional RoPE (4 of
+    # 16 frequencies turn); a random layer_scalar per layer (hf_model); PLE, shared KV and MoE are refused
+    "gemma4": ("Gemma4TextConfig", {**BASE, "num_hidden_layers": 3, "head_dim": 8, "global_head_dim": 32,
+                                    "num_global_key_value_heads": 1, "attention_k_eq_v": True, "sliding_window": WINDOW,
+                                    "layer_types": [SLIDING, FULL, FULL], "hidden_size_per_layer_input": 0,
+                                    "final_logit_softcapping": 3.0}),
+    # separate values and the sliding layers' kv heads on the global ones (no k = v), plain RoPE there
+    # E2B / E4B's options: per-layer input embeddings (width 8), the last 2 of 5 layers attending over the last
+    # earlier layer of their kind (3 and 4 over 1 and 2; no k/v projections of their own), double-wide MLPs there
+    "gemma4-per-layer-inputs-shared-kv": ("Gemma4TextConfig", {
+        **BASE, "num_hidden_layers": 5, "head_dim": 8, "global_head_dim": 16, "sliding_window": WINDOW,
+        "layer_types": [SLIDING, SLIDING, FULL, SLIDING, FULL], "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": VOCAB, "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+        "final_logit_softcapping": 3.0}),
+    # 26B-A4B's MoE block: 4 GeGLU experts (top 2, scaled router, per-expert scales) beside the dense MLP
+    "gemma4-moe": ("Gemma4TextConfig", {**BASE, "num_hidden_layers": 2, "head_dim": 8, "global_head_dim": 16,
+                                        "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+                                        "sliding_window": WINDOW, "layer_types": [SLIDING, FULL],
+                                        "hidden_size_per_layer_input": 0, "enable_moe_block": True, "num_experts": 4,
+                                        "top_k_experts": 2, "moe_intermediate_size": 16}),
+    "gemma4-values-full-rope": ("Gemma4TextConfig", {
+        **BASE, "num_hidden_layers": 3, "head_dim": 8, "global_head_dim": 16, "sliding_window": WINDOW,
+        "layer_types": [SLIDING, FULL, FULL], "hidden_size_per_layer_input": 0,
+        "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 1e4},
+                            FULL: {"rope_type": "default", "rope_theta": 1e5}}}),
     "gpt2": ("GPT2Config", {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
                             "bos_token_id": 256, "eos_token_id": 257}),
 }
 ONE_PER_FAMILY = ["llama3-rope-llama3-tied", "qwen2-mixed-windows", "mistral", "qwen3", "gemma3", "phi3", "gpt2",
                   "qwen3_5", "gemma2", "olmo3", "granite", "glm4", "gpt_oss",
-                  "deepseek_v3"]  # ministral(3), smollm3: Llama's CLI path
-FLEX_DECODE = ("gemma3", "gemma2", "gpt_oss", "deepseek_v3")
+                  "deepseek_v3", "gemma4"]  # ministral(3), smollm3: Llama's CLI path
+FLEX_DECODE = ("gemma3", "gemma2", "gpt_oss", "deepseek_v3", "gemma4")
 OFFSET_NORMS = ("Gemma3TextConfig", "Gemma2Config")  # (1 + w) norms: randomised around 0
 
 
@@ -119,10 +144,11 @@ def hf_model(case: str) -> torch.nn.Module:
     randomize_weights(model, seed=sum(map(ord, case)), norms_at_one=config_name not in OFFSET_NORMS)
     if case.startswith("qwen3_5"):
         center_offset_norms(model)
-    with torch.no_grad():  # DeepSeek-V3's router correction bias is a buffer (zeros from transformers' init)
+    with torch.no_grad():  # buffers that are weights: DeepSeek-V3's router correction bias, Gemma 4's layer scalars
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=torch.Generator().manual_seed(len(name))))
+            if name.endswith(("e_score_correction_bias", "layer_scalar")):
+                noise = 0.1 * torch.randn(buffer.shape, generator=torch.Generator().manual_seed(len(name)))
+                buffer.add_(noise) if name.endswith("layer_scalar") else buffer.copy_(noise)
     return model
 
 
@@ -161,7 +187,8 @@ def test_windows_and_rope_options_change_the_logits(folders: dict[str, tuple[tor
                                ("granite", "residual_multiplier", 1.0), ("granite", "attention_multiplier", 1.0),
                                ("granite", "embedding_multiplier", 1.0), ("smollm3", "nope_layers", []),
                                ("glm4", "partial_rotary_factor", 1.0), ("ministral3", "query_scale_beta", 0.0),
-                               ("gpt_oss", "layer_types", [FULL] * 3),
+                               ("gpt_oss", "layer_types", [FULL] * 3), ("gemma4", "partial_rotary_factor", 1.0),
+                               ("gemma4", "sliding_window", 64),
                                ("llama3-rope-llama3-tied", "rope_scaling", None), ("llama-rope-yarn", "rope_scaling", None),
                                ("phi3-longrope", "rope_scaling", None)):
         model = import_hf(folders[case][1]).eval()
@@ -267,6 +294,11 @@ def test_cli_convert_train_generate_export(case: str, folders: dict[str, tuple[t
     ("gpt_oss", {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}, "quantization_config"),
     ("gpt_oss", {"attention_bias": False}, "attention_bias"),
     ("qwen2-mixed-windows", {"num_hidden_layers": 10**15, "layer_types": None}, "num_hidden_layers"),
+    ("gemma4", {"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+    ("gemma4", {"layer_types": [SLIDING, FULL]}, "layer_types"),  # one entry short
+    ("gemma4", {"rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 1e4}, FULL: {
+        "rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6, "factor": 8.0}}},
+     f"rope_parameters.{FULL}.factor"),
 ])
 def test_unsupported_options_name_the_field(case: str, overrides: dict[str, Any], field: str) -> None:
     from fastlm.config.errors import ConfigError
@@ -279,7 +311,7 @@ def test_unsupported_options_name_the_field(case: str, overrides: dict[str, Any]
 
 
 @pytest.mark.parametrize("kind", ["dense", "flex"])
-@pytest.mark.parametrize("case", ["gemma3", "deepseek_v3"])
+@pytest.mark.parametrize("case", ["gemma3", "deepseek_v3", "gemma4"])
 def test_packed_documents_with_per_layer_windows(case: str, kind: str,
                                                  folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
     """Training layouts (dense mask on CPU, FlexAttention block masks on GPU; eager FlexAttention here) with
@@ -358,7 +390,8 @@ def test_multimodal_gemma3_imports_its_text_tower(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("case", ["qwen3", "gemma3", "llama-rope-yarn", "phi3", "gemma2", "granite", "glm4", "gpt_oss",
-                                  "olmo3", "smollm3", "ministral3"])
+                                  "olmo3", "smollm3", "ministral3", "gemma4",
+                                  "gemma4-per-layer-inputs-shared-kv", "gemma4-moe"])
 def test_loss_and_gradients_match_transformers_in_float64(case: str,
                                                           folders: dict[str, tuple[torch.nn.Module, Path]]) -> None:
     """Our CE vs cross_entropy on transformers' float64 logits, every gradient mapped back to HF names.
@@ -377,7 +410,9 @@ def test_loss_and_gradients_match_transformers_in_float64(case: str,
     result.loss.backward()
     expected = F.cross_entropy(reference(ids).logits.reshape(-1, VOCAB), labels, ignore_index=-100)
     expected.backward()
-    grads = to_hf_state({name: p.grad for name, p in model.named_parameters()}, model.config)
+    stored = dict(model.named_buffers())  # constants in the state dict (Gemma 4's layer scalars): no gradient
+    grads = to_hf_state({**stored, **{name: p.grad for name, p in model.named_parameters()}}, model.config)
+    grads = {name: grad for name, grad in grads.items() if name not in dict(reference.named_buffers())}
     theirs = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
     assert set(grads) == set(theirs)
     worst = max(float((grads[n] - theirs[n]).norm() / theirs[n].norm().clamp_min(1e-30)) for n in grads)

@@ -63,7 +63,10 @@ PUBLISHED.update({"qwen3-4b": (4_022_468_096, 151936), "qwen3-8b": (8_190_735_36
 ZOO_PUBLISHED = {"gemma2-2b": (2_614_341_888, 256000), "olmo2-1b": (1_484_916_736, 100352),
                  "olmo3-7b": (7_298_011_136, 100278), "granite3-2b": (2_533_531_648, 49155),
                  "smollm3-3b": (3_075_098_624, 128256), "glm4-9b": (9_400_279_040, 151552),
-                 "ministral3-3b": (3_429_006_336, 131072), "gpt-oss-20b": (20_914_757_184, 201088)}
+                 "ministral3-3b": (3_429_006_336, 131072), "gpt-oss-20b": (20_914_757_184, 201088),
+                 # Gemma 4 text towers: E2B "2.3B effective" (4.63B with the per-layer embedding table), 31B
+                 # "30.7B" (equal to transformers' count of the same Gemma4TextConfig: test_gemma4.py)
+                 "gemma4-e2b": (4_628_569_344, 262144), "gemma4-31b": (30_697_345_280, 262144)}
 PUBLISHED.update(ZOO_PUBLISHED)
 
 

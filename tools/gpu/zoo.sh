@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The model zoo on one GPU: (a) the CUDA tests of the attention paths and the generator (per-layer windows
-# through FlexAttention, SDPA and the CUDA-graph decode step; Gemma 2's softcaps, GPT-OSS's sinks), then (b) training throughput at real shapes
+# through FlexAttention, SDPA and the CUDA-graph decode step; Gemma 2's softcaps, GPT-OSS's sinks, Gemma 4's two head widths and shared KV), then (b) training throughput at real shapes
 # side by side with transformers' own model class on the same weights (bench_train --hf: bf16, SDPA, fused
 # AdamW, Liger's fused linear CE when it imports): qwen3-0.6b and llama3.2-1b at seq 8192 on packed rows,
 # compiled blocks, and (c) qwen3-0.6b at seq 32768 with activation checkpointing.
@@ -24,5 +24,5 @@ else
 fi
 say "(a) attention paths and the generator on CUDA"
 run $(( $(left) - 5 )) python3 -m pytest -q -p no:cacheprovider tests/models/test_packed_attention_cuda.py \
-    tests/generation/test_generator_cuda.py
+    tests/generation/test_generator_cuda.py tests/models/test_gemma4_cuda.py
 grep -E "^\| |passed|failed|error|exit " "$LOG" | tail -60
