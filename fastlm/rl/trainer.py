@@ -48,7 +48,7 @@ from fastlm.engine.frozen import copy_frozen, load_frozen_copy, reference_model
 from fastlm.engine.optim import lr_multiplier
 from fastlm.engine.step_scalars import StepValues
 from fastlm.engine.trainer import StepResult, Trainer, TrainSummary
-from fastlm.generation import NativeBackend
+from fastlm.generation import GenerationBackend
 from fastlm.layers.lm_head import LMHead
 from fastlm.lora.attach import AdapterSnapshot
 from fastlm.lora.layer import full_tensor
@@ -96,14 +96,10 @@ def policy_head_config(head: LMHeadConfig, temperature: float) -> LMHeadConfig:
 
 
 def rollout_backend(model: DecoderLM, tokenizer: Tokenizer, rl: RLConfig, amp_dtype: torch.dtype | None,
-                    multi_turn: bool) -> NativeBackend:
-    """The KV-cache generator on the trainer's model, kept across rollouts (its CUDA graphs too): graphs where
-    they run (CUDA, no vocab-parallel head); `rl.generation` picks the engine or the static batch; static
-    multi-turn episodes keep each row at its own cache columns."""
-    graphs = rl.cuda_graph and model.output_weight.device.type == "cuda" and model.tp_group is None
-    return NativeBackend(model, tokenizer, amp_dtype, cuda_graph=graphs, compile=rl.compile_decode and graphs,
-                         padding="right" if multi_turn else "left", engine=rl.generation == "engine",
-                         max_slots=rl.decode_slots, kv_cache_memory_gib=rl.kv_cache_memory_gib)
+                    multi_turn: bool) -> GenerationBackend:
+    """`rl.backend`'s generation backend on the trainer's model (fastlm/generation/backend_config.py), kept
+    across rollouts (its CUDA graphs too); with `rl.routing_replay` it records each token's experts."""
+    return rl.backend.build(model, tokenizer, amp_dtype, multi_turn, record_routing=rl.routing_replay)
 
 
 def rl_scheduler(optimizer: torch.optim.Optimizer, config: RunConfig, rl: RLConfig) -> torch.optim.lr_scheduler.LambdaLR:
