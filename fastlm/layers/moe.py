@@ -94,6 +94,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool,
     weights, experts = probs.topk(top_k, dim=-1)
     if replay is not None:
         experts = replayed(experts, replay)
+        if normalize:  # the renormalised probabilities as a softmax of the chosen logits: no 0 / 0 where the
+            return Routing(logits, probs, logits.gather(-1, experts).softmax(dim=-1), experts)  # router moved off them
         weights = probs.gather(-1, experts)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
