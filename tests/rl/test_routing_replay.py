@@ -82,6 +82,7 @@ def test_replayed_routing_trains_the_router() -> None:
     and a record of -1 keeps the router's own choice."""
     torch.manual_seed(1)
     layer = MoEMLP(8, 4, 6, 2, normalize_top_k=False, backend="loop")
+    layer.reset_parameters(0.2, 0.1)
     x = torch.randn(5, 8)
     own = route(x, layer.router.weight, 2, False).experts
     replay = torch.stack([(own[:, 0] + 1) % 6, (own[:, 1] + 2) % 6], dim=1)
