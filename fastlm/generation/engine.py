@@ -170,7 +170,7 @@ class Engine:
             raise ValueError(
                 f"a sequence of up to {max(len(s.tokens) + s.budget for s in sequences)} tokens needs {biggest} "
                 f"blocks of {self.block_size}, more than the paged KV cache holds ({cache.num_blocks - 1}); raise "
-                f"rl.kv_cache_memory_gib or lower rl.max_new_tokens")
+                f"rl.backend.kv_cache_memory_gib or lower rl.max_new_tokens")
         return cache
 
     def peak_bytes(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
@@ -235,7 +236,7 @@ class RLConfig(ConfigModel):
         if moved:
             key = moved[0]
             raise ValueError(f"rl.{key} moved to rl.backend.{key} (the native backend's knob): write "
-                             f"`backend: {{type: native, {key}: {data[key]!r}}}` under rl:")
+                             f"`backend: {{type: native, {key}: {json.dumps(data[key])}}}` under rl:")
         return data
 
     @model_validator(mode="after")

@@ -108,6 +108,13 @@ def test_backend_section_rules() -> None:
     assert RLConfig(routing_replay=True, backend={"generation": "static"}).routing_replay
 
 
+def test_an_old_top_level_knob_names_its_new_place() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(CONFIGS / "grpo.yaml", ["rl.cuda_graph=false"])
+    (line,) = [str(issue) for issue in caught.value.issues]
+    assert line.startswith("rl: rl.cuda_graph moved to rl.backend.cuda_graph") and "cuda_graph: false}" in line
+
+
 def test_routing_replay_is_refused_for_a_dense_model() -> None:
     with pytest.raises(ConfigError, match="rl.routing_replay: replays the routing of MoE layers"):
         load_config(CONFIGS / "grpo.yaml", ["rl.routing_replay=true", "rl.backend.generation=static"])
