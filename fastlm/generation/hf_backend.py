@@ -101,9 +101,9 @@ class TransformersBackend:
             mask[row, width - len(prompt):] = 1
         config = transformers.GenerationConfig(
             max_new_tokens=options.max_new_tokens, min_new_tokens=0, do_sample=not options.greedy,
-            temperature=options.temperature if not options.greedy else None,
-            top_k=options.top_k if not options.greedy and options.top_k else None,
-            top_p=options.top_p if not options.greedy and options.top_p < 1.0 else None,
+            # every filter explicit when sampling: left unset, generate applies its defaults (top_k 50)
+            temperature=None if options.greedy else options.temperature,
+            top_k=None if options.greedy else options.top_k, top_p=None if options.greedy else options.top_p,
             eos_token_id=list(options.stop_tokens) or None, pad_token_id=self.pad_id,
             suppress_tokens=list(range(self.vocab, self.model.config.vocab_size)) or None,
             output_scores=True, return_dict_in_generate=True)

@@ -47,11 +47,14 @@ def test_transformers_greedy_tokens_equal_the_native_backends() -> None:
     assert {c.policy_version for c in ours + theirs} == {7}
 
 
-def test_transformers_sampled_logprobs_are_the_sampling_distributions() -> None:
+@pytest.mark.parametrize(("temperature", "top_p", "top_k"), [(1.0, 1.0, 0), (0.7, 0.9, 20)])
+def test_transformers_sampled_logprobs_are_the_sampling_distributions(temperature: float, top_p: float,
+                                                                       top_k: int) -> None:
     """Each drawn token's log-prob is its log-prob under the native sampler's distribution (temperature, top-k,
-    top-p) given the same prefix: the same distribution, recomputed from the policy model."""
+    top-p) given the same prefix: the same distribution, recomputed from the policy model. Filters off are off
+    (generate's own default is top_k 50)."""
     native, hf = _backends()
-    options = SamplingOptions(6, temperature=0.7, top_p=0.9, top_k=20)
+    options = SamplingOptions(6, temperature=temperature, top_p=top_p, top_k=top_k)
     completions = hf.generate(PROMPTS, options, torch.Generator().manual_seed(1))
     again = hf.generate(PROMPTS, options, torch.Generator().manual_seed(1))
     assert [c.tokens for c in again] == [c.tokens for c in completions]  # the caller's generator seeds the draws
