@@ -108,3 +108,19 @@ def test_unrecorded_tokens_keep_the_routers_choice(sigmoid: bool) -> None:
     plain = layer.route(x)
     kept = layer.route(x, torch.full((7, 2), -1))
     assert torch.equal(plain.experts, kept.experts) and torch.allclose(plain.weights, kept.weights, rtol=1e-6, atol=0)
+
+
+def test_activation_checkpointing_recomputes_with_the_replayed_experts() -> None:
+    """The backward's recompute of a checkpointed block routes through the same recorded experts."""
+    model = _moe_model().train()
+    samples, _ = _rollout(model)
+    _steer_router(model, samples)
+    batch = split_into_batches(pack_policy_samples(samples, 40, TOKENIZER.pad_id), 1)[0]
+    grads = []
+    for checkpointing in (False, True):
+        model.zero_grad()
+        model.set_activation_checkpointing(checkpointing)
+        hidden = model.hidden_states(batch.input_ids, batch.document_ids, routed_experts=batch.routed_experts)
+        hidden.square().sum().backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]))
+    assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
