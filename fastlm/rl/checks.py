@@ -15,6 +15,7 @@ from fastlm.generation.backend_config import BackendConfig, NativeBackendConfig,
 from fastlm.generation.engine import SMALLEST_BLOCK_SIZE
 from fastlm.generation.paged_cache import PagedKVCache
 from fastlm.losses.children.policy import PolicyConfig
+from fastlm.models.hf import config_to_hf
 from fastlm.models.moe_family import MoESettings
 from fastlm.rl.environments.base import load_environment
 from fastlm.rl.prompts import stop_token_ids
@@ -112,11 +113,18 @@ def _rollout_issues(config: RunConfig) -> list[ConfigIssue]:
     if rl.environment is not None:
         issues += _environment_issues(config)
     try:
-        stop_token_ids(rl, build_tokenizer(config.data.tokenizer, config.run.init_path))
+        tokenizer = build_tokenizer(config.data.tokenizer, config.run.init_path)
+        stop_token_ids(rl, tokenizer)
+        if rl.backend.type == "transformers":  # its replica is the HF export: a model without one is refused now
+            config_to_hf(config.model, tokenizer)
     except ConfigError as error:
         issues += error.issues
     except TokenizerError:
         pass  # cross_check's tokenizer check reports it
+    if rl.backend.type == "transformers" and config.distributed.tensor_parallel > 1:
+        issues.append(ConfigIssue("rl.backend.type", "the transformers backend's replica holds the whole vocab; "
+                                  "it does not take a vocab-parallel head", rl.backend.type,
+                                  hint="use rl.backend.type native, or distributed.tensor_parallel: 1"))
     return issues
 
 

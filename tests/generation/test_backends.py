@@ -121,3 +121,14 @@ def test_an_old_top_level_knob_names_its_new_place() -> None:
 def test_routing_replay_is_refused_for_a_dense_model() -> None:
     with pytest.raises(ConfigError, match="rl.routing_replay: replays the routing of MoE layers"):
         load_config(CONFIGS / "grpo.yaml", ["rl.routing_replay=true", "rl.backend.generation=static"])
+
+
+def test_the_transformers_backend_is_refused_where_no_hf_replica_can_be_built() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(CONFIGS / "grpo.yaml", ["rl.backend.type=transformers", "model.head.softcap=30.0",
+                                            "distributed.tensor_parallel=2"])
+    lines = [str(issue) for issue in caught.value.issues]
+    print(lines)
+    assert any(line.startswith("model.head.softcap: the HF architecture has no such logit softcap") for line in lines)
+    assert any(line.startswith("rl.backend.type: the transformers backend's replica holds the whole vocab")
+               for line in lines)
