@@ -4,13 +4,20 @@ sampler's routing replayed; both log the policy version of their completions."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
+import torch
 import yaml
 
+from fastlm.data.tokenizer import ByteTokenizer
+from fastlm.generation.backend_config import NativeBackendConfig
 from fastlm.logging.jsonl import read_metrics
+from fastlm.rl.config import RLConfig
+from fastlm.rl.rollout import RolloutSetup, collect_rollout
 from fastlm.rl.trainer import RLTrainer
 from fastlm.run_config.loader import load_config
+from tests.rl.rl_helpers import tiny_model
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SHORT = ["trainer.steps=4", "trainer.log_every=1", "trainer.eval_every=0", "rl.warmup_steps=0", "rl.prompts_per_rollout=4",
@@ -48,3 +55,14 @@ def test_an_moe_run_with_routing_replay(tmp_path: Path) -> None:
     gap = max(r["train/sampling/logp_diff/max"] for r in records)
     print(f"MoE with routing replay: first-update |ratio - 1| {worst:.2e}, sampler vs trainer gap {gap:.2e}")
     assert worst < 1e-5 and gap < 1e-4
+
+
+def test_a_rollout_logs_the_policy_version_it_was_sampled_with() -> None:
+    model, tokenizer = tiny_model(), ByteTokenizer()
+    rl = RLConfig(prompts_per_rollout=2, group_size=2, eval_prompts=0)
+    setup = RolloutSetup.build(rl, model.config.head, tokenizer, model.config.max_seq_len, 32, 1)
+    backend = NativeBackendConfig(generation="static").build(model, tokenizer, None, multi_turn=False)
+    rollout = collect_rollout(model, model.head, backend, setup, random.Random(0), torch.Generator().manual_seed(0),
+                              version=5)
+    assert rollout.metrics["policy_version/min"] == rollout.metrics["policy_version/max"] == 5.0
+    assert all(batch.routed_experts is None for batch in rollout.batches)  # a dense model records no routing
