@@ -95,15 +95,13 @@ class NativeBackend:
     the CUDA-graph path decodes a replica that `sync_weights` refreshes. `engine=True`: the continuous-
     batching engine with `max_slots` decode slots and a paged cache of `kv_cache_memory_gib` (None: a share
     of the free device memory), for the families it serves (others, silently, the static path). Static
-    multi-turn sessions need `padding="right"` (each row at its own cache columns). `record_routing` (the static
-    path, an MoE model): each completion carries its tokens' experts (routing replay)."""
+    multi-turn sessions need `padding="right"` (each row at its own cache columns). `record_routing` (an MoE
+    model, single-turn): each completion carries its tokens' experts (routing replay)."""
 
     def __init__(self, model: DecoderLM, tokenizer: TokenizerLike, amp_dtype: torch.dtype | None = None,
                  cuda_graph: bool = False, compile: bool = False, padding: Literal["left", "right"] = "left",
                  engine: bool = False, max_slots: int = 256, kv_cache_memory_gib: float | None = None,
                  record_routing: bool = False) -> None:
-        if engine and record_routing:
-            raise ValueError("routing is recorded on the static generator; build the backend with engine=False")
         self.generator = Generator(model, tokenizer, amp_dtype, cuda_graph=cuda_graph, compile=compile, padding=padding,
                                    sync_on_generate=False, record_routing=record_routing)
         self.engine = (Engine(self.generator, max_slots, kv_cache_memory_gib=kv_cache_memory_gib)

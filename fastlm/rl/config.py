@@ -247,9 +247,6 @@ class RLConfig(ConfigModel):
         if self.routing_replay and self.backend.type != "native":
             raise ValueError(f"rl.routing_replay records routing in fastlm's own sampler; rl.backend.type "
                              f"{self.backend.type} cannot record it: use type native or drop routing_replay")
-        if self.routing_replay and isinstance(self.backend, NativeBackendConfig) and self.backend.generation != "static":
-            raise ValueError("rl.routing_replay records routing on the static sampler; set "
-                             "rl.backend.generation: static")
         if self.routing_replay and self.environment is not None:
             raise ValueError("rl.routing_replay records single-turn completions; it does not cover rl.environment's "
                              "multi-turn episodes (drop one of them)")

@@ -106,9 +106,9 @@ def test_backend_section_rules() -> None:
         RLConfig(backend={"type": "transformers"}, environment={"name": "tool_arithmetic"})
     with pytest.raises(ValueError, match="cannot record it"):
         RLConfig(backend={"type": "transformers"}, routing_replay=True)
-    with pytest.raises(ValueError, match="rl.backend.generation: static"):
-        RLConfig(routing_replay=True)
-    assert RLConfig(routing_replay=True, backend={"generation": "static"}).routing_replay
+    with pytest.raises(ValueError, match="does not cover rl.environment"):
+        RLConfig(routing_replay=True, environment={"name": "tool_arithmetic"})
+    assert RLConfig(routing_replay=True).routing_replay
 
 
 def test_an_old_top_level_knob_names_its_new_place() -> None:
@@ -120,7 +120,7 @@ def test_an_old_top_level_knob_names_its_new_place() -> None:
 
 def test_routing_replay_is_refused_for_a_dense_model() -> None:
     with pytest.raises(ConfigError, match="rl.routing_replay: replays the routing of MoE layers"):
-        load_config(CONFIGS / "grpo.yaml", ["rl.routing_replay=true", "rl.backend.generation=static"])
+        load_config(CONFIGS / "grpo.yaml", ["rl.routing_replay=true"])
 
 
 def test_the_transformers_backend_is_refused_where_no_hf_replica_can_be_built() -> None:

@@ -48,7 +48,7 @@ def test_an_moe_run_with_routing_replay(tmp_path: Path) -> None:
         "model": {"type": "qwen3_moe", "hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
                   "head_dim": 16, "max_seq_len": 64, "moe": {"num_experts": 8, "top_k": 2, "ffn_size": 16},
                   "head": {"losses": {"grpo": {"type": "grpo"}}}},
-        "rl": {"routing_replay": True, "backend": {"type": "native", "generation": "static"}}}))
+        "rl": {"routing_replay": True}}))  # the default sampler: the rollout engine
     records = _rl_records(config, [], tmp_path)
     first_updates = [r for r in records if r["step"] % 2 == 1]
     worst = max(abs(r["train/grpo/ratio"] - 1) for r in first_updates)

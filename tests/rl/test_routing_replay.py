@@ -10,6 +10,7 @@ import torch
 from fastlm.data.offline_rl import PolicySample
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.generation import Generator, SamplingOptions
+from fastlm.generation.engine import Engine
 from fastlm.layers.moe import MoEMLP, route
 from fastlm.losses.spec import IGNORE_INDEX
 from fastlm.models.decoder import DecoderLM, build_model
@@ -124,3 +125,21 @@ def test_activation_checkpointing_recomputes_with_the_replayed_experts() -> None
         hidden.square().sum().backward()
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]))
     assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("num_blocks", [None, 14])
+def test_the_engine_records_the_static_generators_routing(num_blocks: int | None) -> None:
+    """The rollout engine (shared prompt prefills, slots, chunked decode; 14 blocks: preemption and recompute)
+    records each token's experts as the static generator does: the same sequences, the same routing."""
+    model = _moe_model()
+    prompts = [TOKENIZER.encode(text, bos=True) for text in ("ab", "ab", "hello", "xyz1", "xyz1", "q")]
+    options = SamplingOptions(10, temperature=1.0)
+    static = Generator(model, TOKENIZER, record_routing=True).generate(prompts, options, torch.Generator().manual_seed(4))
+    engine = Engine(Generator(model, TOKENIZER, record_routing=True), max_slots=4, block_size=4, num_blocks=num_blocks,
+                    check_every=3, prefill_tokens=8)
+    got = engine.generate(prompts, options, torch.Generator().manual_seed(4))
+    if num_blocks is not None:
+        assert engine.admissions > len(prompts), "some sequence was preempted and recomputed"
+    for ours, want in zip(got, static):
+        assert ours.tokens == want.tokens and ours.routing is not None and want.routing is not None
+        assert torch.equal(ours.routing, want.routing)
