@@ -63,3 +63,24 @@ def test_graph_step_records_the_routing_of_eager_decoding(name: str, compile: bo
         for ours, want in zip(got, eager):
             assert ours.routing is not None and want.routing is not None
             assert torch.equal(ours.routing, want.routing)
+
+
+@pytest.mark.gpu
+def test_engine_graph_step_records_the_routing_of_eager_decoding() -> None:
+    """Routing replay on the engine's captured slot steps: the same experts as the eager static generator."""
+    from fastlm.generation.engine import Engine
+
+    torch._dynamo.reset()
+    model = make_model(load_preset("qwen3-moe-tiny"), dtype=torch.float32, seed=3).cuda()
+    rng = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=rng).tolist() for n in (1, 17, 17, 70, 33)]
+    options = SamplingOptions(24, temperature=0.0)
+    eager = Generator(model, TOKENIZER, cuda_graph=False, record_routing=True).generate(prompts, options)
+    engine = Engine(Generator(model, TOKENIZER, cuda_graph=True, record_routing=True), max_slots=8,
+                    kv_cache_memory_gib=0.05)
+    for _ in range(2):  # the second request replays the captured steps
+        got = engine.generate(prompts, options)
+        assert [c.tokens for c in got] == [c.tokens for c in eager]
+        for ours, want in zip(got, eager):
+            assert ours.routing is not None and want.routing is not None
+            assert torch.equal(ours.routing, want.routing)
