@@ -72,7 +72,7 @@ def run_config(name: str, preset: str, args: argparse.Namespace, work: Path, war
         "temperature": 1.0, "max_new_tokens": args.new_tokens, "scale_rewards": "group", "format_reward": 0.1,
         "warmup_steps": warmup, "warmup_noise": 0.3, "warmup_demonstrations": args.demonstrations,
         "lr_scale": args.rl_lr_scale, "eval_prompts": args.eval_prompts, "log_completions": 0,
-        "cuda_graph": args.device == "cuda", "old_logprobs": "sampler"}
+        "backend": {"type": "native", "cuda_graph": args.device == "cuda"}, "old_logprobs": "sampler"}
     if arm == "opd":
         rl["teacher"] = {"path": teacher, "objective": "reverse_kl", "reward_weight": 0.0}
     elif arm in ("gkd", "kd"):

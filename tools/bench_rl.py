@@ -100,7 +100,7 @@ def fastlm_config(preset: str, args: argparse.Namespace, run_dir: Path, device: 
         "rl": {"task": TASK, "group_size": args.group, "prompts_per_rollout": args.prompts, "updates_per_rollout": 1,
                "temperature": 1.0, "max_new_tokens": args.new_tokens, "scale_rewards": "group",
                "warmup_steps": args.warmup_steps, "warmup_noise": 0.3, "eval_prompts": 0, "log_completions": 0,
-               "cuda_graph": device == "cuda", "old_logprobs": args.old_logprobs},
+               "backend": {"type": "native", "cuda_graph": device == "cuda"}, "old_logprobs": args.old_logprobs},
         "logging": {"wandb": {"enabled": False}, "progress": False, "jsonl": False},
     }
     path = run_dir / "bench_rl.yaml"

@@ -23,6 +23,7 @@ class Batch:
     teacher_logits: torch.Tensor | None = None  # (B, S, V)
     teacher_head: TeacherHead | None = None  # instead of teacher_logits for a chunked head: hidden (B, S, Ht) + weight
     ref_logp: torch.Tensor | None = None  # policy loss with beta > 0: label log-prob under the frozen reference
+    routed_experts: torch.Tensor | None = None  # (B, S, M, k) int16: the sampler's experts per token (routing replay)
 
     def __post_init__(self) -> None:
         shape = tuple(self.input_ids.shape)

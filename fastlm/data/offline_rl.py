@@ -16,10 +16,13 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastlm.data.datasets import DataError, jsonl_records
 from fastlm.data.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class PolicySample:
     advantage: float
     old_logp: list[float] | None = None
     completion_mask: list[bool] | None = None
+    routing: torch.Tensor | None = None  # (prompt + completion, M, k) int16: the sampler's experts (routing replay)
 
 
 def _number(value: Any) -> bool:

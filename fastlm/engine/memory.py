@@ -110,7 +110,8 @@ def _rollout(config: RunConfig, device: torch.device, kv_width: int, value: int)
         return {}
     rows = rl.prompts_per_rollout * rl.group_size
     span = min(model.max_seq_len, config.data.seq_len + 1)
-    replica = 2 * num_parameters(model) if device.type == "cuda" and rl.cuda_graph else 0
+    copies = rl.backend.type == "transformers" or getattr(rl.backend, "cuda_graph", False)  # a bf16 replica
+    replica = 2 * num_parameters(model) if device.type == "cuda" and copies else 0
     return {"KV cache": rows * span * model.num_layers * 2 * kv_width * value, "sampling replica": replica}
 
 

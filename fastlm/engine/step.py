@@ -112,7 +112,8 @@ class StepRunner:
                     with gradient_sync(self.train_model, last):
                         with autocast(self.device, self.amp_dtype):
                             result = self.train_model(batch.input_ids, batch.targets(), normalizers, batch.document_ids,
-                                                      head=head, padding=batch.padding)
+                                                      head=head, padding=batch.padding,
+                                                      routed_experts=batch.routed_experts)
                         (result.loss * scale if scale != 1.0 else result.loss).backward()
                     return result
 

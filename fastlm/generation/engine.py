@@ -40,6 +40,7 @@ from fastlm.generation.paged_cache import SCRATCH, PagedKVCache
 from fastlm.generation.sampling import SamplingOptions, draw_uniforms, pick_tokens, sequence_seeds
 from fastlm.generation.slot_step import SlotState, SlotStep
 from fastlm.layers.attention import Attention
+from fastlm.layers.moe import RoutingRecorder, attach_recorder
 from fastlm.models.decoder import DecoderLM
 from fastlm.system.device import autocast
 from fastlm.system.errors import first_line
@@ -71,6 +72,7 @@ class _Prompt:
     blocks: list[list[int]] | None = None
     logits: torch.Tensor | None = None
     leader_chosen: bool = False
+    routing: torch.Tensor | None = None  # routing replay: the leader's record of the prompt's tokens
 
 
 @dataclass(eq=False)  # identity: the scheduler's lists hold sequences, never compare them by value
@@ -86,6 +88,7 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     stopped: bool = False
     admitted: int = -1  # admission order (preemption takes the newest)
+    routing: torch.Tensor | None = None  # routing replay: (prompt + budget, M, k) experts by position, -1 unrouted
 
     @property
     def drawn(self) -> int:
@@ -96,7 +99,8 @@ class _Sequence:
         return self.stopped or self.drawn >= self.budget
 
     def completion(self) -> Completion:
-        return Completion(self.tokens[self.turn_start:], list(self.logprobs), self.stopped)
+        routing = None if self.routing is None else self.routing[: len(self.tokens)].clone()
+        return Completion(self.tokens[self.turn_start:], list(self.logprobs), self.stopped, routing=routing)
 
 
 class Engine:
@@ -126,6 +130,7 @@ class Engine:
         self.prefilled_tokens = 0  # tokens written by prefills in the last request (shared prompts count once)
         self.admissions = 0  # sequence starts in the last request (a preempted one starts again)
         self.epoch = 0  # bumped by every request: an older session's blocks are gone
+        self.record = generator.record_routing  # routing replay: each token's experts by sequence position
 
     # --- the cache -----------------------------------------------------------------------------------
     @property
@@ -173,7 +178,7 @@ class Engine:
             raise ValueError(
                 f"a sequence of up to {max(len(s.tokens) + s.budget for s in sequences)} tokens needs {biggest} "
                 f"blocks of {self.block_size}, more than the paged KV cache holds ({cache.num_blocks - 1}); raise "
-                f"rl.kv_cache_memory_gib or lower rl.max_new_tokens")
+                f"rl.backend.kv_cache_memory_gib or lower rl.max_new_tokens")
         return cache
 
     def peak_bytes(self) -> int:
@@ -196,14 +201,26 @@ class Engine:
         for index, (prompt, seed, budget) in enumerate(zip(prompts, seeds, budgets)):
             entry = shared.setdefault(tuple(prompt), _Prompt(list(prompt), 0))
             entry.waiting += 1
-            sequences.append(_Sequence(index, list(prompt), len(prompt), seed, budget, entry))
+            sequences.append(_Sequence(index, list(prompt), len(prompt), seed, budget, entry,
+                                       routing=self._routing_record(len(prompt) + budget)))
         with self._decoding():
             self._ensure_cache(sequences)
             self._run(sequences, options, keep=False)
         return [s.completion() for s in sequences]
 
     def session(self, options: SamplingOptions, limit: int) -> EngineSession:
+        if self.record:
+            raise ValueError("the engine records routing for single-turn requests; multi-turn sessions do not")
         return EngineSession(self, options, limit)
+
+    def _routing_shape(self) -> tuple[int, int]:
+        """(MoE layers, k) of a routing record."""
+        layers = self.model.moe_layers
+        return len(layers), layers[0].top_k
+
+    def _routing_record(self, length: int) -> torch.Tensor | None:
+        """A sequence's empty routing record of `length` positions on the host (None: not recording)."""
+        return torch.full((length, *self._routing_shape()), -1, dtype=torch.int16) if self.record else None
 
     def _decoding(self) -> _Decoding:
         return _Decoding(self)
@@ -416,8 +433,18 @@ class Engine:
         last = torch.tensor([end - s.cached - 1 for s, end in zip(sequences, ends)], device=device)
         self.prefilled_tokens += int(last.sum()) + len(sequences)
         self.cache.bind(self._tables(sequences))
+        recorder = None
+        if self.record:  # by row and offset in this forward, then copied to each sequence's positions
+            buffer = torch.full((len(sequences), width, *self._routing_shape()), -1, dtype=torch.int16, device=device)
+            recorder = RoutingRecorder(buffer, torch.arange(width, device=device).expand(len(sequences), width))
+        attach_recorder(model.moe_layers, recorder)
         with autocast(device, generator.amp_dtype):
             hidden = model.cached_hidden_states(tokens.to(device), self.cache, columns.to(device), 0)
+        if recorder is not None:
+            recorded = recorder.buffer.cpu()
+            for row, (sequence, end) in enumerate(zip(sequences, ends)):
+                assert sequence.routing is not None
+                sequence.routing[sequence.cached : end] = recorded[row, : end - sequence.cached]
         for sequence, end in zip(sequences, ends):
             sequence.cached = end
         return hidden[torch.arange(len(sequences), device=device), last]
@@ -437,6 +464,8 @@ class Engine:
                     prompt.blocks = [[a.share(b) for b in blocks]
                                      for a, blocks in zip(self.cache.allocators, sequence.blocks)]
                     prompt.logits = logits[row].clone()
+                    if sequence.routing is not None:  # and this routing of its tokens
+                        prompt.routing = sequence.routing[: len(prompt.tokens)].clone()
         self._draw(sequences, logits, options)
         for sequence in sequences:
             self._release_window(sequence)
@@ -459,6 +488,9 @@ class Engine:
                     copies[group][1].append(own[-1])
                 sequence.blocks[group] = own
             sequence.cached = len(prompt.tokens)
+            if sequence.routing is not None:
+                assert prompt.routing is not None
+                sequence.routing[: len(prompt.tokens)] = prompt.routing
             logits.append(prompt.logits)
             prompt.waiting -= 1
             sequence.prompt = None
@@ -488,7 +520,8 @@ class Engine:
             return self.steps[key]
         if options not in self.states:
             widths = [math.ceil(self.generator.model.config.max_seq_len / self.block_size)] * len(self.cache.windows)
-            self.states[options] = SlotState(self.max_slots, self.check_every, widths, options, generator.device)
+            self.states[options] = SlotState(self.max_slots, self.check_every, widths, options, generator.device,
+                                             self._routing_shape() if self.record else None)
         try:
             step = self._new_step(bucket, options)
         except Exception as error:  # noqa: BLE001 - a compiler failure means "decode the plain way", as the static path
@@ -530,17 +563,23 @@ class Engine:
         if step.graph is None:  # eager: read only the live rows' blocks (a graph reads its fixed width)
             state.widths = [table.shape[1] for table in tables]
         chunk = min(self.check_every, max(s.budget - s.drawn for s in running))
+        attach_recorder(self.model.moe_layers, step.recorder)
         for _ in range(chunk):
             step()
         drawn, logprobs = state.drawn[: len(running), :chunk].tolist(), state.logprobs[: len(running), :chunk].tolist()
+        routed = None if state.routing is None else state.routing[: len(running), :chunk].cpu()
         stops = set(options.stop_tokens)
-        for sequence, tokens, values in zip(running, drawn, logprobs):
+        for row, (sequence, tokens, values) in enumerate(zip(running, drawn, logprobs)):
+            fed = len(sequence.tokens) - 1  # step j fed the token at position fed + j
             for token, value in zip(tokens, values):
                 if sequence.done:
                     break
                 sequence.tokens.append(token)
                 sequence.logprobs.append(value)
                 sequence.stopped = token in stops
+            if routed is not None and sequence.routing is not None:
+                appended = len(sequence.tokens) - 1 - fed  # each token appended this chunk was one step's draw
+                sequence.routing[fed : fed + appended] = routed[row, :appended]
             sequence.cached = len(sequence.tokens) - 1
             self._release_window(sequence)
 
@@ -560,6 +599,7 @@ class _Decoding:
         self.model.eval()
 
     def __exit__(self, *exc: object) -> None:
+        attach_recorder(self.model.moe_layers, None)  # a training forward records nothing
         self.model.train(self.was_training)
 
 

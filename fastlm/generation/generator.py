@@ -24,7 +24,8 @@ keeps each row at its own columns. Both give the same tokens.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 import torch
@@ -32,6 +33,7 @@ import torch
 from fastlm.generation.cuda_graph import capture
 from fastlm.generation.sampling import SamplingOptions, draw_uniforms, pick_tokens, sequence_seeds
 from fastlm.layers.kv_cache import DecodeAttention, KVCache
+from fastlm.layers.moe import RoutingRecorder, attach_recorder
 from fastlm.lora.attach import merged_weights
 from fastlm.models.decoder import DecoderLM, build_model
 from fastlm.system.device import autocast
@@ -53,11 +55,16 @@ class TokenizerLike(Protocol):
 class Completion:
     """Sampled tokens (the stop token included when one was drawn) and their log-probs under the sampling
     distribution (after the head's transform, temperature, top-k and top-p; greedy: the untempered softmax),
-    which spans the ids the tokenizer can decode (`DecodeState`)."""
+    which spans the ids the tokenizer can decode (`DecodeState`). `policy_version`: the version of the weights
+    it was sampled with (the backend's last `sync_weights`). `routing` (prompt + tokens, M, k) int16: each
+    input token's experts in the M MoE layers when the generator records them (routing replay), -1 for the
+    last token (never fed back)."""
 
     tokens: list[int]
     logprobs: list[float]
     stopped: bool
+    policy_version: int = 0
+    routing: torch.Tensor | None = None
 
 
 def check_prompts(prompts: list[list[int]], options: SamplingOptions, model: DecoderLM,
@@ -162,9 +169,11 @@ class _DecodeStep:
 
     def __init__(self, model: DecoderLM, cache: KVCache, state: DecodeState, options: SamplingOptions, pad_id: int,
                  head_weight: torch.Tensor | None, amp_dtype: torch.dtype | None, cuda_graph: bool,
-                 compile: bool) -> None:
+                 compile: bool, recorder: RoutingRecorder | None = None) -> None:
         self.model, self.cache, self.state, self.options, self.pad_id = model, cache, state, options, pad_id
         self.head_weight, self.amp_dtype = head_weight, amp_dtype
+        self.recorder = recorder  # routing replay: the MoE layers write each token's experts here (by cache column)
+        attach_recorder(model.moe_layers, recorder)  # before a compile or capture: the graph holds the writes
         self.run = self.forward
         if compile:
             for buffer in cache.buffers + state.buffers:  # updated in place every step: not inputs to copy or guard on
@@ -206,6 +215,7 @@ class Generator:
     If building a compiled or FlexAttention step fails (a compiler error shows up in its warm-up), one line
     says so and the generator continues without compile and with SDPA, as the trainer does for its blocks.
     `sync_on_generate=False`: the graph path's replica is refreshed only by `sync_weights` (the caller's).
+    `record_routing=True` (an MoE model; rl.routing_replay): each completion carries its tokens' experts.
     """
 
     def __init__(
@@ -219,6 +229,7 @@ class Generator:
         check_every: int = 16,
         decode_attention: DecodeAttention | None = None,
         sync_on_generate: bool = True,
+        record_routing: bool = False,
     ) -> None:
         self.model = model
         self.device = model.output_weight.device
@@ -232,16 +243,18 @@ class Generator:
         self.padding = padding
         self.check_every = check_every
         self.sync_on_generate = sync_on_generate
+        self.record_routing = record_routing and bool(model.moe_layers)
         self.decode_attention: DecodeAttention = decode_attention or ("flex" if self.cuda_graph else "sdpa")
         self.replica: DecoderLM | None = None
         self.head_weight: torch.Tensor | None = None
         self._steps: dict[tuple[int, int, SamplingOptions], _DecodeStep] = {}  # graph path: oldest first
 
     # --- weights -----------------------------------------------------------------------------------------
-    def sync_weights(self) -> None:
-        """Copy the live weights into the replica (graph path; built on first use). Matrices other than the
-        embeddings take the autocast dtype, as autocast would cast them; the tied head gets its own copy.
-        LoRA adapters are merged in (W + scale B A): decoding runs at the full model's speed."""
+    def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        """Copy the live weights (or `weights`: (name, tensor) of every base parameter, as `merged_weights` gives
+        them) into the replica (graph path; built on first use). Matrices other than the embeddings take the
+        autocast dtype, as autocast would cast them; the tied head gets its own copy. LoRA adapters are merged
+        in (W + scale B A): decoding runs at the full model's speed."""
         live = self.model
         if self.replica is None:
             self.replica = build_model(live.config, device="meta")
@@ -254,7 +267,7 @@ class Generator:
             self.head_weight = torch.empty_like(live.output_weight, dtype=dtype, device=self.device)
         replica = dict(self.replica.named_parameters())
         with torch.no_grad():
-            for name, value in merged_weights(live):
+            for name, value in merged_weights(live) if weights is None else weights:
                 replica[name].copy_(value)
             assert self.head_weight is not None
             self.head_weight.copy_(self.replica.output_weight)
@@ -288,8 +301,10 @@ class Generator:
         model.eval()
         try:
             step = self._decode_step(model, head_weight, len(prompts), length, options)
+            attach_recorder(model.moe_layers, step.recorder)
             return self._generate(model, head_weight, step, prompts, generator, width, budgets)
         finally:
+            attach_recorder(model.moe_layers, None)  # a training forward records nothing
             model.train(was_training)
 
     def _decode_step(self, model: DecoderLM, head_weight: torch.Tensor | None, batch: int, length: int,
@@ -328,8 +343,12 @@ class Generator:
                         kv_sources=[config.kv_source(layer) for layer in range(config.num_layers)])
         state = DecodeState.empty(batch, self.vocab, options, self.device)
         cache.frozen = state.done  # a finished row's steps leave linear-attention states alone
+        recorder = None
+        if self.record_routing:
+            shape = (batch, length, len(model.moe_layers), model.moe_layers[0].top_k)
+            recorder = RoutingRecorder(torch.full(shape, -1, dtype=torch.int16, device=self.device), state.columns)
         return _DecodeStep(model, cache, state, options, self.pad_id, head_weight, self.amp_dtype, self.cuda_graph,
-                           self.compile)
+                           self.compile, recorder)
 
     def _generate(self, model: DecoderLM, head_weight: torch.Tensor | None, step: _DecodeStep,
                   prompts: list[list[int]], generator: torch.Generator | None, width: int,
@@ -349,10 +368,15 @@ class Generator:
                     None if budgets is None else torch.tensor(budgets, device=device))
         columns = torch.arange(width).expand(batch, width).to(device)
         cache.ends.copy_(last + 1)  # right padding: the prompt's padding is not part of a recurrent state
+        if step.recorder is not None:
+            step.recorder.buffer.fill_(-1)
+            step.recorder.columns = columns
         with autocast(device, self.amp_dtype):
             hidden = model.cached_hidden_states(tokens.to(device), cache, columns, width, last.to(device))
             logits = model.head_logits(hidden[torch.arange(batch, device=device), last.to(device)], head_weight)
         cache.ends.fill_(cache.length)
+        if step.recorder is not None:
+            step.recorder.columns = state.columns  # the decode steps' (the graph's static buffer)
         state.record(logits, options, self.pad_id)
         may_end = len(options.stop_tokens) or budgets is not None
         rebuilds = {position - int(n) + 1 for position in model.rope_switch_positions for n in lengths}
@@ -363,7 +387,10 @@ class Generator:
                 self._rebuild_step(model, head_weight, step, tokens.to(device), last.to(device), index)
             else:
                 step()
-        return _completions(state.drawn.cpu(), state.logprobs.cpu(), set(options.stop_tokens), budgets)
+        completions = _completions(state.drawn.cpu(), state.logprobs.cpu(), set(options.stop_tokens), budgets)
+        if step.recorder is None:
+            return completions
+        return recorded_routing(completions, step.recorder.buffer.cpu(), start.tolist(), lengths.tolist())
 
     def _rebuild_step(self, model: DecoderLM, head_weight: torch.Tensor | None, step: _DecodeStep,
                       prompts: torch.Tensor, last: torch.Tensor, index: int) -> None:
@@ -376,9 +403,13 @@ class Generator:
         tokens = torch.cat((prompts, prompts.new_full((batch, index), self.pad_id)), dim=1)
         tokens.scatter_(1, last[:, None] + 1 + torch.arange(index, device=tokens.device), state.drawn[:, :index])
         columns = torch.arange(width, device=tokens.device).expand(batch, width)
+        if step.recorder is not None:  # the rewrite routes every token again: its routing is recorded
+            step.recorder.columns = columns
         with autocast(self.device, self.amp_dtype):
             hidden = model.cached_hidden_states(tokens, step.cache, columns, width, last + index)
             logits = model.head_logits(hidden[torch.arange(batch, device=tokens.device), last + index], head_weight)
+        if step.recorder is not None:
+            step.recorder.columns = state.columns
         state.record(logits, step.options, self.pad_id)
         state.columns += 1
 
@@ -393,6 +424,19 @@ def _completions(drawn: torch.Tensor, logprobs: torch.Tensor, stops: set[int],
         stopped = end is not None
         end = end or budget
         out.append(Completion(row_tokens[:end], row_logprobs[:end], stopped))
+    return out
+
+
+def recorded_routing(completions: list[Completion], buffer: torch.Tensor, starts: list[int],
+                     lengths: list[int]) -> list[Completion]:
+    """Each completion with its recorded experts (routing replay): `buffer` (B, C, M, k) by cache column, row r's
+    prompt at columns starts[r] .. + lengths[r] - 1 and its i-th sampled token fed back at the column after
+    them + i; the last sampled token was never fed back (-1: the trainer's router picks)."""
+    out = []
+    for row, completion in enumerate(completions):
+        begin, fed = starts[row], lengths[row] + len(completion.tokens) - 1
+        routing = torch.cat([buffer[row, begin:begin + fed], buffer.new_full((1, *buffer.shape[2:]), -1)])
+        out.append(replace(completion, routing=routing))
     return out
 
 

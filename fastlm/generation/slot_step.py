@@ -5,7 +5,8 @@ tables send their writes to the scratch block, and they are marked done).
 
 Per row: `tokens` (the input), `columns` (its cache column), `seeds` and `steps` (the sequence's seed and
 draw index: sampling.py), `budgets` (draws allowed this turn), `done`; per chunk of steps, `drawn` and
-`logprobs` (rows x chunk) and the chunk `index`. The host refills them between chunks (engine.py).
+`logprobs` (rows x chunk) and the chunk `index`; with routing replay, `routing` (rows x chunk x layers x k).
+The host refills them between chunks (engine.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from fastlm.generation.cuda_graph import capture
 from fastlm.generation.paged_cache import PagedKVCache
 from fastlm.generation.sampling import SamplingOptions, draw_uniforms, pick_tokens
+from fastlm.layers.moe import RoutingRecorder, attach_recorder
 from fastlm.models.decoder import DecoderLM
 from fastlm.system.device import autocast
 
@@ -23,7 +25,7 @@ class SlotState:
     """The device buffers of the slot batch (static addresses: CUDA graphs read them)."""
 
     def __init__(self, slots: int, chunk: int, widths: list[int], options: SamplingOptions,
-                 device: torch.device) -> None:
+                 device: torch.device, routing: tuple[int, int] | None = None) -> None:
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -34,11 +36,13 @@ class SlotState:
         self.drawn, self.logprobs = zeros(slots, chunk), zeros(slots, chunk, dtype=torch.float32)
         self.index = zeros()
         self.stops = torch.tensor(options.stop_tokens, dtype=torch.int64, device=device)
+        # routing replay: (M MoE layers, k) given, each step's fed token's experts (rows x chunk x M x k)
+        self.routing = None if routing is None else zeros(slots, chunk, *routing, dtype=torch.int16)
 
     @property
     def buffers(self) -> list[torch.Tensor]:
         return [self.tokens, self.columns, self.seeds, self.steps, self.budgets, self.done, *self.tables, self.drawn,
-                self.logprobs, self.index]
+                self.logprobs, self.index, *([] if self.routing is None else [self.routing])]
 
     def load(self, rows: dict[str, torch.Tensor], tables: list[torch.Tensor]) -> None:
         """Copy the host's rows (the first n slots); later slots become dead rows."""
@@ -62,6 +66,10 @@ class SlotStep:
                  cuda_graph: bool, compile: bool) -> None:
         self.model, self.cache, self.state, self.batch, self.options = model, cache, state, batch, options
         self.vocab, self.pad_id, self.head_weight, self.amp_dtype = vocab, pad_id, head_weight, amp_dtype
+        # routing replay: the MoE layers write the fed tokens' experts at the step's slot of the chunk
+        self.recorder = None if state.routing is None else RoutingRecorder(state.routing[:batch],
+                                                                          state.index.expand(batch, 1))
+        attach_recorder(model.moe_layers, self.recorder)  # before a compile or capture: the graph holds the writes
         self.run = self.forward
         if compile:
             for buffer in cache.buffers + state.buffers:

@@ -48,39 +48,45 @@ class DecoderBlock(nn.Module):
     def forward(self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None,
                 cache: LayerCache | None = None, real_tokens: torch.Tensor | None = None,
                 layer_input: torch.Tensor | None = None,
-                shared_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """With activation checkpointing (and grad on), only x is kept; backward recomputes the block.
-        Generation passes a `cache` (and no layout). `real_tokens` (B, S), 1 real and 0 padding, reaches an
-        MoE MLP (its router losses leave padding out); a dense MLP has nothing to count. `layer_input`
-        (B, S, width): this layer's per-layer input, for the `layer_input_mixer`. `shared_kv`: an earlier
-        layer's keys and values for an attention without its own (inputs of the recomputation too)."""
+                shared_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                experts: torch.Tensor | None = None) -> torch.Tensor:
+        """With activation checkpointing (and grad on), only x is kept; backward recomputes the block (with the
+        same `experts`). Generation passes a `cache` (and no layout). `real_tokens` (B, S), 1 real and 0 padding,
+        reaches an MoE MLP (its router losses leave padding out); a dense MLP has nothing to count. `layer_input`
+        (B, S, width): this layer's per-layer input, for the `layer_input_mixer`. `shared_kv`: an earlier layer's
+        keys and values for an attention without its own (inputs of the recomputation too). `experts` (B, S, k):
+        routing replay's recorded experts for an MoE MLP (called `mlp(x, real_tokens, experts)` only then, so dense
+        MLPs keep their two arguments)."""
         if self.activation_checkpointing and torch.is_grad_enabled() and cache is None:
             if self.offload is not None:
-                return self._offloaded_checkpoint(x, rotary, layout, real_tokens, layer_input, shared_kv)
-            return checkpoint(self._forward, x, rotary, layout, None, real_tokens, layer_input, shared_kv,
+                return self._offloaded_checkpoint(x, rotary, layout, real_tokens, layer_input, shared_kv, experts)
+            return checkpoint(self._forward, x, rotary, layout, None, real_tokens, layer_input, shared_kv, experts,
                               use_reentrant=False)
-        return self._forward(x, rotary, layout, cache, real_tokens, layer_input, shared_kv)
+        return self._forward(x, rotary, layout, cache, real_tokens, layer_input, shared_kv, experts)
 
     # torch.compiler.disable, applied at the first call (importing dynamo costs ~1 s): the input's trip to host
     # memory is eager, `compiled_forward` is the compiled part
     @torch._disable_dynamo
     def _offloaded_checkpoint(self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None,
                               real_tokens: torch.Tensor | None, layer_input: torch.Tensor | None,
-                              shared_kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                              shared_kv: tuple[torch.Tensor, torch.Tensor] | None,
+                              experts: torch.Tensor | None) -> torch.Tensor:
         assert self.offload is not None
         return checkpoint(self._forward_offloaded, self.offload.store(x), rotary, layout, real_tokens, layer_input,
-                          shared_kv, use_reentrant=False)
+                          shared_kv, experts, use_reentrant=False)
 
     def _forward_offloaded(self, stored: OffloadedInput, rotary: Rotary | None, layout: AttentionLayout | None,
                            real_tokens: torch.Tensor | None, layer_input: torch.Tensor | None,
-                           shared_kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                           shared_kv: tuple[torch.Tensor, torch.Tensor] | None,
+                           experts: torch.Tensor | None) -> torch.Tensor:
         forward = self.compiled_forward or self._forward
-        return forward(stored.take(), rotary, layout, None, real_tokens, layer_input, shared_kv)
+        return forward(stored.take(), rotary, layout, None, real_tokens, layer_input, shared_kv, experts)
 
     def _forward(self, x: torch.Tensor, rotary: Rotary | None, layout: AttentionLayout | None,
                  cache: LayerCache | None = None, real_tokens: torch.Tensor | None = None,
                  layer_input: torch.Tensor | None = None,
-                 shared_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 shared_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 experts: torch.Tensor | None = None) -> torch.Tensor:
         shared = {} if shared_kv is None else {"shared_kv": shared_kv}  # only attention that shares takes it
         attended = self.attn(x if self.attn_norm is None else self.attn_norm(x), rotary, layout, cache, **shared)
         if self.post_attn_norm is not None:
@@ -91,16 +97,18 @@ class DecoderBlock(nn.Module):
         if self.mlp_tile_len and x.shape[1] > self.mlp_tile_len and torch.is_grad_enabled() and cache is None:
             mixed = run_tiled(self._feed_forward, x, self.mlp_tile_len, self._feed_forward_modules())
         else:
-            mixed = self._feed_forward(x, real_tokens)
+            mixed = self._feed_forward(x, real_tokens, experts)
         x = x + self.dropout(mixed)
         if self.layer_input_mixer is not None:
             assert layer_input is not None, "a block with a layer_input_mixer needs its layer_input"
             x = x + self.layer_input_mixer(x, layer_input)
         return x
 
-    def _feed_forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def _feed_forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None,
+                      experts: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP half without its residual: post_mlp_norm(mlp(mlp_norm(x))) * residual_scale, position by position."""
-        mixed = self.mlp(x if self.mlp_norm is None else self.mlp_norm(x), real_tokens)
+        normed = x if self.mlp_norm is None else self.mlp_norm(x)
+        mixed = self.mlp(normed, real_tokens) if experts is None else self.mlp(normed, real_tokens, experts)
         if self.post_mlp_norm is not None:
             mixed = self.post_mlp_norm(mixed)
         return mixed * self.residual_scale if self.residual_scale != 1.0 else mixed

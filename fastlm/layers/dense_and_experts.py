@@ -51,9 +51,11 @@ class DenseAndExperts(nn.Module):
         self.dense_norm, self.dense, self.post_dense_norm = dense_norm, dense, post_dense_norm
         self.experts, self.post_experts_norm = experts, post_experts_norm
 
-    def forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None,
+                experts: torch.Tensor | None = None) -> torch.Tensor:
+        """The dense MLP's output plus the routed experts' (`experts`: routing replay's recorded choice)."""
         dense = self.post_dense_norm(self.dense(self.dense_norm(x)))
-        return dense + self.post_experts_norm(self.experts(x, real_tokens))
+        return dense + self.post_experts_norm(self.experts(x, real_tokens, experts))
 
     def reset_parameters(self, std: float, residual_std: float) -> None:
         for norm in (self.dense_norm, self.post_dense_norm, self.post_experts_norm):

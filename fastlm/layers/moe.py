@@ -73,15 +73,30 @@ def router_sums(routing: Routing, counts: torch.Tensor, real_tokens: torch.Tenso
     return RouterSums(real_counts, (probs * weights.unsqueeze(-1)).sum(dim=0), (z * weights).sum(), weights.sum())
 
 
+def replayed(experts: torch.Tensor, replay: torch.Tensor | None) -> torch.Tensor:
+    """(T, k) chosen experts with a recorded choice `replay` (T, k) put in their place (routing replay, RL): a
+    token whose record is -1 (not routed when it was sampled) keeps its own choice; None: `experts` as they are."""
+    if replay is None:
+        return experts
+    replay = replay.reshape(experts.shape).to(device=experts.device, dtype=torch.int64)
+    return torch.where(replay >= 0, replay, experts)
+
+
 def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool,
-          bias: torch.Tensor | None = None) -> Routing:
+          bias: torch.Tensor | None = None, replay: torch.Tensor | None = None) -> Routing:
     """(T, H) tokens, (E, H) router weight [+ (E,) bias: GPT-OSS] -> softmax top-k routing, in fp32 even
-    under autocast."""
+    under autocast. `replay` (T, k): the experts to use instead of the top-k (`replayed`); their weights are
+    still the current router's probabilities (the gate trains), only the selection is replayed."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     with torch.autocast(x.device.type, enabled=False):
         logits = F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
     probs = logits.softmax(dim=-1)
     weights, experts = probs.topk(top_k, dim=-1)
+    if replay is not None:
+        experts = replayed(experts, replay)
+        if normalize:  # the renormalised probabilities as a softmax of the chosen logits: no 0 / 0 where the
+            return Routing(logits, probs, logits.gather(-1, experts).softmax(dim=-1), experts)  # router moved off them
+        weights = probs.gather(-1, experts)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return Routing(logits, probs, weights, experts)
@@ -289,6 +304,37 @@ def dispatch(
     return _elementwise(combine, unsorted)(unsorted, routing.weights)
 
 
+class RoutingRecorder:
+    """Where the MoE layers of a generating model write each token's chosen experts: `buffer` (B, C, M, k) int16
+    by batch row, cache column, MoE layer and slot; `columns` (B, S) the cache columns of the forward's tokens
+    (set by the generator before each forward; a static tensor on the CUDA-graph path). Shapes stay fixed and
+    nothing is read to the host, so a captured decode step records too."""
+
+    def __init__(self, buffer: torch.Tensor, columns: torch.Tensor) -> None:
+        self.buffer, self.columns = buffer, columns
+
+    def write(self, layer: int, experts: torch.Tensor) -> None:
+        """(B * S, k) experts of MoE layer `layer` for the tokens at `columns`."""
+        batch, width = self.columns.shape
+        top_k = experts.shape[-1]
+        index = self.columns[:, :, None].expand(batch, width, top_k)
+        self.buffer[:, :, layer].scatter_(1, index, experts.view(batch, width, top_k).to(self.buffer.dtype))
+
+
+@dataclass
+class RoutingTap:
+    """An MoE layer's place in a `RoutingRecorder`: its index among the model's MoE layers."""
+
+    recorder: RoutingRecorder
+    layer: int
+
+
+def attach_recorder(layers: list[MoEMLP], recorder: RoutingRecorder | None) -> None:
+    """Point every MoE layer at `recorder` (None: stop recording)."""
+    for index, layer in enumerate(layers):
+        layer.tap = None if recorder is None else RoutingTap(recorder, index)
+
+
 class MoEMLP(nn.Module):
     """Router + E SwiGLU experts (a shared expert beside them: `fastlm.layers.shared_expert.SharedExpertMLP`);
     GPT-OSS's options: a router bias, expert biases (`gate_up_bias` (E * 2F,), `down_bias` (E * H,)) and
@@ -326,21 +372,27 @@ class MoEMLP(nn.Module):
         self.down_bias = nn.Parameter(torch.empty(num_experts * hidden_size)) if expert_bias else None
         self.activation = activation
         self.router_sums: RouterSums | None = None  # the last forward's, for `router_losses`
+        self.tap: RoutingTap | None = None  # set while a generator records the routing (rl.routing_replay)
 
-    def forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None,
+                experts: torch.Tensor | None = None) -> torch.Tensor:
         """(..., H) tokens [+ (...) `real_tokens`, 1 real, 0 padding: what the router sums count; None:
-        every token]. Training runs eagerly under torch.compile (`_eager`: data-dependent routing, and
-        grouped GEMMs have no fp32 meta kernel); without grad (the generator's compiled decode step) the
-        forward traces into one graph on fixed shapes."""
-        return self._eager(x, real_tokens) if torch.is_grad_enabled() else self._forward(x, real_tokens)
+        every token] [+ (..., k) `experts` to route to instead of the router's top-k, -1: the router's own].
+        Training runs eagerly under torch.compile (`_eager`: data-dependent routing, and grouped GEMMs have
+        no fp32 meta kernel); without grad (the generator's compiled decode step) the forward traces into
+        one graph on fixed shapes."""
+        return self._eager(x, real_tokens, experts) if torch.is_grad_enabled() else self._forward(x, real_tokens, experts)
 
     @torch._disable_dynamo  # torch.compiler.disable, applied at the first call (its import of dynamo costs ~1 s)
-    def _eager(self, x: torch.Tensor, real_tokens: torch.Tensor | None) -> torch.Tensor:
-        return self._forward(x, real_tokens)
+    def _eager(self, x: torch.Tensor, real_tokens: torch.Tensor | None, experts: torch.Tensor | None) -> torch.Tensor:
+        return self._forward(x, real_tokens, experts)
 
-    def _forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None,
+                 experts: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        routing = self.route(flat)
+        routing = self.route(flat, None if experts is None else experts.reshape(flat.shape[0], self.top_k))
+        if self.tap is not None:
+            self.tap.recorder.write(self.tap.layer, routing.experts)
         counts = expert_counts(routing.experts, self.num_experts)
         self.router_sums = router_sums(routing, counts, real_tokens)
         biases = None if self.gate_up_bias is None or self.down_bias is None else (
@@ -348,17 +400,18 @@ class MoEMLP(nn.Module):
         return dispatch(self.expert_input(flat), routing, *self.expert_weights(), self.backend, counts,
                         self.activation, biases).reshape(x.shape)
 
-    def route(self, flat: torch.Tensor) -> Routing:
-        """(T, H) tokens -> their routing (softmax top-k, GPT-OSS's router bias; a subclass may route otherwise)."""
-        return route(flat, self.router.weight, self.top_k, self.normalize_top_k, self.router.bias)
+    def route(self, flat: torch.Tensor, replay: torch.Tensor | None = None) -> Routing:
+        """(T, H) tokens [+ (T, k) experts to replay] -> their routing (softmax top-k, GPT-OSS's router bias; a
+        subclass may route otherwise)."""
+        return route(flat, self.router.weight, self.top_k, self.normalize_top_k, self.router.bias, replay)
 
     def expert_input(self, flat: torch.Tensor) -> torch.Tensor:
         """What the experts read of the (T, H) tokens the router read: the same (a subclass may norm them)."""
         return flat
 
     def __getstate__(self) -> dict[str, Any]:
-        """Copies and pickles leave the last forward's sums behind (they hold autograd graph tensors)."""
-        return {**self.__dict__, "router_sums": None}
+        """Copies and pickles leave the last forward's sums (autograd graph tensors) and any tap behind."""
+        return {**self.__dict__, "router_sums": None, "tap": None}
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """gate_up (E, 2F, H) and down (E, H, F) views of the stacked parameters."""

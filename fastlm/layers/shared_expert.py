@@ -21,11 +21,13 @@ class SharedExpertMLP(nn.Module):
         self.shared = shared
         self.gate = gate
 
-    def forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, real_tokens: torch.Tensor | None = None,
+                experts: torch.Tensor | None = None) -> torch.Tensor:
+        """`experts` (routing replay) reaches the routed part, as `MoEMLP.forward` takes it."""
         shared = self.shared(x, real_tokens)
         if self.gate is not None:
             shared = torch.sigmoid(self.gate(x)) * shared
-        return self.routed(x, real_tokens) + shared
+        return self.routed(x, real_tokens, experts) + shared
 
     def reset_parameters(self, std: float, residual_std: float) -> None:
         self.routed.reset_parameters(std, residual_std)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fastlm.layers.moe import MoEMLP, Routing
+from fastlm.layers.moe import MoEMLP, Routing, replayed
 
 
 class SigmoidRouterMoE(MoEMLP):
@@ -27,7 +27,7 @@ class SigmoidRouterMoE(MoEMLP):
         self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, routed_scaling_factor
         self.e_score_correction_bias = torch.nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
 
-    def route(self, flat: torch.Tensor) -> Routing:
+    def route(self, flat: torch.Tensor, replay: torch.Tensor | None = None) -> Routing:
         dtype = torch.promote_types(flat.dtype, torch.float32)
         with torch.autocast(flat.device.type, enabled=False):
             logits = F.linear(flat.to(dtype), self.router.weight.to(dtype))
@@ -40,6 +40,7 @@ class SigmoidRouterMoE(MoEMLP):
         expert_mask = group_mask.unsqueeze(-1).expand_as(groups).reshape(-1, self.num_experts)
         experts = torch.topk(choice.masked_fill(~expert_mask.bool(), float("-inf")), k=self.top_k, dim=-1,
                              sorted=False)[1]
+        experts = replayed(experts, replay)  # routing replay: the recorded selection, the current scores
         weights = scores.gather(1, experts)
         if self.normalize_top_k:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

@@ -45,6 +45,9 @@ class DecoderLM(nn.Module):
         self.blocks = nn.ModuleList(config.build_block(layer) for layer in range(config.num_layers))
         # The blocks' MoE layers, found once (a plain list: the state dict keeps its keys); empty in a dense model.
         self.moe_layers: list[MoEMLP] = [module for module in self.blocks.modules() if isinstance(module, MoEMLP)]
+        # Each block's index into moe_layers (None: a dense block): where its slice of a routing replay is.
+        moe_blocks = [next((m for m in block.modules() if isinstance(m, MoEMLP)), None) for block in self.blocks]
+        self.block_moe: list[int | None] = [None if m is None else self.moe_layers.index(m) for m in moe_blocks]
         self.final_norm = config.build_final_norm()
         self.layer_inputs = config.build_layer_inputs()  # per-layer input embeddings (Gemma 4 E2B / E4B) or None
         # layers that attend over an earlier layer's keys and values (Gemma 4's shared KV), and those sources
@@ -126,9 +129,11 @@ class DecoderLM(nn.Module):
             block.mlp_tile_len = mlp_tile_len
 
     def hidden_states(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None,
-                      padding: torch.Tensor | None = None) -> torch.Tensor:
+                      padding: torch.Tensor | None = None, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
         """(B, S) token ids [+ (B, S) document ids of packed rows] [+ (B, S) bool `padding`, True where a row
-        is padded: computed like any token, left out of the MoE router losses] -> (B, S, H) after the final norm."""
+        is padded: computed like any token, left out of the MoE router losses] [+ (B, S, M, k) `routed_experts`,
+        each token's experts in each of the M MoE layers as the sampler chose them (routing replay), -1: the
+        router's own choice] -> (B, S, H) after the final norm."""
         _check_inputs(input_ids, document_ids, self.config.vocab_size)
         batch, seq_len = input_ids.shape
         doc_positions = None if document_ids is None else document_positions(document_ids)
@@ -148,8 +153,9 @@ class DecoderLM(nn.Module):
         training_forward = self._compiled_blocks is not None and torch.is_grad_enabled()
         blocks = self._compiled_blocks if training_forward else self.blocks
         kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for index, (block, (window, rope)) in enumerate(zip(blocks, self.layer_kinds)):
-            hidden = block(hidden, rotaries[rope], layouts[window], real_tokens=real_tokens,
+        for index, (block, (window, rope), moe) in enumerate(zip(blocks, self.layer_kinds, self.block_moe)):
+            experts = None if routed_experts is None or moe is None else routed_experts[:, :, moe]
+            hidden = block(hidden, rotaries[rope], layouts[window], real_tokens=real_tokens, experts=experts,
                            **self._block_extras(index, layer_inputs, kept))
         return self.final_norm(hidden)
 
@@ -230,13 +236,14 @@ class DecoderLM(nn.Module):
         document_ids: torch.Tensor | None = None,
         head: LMHead | None = None,
         padding: torch.Tensor | None = None,
+        routed_experts: torch.Tensor | None = None,
     ) -> LossResult:
         """Hidden states flattened to (B*S, H), then the LM head computes every configured loss: `head`, or
         the model's own (a trainer that trains other losses on the same weights passes its own head).
         `padding` (B, S) marks padded positions, left out of the router losses (`normalizers.positions`
-        counts the step's other positions)."""
+        counts the step's other positions); `routed_experts` replays the sampler's routing (`hidden_states`)."""
         head = self.head if head is None else head
-        hidden = self.hidden_states(input_ids, document_ids, padding).reshape(-1, self.config.hidden_size)
+        hidden = self.hidden_states(input_ids, document_ids, padding, routed_experts).reshape(-1, self.config.hidden_size)
         if self.tp_group is not None:
             result = vocab_parallel_loss(head, hidden, self.output_weight, targets, normalizers, self.tp_group)
         else:

@@ -11,9 +11,12 @@ import torch
 
 from fastlm.config.errors import ConfigError, ConfigIssue
 from fastlm.data.tokenizer import TokenizerError, build_tokenizer
+from fastlm.generation.backend_config import BackendConfig, NativeBackendConfig, missing_packages
 from fastlm.generation.engine import SMALLEST_BLOCK_SIZE
 from fastlm.generation.paged_cache import PagedKVCache
 from fastlm.losses.children.policy import PolicyConfig
+from fastlm.models.hf import config_to_hf
+from fastlm.models.moe_family import MoESettings
 from fastlm.rl.environments.base import load_environment
 from fastlm.rl.prompts import stop_token_ids
 from fastlm.rl.rewards import load_reward_functions
@@ -85,8 +88,13 @@ def _rollout_issues(config: RunConfig) -> list[ConfigIssue]:
     if rl.max_new_tokens >= config.model.max_seq_len:
         issues.append(ConfigIssue("rl.max_new_tokens", f"leaves no room for a prompt in model.max_seq_len "
                                   f"({config.model.max_seq_len})", rl.max_new_tokens, hint="lower it"))
-    if rl.generation == "engine" and rl.kv_cache_memory_gib is not None:
-        issues += _kv_cache_issues(config)
+    backend = rl.backend
+    if isinstance(backend, NativeBackendConfig) and backend.generation == "engine" and backend.kv_cache_memory_gib:
+        issues += _kv_cache_issues(config, backend.kv_cache_memory_gib)
+    issues += backend_issues(backend)
+    if rl.routing_replay and not isinstance(getattr(config.model, "moe", None), MoESettings):
+        issues.append(ConfigIssue("rl.routing_replay", f"replays the routing of MoE layers, and model type "
+                                  f"{config.model.type} has none", True, hint="set rl.routing_replay: false"))
     if rl.prompts is not None and not Path(rl.prompts.path).is_file():
         issues.append(ConfigIssue("rl.prompts.path", "no such file", rl.prompts.path))
     if hasattr(rl.eval_prompts, "path") and not Path(rl.eval_prompts.path).is_file():
@@ -120,26 +128,38 @@ def _rollout_issues(config: RunConfig) -> list[ConfigIssue]:
     if rl.environment is not None:
         issues += _environment_issues(config)
     try:
-        stop_token_ids(rl, build_tokenizer(config.data.tokenizer, config.run.init_path))
+        tokenizer = build_tokenizer(config.data.tokenizer, config.run.init_path)
+        stop_token_ids(rl, tokenizer)
+        if rl.backend.type == "transformers":  # its replica is the HF export: a model without one is refused now
+            config_to_hf(config.model, tokenizer)
     except ConfigError as error:
         issues += error.issues
     except TokenizerError:
         pass  # cross_check's tokenizer check reports it
+    if rl.backend.type == "transformers" and config.distributed.tensor_parallel > 1:
+        issues.append(ConfigIssue("rl.backend.type", "the transformers backend's replica holds the whole vocab; "
+                                  "it does not take a vocab-parallel head", rl.backend.type,
+                                  hint="use rl.backend.type native, or distributed.tensor_parallel: 1"))
     return issues
 
 
-def _kv_cache_issues(config: RunConfig) -> list[ConfigIssue]:
-    """The engine's paged cache must hold one sequence of model.max_seq_len tokens (counted at the smallest
-    block size and cache dtype a run can have: an error here is an error on every device)."""
-    model, rl = config.model, config.rl
-    assert rl is not None and rl.kv_cache_memory_gib is not None
+def backend_issues(backend: BackendConfig) -> list[ConfigIssue]:
+    """A backend whose Python package is not installed, refused before any work."""
+    return [ConfigIssue("rl.backend.type", f"needs the Python package {name}, which is not installed", backend.type,
+                        hint=f"pip install {name}, or use rl.backend.type native") for name in missing_packages(backend)]
+
+
+def _kv_cache_issues(config: RunConfig, memory_gib: float) -> list[ConfigIssue]:
+    """The engine's paged cache (`memory_gib`) must hold one sequence of model.max_seq_len tokens (counted at the
+    smallest block size and cache dtype a run can have: an error here is an error on every device)."""
+    model = config.model
     dtype = torch.float32 if config.trainer.precision == "fp32" else torch.bfloat16
     block = PagedKVCache.block_bytes(model.num_layers, model.kv_heads, model.head_dim, SMALLEST_BLOCK_SIZE, dtype)
     needed = (-(-model.max_seq_len // SMALLEST_BLOCK_SIZE) + 1) * block  # + the scratch block
-    if needed <= rl.kv_cache_memory_gib * 2**30:
+    if needed <= memory_gib * 2**30:
         return []
-    return [ConfigIssue("rl.kv_cache_memory_gib", f"cannot hold one sequence of model.max_seq_len "
-                        f"({model.max_seq_len}) tokens, which needs {needed / 2**30:.3g} GiB", rl.kv_cache_memory_gib,
+    return [ConfigIssue("rl.backend.kv_cache_memory_gib", f"cannot hold one sequence of model.max_seq_len "
+                        f"({model.max_seq_len}) tokens, which needs {needed / 2**30:.3g} GiB", memory_gib,
                         hint=f"raise it to at least {needed / 2**30:.3g} (or leave it unset: a share of free memory)")]
 
 

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from fastlm.config.base import ConfigModel
 from fastlm.config.user_code import UserCodeConfig
+from fastlm.generation.backend_config import (
+    MOVED_TO_BACKEND,
+    BackendConfig,
+    NativeBackendConfig,
+    default_backend_type,
+)
 from fastlm.rl.environments.config import EnvironmentConfig
 
 
@@ -173,16 +180,13 @@ class RLConfig(ConfigModel):
         "drop", description="With rl.max_policy_lag: a rollout's updates that would come more than max_policy_lag "
         "steps after its sampling weights are dropped (the next rollout is served instead), or kept: trained "
         "anyway, re-weighted by the ratio to the sampler's log-probs and rl.importance_sampling's correction.")
-    generation: Literal["engine", "static"] = Field(
-        "engine", description="Rollout sampler: 'engine' (continuous batching over rl.decode_slots slots, a paged "
-        "KV cache, a prompt's prefill shared by its group; families it cannot serve fall back to 'static') or "
-        "'static' (one static batch, a cache of rows x longest). Both draw the same tokens for the same seeds.")
-    decode_slots: int = Field(256, ge=1, description="engine: sequences decoded at once.")
-    kv_cache_memory_gib: float | None = Field(
-        None, gt=0.0, allow_inf_nan=False, description="engine: the paged KV cache's size; None: 30% of the free "
-        "device memory at the first rollout (on CPU: each request's worst case). Sequences wait when it is full.")
-    cuda_graph: bool = Field(True, description="Capture the decode step in a CUDA graph (CUDA only).")
-    compile_decode: bool = Field(False, description="torch.compile the decode step before capturing it (CUDA).")
+    backend: BackendConfig = Field(
+        default_factory=NativeBackendConfig, description="The generation backend that samples rollouts and the greedy "
+        "eval: native (fastlm's sampler on the trainer's model, with its knobs) or transformers (transformers' "
+        "generate on a Hugging Face-layout replica); fastlm/generation/backend_config.py.")
+    routing_replay: bool = Field(
+        False, description="MoE models: record each token's top-k experts at sampling time and route the training "
+        "forwards (old log-probs and the policy loss) through them; the router's gate weights stay trained.")
     group_size: int = Field(8, ge=2, description="Completions per prompt (G).")
     prompts_per_rollout: int = Field(16, ge=1, description="Prompts per rollout on each dp rank.")
     updates_per_rollout: int = Field(2, ge=1, description="Optimizer steps on each rollout.")
@@ -226,10 +230,36 @@ class RLConfig(ConfigModel):
     @model_validator(mode="before")
     @classmethod
     def _default_task(cls, data: Any) -> Any:
-        """`task: {max_operand: 5}` without `type:` means the addition task."""
+        """`task: {max_operand: 5}` without `type:` means the addition task; `backend:` without it, native."""
         if isinstance(data, dict) and isinstance(data.get("task"), dict) and "type" not in data["task"]:
             data = {**data, "task": {"type": "addition", **data["task"]}}
+        if isinstance(data, dict) and "backend" in data:
+            data = {**data, "backend": default_backend_type(data["backend"])}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        """The native sampler's knobs live under rl.backend: an old top-level key names its new place."""
+        moved = [key for key in MOVED_TO_BACKEND if isinstance(data, dict) and key in data]
+        if moved:
+            key = moved[0]
+            raise ValueError(f"rl.{key} moved to rl.backend.{key} (the native backend's knob): write "
+                             f"`backend: {{type: native, {key}: {json.dumps(data[key])}}}` under rl:")
+        return data
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> RLConfig:
+        if self.backend.type == "transformers" and self.environment is not None:
+            raise ValueError("rl.backend.type transformers samples single-turn completions only (no multi-turn "
+                             "session); rl.environment needs rl.backend.type native")
+        if self.routing_replay and self.backend.type != "native":
+            raise ValueError(f"rl.routing_replay records routing in fastlm's own sampler; rl.backend.type "
+                             f"{self.backend.type} cannot record it: use type native or drop routing_replay")
+        if self.routing_replay and self.environment is not None:
+            raise ValueError("rl.routing_replay records single-turn completions; it does not cover rl.environment's "
+                             "multi-turn episodes (drop one of them)")
+        return self
 
     @model_validator(mode="after")
     def _check_prompt_source(self) -> RLConfig:

@@ -24,9 +24,10 @@ from fastlm.rl.rollout import RolloutSetup, encode_prompts, generate_checked, re
 
 
 def greedy_eval(backend: GenerationBackend, setup: RolloutSetup, problems: list[Problem],
-                records: list[PromptRecord]) -> dict[str, float]:
-    """The eval record of the current weights: the built-in task's `problems`, else the eval prompt `records`."""
-    backend.sync_weights()
+                records: list[PromptRecord], version: int = 0) -> dict[str, float]:
+    """The eval record of the current weights (policy `version`; the backend reads them from the model it was
+    built on): the built-in task's `problems`, else the eval prompt `records`."""
+    backend.sync_weights(None, version)
     if problems and setup.environment is None:
         scores = evaluate_task(backend, setup.tokenizer, setup.task, problems, setup.options, setup.config.format_reward)
     elif problems:

@@ -43,7 +43,7 @@ from fastlm.data.tokenizer import Tokenizer
 from fastlm.engine.checkpoint import CheckpointError, save_checkpoint
 from fastlm.engine.frozen import copy_frozen, load_frozen_copy, reference_model
 from fastlm.engine.objective import Objective, StepTimes, TrainingParts, TrainSummary
-from fastlm.generation import NativeBackend
+from fastlm.generation import GenerationBackend
 from fastlm.layers.lm_head import LMHead
 from fastlm.lora.attach import AdapterSnapshot
 from fastlm.lora.layer import full_tensor
@@ -88,14 +88,10 @@ def policy_head_config(head: LMHeadConfig, temperature: float) -> LMHeadConfig:
 
 
 def rollout_backend(model: DecoderLM, tokenizer: Tokenizer, rl: RLConfig, amp_dtype: torch.dtype | None,
-                    multi_turn: bool) -> NativeBackend:
-    """The KV-cache generator on the trainer's model, kept across rollouts (its CUDA graphs too): graphs where
-    they run (CUDA, no vocab-parallel head); `rl.generation` picks the engine or the static batch; static
-    multi-turn episodes keep each row at its own cache columns."""
-    graphs = rl.cuda_graph and model.output_weight.device.type == "cuda" and model.tp_group is None
-    return NativeBackend(model, tokenizer, amp_dtype, cuda_graph=graphs, compile=rl.compile_decode and graphs,
-                         padding="right" if multi_turn else "left", engine=rl.generation == "engine",
-                         max_slots=rl.decode_slots, kv_cache_memory_gib=rl.kv_cache_memory_gib)
+                    multi_turn: bool) -> GenerationBackend:
+    """`rl.backend`'s generation backend on `model` (fastlm/generation/backend_config.py), kept across rollouts
+    (its CUDA graphs too); with `rl.routing_replay` it records each token's experts."""
+    return rl.backend.build(model, tokenizer, amp_dtype, multi_turn, record_routing=rl.routing_replay)
 
 
 class PolicyObjective(Objective):
@@ -294,14 +290,14 @@ class OnlineRLObjective(PolicyObjective):
                 add_teacher_heads(resumed, self.teacher)
         return batches
 
-    def collect(self, model: DecoderLM) -> Rollout:
-        """One rollout sampled by `model` (the policy, or the sampler's replica of it); a failure leaves the
-        stream's prompt and sampling generators as they were."""
+    def collect(self, model: DecoderLM, version: int) -> Rollout:
+        """One rollout sampled by `model` (the policy, or the sampler's replica of it) holding the weights of
+        `version` steps; a failure leaves the stream's prompt and sampling generators as they were."""
         stream = self.loader
         backend = self.backend if model is self.model else self.sampler_backend
         with stream.restored_on_failure():
             return collect_rollout(model, self.policy_head, backend, self.setup, stream.prompt_rng, stream.generator,
-                                   self.parts.amp_dtype, self.teacher)
+                                   self.parts.amp_dtype, self.teacher, version)
 
     def next_rollout(self, step: int) -> None:
         """Serve a new rollout from this step (`step` optimizer steps done) on: one sampled now by the current
@@ -309,26 +305,31 @@ class OnlineRLObjective(PolicyObjective):
         takes the current weights and samples the next while this one trains. Rollout seconds are the wait."""
         stream, started = self.loader, time.perf_counter()
         if self.prefetch is None:
-            rollout, version = self.collect(self.model), step
+            rollout, version = self.collect(self.model, step), step
         else:
             if stream.pending is None:  # the first rollout (or a resume that held none): sampled by the current weights
-                self.prefetch.sync(self.model, step)
-                stream.pending, stream.pending_version = self.prefetch.submit(self.collect), step
+                self.sample_ahead(step)
             pending, version, stream.pending = stream.pending, stream.pending_version, None
             rollout = self.prefetch.wait(pending)
-            self.prefetch.sync(self.model, step)
-            stream.pending, stream.pending_version = self.prefetch.submit(self.collect), step
+            self.sample_ahead(step)
         stream.start(rollout, version)
         for phase, seconds in rollout.seconds.items():
             self.phase_seconds[phase] += seconds
         self.rollout_seconds += time.perf_counter() - started if self.prefetch else sum(rollout.seconds.values())
+
+    def sample_ahead(self, step: int) -> None:
+        """The replica takes the current weights (`step` optimizer steps) and starts sampling the next rollout."""
+        assert self.prefetch is not None
+        self.prefetch.sync(self.model, step)
+        self.loader.pending = self.prefetch.submit(lambda replica: self.collect(replica, step))
+        self.loader.pending_version = step
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The greedy eval (rl/evaluation.py: eval/reward and the task's accuracy or the reward functions'
         statistics); an RL run has no held-out loss."""
         if not (self.eval_problems or self.eval_records):
             return {}
-        scores = greedy_eval(self.backend, self.setup, self.eval_problems, self.eval_records)
+        scores = greedy_eval(self.backend, self.setup, self.eval_problems, self.eval_records, step)
         self.eval_rewards.append((step, scores["eval/reward"]))
         return scores
 

@@ -31,6 +31,25 @@ class PolicyRows(PackedRows):
 
     old_logp: torch.Tensor
     advantages: torch.Tensor
+    routing: torch.Tensor | None = None  # (rows, seq_len + 1, M, k) int16 experts per token, -1 unrecorded
+
+
+def _routing_rows(samples: list[PolicySample], layout: list[list[int]], width: int) -> torch.Tensor | None:
+    """The samples' recorded experts (routing replay) at their tokens' places in the rows, -1 elsewhere; None
+    when no sample carries any."""
+    first = next((s.routing for s in samples if s.routing is not None), None)
+    if first is None:
+        return None
+    routing = torch.full((len(layout), width, *first.shape[1:]), -1, dtype=torch.int16)
+    for row, members in enumerate(layout):
+        start = 0
+        for index in members:
+            sample = samples[index]
+            length = len(sample.prompt_tokens) + len(sample.completion_tokens)
+            if sample.routing is not None:
+                routing[row, start:start + length] = sample.routing
+            start += length
+    return routing
 
 
 def _first_fit_rows(lengths: list[int], width: int) -> list[list[int]]:
@@ -95,7 +114,8 @@ def pack_policy_samples(samples: list[PolicySample], seq_len: int, pad_id: int, 
             start = end
         document_ids[row, start:] = len(members)  # padding
         padding[row, start:] = True
-    return PolicyRows(tokens, document_ids, target_mask, padding, old_logp, advantages)
+    return PolicyRows(tokens, document_ids, target_mask, padding, old_logp, advantages,
+                      _routing_rows(samples, layout, width))
 
 
 def rows_to_batch(rows: PolicyRows, picks: torch.Tensor) -> Batch:
@@ -104,6 +124,8 @@ def rows_to_batch(rows: PolicyRows, picks: torch.Tensor) -> Batch:
     masked = batch.labels == IGNORE_INDEX
     batch.old_logp = rows.old_logp[picks][:, 1:].masked_fill(masked, 0.0).contiguous()
     batch.advantages = rows.advantages[picks][:, 1:].masked_fill(masked, 0.0).contiguous()
+    if rows.routing is not None:  # each input token's experts: the rows' first seq_len tokens
+        batch.routed_experts = rows.routing[picks][:, :-1].contiguous()
     return batch
 
 
@@ -128,14 +150,16 @@ def policy_logprobs(model: DecoderLM, batch: Batch, logit_scale: float, softcap:
                     amp_dtype: torch.dtype | None = None, budget_mib: float = DEFAULT_LOGITS_MEMORY_MIB) -> torch.Tensor:
     """(B, S) log-prob of every label under the model (0 where masked): old_logp for the first update.
 
-    The same forward as training (document ids, autocast, the head's logit transform), so the first
+    The same forward as training (document ids, autocast, the head's logit transform, the replayed routing of
+    `batch.routed_experts`), so the first
     update's ratio is 1 up to float rounding of the loss path's own log-softmax. Like the training head it
     never holds the whole batch's logits: the head runs over token chunks whose logits, their fp32 copy and
     log-softmax fit `budget_mib` (the head's `logits_memory_mib`; 0: one chunk), which matters at a 150k vocab.
     """
     device = model.output_weight.device
+    routed = None if batch.routed_experts is None else batch.routed_experts.to(device)
     with autocast(device, amp_dtype):
-        hidden = model.hidden_states(batch.input_ids.to(device), batch.document_ids.to(device))
+        hidden = model.hidden_states(batch.input_ids.to(device), batch.document_ids.to(device), routed_experts=routed)
     return hidden_logprobs(model, hidden, batch.labels, logit_scale, softcap, amp_dtype, budget_mib)
 
 

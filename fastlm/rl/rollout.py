@@ -47,6 +47,7 @@ from fastlm.data.tasks import Task
 from fastlm.data.tokenizer import Tokenizer
 from fastlm.generation import Completion, GenerationBackend, SamplingOptions
 from fastlm.layers.lm_head import LMHead
+from fastlm.lora.attach import merged_weights
 from fastlm.losses.children.policy import PolicyConfig
 from fastlm.losses.config import LMHeadConfig
 from fastlm.losses.spec import ProcessGroup
@@ -178,19 +179,23 @@ class Scored:
 
 def collect_rollout(model: DecoderLM, policy_head: LMHead, backend: GenerationBackend, setup: RolloutSetup,
                     prompt_rng: random.Random, generator: torch.Generator | None,
-                    amp_dtype: torch.dtype | None = None, teacher: Teacher | None = None) -> Rollout:
-    """Sample, score, advantage and pack one rollout of the current policy (see the module docstring)."""
+                    amp_dtype: torch.dtype | None = None, teacher: Teacher | None = None, version: int = 0) -> Rollout:
+    """Sample, score, advantage and pack one rollout of the current policy, policy `version` (the trainer's
+    step; see the module docstring)."""
     config, shard = setup.config, setup.shard
     started = time.perf_counter()
     records = draw_prompts(setup.prompts, prompt_rng, config.prompts_per_rollout, shard)  # 1. prompts
-    backend.sync_weights()
+    backend.sync_weights(merged_weights(model), version)
     if setup.environment is None:
         prompts, texts = group_prompts(records, setup.tokenizer, config.group_size)
         completions = generate_checked(backend, prompts, texts, setup.options, generator)  # 2. generation
         scored = score_rollout(setup, records, prompts, completions)  # 3. rewards
+        versions = torch.tensor([float(c.policy_version) for c in completions], dtype=torch.float64)
     else:  # 2. + 3. alternate: the environment answers (and rewards) each turn
         scored = play_episodes(backend, setup, records, generator)
+        versions = torch.full((len(scored.samples),), float(version), dtype=torch.float64)  # one sync per rollout
     gathered = shard.gather(scored.columns)  # 4. advantages, over every rank's completions (the global rollout)
+    versions = shard.gather(versions)  # the policy version each completion was sampled with
     total, lengths, stopped = gathered[:, 0], gathered[:, 1], gathered[:, 2]
     advantages = group_advantages(total, config.group_size, config.scale_rewards, config.advantage_eps)
     samples = [replace(s, advantage=a) for s, a in zip(scored.samples, shard.block(advantages.tolist()))]
@@ -199,7 +204,8 @@ def collect_rollout(model: DecoderLM, policy_head: LMHead, backend: GenerationBa
     batches = split_into_batches(rows, setup.micro_batches)
     metrics = {**rollout_metrics(total, advantages, lengths, stopped.bool(), config.group_size),
                **(reward_metrics(gathered[:, 3:], setup.rewards) if setup.environment is None
-                  else episode_metrics(gathered[:, 3:]))}
+                  else episode_metrics(gathered[:, 3:])),
+               "policy_version/min": float(versions.min()), "policy_version/max": float(versions.max())}
     if teacher is not None:  # 5b. the teacher: its reverse KL joins the advantages, or (gkd) its head input the batches
         add = add_gkd_inputs if teacher.config.objective == "gkd" else add_teacher_advantages
         metrics.update(teacher_metrics(shard.gather(add(batches, teacher))))
@@ -266,7 +272,8 @@ def score_rollout(setup: RolloutSetup, records: list[PromptRecord], prompts: lis
     reward_seconds = time.perf_counter() - started
     facts = torch.tensor([[len(c.tokens), float(c.stopped)] for c in completions], dtype=torch.float64)
     columns = torch.cat([total_reward(per_function, functions)[:, None], facts, per_function], dim=1)
-    samples = [PolicySample(prompt, c.tokens, 0.0, old_logp=list(c.logprobs)) for prompt, c in zip(prompts, completions)]
+    samples = [PolicySample(prompt, c.tokens, 0.0, old_logp=list(c.logprobs), routing=c.routing)
+               for prompt, c in zip(prompts, completions)]
     shown = [(records[i // group].text, arguments["completions"][i])
              for i in range(min(setup.config.log_completions, len(samples)))]
     return Scored(samples, columns, shown, reward_seconds)

@@ -126,7 +126,7 @@ def test_backend_picks_the_engine_and_falls_back_for_families_it_cannot_serve() 
     assert NativeBackend(model, TOKENIZER, engine=True).engine is None
     model.blocks[0].attn = torch.nn.Identity()  # a layer that is not cached attention (e.g. a recurrent state)
     backend = NativeBackend(model, TOKENIZER, padding="right", engine=True)
-    assert backend.engine is None and isinstance(backend.session(SamplingOptions(2), 8), Continuation)
+    assert backend.engine is None and isinstance(backend.session(SamplingOptions(2), 8).inner, Continuation)
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -188,7 +188,7 @@ def test_a_failing_flex_step_falls_back_to_sdpa_without_graphs(monkeypatch: pyte
 
 
 def test_the_slot_step_traces_whole() -> None:
-    """`compile=True` (rl.compile_decode) needs the step in one graph: dynamo traces it with fullgraph
+    """`compile=True` (rl.backend.compile_decode) needs the step in one graph: dynamo traces it with fullgraph
     (paged flex decode, a windowed layer) and the traced step draws what the eager one draws."""
     model = _model("mistral-tiny")
     options = SamplingOptions(12, temperature=1.0, stop_tokens=STOPS)

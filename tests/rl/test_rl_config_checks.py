@@ -78,9 +78,9 @@ def test_a_rollout_with_fewer_completions_than_micro_batches_is_refused_before_a
 def test_a_kv_cache_too_small_for_one_sequence_is_refused_before_any_work() -> None:
     """The engine's paged cache must hold one sequence of model.max_seq_len tokens; the static path ignores it."""
     with pytest.raises(ConfigError) as caught:
-        load_config(CONFIGS / "grpo.yaml", ["rl.kv_cache_memory_gib=1e-6"])
+        load_config(CONFIGS / "grpo.yaml", ["rl.backend.kv_cache_memory_gib=1e-6"])
     (line,) = [str(issue) for issue in caught.value.issues]
     print(line)
-    assert line.startswith("rl.kv_cache_memory_gib: cannot hold one sequence of model.max_seq_len") and "raise it" in line
-    load_config(CONFIGS / "grpo.yaml", ["rl.kv_cache_memory_gib=1e-6", "rl.generation=static"])
-    load_config(CONFIGS / "grpo.yaml", ["rl.kv_cache_memory_gib=1"])
+    assert line.startswith("rl.backend.kv_cache_memory_gib: cannot hold one sequence of model.max_seq_len") and "raise it" in line
+    load_config(CONFIGS / "grpo.yaml", ["rl.backend.kv_cache_memory_gib=1e-6", "rl.backend.generation=static"])
+    load_config(CONFIGS / "grpo.yaml", ["rl.backend.kv_cache_memory_gib=1"])
