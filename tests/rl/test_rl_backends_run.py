@@ -15,8 +15,8 @@ from fastlm.generation.backend_config import NativeBackendConfig
 from fastlm.logging.jsonl import read_metrics
 from fastlm.rl.config import RLConfig
 from fastlm.rl.rollout import RolloutSetup, collect_rollout
-from fastlm.rl.trainer import RLTrainer
 from fastlm.run_config.loader import load_config
+from fastlm.training.registry import build_trainer
 from tests.rl.rl_helpers import tiny_model
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -26,7 +26,7 @@ SHORT = ["trainer.steps=4", "trainer.log_every=1", "trainer.eval_every=0", "rl.w
 
 def _rl_records(path: Path, overrides: list[str], tmp_path: Path) -> list[dict]:
     config = load_config(path, [f"run.output_dir={tmp_path}/{{name}}", *SHORT, *overrides])
-    summary = RLTrainer(config).train()
+    summary = build_trainer(config).train()
     records = [r for r in read_metrics(summary.run_dir / "metrics.jsonl") if "train/reward" in r]
     assert len(records) == 4
     for record in records:
