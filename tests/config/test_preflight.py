@@ -4,6 +4,7 @@ before the first step (files, checkpoints, devices, world size, data too small),
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +58,11 @@ def test_missing_data_file_of_every_source(tmp_path: Path, capsys: pytest.Captur
         extra = {"model": {**MODEL, "head": {"losses": {"grpo": {"type": "grpo"}}}}}
     if source["type"] == "preferences_jsonl":
         extra = {"model": {**MODEL, "head": {"losses": {"dpo": {"type": "dpo"}}}}}
-    data = {"source": {**source, "path": str(tmp_path / "absent.jsonl")}, "seq_len": 32, "micro_batch_size": 4}
-    err = _refused(tmp_path, capsys, _write_config(tmp_path, data=data, **extra))
+    # The missing file sits in a short directory: the message's value is cut at 80 characters, and pytest-xdist's
+    # tmp_path (.../pytest-N/popen-gwK/test_missing_data_file_of_ever0/) alone is about 75.
+    with tempfile.TemporaryDirectory(prefix="fastlm-") as short:
+        data = {"source": {**source, "path": str(Path(short) / "absent.jsonl")}, "seq_len": 32, "micro_batch_size": 4}
+        err = _refused(tmp_path, capsys, _write_config(tmp_path, data=data, **extra))
     assert "data.source.path: data file not found" in err and "absent.jsonl" in err
 
 

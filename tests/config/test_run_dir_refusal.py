@@ -35,6 +35,7 @@ def test_validate_refuses_an_earlier_run_as_train_would(tmp_path: Path, capsys: 
     capsys.readouterr()
 
 
+@pytest.mark.slow
 def test_a_clean_error_on_every_rank_prints_once_without_a_launcher_traceback(tmp_path: Path) -> None:
     """--resume over a checkpoints/ folder with nothing loadable: the parent's check passes, each rank's trainer
     fails the same way (CheckpointError, exit 1); rank 0 alone prints it, and the job ends in one line."""

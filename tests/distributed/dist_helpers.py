@@ -48,19 +48,39 @@ def run_config(directory: Path, name: str, **sections: dict[str, Any]) -> dict[s
     return _merge(base, sections)
 
 
-def _rank_main(rank: int, world: int, port: int, target: Callable[..., Any], results: Any, args: tuple) -> None:
+def spawn_ranks(worker: Callable[..., None], *args: Any, world: int = 2) -> None:
+    """Run `worker(rank, world, *args)` on `world` spawned gloo ranks (a free local port) and wait for all of them.
+    `worker` must be module-level; a rank that raises fails the call with its traceback."""
+    mp.spawn(_rank_process, args=(world, free_port(), worker, args), nprocs=world, join=True)
+
+
+def _rank_process(rank: int, world: int, port: int, worker: Callable[..., None], args: tuple) -> None:
+    """One rank's whole life. A barrier before `destroy_process_group`: no rank tears down its gloo pairs (rank 0
+    also hosts the TCP store) while a peer is still in a collective or in its own teardown. Then the process ends
+    at once (`os._exit(0)`): the group outlives `destroy_process_group` (after one vocab-parallel loss it still has
+    about ten more references than after an idle init and destroy), and a gloo group freed during interpreter
+    finalization, in no set order, can abort the rank after its work is done and saved ("terminate called without
+    an active exception", SIGABRT: the chunked-head two-rank test's flake)."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        results[rank] = target(*args)
+        worker(rank, world, *args)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # only after a clean run: an exception above reaches mp.spawn with its traceback
+
+
+def _store_result(rank: int, world: int, target: Callable[..., Any], results: Any, args: tuple) -> None:
+    results[rank] = target(*args)
 
 
 def spawn(target: Callable[..., Any], *args: Any, world: int = 2) -> dict[int, Any]:
     """Run `target(*args)` on `world` gloo ranks; {rank: return value}. `target` must be module-level."""
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank_main, args=(world, free_port(), target, results, args), nprocs=world, join=True)
+        spawn_ranks(_store_result, target, results, args, world=world)
         return dict(results)
 
 

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from loss_cases import make_case, make_spec, reference_with_grad, rel_err, seed_of
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -33,6 +31,7 @@ from fastlm.losses.compiled import compiled_loss
 from fastlm.losses.config import LMHeadConfig
 from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets, TeacherHead, label_logp
 from fastlm.losses.validation import collected_value_checks
+from tests.distributed.dist_helpers import spawn_ranks
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOKENS, HIDDEN, TEACHER_HIDDEN = 48, 8, 6
@@ -97,12 +96,6 @@ def head_case(name: str, vocab: int = 37, spec: LossSpec | None = None) -> HeadC
     teacher = TeacherHead(teacher_hidden, teacher_weight, **TEACHER_TRANSFORM)
     targets = dataclasses.replace(targets, teacher_head=teacher, teacher_logits=teacher.logits())
     return HeadCase(spec, hidden, weight, targets, normalizers)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def rows_budget(rows: int, vocab: int, dtype: torch.dtype, teacher: bool) -> float:
@@ -413,38 +406,34 @@ TP_HEADS = {
 TP_ROWS = {"compiled": 11, "triton": 12}  # chunks of 10 (not dividing 48) and 12; Triton: 19 ids a rank, one block
 
 
-def _tp_rank(rank: int, world: int, port: int, folder: str) -> None:
+def _tp_rank(rank: int, world: int, folder: str) -> None:
     """One rank: hidden (copy_to_tp sums its gradient over the group), this rank's 19 rows of the
     weight, the teacher's full head weight (vocab_parallel_loss cuts its rows); both implementations."""
     from fastlm.layers.vocab_parallel import vocab_parallel_loss
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        saved = {}
-        for name, config in TP_HEADS.items():
-            for implementation, rows in TP_ROWS.items():
-                budget = rows_budget(rows, 19, torch.float32, True)
-                head = LMHead(LMHeadConfig.model_validate({**config, "use_triton": implementation == "triton",
-                                                           "logits_memory_mib": budget}), DEVICE)
-                case = head_case(name, vocab=38, spec=head.spec)
-                hidden = case.hidden.to(DEVICE, torch.float32).requires_grad_(True)
-                weight = case.weight[rank * 19 : (rank + 1) * 19].to(DEVICE, torch.float32).requires_grad_(True)
-                targets = on_device(case.targets, DEVICE, False)
-                result = vocab_parallel_loss(head, hidden, weight, targets, case.normalizers, dist.group.WORLD)
-                result.loss.backward()
-                saved[name, implementation] = (result.loss.cpu(), {k: v.cpu() for k, v in result.losses.items()},
-                                               {k: v.cpu() for k, v in result.metrics.items()}, hidden.grad.cpu(),
-                                               weight.grad.cpu())
-        torch.save(saved, os.path.join(folder, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    saved = {}
+    for name, config in TP_HEADS.items():
+        for implementation, rows in TP_ROWS.items():
+            budget = rows_budget(rows, 19, torch.float32, True)
+            head = LMHead(LMHeadConfig.model_validate({**config, "use_triton": implementation == "triton",
+                                                       "logits_memory_mib": budget}), DEVICE)
+            case = head_case(name, vocab=38, spec=head.spec)
+            hidden = case.hidden.to(DEVICE, torch.float32).requires_grad_(True)
+            weight = case.weight[rank * 19 : (rank + 1) * 19].to(DEVICE, torch.float32).requires_grad_(True)
+            targets = on_device(case.targets, DEVICE, False)
+            result = vocab_parallel_loss(head, hidden, weight, targets, case.normalizers, dist.group.WORLD)
+            result.loss.backward()
+            saved[name, implementation] = (result.loss.cpu(), {k: v.cpu() for k, v in result.losses.items()},
+                                           {k: v.cpu() for k, v in result.metrics.items()}, hidden.grad.cpu(),
+                                           weight.grad.cpu())
+    torch.save(saved, os.path.join(folder, f"rank{rank}.pt"))
 
 
 def test_tensor_parallel_two_ranks(tmp_path: os.PathLike) -> None:
     """gloo, world size 2: every rank's losses, metrics and summed hidden gradient are the float64
     reference's on the full vocab; each rank's weight gradient is its rows of the reference's."""
     world = 2
-    mp.spawn(_tp_rank, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    spawn_ranks(_tp_rank, str(tmp_path), world=world)
     ranks = [torch.load(os.path.join(tmp_path, f"rank{r}.pt")) for r in range(world)]
     for name, config in TP_HEADS.items():
         spec = LMHead(LMHeadConfig.model_validate(config)).spec

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 
 import torch
 
@@ -23,12 +22,12 @@ if not torch.cuda.is_available():
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from loss_cases import make_case, make_spec, reference_with_grad, rel_err, seed_of
 
 from fastlm.losses.compiled import compiled_loss
 from fastlm.losses.spec import LossResult, LossSpec, LossTargets
 from fastlm.losses.triton import triton_loss
+from tests.distributed.dist_helpers import spawn_ranks
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP32_TOL = 1e-5
@@ -181,35 +180,25 @@ def test_delta_caps_negative_advantage_tokens() -> None:
     assert float(grad.abs().max()) == 0.0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 TP_MATRIX = ["grpo all+ce+z+kd", "cispo bnpo beta entropy", "gspo dapo delta entropy beta+z", "kd_rev both+ce+z",
              "kd both T=0.6+ce+z+grpo", "grpo top-entropy bias-kl+z"]
 
 
-def _tp_worker(rank: int, world: int, port: int, folder: str) -> None:
+def _tp_worker(rank: int, world: int, folder: str) -> None:
     """One rank of a vocab-parallel head (vocab 38: equal shards of 19): its shard of the logits and
     teacher logits, global labels; both implementations; saves its results."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        saved = {}
-        for name in TP_MATRIX:
-            spec, logits, targets, normalizers = _tp_case(name)
-            shard = logits.chunk(world, dim=1)[rank].contiguous()
-            local = dataclasses.replace(targets, teacher_logits=targets.teacher_logits.chunk(world, dim=1)[rank].contiguous())
-            result, grad = compiled_loss(shard, local, normalizers, spec, group=dist.group.WORLD)
-            saved[name, "compiled"] = (result.loss, result.losses, result.metrics, grad)
-            result, grad = triton_loss(shard.to(DEVICE), _on(local, DEVICE), normalizers, spec, group=dist.group.WORLD,
-                                       max_block=16)
-            saved[name, "triton"] = (result.loss.cpu(), {k: v.cpu() for k, v in result.losses.items()},
-                                     {k: v.cpu() for k, v in result.metrics.items()}, grad.cpu())
-        torch.save(saved, os.path.join(folder, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    saved = {}
+    for name in TP_MATRIX:
+        spec, logits, targets, normalizers = _tp_case(name)
+        shard = logits.chunk(world, dim=1)[rank].contiguous()
+        local = dataclasses.replace(targets, teacher_logits=targets.teacher_logits.chunk(world, dim=1)[rank].contiguous())
+        result, grad = compiled_loss(shard, local, normalizers, spec, group=dist.group.WORLD)
+        saved[name, "compiled"] = (result.loss, result.losses, result.metrics, grad)
+        result, grad = triton_loss(shard.to(DEVICE), _on(local, DEVICE), normalizers, spec, group=dist.group.WORLD,
+                                   max_block=16)
+        saved[name, "triton"] = (result.loss.cpu(), {k: v.cpu() for k, v in result.losses.items()},
+                                 {k: v.cpu() for k, v in result.metrics.items()}, grad.cpu())
+    torch.save(saved, os.path.join(folder, f"rank{rank}.pt"))
 
 
 def _tp_case(name: str):
@@ -222,7 +211,7 @@ def _tp_case(name: str):
 def test_tensor_parallel_two_ranks(tmp_path: os.PathLike) -> None:
     """gloo, world size 2, each rank 19 of 38 vocab ids (Triton: blocks of 16 and a tail), both paths."""
     world = 2
-    mp.spawn(_tp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    spawn_ranks(_tp_worker, str(tmp_path), world=world)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for name in TP_MATRIX:
         spec, logits, targets, normalizers = _tp_case(name)

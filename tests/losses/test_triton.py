@@ -9,7 +9,6 @@ shapes stay tiny; `max_block=128` forces the looped multi-block path with a non-
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import replace
 
 import torch
@@ -19,7 +18,6 @@ if not torch.cuda.is_available():
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fastlm.losses.children import GRPO as GRPOChild
 from fastlm.losses.children import GSPO as GSPOChild
@@ -31,6 +29,7 @@ from fastlm.losses.reference import reference_loss
 from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets
 from fastlm.losses.triton import triton_loss
 from fastlm.losses.validation import deferred_value_checks
+from tests.distributed.dist_helpers import spawn_ranks
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP32_TOL = 1e-5  # observed ~1e-7..1e-6 against float64
@@ -251,34 +250,24 @@ def test_bad_input_is_named() -> None:
         triton_loss(logits, bad, normalizers, SPECS["ce"])
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 TP_SPECS = {"ce+z+grpo softcap": SPECS["ce+z+grpo softcap"], "gspo+z": LossSpec((Z, GSPO), logit_scale=0.8)}
 
 
-def _tp_worker(rank: int, world: int, port: int, folder: str) -> None:
+def _tp_worker(rank: int, world: int, folder: str) -> None:
     """One rank of a vocab-parallel head: its half of the vocab, global labels; saves its results."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        saved = {}
-        for name, spec in TP_SPECS.items():
-            logits, targets = _make_case(16, 300, seed=21, documents=2)
-            shard = logits.chunk(world, dim=1)[rank].contiguous()
-            result, grad = triton_loss(shard, targets, _normalizers(targets), spec, group=dist.group.WORLD, max_block=64)
-            saved[name] = (result.loss, result.losses, result.metrics, grad)
-        torch.save(saved, os.path.join(folder, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    saved = {}
+    for name, spec in TP_SPECS.items():
+        logits, targets = _make_case(16, 300, seed=21, documents=2)
+        shard = logits.chunk(world, dim=1)[rank].contiguous()
+        result, grad = triton_loss(shard, targets, _normalizers(targets), spec, group=dist.group.WORLD, max_block=64)
+        saved[name] = (result.loss, result.losses, result.metrics, grad)
+    torch.save(saved, os.path.join(folder, f"rank{rank}.pt"))
 
 
 def test_tensor_parallel_two_ranks_match_single_rank(tmp_path: os.PathLike) -> None:
     """gloo, world size 2: each rank holds 150 of 300 vocab ids (looped blocks of 64 with a tail)."""
     world = 2
-    mp.spawn(_tp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    spawn_ranks(_tp_worker, str(tmp_path), world=world)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     logits, targets = _make_case(16, 300, seed=21, documents=2)
     normalizers = _normalizers(targets)

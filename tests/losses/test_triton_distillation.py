@@ -11,7 +11,6 @@ old_logp is NaN, so a masked token that is read shows up), packed documents for 
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import replace
 
 import torch
@@ -21,12 +20,12 @@ if not torch.cuda.is_available():
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from loss_cases import make_case, make_spec, reference_with_grad
 
 from fastlm.losses.dispatch import monolithic_loss
 from fastlm.losses.spec import LossNormalizers, LossResult, LossSpec, LossTargets
 from fastlm.losses.triton import triton_loss
+from tests.distributed.dist_helpers import spawn_ranks
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP32_TOL = 2e-6  # observed ~1e-8..4e-7 against float64
@@ -209,38 +208,28 @@ def test_bad_teacher_is_named() -> None:
         triton_loss(logits, targets, normalizers, spec, split=3)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 TP_MIXES = {"ce+z+kd": {"softcap": 3.0}, "ce+grpo+kd_rev": {"logit_scale": 0.8}, "gspo+kd_rev": {}, "gspo+kd_both": {},
             "ce+kd_jsd_both": {"softcap": 3.0}}  # the generalized JSD: its vocab pass's sums all-reduced too
 
 
-def _tp_worker(rank: int, world: int, port: int, folder: str) -> None:
+def _tp_worker(rank: int, world: int, folder: str) -> None:
     """One rank of a vocab-parallel head: its shard of student and teacher logits, global labels."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        saved = {}
-        for kinds, numbers in TP_MIXES.items():
-            spec, logits, targets, normalizers = _case(kinds, seed=21, tokens=32, vocab=38, **numbers)
-            shard = slice(rank * 19, (rank + 1) * 19)
-            local = replace(targets, teacher_logits=targets.teacher_logits[:, shard].contiguous())
-            result, grad = triton_loss(logits[:, shard].contiguous(), local, normalizers, spec,
-                                       group=dist.group.WORLD, max_block=16)
-            saved[kinds] = (result.loss, result.losses, result.metrics, grad)
-        torch.save(saved, os.path.join(folder, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    saved = {}
+    for kinds, numbers in TP_MIXES.items():
+        spec, logits, targets, normalizers = _case(kinds, seed=21, tokens=32, vocab=38, **numbers)
+        shard = slice(rank * 19, (rank + 1) * 19)
+        local = replace(targets, teacher_logits=targets.teacher_logits[:, shard].contiguous())
+        result, grad = triton_loss(logits[:, shard].contiguous(), local, normalizers, spec,
+                                   group=dist.group.WORLD, max_block=16)
+        saved[kinds] = (result.loss, result.losses, result.metrics, grad)
+    torch.save(saved, os.path.join(folder, f"rank{rank}.pt"))
 
 
 def test_tensor_parallel_two_ranks(tmp_path: os.PathLike) -> None:
     """gloo, world size 2: each rank holds 19 of 38 vocab ids (looped blocks of 16 with a tail); the
     teacher's max, sum-exp and cross sum are all-reduced with the student's (and the JSD pass's sums)."""
     world = 2
-    mp.spawn(_tp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    spawn_ranks(_tp_worker, str(tmp_path), world=world)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for kinds, numbers in TP_MIXES.items():
         spec, logits, targets, normalizers = _case(kinds, seed=21, tokens=32, vocab=38, **numbers)

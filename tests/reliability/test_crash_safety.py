@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from crash_harness import FAULT_POINTS, STEPS, kill_chain, write_config
 
 
+@pytest.mark.slow
 def test_killed_runs_resume_to_identical_losses(tmp_path: Path, reference: dict[int, float]) -> None:
     plan = ["random", f"{FAULT_POINTS[0]}@2", "startup", f"{FAULT_POINTS[1]}@2", "random", f"{FAULT_POINTS[2]}@2",
             "random", "random"]

@@ -168,6 +168,7 @@ def test_a_worker_forked_for_prepare_dies_with_it_before_any_batch(tmp_path: Pat
     assert survived is not bound
 
 
+@pytest.mark.slow
 def test_kills_at_random_points_leave_the_old_set_or_the_new_one(tmp_path: Path) -> None:
     """SIGKILL (seeded random delays after staging began, then inside the swap) with 2 tokenizer workers:
     after every kill the output opens and holds the old set or the new one, and the workers die with their

@@ -10,6 +10,7 @@ import pytest
 from crash_harness import STEPS, finish, logged_steps, start, step_losses, verify_checkpoints, wait_for, write_config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
 def test_stop_signal_checkpoints_and_exits_cleanly(tmp_path: Path, reference: dict[int, float],
                                                    stop_signal: signal.Signals) -> None:

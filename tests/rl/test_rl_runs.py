@@ -69,6 +69,7 @@ def _check_logged(summary: RLSummary, policy: str, config: RunConfig) -> list[di
     return records
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["grpo", "gspo"])
 def test_config_learns_and_logs(policy: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tiny_run(policy, tmp_path)

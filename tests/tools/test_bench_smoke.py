@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "bench_losses.py"
 SPECS = ("ce", "ce+z", "grpo+z", "ce+z+grpo", "gspo+z", "ce+kd",
@@ -25,6 +27,7 @@ def _run(tmp_path: Path, *flags: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_cpu_smoke_table_has_every_row(tmp_path: Path) -> None:
     out = _run(tmp_path)
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| spec")]
@@ -54,6 +57,7 @@ def test_cpu_smoke_tune_table(tmp_path: Path) -> None:
     assert len(report["suggested"]) == 1 and report["suggested"][0]["score"] >= 1.0
 
 
+@pytest.mark.slow
 def test_cpu_smoke_before_after(tmp_path: Path) -> None:
     """--baseline: tools/bench/make_baseline.sh writes HEAD's package as fastlm_base, and the table times
     both trees on the same inputs (identical code here, so identical gradients)."""
