@@ -26,9 +26,9 @@ class ScaledRouterExperts(MoEMLP):
         self.per_expert_scale = nn.Parameter(torch.empty(num_experts))
         self.expert_norm = nn.RMSNorm(hidden_size, eps=eps)
 
-    def route(self, flat: torch.Tensor) -> Routing:
+    def route(self, flat: torch.Tensor, replay: torch.Tensor | None = None) -> Routing:
         scaled = self.router_norm(flat) * self.router_scale * self.hidden_size**-0.5
-        routing = route(scaled, self.router.weight, self.top_k, normalize=True)
+        routing = route(scaled, self.router.weight, self.top_k, normalize=True, replay=replay)
         return replace(routing, weights=routing.weights * self.per_expert_scale[routing.experts])
 
     def expert_input(self, flat: torch.Tensor) -> torch.Tensor:

@@ -211,9 +211,10 @@ class BaseView:
         finally:
             self.model.train(training)
 
-    def hidden_states(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None,
+                      padding: torch.Tensor | None = None, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
         with self._base():
-            return self.model.hidden_states(input_ids, document_ids)
+            return self.model.hidden_states(input_ids, document_ids, padding, routed_experts)
 
     def head_logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """The head through this view's output weight (a plain linear: no adapter sits on it)."""

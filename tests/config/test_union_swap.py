@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from fastlm.config.errors import ConfigError
 from fastlm.data.config import ByteTokenizerConfig, TextSource
+from fastlm.generation.backend_config import TransformersBackendConfig
 from fastlm.losses.children import CISPOConfig
 from fastlm.models.config import GPT2Config
 from fastlm.rl.config import ReverseTaskConfig
@@ -32,6 +33,7 @@ UNION_TESTS = {
     "optimizer": "test_single_variant_section_merges",
     "data.eval_source": "test_eval_source_swap",
     "rl.eval_prompts": "test_rl_eval_prompts_swaps_between_a_count_and_a_file",
+    "rl.backend": "test_rl_backend_swap",
 }
 
 
@@ -107,6 +109,13 @@ def test_tokenizer_swap(tmp_path: Path) -> None:
 def test_rl_task_swap() -> None:
     config = load_config(CONFIGS / "grpo.yaml", ["rl.task={type: reverse, length: 2}"])
     assert isinstance(config.rl.task, ReverseTaskConfig) and config.rl.task.length == 2
+
+
+def test_rl_backend_swap() -> None:
+    """A native backend's knob (decode_slots) does not leak into the transformers backend that replaces it."""
+    config = load_config(CONFIGS / "grpo.yaml", ["rl.backend.decode_slots=8", "rl.backend.type=transformers"])
+    assert isinstance(config.rl.backend, TransformersBackendConfig)
+    assert "decode_slots" not in config.rl.backend.model_dump()
 
 
 def test_rl_prompts_is_replaced_and_null_clears_it(tmp_path: Path) -> None:

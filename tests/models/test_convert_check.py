@@ -71,6 +71,6 @@ def test_check_usage_errors_exit_2(arguments: list[str], tokenizer: Path, capsys
 
 def test_an_unsupported_checkpoint_exits_2_before_any_model_loads(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "config.json").write_text('{"model_type": "gemma4_text"}')
+    (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     assert main(["convert", "--from-hf", str(tmp_path), "--check"]) == 2
     assert "model_type: unsupported architecture" in capsys.readouterr().err
