@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_train import packed_document_ids  # noqa: E402 - tools/ is the script directory, on sys.path
+from train_loops import packed_document_ids  # noqa: E402 - tools/ is the script directory, on sys.path
 
 from fastlm.layers.attention_kernels import flex_attend  # noqa: E402
 from fastlm.layers.embedding import document_positions  # noqa: E402 - after the path fix

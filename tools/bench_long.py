@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from bench_lora import LoraLoop
-from bench_train import TILE_LEN, HFLoop, Loop, measured_peak_flops, parse_variant, synthetic_batches, time_steps
+from train_loops import TILE_LEN, HFLoop, Loop, measured_peak_flops, parse_variant, synthetic_batches, time_steps
 
 from fastlm.engine.memory import GIB, predict_training_memory
 from fastlm.models import build_model, model_flops_per_token

@@ -20,7 +20,7 @@ import argparse
 from dataclasses import dataclass
 
 import torch
-from bench_train import Loop, StepBatch, synthetic_batches, time_steps
+from train_loops import Loop, StepBatch, synthetic_batches, time_steps
 
 from fastlm.data.tokenizer import ByteTokenizer
 from fastlm.engine.optim import build_optimizer

@@ -258,7 +258,7 @@ def training_step(config: Any, batch: int, seq_len: int, device: torch.device, a
     """tools/bench_train.py's step (bf16 autocast on CUDA, the chunked head's CE + z-loss, fused AdamW) on
     synthetic rows, `accumulation` micro-batches per optimizer step (the optimizer's cost grows with the total
     parameters, the micro-batches' with the active ones)."""
-    from bench_train import synthetic_batches
+    from train_loops import synthetic_batches
 
     from fastlm.engine.optim import build_optimizer
     from fastlm.losses.spec import LossNormalizers, LossTargets
@@ -408,7 +408,7 @@ def bench_models(presets: list[str], batch: int, seq_len: int, steps: int, devic
     shortens the presets (OLMoE-1B-7B whole needs ~110 GB for fp32 weights, gradients and AdamW). `profile`:
     after each preset's rows, where the dense twin's and the grouped model's steps spend their time."""
     import yaml
-    from bench_train import measured_peak_flops
+    from train_loops import measured_peak_flops
 
     from fastlm.run_config.schema import RunConfig
 

@@ -41,10 +41,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import bench_train
 import torch
-from bench_train import DOC_MAX, DOC_MIN, Loop, StepBatch, measured_peak_flops, synthetic_batches
+import train_loops
 from torch._dynamo.utils import counters
+from train_loops import DOC_MAX, DOC_MIN, Loop, StepBatch, measured_peak_flops, synthetic_batches
 
 from fastlm.data.batch import Batch
 from fastlm.data.eval_source import build_loaders
@@ -123,7 +123,7 @@ def _words(rng: random.Random, length: int) -> str:
 def cli_config(shape: Shape, steps: int, log_every: int, corpus: Path, runs: Path) -> RunConfig:
     """What `fastlm train` would run at the loop's shape: same model and losses, packed text documents."""
     return RunConfig.model_validate({
-        "model": bench_train.model_config(shape.preset, shape.loss, None).model.model_dump(mode="json"),
+        "model": train_loops.model_config(shape.preset, shape.loss, None).model.model_dump(mode="json"),
         "run": {"name": f"compare-{shape.preset}", "output_dir": str(runs / "{name}"), "overwrite": True},
         "data": {"source": {"type": "text", "path": str(corpus)}, "seq_len": shape.seq_len,
                  "micro_batch_size": shape.batch, "eval_fraction": 0.0},
@@ -426,7 +426,7 @@ LEGEND = (
 
 def rows_table(result: Decomposition) -> str:
     reference = result.row("A")
-    flops = model_flops_per_token(bench_train.model_config(result.shape.preset, result.shape.loss, None).model,
+    flops = model_flops_per_token(train_loops.model_config(result.shape.preset, result.shape.loss, None).model,
                                   result.shape.seq_len)
     lines = [("| row | runs | tokens/s per window | mean tokens/s | ms/step | MFU | vs A "
               "| graphs compiled (E: whole run) | SM MHz | power W | peak GiB |"),

@@ -55,7 +55,7 @@ def test_bench_train_hf_loop_holds_the_same_weights() -> None:
     import torch
 
     sys.path.insert(0, str(ROOT / "tools"))
-    from bench_train import HFLoop, model_config
+    from train_loops import HFLoop, model_config
 
     from fastlm.models import build_model
 
