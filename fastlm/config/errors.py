@@ -48,5 +48,9 @@ class ConfigError(ValueError):
 
 
 def _short_repr(value: Any, limit: int = 80) -> str:
+    """The value as written, its middle cut when long: a long path keeps its file name."""
     text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    if len(text) <= limit:
+        return text
+    head = (limit - 3) // 2
+    return text[:head] + "..." + text[len(text) - (limit - 3 - head):]

@@ -39,3 +39,11 @@ def test_commands_end_through_exit_status(capsys: pytest.CaptureFixture[str], tm
     assert main(["init", str(tmp_path / "taken.yaml")]) == 2
     taken = tmp_path / "taken.yaml"
     assert capsys.readouterr().err == f"fastlm init: {taken} is a file, not a folder; name a new or existing folder\n"
+
+
+def test_a_long_value_keeps_its_end() -> None:
+    """A long path is cut in its middle: the issue still names the file (was: cut at 80 characters)."""
+    path = "/tmp/pytest-of-user/pytest-12/popen-gw1/test_missing_data_file_of_every_0/some/deeper/folder/absent.jsonl"
+    text = str(ConfigIssue("data.source.path", "file not found", path))
+    print(text)
+    assert "absent.jsonl" in text and "..." in text and path not in text
