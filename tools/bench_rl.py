@@ -4,6 +4,7 @@ built-in `generate`, no vLLM), same weights, task, reward, G, lengths and batch,
     python tools/bench_rl.py                      # CUDA: llama-350m (+ qwen3-0.6b when its preset exists)
     python tools/bench_rl.py --presets llama-350m --steps 6 --trl-steps 3 --out bench_rl.json
     python tools/bench_rl.py --cpu-smoke          # CPU: the tiny preset, a few steps, fastlm only
+    python tools/bench_rl.py --lags 0,1           # also fastlm with rollouts one policy version ahead (lag 1)
 
 The setup: the preset's shape with the byte tokenizer (vocab 260), the built-in arithmetic-chain task and its
 reward (`task_reward`: 1 right, 0.1 well-formed, 0 else), G = --group completions of up to --new-tokens
@@ -27,6 +28,11 @@ Completion lengths follow each policy, so the two sides may sample very differen
 generation lasts as long as its longest completion). `--ignore-eos` fixes the work instead: after the
 warm-up every completion runs to --new-tokens on both sides (TRL: `min_new_tokens`; fastlm: no stop
 token), the equal-work throughput a generation benchmark reports; rewards are then meaningless.
+
+`--lags 0,1` runs fastlm once per `rl.max_policy_lag` (rows `fastlm` and `fastlm-lag1`): with a lag the next
+rollout samples on a worker thread while the current one trains, so its rollout column is the time the step
+waited for it (reward and old log-prob seconds are inside that overlapped sampling), and the async / sync ratio
+of episode tokens/s is printed beside fastlm / TRL.
 """
 
 from __future__ import annotations
@@ -84,7 +90,7 @@ class Side:
         }
 
 
-def fastlm_config(preset: str, args: argparse.Namespace, run_dir: Path, device: str) -> Any:
+def fastlm_config(preset: str, args: argparse.Namespace, run_dir: Path, device: str, lag: int = 0) -> Any:
     """The benchmark's run config: the preset's shape, byte vocab, the task, G, lengths and batch."""
     budget = max(args.new_tokens, 64) + 128  # prompts up to ~100 byte tokens (chains of 4 steps), answers < 64
     body = {
@@ -100,7 +106,8 @@ def fastlm_config(preset: str, args: argparse.Namespace, run_dir: Path, device: 
         "rl": {"task": TASK, "group_size": args.group, "prompts_per_rollout": args.prompts, "updates_per_rollout": 1,
                "temperature": 1.0, "max_new_tokens": args.new_tokens, "scale_rewards": "group",
                "warmup_steps": args.warmup_steps, "warmup_noise": 0.3, "eval_prompts": 0, "log_completions": 0,
-               "backend": {"type": "native", "cuda_graph": device == "cuda"}, "old_logprobs": args.old_logprobs},
+               "backend": {"type": "native", "cuda_graph": device == "cuda"}, "old_logprobs": args.old_logprobs,
+               "max_policy_lag": lag},
         "logging": {"wandb": {"enabled": False}, "progress": False, "jsonl": False},
     }
     path = run_dir / "bench_rl.yaml"
@@ -114,11 +121,11 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_fastlm(preset: str, args: argparse.Namespace, work: Path, device: str) -> tuple[Side, Path]:
+def run_fastlm(preset: str, args: argparse.Namespace, work: Path, device: str, lag: int = 0) -> tuple[Side, Path]:
     """Warm-up steps, the HF export of those weights (TRL's start), then the timed RL steps."""
-    config = fastlm_config(preset, args, work / f"fastlm_{preset}", device)
+    config = fastlm_config(preset, args, work / f"fastlm_{preset}_lag{lag}", device, lag)
     trainer = build_trainer(config)
-    side = Side("fastlm", preset)
+    side = Side("fastlm" if lag == 0 else f"fastlm-lag{lag}", preset)
     for _ in range(args.warmup_steps):
         trainer.train_step()
     trainer.runner.settle()
@@ -131,6 +138,7 @@ def run_fastlm(preset: str, args: argparse.Namespace, work: Path, device: str) -
     pad = trainer.tokenizer.pad_id
     for _ in range(args.steps):
         trainer.objective.phase_seconds = dict.fromkeys(trainer.objective.phase_seconds, 0.0)
+        trainer.objective.rollout_seconds = 0.0
         _sync()
         started = time.perf_counter()
         trainer.train_step()
@@ -139,6 +147,8 @@ def run_fastlm(preset: str, args: argparse.Namespace, work: Path, device: str) -
         _sync()
         total = time.perf_counter() - started
         phases = trainer.objective.phase_seconds
+        if lag:  # sampling overlaps training: what the step spent on it is its wait for the rollout
+            phases = {"sampling": trainer.objective.rollout_seconds, "reward": 0.0, "old_logprob": 0.0}
         trained = sum(int((batch.input_ids != pad).sum()) for batch in stream.batches)
         completion = sum(int((batch.labels != -100).sum()) for batch in stream.batches)
         side.steps.append({"rollout": phases["sampling"], "reward": phases["reward"],
@@ -288,6 +298,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         help="fastlm's rl.old_logprobs (sampler: no recomputing forward, as TRL here)")
     parser.add_argument("--ignore-eos", action="store_true", help="every completion runs to --new-tokens (equal work)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny preset on CPU, a few short steps")
+    parser.add_argument("--lags", default="0", help="comma-separated rl.max_policy_lag values for fastlm (e.g. 0,1)")
     parser.add_argument("--out", type=Path, default=None, help="write the summaries (and reward curves) as JSON")
     parser.add_argument("--plot", type=Path, default=None, help="draw both reward curves into this PNG")
     args = parser.parse_args(argv)
@@ -308,20 +319,21 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as folder:
         work = Path(folder)
         for preset in presets:
-            fastlm_side, hf_dir = run_fastlm(preset, args, work, device)
-            summaries.append(fastlm_side.summary(args.skip))
-            save(summaries, args.out)  # after each side: a time-boxed run keeps what finished
+            for lag in sorted(int(value) for value in args.lags.split(",")):
+                fastlm_side, hf_dir = run_fastlm(preset, args, work, device, lag)  # the same warm-up: same weights
+                summaries.append(fastlm_side.summary(args.skip))
+                save(summaries, args.out)  # after each side: a time-boxed run keeps what finished
             if not args.no_trl:
                 summaries.append(run_trl(preset, args, hf_dir, work).summary(args.skip))
                 save(summaries, args.out)
             torch.cuda.empty_cache() if device == "cuda" else None
-    print(f"{'framework':9} {'preset':11} {'rollout s':>9} {'reward s':>8} {'oldlogp s':>9} {'train s':>8} "
+    print(f"{'framework':11} {'preset':11} {'rollout s':>9} {'reward s':>8} {'oldlogp s':>9} {'train s':>8} "
           f"{'step s':>8} {'rollout tok/s':>13} {'train tok/s':>11} {'episode tok/s':>13}")
     for row in summaries:
         if "step_seconds" not in row:
-            print(f"{row['framework']:9} {row['preset']:11} {row['note']}")
+            print(f"{row['framework']:11} {row['preset']:11} {row['note']}")
             continue
-        print(f"{row['framework']:9} {row['preset']:11} {row['rollout_seconds']:9.2f} {row['reward_seconds']:8.3f} "
+        print(f"{row['framework']:11} {row['preset']:11} {row['rollout_seconds']:9.2f} {row['reward_seconds']:8.3f} "
               f"{row['old_logprob_seconds']:9.2f} {row['train_seconds']:8.2f} {row['step_seconds']:8.2f} "
               f"{row['rollout_tokens_per_second']:13.0f} {row['training_tokens_per_second']:11.0f} "
               f"{row['episode_tokens_per_second']:13.0f}")
@@ -330,6 +342,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if ("fastlm", preset) in pairs and ("trl", preset) in pairs:
             ratio = pairs["fastlm", preset]["episode_tokens_per_second"] / pairs["trl", preset]["episode_tokens_per_second"]
             print(f"{preset}: fastlm / TRL end-to-end episode tokens/s = {ratio:.1f}x")
+        for (framework, name), row in pairs.items():
+            if name == preset and framework.startswith("fastlm-lag") and ("fastlm", preset) in pairs:
+                ratio = row["episode_tokens_per_second"] / pairs["fastlm", preset]["episode_tokens_per_second"]
+                print(f"{preset}: {framework} / fastlm (synchronous) episode tokens/s = {ratio:.2f}x")
     if args.plot is not None:
         plot(summaries, args.plot)
     return summaries
