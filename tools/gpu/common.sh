@@ -3,7 +3,8 @@
 #   BUDGET=${1:-180}; OUT=${OUT:-/tmp/NAME-out}; LOG="$OUT/NAME.log"
 #   source "$(dirname "$0")/common.sh"
 # It works from the repository root, makes and exports $OUT, puts this tree first on PYTHONPATH, turns wandb
-# off and Python's output buffering off, starts the clock, and gives the runners their helpers:
+# off and Python's output buffering off, runs pytest without pyproject's xdist workers, starts the clock, and
+# gives the runners their helpers:
 #   left              seconds of BUDGET left
 #   min A B           the smaller number
 #   section NAME      a header line with the time and the seconds left
@@ -13,6 +14,9 @@ set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 mkdir -p "$OUT"
 export OUT PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=disabled PYTHONUNBUFFERED=1
+# pyproject's addopts run the CPU suite on two pytest-xdist workers; here the tests share one card and the
+# image may lack xdist, so the runners' pytest calls run serially (a runner may still pass -n itself).
+export PYTEST_ADDOPTS="-o addopts=-ra ${PYTEST_ADDOPTS:-}"
 START=$(date +%s)
 SUMMARY=()
 
