@@ -94,6 +94,11 @@ def rollout_backend(model: DecoderLM, tokenizer: Tokenizer, rl: RLConfig, amp_dt
     return rl.backend.build(model, tokenizer, amp_dtype, multi_turn, record_routing=rl.routing_replay)
 
 
+def rollout_shard(parts: TrainingParts) -> RolloutShard:
+    """This process's share of a rollout or an offline file: its data-parallel rank among the dp ranks."""
+    return RolloutShard(parts.parallel.dp_rank, parts.parallel.dp_size, parts.parallel.dp_group, parts.device)
+
+
 class PolicyObjective(Objective):
     """The policy head on offline samples (old log-probs and advantages from the file); the base of online RL."""
 
@@ -124,7 +129,7 @@ class PolicyObjective(Objective):
     def build_loader(self, parts: TrainingParts) -> Any:
         """The file's samples packed into rows; each dp rank keeps its share."""
         config = self.config
-        shard = RolloutShard(parts.parallel.dp_rank, parts.parallel.dp_size, parts.parallel.dp_group, self.device)
+        shard = rollout_shard(parts)
         samples = load_offline_rl(config.data.source.path, parts.tokenizer)
         rows = pack_policy_samples(samples, config.data.seq_len, parts.tokenizer.pad_id)
         check_batch_fits(rows, None, config.data.micro_batch_size * shard.count)
@@ -260,7 +265,7 @@ class OnlineRLObjective(PolicyObjective):
     def build_loader(self, parts: TrainingParts) -> RolloutStream:
         """The rollout stream: demonstrations during the warm-up, then rollouts."""
         config = self.config
-        shard = RolloutShard(parts.parallel.dp_rank, parts.parallel.dp_size, parts.parallel.dp_group, self.device)
+        shard = rollout_shard(parts)
         self.setup = RolloutSetup.build(self.rl, config.model.head, parts.tokenizer, config.model.max_seq_len,
                                         config.data.seq_len, config.trainer.grad_accumulation, shard)
         return RolloutStream(self.setup, config.data.micro_batch_size, config.run.seed, self.model.output_weight.device)
